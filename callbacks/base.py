@@ -1,0 +1,201 @@
+"""What every qkmonitor callback shares: when to probe, how to log, and what to do on an alert.
+
+A monitor subclass implements ``_measure(trainer, pl_module) -> {metric: [(heads,) tensor per layer]}``;
+this base class decides the probe steps (every ``every_n_steps`` optimizer steps, plus the first
+step of a fresh run), writes the tags of :mod:`qkmonitor.tags` to every logger on rank zero,
+feeds the alert rules, and keeps the state a resumed run needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from qkmonitor.adapters import AttentionLayer, LayerSpec, find_attention_layers
+from qkmonitor.alerts import ALERT_ACTIONS, Alert, AlertRule, AlertTracker
+from qkmonitor.tags import alert_tag, head_tag, layer_tag, worst_tag
+
+__all__ = ["AttentionMonitor"]
+
+
+class AttentionMonitor(Callback):
+    """Base class of the qkmonitor callbacks.
+
+    Args:
+        every_n_steps: probe every this many optimizer steps; ``None`` takes the trainer's
+            ``log_every_n_steps``.
+        per_head: also log ``{prefix}/{metric}/layer_{LL}/head_{HH}`` for every head.
+        log_key_prefix: first part of every tag.
+        alerts: the alert rules; ``None`` for the monitor's defaults, ``[]`` for none.
+        alert_action: ``"warn"`` (warning, TensorBoard text, counter), ``"stop"`` (also asks the
+            trainer to stop) or ``"raise"`` (raises the rule's warning class as an exception).
+        layers: override the attention-layer discovery (see
+            :func:`qkmonitor.adapters.find_attention_layers`).
+    """
+
+    #: metric -> "max" or "min": the direction in which a head is worst; logged as ``{metric}_{dir}``.
+    worst_head: dict[str, str] = {}
+    default_rules: tuple[AlertRule, ...] = ()
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        per_head: bool = False,
+        log_key_prefix: str = "qkmonitor",
+        alerts: Sequence[AlertRule] | None = None,
+        alert_action: str = "warn",
+        layers: LayerSpec | None = None,
+    ) -> None:
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
+        ):
+            raise ValueError(f"Expected `every_n_steps` to be a positive int or None, got {every_n_steps!r}")
+        if not isinstance(per_head, bool):
+            raise ValueError(f"Expected `per_head` to be a bool, got {per_head!r}")
+        if not isinstance(log_key_prefix, str) or not log_key_prefix or log_key_prefix.endswith("/"):
+            raise ValueError(
+                f"Expected `log_key_prefix` to be a non-empty string without a trailing '/', got {log_key_prefix!r}"
+            )
+        if alert_action not in ALERT_ACTIONS:
+            raise ValueError(f"Expected `alert_action` to be one of {ALERT_ACTIONS}, got {alert_action!r}")
+        rules = list(self.default_rules if alerts is None else alerts)
+        for rule in rules:
+            if not isinstance(rule, AlertRule):
+                raise ValueError(f"Expected `alerts` to hold AlertRule items, got {type(rule).__name__}")
+        self.every_n_steps = every_n_steps
+        self.per_head = per_head
+        self.prefix = log_key_prefix
+        self.alert_action = alert_action
+        self._layer_spec = layers
+        self.tracker = AlertTracker(rules)
+        self.layers: list[AttentionLayer] = []
+        #: The last probe's values: metric -> one (num_heads,) float CPU tensor per layer.
+        self.latest: dict[str, list[Tensor]] = {}
+        self.latest_step: int | None = None
+        self._warned_nonfinite = False
+
+    # -- Lightning hooks -------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.every_n_steps is None:
+            self.every_n_steps = max(1, int(trainer.log_every_n_steps))
+        self.layers = find_attention_layers(pl_module, self._layer_spec)
+        if not trainer.loggers:
+            rank_zero_warn(
+                f"{type(self).__name__}: the Trainer has no logger; metrics are kept in `.latest` "
+                "and alerts still fire, but nothing is written."
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == 0 and self.latest_step is None:
+            self._collect_and_log(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._should_probe(trainer.global_step):
+            self._collect_and_log(trainer, pl_module)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"alerts": self.tracker.state_dict(), "latest_step": self.latest_step,
+                "warned_nonfinite": self._warned_nonfinite}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.tracker.load_state_dict(state_dict.get("alerts", {}))
+        self.latest_step = state_dict.get("latest_step")
+        self._warned_nonfinite = state_dict.get("warned_nonfinite", False)
+
+    # -- shared mechanics ------------------------------------------------------------------
+
+    def _should_probe(self, step: int) -> bool:
+        # global_step counts optimizer steps; under gradient accumulation several batches end on
+        # the same step, and only the first of them probes.
+        return step > 0 and step % self.every_n_steps == 0 and step != self.latest_step
+
+    def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
+        """metric -> one (num_heads,) tensor per layer of ``self.layers``."""
+        raise NotImplementedError
+
+    def _collect_and_log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        with torch.no_grad():
+            values = {
+                name: [heads.detach().float().cpu() for heads in per_layer]
+                for name, per_layer in self._measure(trainer, pl_module).items()
+            }
+        self.latest, self.latest_step = values, step
+        self._warn_nonfinite(values, step)
+        alerts = self.tracker.update(values, step, [layer.name for layer in self.layers])
+        if trainer.is_global_zero:
+            metrics = self._scalars(values)
+            metrics.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
+                            for r in self.tracker.rules})
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+        for alert in alerts:
+            self._act(trainer, alert)
+
+    def _scalars(self, values: dict[str, list[Tensor]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for metric, grid in values.items():
+            worst = self.worst_head.get(metric)
+            for layer, heads in enumerate(grid):
+                out[layer_tag(self.prefix, metric, layer)] = heads.mean().item()
+                if worst is not None:
+                    extreme = heads.max() if worst == "max" else heads.min()
+                    # a NaN head makes the worst head NaN too, as it does the mean
+                    out[worst_tag(self.prefix, metric, worst, layer)] = (
+                        math.nan if heads.isnan().any() else extreme.item()
+                    )
+                if self.per_head:
+                    for head, value in enumerate(heads.tolist()):
+                        out[head_tag(self.prefix, metric, layer, head)] = value
+        return out
+
+    def _warn_nonfinite(self, values: dict[str, list[Tensor]], step: int) -> None:
+        if self._warned_nonfinite:
+            return
+        bad = sorted({layer for grid in values.values() for layer, heads in enumerate(grid)
+                      if not torch.isfinite(heads).all()})
+        if bad:
+            self._warned_nonfinite = True
+            names = ", ".join(f"{i} ({self.layers[i].name})" for i in bad if i < len(self.layers))
+            rank_zero_warn(
+                f"{type(self).__name__}: non-finite metric values at step {step} in layer(s) {names}; "
+                "they are logged as NaN (are the weights or activations NaN/Inf?). "
+                "This warning is shown once."
+            )
+
+    def _act(self, trainer: pl.Trainer, alert: Alert) -> None:
+        message = alert.message(_current_lr(trainer))
+        if self.alert_action == "raise":
+            raise alert.rule.warning(message)
+        rank_zero_warn(message, category=alert.rule.warning)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                experiment = getattr(logger, "experiment", None)
+                if hasattr(experiment, "add_text"):
+                    experiment.add_text(f"{self.prefix}/alerts", message, global_step=alert.step)
+        if self.alert_action == "stop":
+            trainer.should_stop = True
+
+
+def _current_lr(trainer: pl.Trainer) -> float | None:
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            if "lr" in group:
+                return float(group["lr"])
+    return None

@@ -1,0 +1,94 @@
+"""QKSpectrumMonitor: the spectrum of every head's query-key product, from the weights alone."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from qkmonitor.adapters import AttentionLayer
+from qkmonitor.alerts import KAPPA_RULE
+from qkmonitor.functional import qk_spectrum_metrics
+
+from .base import AttentionMonitor
+
+__all__ = ["QKSpectrumMonitor"]
+
+#: The metrics this monitor logs, in the order of the docs.
+SPECTRUM_METRICS = ("kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm")
+
+
+class QKSpectrumMonitor(AttentionMonitor):
+    r"""Log the spectrum of ``W_QK^h = W_Q^h (W_K^g)^T`` for every head of every attention layer.
+
+    Reads weights only (no forward pass): every ``every_n_steps`` optimizer steps, and once
+    before the first step, all heads of all layers go through one batched QR + ``d_k x d_k`` SVD
+    and eigen-decomposition (:mod:`qkmonitor.functional`). Per head:
+
+    .. math::
+
+        \kappa = \frac{\sigma_1}{\sum_i \sigma_i}, \quad
+        \kappa_{eig} = \frac{|\lambda|_{max}}{\sum_i |\lambda_i|}, \quad
+        \mathrm{erank} = \exp\Big(-\sum_i p_i \log p_i\Big),\ p_i = \frac{\sigma_i}{\sum_j \sigma_j},
+        \quad \|W_{QK}\|_2 \cdot \mathrm{scale} = \sigma_1 \cdot \mathrm{scale}.
+
+    Logged keys (``LL`` = layer index, ``HH`` = head index, two digits; ``prefix`` =
+    ``log_key_prefix``):
+
+    - ``{prefix}/kappa/layer_LL``, ``{prefix}/kappa_max/layer_LL`` — mean and worst head.
+    - ``{prefix}/kappa_eig/layer_LL``, ``{prefix}/kappa_eig_max/layer_LL``.
+    - ``{prefix}/eig_mean/layer_LL``, ``{prefix}/eig_var/layer_LL`` — mean and variance of the
+      eigenvalues of ``W_K^T W_Q`` (Bao et al. 2024), averaged over heads.
+    - ``{prefix}/qk_erank/layer_LL``, ``{prefix}/qk_erank_min/layer_LL``.
+    - ``{prefix}/qk_spectral_norm/layer_LL``, ``{prefix}/qk_spectral_norm_max/layer_LL``.
+    - ``{prefix}/{metric}/layer_LL/head_HH`` for each of the above with ``per_head=True``.
+    - ``{prefix}/alerts/kappa`` — how many ``kappa`` alerts have fired.
+
+    Default alert: ``kappa >= 0.8`` for 2 consecutive probes, recovering below 0.75
+    (:data:`qkmonitor.alerts.KAPPA_RULE`), raising :class:`qkmonitor.OverLocalizationWarning`.
+
+    Args: see :class:`~qkmonitor.callbacks.base.AttentionMonitor`.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from qkmonitor.callbacks import QKSpectrumMonitor
+
+        trainer = Trainer(callbacks=[QKSpectrumMonitor(every_n_steps=50, per_head=True)])
+    """
+
+    worst_head = {"kappa": "max", "kappa_eig": "max", "qk_erank": "min", "qk_spectral_norm": "max"}
+    default_rules = (KAPPA_RULE,)
+
+    def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
+        return spectrum_of_layers(self.layers)
+
+
+def spectrum_of_layers(layers: list[AttentionLayer]) -> dict[str, list[Tensor]]:
+    """The spectrum metrics of each layer; layers of the same shape go through one batched call.
+
+    Returns:
+        metric -> one (num_heads,) tensor per layer, in the order of ``layers``.
+    """
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    weights = [layer.qk_weights() for layer in layers]
+    for i, w in enumerate(weights):
+        key = (tuple(w.w_q.shape), tuple(w.w_k.shape), w.num_heads, w.num_kv_heads, w.w_q.device)
+        groups[key].append(i)
+    per_layer: list[dict[str, Tensor]] = [{} for _ in layers]
+    for (_, _, num_heads, num_kv_heads, _), members in groups.items():
+        w_q = torch.stack([weights[i].w_q.detach() for i in members])  # (G, H*d_k, d)
+        w_k = torch.stack([weights[i].w_k.detach() for i in members])
+        scale = torch.tensor([weights[i].scale for i in members], dtype=torch.float64)
+        try:
+            metrics = qk_spectrum_metrics(w_q, w_k, num_heads, num_kv_heads, scale.to(w_q.device))
+        except torch.linalg.LinAlgError as err:  # a decomposition that did not converge
+            rank_zero_warn(f"QKSpectrumMonitor: {err}; the affected layers are logged as NaN.")
+            nan = torch.full((len(members), num_heads), float("nan"))
+            metrics = {name: nan for name in SPECTRUM_METRICS}
+        for j, i in enumerate(members):
+            per_layer[i] = {name: metrics[name][j] for name in SPECTRUM_METRICS}
+    return {name: [values[name] for values in per_layer] for name in SPECTRUM_METRICS}

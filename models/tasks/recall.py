@@ -1,0 +1,95 @@
+"""Multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), generated from a seed.
+
+A sequence lists ``num_pairs`` key–value pairs, then asks for ``num_queries`` of the keys again,
+each followed by its value::
+
+    k_1 v_1 k_2 v_2 ... k_P v_P   q_1 a_1 q_2 a_2 ... q_Q a_Q
+
+Keys are distinct within a sequence (token ids ``0 .. num_keys-1``), values are drawn at random
+(ids ``num_keys .. num_keys+num_values-1``). The model is scored only where it must recall: at
+each query ``q_j`` it predicts ``a_j``, the value that followed ``q_j`` earlier — an induction
+circuit, which needs at least two attention layers.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = ["make_recall_batch", "AssociativeRecallDataModule"]
+
+IGNORE_INDEX = -100
+
+
+def make_recall_batch(
+    n: int, num_pairs: int, num_queries: int, num_keys: int, num_values: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """``n`` recall sequences.
+
+    Returns:
+        tokens (n, L) and targets (n, L) with ``L = 2 * (num_pairs + num_queries)``; ``targets``
+        holds the next token at query positions and ``IGNORE_INDEX`` (-100) elsewhere.
+    """
+    keys = torch.rand(n, num_keys, generator=generator).argsort(dim=1)[:, :num_pairs]  # distinct
+    values = num_keys + torch.randint(num_values, (n, num_pairs), generator=generator)
+    asked = torch.rand(n, num_pairs, generator=generator).argsort(dim=1)[:, :num_queries]
+    context = torch.stack((keys, values), dim=2).flatten(1)  # k1 v1 k2 v2 ...
+    tokens = torch.cat((context, keys.gather(1, asked)), dim=1)
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    targets[:, 2 * num_pairs:] = values.gather(1, asked)
+    return tokens, targets
+
+
+class AssociativeRecallDataModule(pl.LightningDataModule):
+    """Train and validation sets of recall sequences, generated once from ``seed``.
+
+    Args:
+        num_pairs: key–value pairs per sequence (P).
+        num_queries: queries per sequence (Q ≤ P).
+        num_keys: key vocabulary (≥ P).
+        num_values: value vocabulary.
+        batch_size: sequences per batch.
+        train_size: training sequences (an epoch); validation uses ``val_size`` fresh ones.
+        val_size: validation sequences.
+        seed: generator seed; the same seed gives the same data.
+    """
+
+    def __init__(
+        self,
+        num_pairs: int = 8,
+        num_queries: int = 8,
+        num_keys: int = 32,
+        num_values: int = 32,
+        batch_size: int = 64,
+        train_size: int = 50_000,
+        val_size: int = 1_024,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value in (("num_pairs", num_pairs), ("num_queries", num_queries), ("num_keys", num_keys),
+                            ("num_values", num_values), ("batch_size", batch_size),
+                            ("train_size", train_size), ("val_size", val_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
+        if num_queries > num_pairs:
+            raise ValueError(f"Expected `num_queries` <= `num_pairs` ({num_pairs}), got {num_queries}")
+        if num_keys < num_pairs:
+            raise ValueError(f"Expected `num_keys` >= `num_pairs` ({num_pairs}) for distinct keys, got {num_keys}")
+        self.save_hyperparameters()
+        self.vocab_size = num_keys + num_values
+        self.seq_len = 2 * (num_pairs + num_queries)
+
+    def setup(self, stage: str | None = None) -> None:
+        hp = self.hparams
+        shape = (hp.num_pairs, hp.num_queries, hp.num_keys, hp.num_values)
+        self.train_set = TensorDataset(*make_recall_batch(hp.train_size, *shape, torch.Generator().manual_seed(hp.seed)))
+        self.val_set = TensorDataset(*make_recall_batch(hp.val_size, *shape, torch.Generator().manual_seed(hp.seed + 1)))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True,
+                          generator=torch.Generator().manual_seed(self.hparams.seed))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=256)

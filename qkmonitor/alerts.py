@@ -1,0 +1,190 @@
+"""Alert rules: when a metric crosses its threshold for long enough, say so once.
+
+A rule watches one metric per (layer, head). It *fires* when the value has been on the wrong side
+of ``threshold`` for ``patience`` consecutive probe events, then stays quiet for that
+(rule, layer, head) until the value *recovers* past ``threshold ∓ margin`` (hysteresis), after
+which it may fire again. NaN values neither count towards the patience nor recover.
+
+What happens when a rule fires (warn, stop, raise) is the callback's business; this module only
+keeps the state, which survives a resume through ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from torch import Tensor
+
+__all__ = [
+    "QKMonitorWarning",
+    "OverLocalizationWarning",
+    "AlertRule",
+    "Alert",
+    "AlertTracker",
+    "KAPPA_RULE",
+    "ALERT_ACTIONS",
+]
+
+ALERT_ACTIONS = ("warn", "stop", "raise")
+
+
+class QKMonitorWarning(UserWarning):
+    """Base class of every qkmonitor alert."""
+
+
+class OverLocalizationWarning(QKMonitorWarning):
+    """The QK spectrum of a head concentrates on one direction (rule ``kappa``)."""
+
+
+@dataclass(frozen=True)
+class AlertRule:
+    """One alert rule.
+
+    Attributes:
+        name: rule name, used in tags (``{prefix}/alerts/{name}``) and messages.
+        metric: the per-head metric it watches.
+        threshold: the bound.
+        above: fire when ``value >= threshold`` (True) or ``value <= threshold`` (False).
+        patience: consecutive probe events past the threshold before it fires.
+        margin: recovery needs ``value < threshold - margin`` (above) or
+            ``value > threshold + margin`` (below).
+        warning: the warning class raised, warned or named.
+        meaning: what crossing the threshold says about attention.
+        advice: what to try.
+    """
+
+    name: str
+    metric: str
+    threshold: float
+    above: bool
+    patience: int
+    margin: float
+    warning: type[QKMonitorWarning]
+    meaning: str
+    advice: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.patience, int) or self.patience < 1:
+            raise ValueError(f"Expected `patience` to be a positive int, got {self.patience!r}")
+        if not math.isfinite(self.threshold):
+            raise ValueError(f"Expected `threshold` to be finite, got {self.threshold!r}")
+        if not math.isfinite(self.margin) or self.margin < 0:
+            raise ValueError(f"Expected `margin` to be a finite number >= 0, got {self.margin!r}")
+
+    def replace(self, **changes) -> AlertRule:
+        """A copy with some fields changed, e.g. ``KAPPA_RULE.replace(threshold=0.9)``."""
+        return dataclasses.replace(self, **changes)
+
+    def crossed(self, value: float) -> bool:
+        return value >= self.threshold if self.above else value <= self.threshold
+
+    def recovered(self, value: float) -> bool:
+        if self.above:
+            return value < self.threshold - self.margin
+        return value > self.threshold + self.margin
+
+    def describe(self) -> str:
+        side = ">=" if self.above else "<="
+        return f"{self.metric} {side} {self.threshold:g}"
+
+
+KAPPA_RULE = AlertRule(
+    name="kappa",
+    metric="kappa",
+    threshold=0.8,
+    above=True,
+    patience=2,
+    margin=0.05,
+    warning=OverLocalizationWarning,
+    meaning="the head's QK spectrum is concentrated on one direction (over-localized attention)",
+    advice="lower the learning rate, add QK-norm or sigma-reparametrization, or lengthen warmup",
+)
+
+
+@dataclass(frozen=True)
+class Alert:
+    """A rule that fired for one (layer, head) at one step."""
+
+    rule: AlertRule
+    layer: int
+    layer_name: str
+    head: int
+    value: float
+    step: int
+
+    def message(self, lr: float | None = None) -> str:
+        """The user-facing sentence: where, what value, which threshold, when, and what to try."""
+        where = f"layer {self.layer} ({self.layer_name})" if self.layer_name else f"layer {self.layer}"
+        lr_text = f", learning rate {lr:.3g}" if lr is not None else ""
+        return (
+            f"[qkmonitor:{self.rule.name}] {where}, head {self.head}: {self.rule.metric} = "
+            f"{self.value:.4g} (threshold {self.rule.describe()}, {self.rule.patience} probe(s) in a row) "
+            f"at step {self.step}{lr_text}: {self.rule.meaning}. Try: {self.rule.advice}."
+        )
+
+
+class AlertTracker:
+    """Patience and hysteresis state for a set of rules over (layer, head) cells.
+
+    Args:
+        rules: the rules to track; names must be unique.
+    """
+
+    def __init__(self, rules: list[AlertRule]) -> None:
+        names = [r.name for r in rules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Expected `alerts` to have unique rule names, got {names}")
+        self.rules = list(rules)
+        self._streak: dict[str, int] = {}
+        self._active: set[str] = set()
+        self.counts: dict[str, int] = {r.name: 0 for r in rules}
+
+    def update(self, values: dict[str, list[Tensor]], step: int, layer_names: list[str]) -> list[Alert]:
+        """Feed one probe event; return the alerts that fire now.
+
+        Args:
+            values: metric name -> one (num_heads,) tensor per layer (a (layers, heads) tensor
+                works too). Rules whose metric is absent are skipped.
+            step: the global step of this probe.
+            layer_names: the layers' module names, by index.
+        """
+        fired: list[Alert] = []
+        for rule in self.rules:
+            if rule.metric not in values:
+                continue
+            for layer, heads in enumerate(values[rule.metric]):
+                for head, value in enumerate(heads.detach().double().cpu().tolist()):
+                    if self._step_cell(rule, layer, head, value):
+                        self.counts[rule.name] += 1
+                        fired.append(Alert(rule, layer, layer_names[layer], head, value, step))
+        return fired
+
+    def _step_cell(self, rule: AlertRule, layer: int, head: int, value: float) -> bool:
+        if math.isnan(value):
+            return False
+        key = f"{rule.name}/{layer}/{head}"
+        if key in self._active:
+            if rule.recovered(value):
+                self._active.discard(key)
+                self._streak.pop(key, None)
+            return False
+        streak = self._streak.get(key, 0) + 1 if rule.crossed(value) else 0
+        if streak >= rule.patience:
+            self._active.add(key)
+            self._streak.pop(key, None)
+            return True
+        if streak:
+            self._streak[key] = streak
+        else:
+            self._streak.pop(key, None)
+        return False
+
+    def state_dict(self) -> dict:
+        return {"streak": dict(self._streak), "active": sorted(self._active), "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._streak = dict(state.get("streak", {}))
+        self._active = set(state.get("active", []))
+        self.counts.update(state.get("counts", {}))

@@ -1,0 +1,299 @@
+r"""Spectral and entropy metrics of attention, as pure tensor functions.
+
+Conventions (DESIGN.md, "Metric definitions"): weights are in ``nn.Linear`` layout
+``(out_features, in_features)``. For head ``h`` with head dim ``d_k``,
+
+.. math::
+
+    W_Q^h = w_q[h d_k:(h+1) d_k]^\top \in \mathbb{R}^{d \times d_k}, \qquad
+    W_{QK}^h = W_Q^h (W_K^{g})^\top \in \mathbb{R}^{d \times d'}, \quad
+    g = \lfloor h / (H / H_{kv}) \rfloor,
+
+so ``rank(W_QK^h) <= d_k``. Nothing here forms the ``d x d`` matrix: with the thin QR
+factorizations ``W_Q^h = Q_1 R_1`` and ``W_K^g = Q_2 R_2``, ``W_QK^h = Q_1 (R_1 R_2^T) Q_2^T`` and
+the orthonormal factors leave the singular values alone, so ``σ(W_QK^h) = σ(R_1 R_2^T)``: a
+``d_k x d_k`` SVD per head. The non-zero eigenvalues of ``W_QK^h`` are those of the small
+``(W_K^g)^T W_Q^h`` (``AB`` and ``BA`` share their non-zero eigenvalues).
+
+Every function accepts any leading batch dimensions, so a whole model's heads (layers stacked on
+a leading axis) go through in one call. Inputs of any floating dtype are computed in float32, or
+in float64 when they are float64. A head whose weights hold NaN or Inf gets NaN values rather
+than an error.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "qk_singular_values",
+    "qk_eigenvalues",
+    "spectral_concentration",
+    "effective_rank",
+    "stable_rank",
+    "spectral_energy_concentration",
+    "eigenvalue_moments",
+    "qk_spectrum_metrics",
+    "attention_entropy",
+]
+
+
+def _compute_dtype(*tensors: Tensor) -> torch.dtype:
+    for t in tensors:
+        if not torch.is_floating_point(t):
+            raise ValueError(f"Expected floating-point weights, got dtype {t.dtype}")
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _split_heads(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | None):
+    """Per-head factors ``W_Q^h`` (..., H, d, d_k) and the matching ``W_K^g`` (..., H, d', d_k)."""
+    if w_q.dim() < 2 or w_k.dim() < 2:
+        raise ValueError(
+            f"Expected `w_q` and `w_k` of shape (..., heads * d_k, d), got {tuple(w_q.shape)} and "
+            f"{tuple(w_k.shape)}"
+        )
+    if w_q.shape[:-2] != w_k.shape[:-2]:
+        raise ValueError(
+            f"Expected `w_q` and `w_k` to share leading dims, got {tuple(w_q.shape)} and {tuple(w_k.shape)}"
+        )
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"Expected `num_heads` to be a positive int, got {num_heads!r}")
+    if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"Expected `num_kv_heads` to be a positive int dividing `num_heads`={num_heads}, got {num_kv_heads!r}"
+        )
+    if w_q.shape[-2] % num_heads:
+        raise ValueError(
+            f"Expected `w_q` rows ({w_q.shape[-2]}) to be a multiple of `num_heads`={num_heads}"
+        )
+    d_k = w_q.shape[-2] // num_heads
+    if w_k.shape[-2] != num_kv_heads * d_k:
+        raise ValueError(
+            f"Expected `w_k` to have num_kv_heads * d_k = {num_kv_heads} * {d_k} rows, got {w_k.shape[-2]}"
+        )
+    lead = w_q.shape[:-2]
+    wq = w_q.reshape(*lead, num_heads, d_k, w_q.shape[-1]).transpose(-1, -2)  # (..., H, d, d_k)
+    wk = w_k.reshape(*lead, num_kv_heads, d_k, w_k.shape[-1]).transpose(-1, -2)  # (..., H_kv, d', d_k)
+    group = torch.arange(num_heads, device=w_k.device) // (num_heads // num_kv_heads)
+    return wq, wk.index_select(-3, group)
+
+
+def _finite_heads(wq: Tensor, wk: Tensor):
+    """Zero out heads with non-finite weights; return the cleaned factors and the (..., H) mask."""
+    finite = torch.isfinite(wq).all(dim=(-1, -2)) & torch.isfinite(wk).all(dim=(-1, -2))
+    keep = finite[..., None, None]
+    return torch.where(keep, wq, 0.0), torch.where(keep, wk, 0.0), finite
+
+
+def qk_singular_values(
+    w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | None = None
+) -> Tensor:
+    r"""Singular values of each head's ``W_QK^h = W_Q^h (W_K^g)^T``, descending.
+
+    Computed as ``σ(R_1 R_2^T)`` from thin QR factors, in O(H·d·d_k²) rather than O(H·d³).
+
+    Args:
+        w_q: query projection weight, (..., num_heads * d_k, d).
+        w_k: key projection weight, (..., num_kv_heads * d_k, d'). ``d'`` may differ from ``d``.
+        num_heads: number of query heads H.
+        num_kv_heads: number of key/value heads (GQA/MQA); defaults to ``num_heads``.
+
+    Returns:
+        (..., num_heads, d_k), float32 (float64 for float64 input). Heads with non-finite weights
+        are all NaN.
+
+    Raises:
+        ValueError: on shapes that do not split into heads.
+
+    Example:
+        >>> w_q = torch.tensor([[3.0, 0.0], [0.0, 1.0]])  # one head, d_k = d = 2
+        >>> qk_singular_values(w_q, torch.eye(2), num_heads=1)
+        tensor([[3., 1.]])
+    """
+    dtype = _compute_dtype(w_q, w_k)
+    wq, wk = _split_heads(w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads)
+    wq, wk, finite = _finite_heads(wq, wk)
+    r_q = torch.linalg.qr(wq, mode="r").R  # (..., H, d_k, d_k) when d >= d_k
+    r_k = torch.linalg.qr(wk, mode="r").R
+    sv = torch.linalg.svdvals(r_q @ r_k.transpose(-1, -2))
+    return torch.where(finite[..., None], sv, float("nan"))
+
+
+def qk_eigenvalues(
+    w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | None = None
+) -> Tensor:
+    r"""Non-zero-capable eigenvalues of each head's ``W_QK^h``, by descending modulus.
+
+    ``W_QK^h`` (d x d) has the eigenvalues of ``(W_K^g)^T W_Q^h`` (d_k x d_k) plus ``d - d_k``
+    zeros; these are the former. ``W_QK`` is not symmetric, so they are complex in general.
+
+    Args:
+        w_q: (..., num_heads * d_k, d).
+        w_k: (..., num_kv_heads * d_k, d); the key input dim must equal the query's.
+        num_heads: H.
+        num_kv_heads: defaults to ``num_heads``.
+
+    Returns:
+        (..., num_heads, d_k) complex64 (complex128 for float64 input).
+
+    Example:
+        >>> w_q = torch.tensor([[0.0, -2.0], [2.0, 0.0]])  # a scaled rotation: eigenvalues ±2i
+        >>> qk_eigenvalues(w_q, torch.eye(2), num_heads=1).abs().round(decimals=4)
+        tensor([[2., 2.]])
+    """
+    if w_q.shape[-1] != w_k.shape[-1]:
+        raise ValueError(
+            f"Eigenvalues need a square W_QK: `w_q` and `w_k` input dims differ ({w_q.shape[-1]} vs {w_k.shape[-1]})"
+        )
+    dtype = _compute_dtype(w_q, w_k)
+    wq, wk = _split_heads(w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads)
+    wq, wk, finite = _finite_heads(wq, wk)
+    eig = torch.linalg.eigvals(wk.transpose(-1, -2) @ wq)  # (..., H, d_k)
+    order = eig.abs().argsort(dim=-1, descending=True)
+    eig = eig.gather(-1, order)
+    return torch.where(finite[..., None], eig, torch.full_like(eig, float("nan")))
+
+
+def spectral_concentration(values: Tensor) -> Tensor:
+    r"""κ = ``max_i |v_i| / Σ_i |v_i|`` along the last dim; in [1/n, 1].
+
+    Takes singular values (κ) or complex eigenvalues (κ_eig, by modulus). An all-zero spectrum
+    has no direction to concentrate on: its κ is NaN.
+
+    Example:
+        >>> spectral_concentration(torch.tensor([3.0, 1.0]))
+        tensor(0.7500)
+    """
+    mod = values.abs()
+    return mod.amax(dim=-1) / mod.sum(dim=-1)
+
+
+def _normalized_spectrum(singular_values: Tensor) -> Tensor:
+    s = singular_values.abs()
+    return s / s.sum(dim=-1, keepdim=True)
+
+
+def effective_rank(singular_values: Tensor) -> Tensor:
+    r"""Roy & Vetterli effective rank ``exp(-Σ p_i log p_i)``, ``p_i = σ_i / Σ_j σ_j``.
+
+    ``0 log 0 = 0``; in [1, n]. NaN for an all-zero spectrum.
+
+    Example:
+        >>> effective_rank(torch.tensor([2.0, 2.0, 0.0]))
+        tensor(2.)
+    """
+    p = _normalized_spectrum(singular_values)
+    plogp = torch.where(p == 0, 0.0, p * p.log())  # NaN stays NaN
+    return torch.exp(-plogp.sum(dim=-1))
+
+
+def stable_rank(singular_values: Tensor) -> Tensor:
+    r"""Stable rank ``Σ σ_i² / σ_1²`` along the last dim.
+
+    Example:
+        >>> stable_rank(torch.tensor([2.0, 1.0]))
+        tensor(1.2500)
+    """
+    s2 = singular_values.abs().square()
+    return s2.sum(dim=-1) / s2.amax(dim=-1)
+
+
+def spectral_energy_concentration(singular_values: Tensor) -> Tensor:
+    r"""SEC = ``σ_1² / Σ σ_i²`` (Qi et al. 2025), the reciprocal of the stable rank.
+
+    Example:
+        >>> spectral_energy_concentration(torch.tensor([2.0, 1.0]))
+        tensor(0.8000)
+    """
+    return 1.0 / stable_rank(singular_values)
+
+
+def eigenvalue_moments(eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Mean and variance of eigenvalues along the last dim (Bao, Hataya & Karakida, ICML 2024).
+
+    ``mean = (1/n) Σ λ_i`` — for a real matrix the sum is the trace, so the mean is real and its
+    real part is returned; ``var = (1/n) Σ |λ_i − mean|²``.
+
+    Example:
+        >>> eigenvalue_moments(torch.tensor([1 + 1j, 1 - 1j, 4 + 0j]))
+        (tensor(2.), tensor(2.6667))
+    """
+    mean = eigenvalues.mean(dim=-1)
+    var = (eigenvalues - mean[..., None]).abs().square().mean(dim=-1)
+    return mean.real, var
+
+
+def qk_spectrum_metrics(
+    w_q: Tensor,
+    w_k: Tensor,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    scale: float | Tensor = 1.0,
+) -> dict[str, Tensor]:
+    r"""Every weight metric of the QK spectrum, per head: the metrics QKSpectrumMonitor logs.
+
+    Args:
+        w_q, w_k, num_heads, num_kv_heads: as in :func:`qk_singular_values`.
+        scale: the softmax temperature the layer multiplies its logits by (``1/sqrt(d_k)`` for
+            standard attention); a float, or a tensor broadcastable to the leading dims.
+
+    Returns:
+        A dict of (..., num_heads) tensors: ``kappa`` (σ_1/Σσ), ``kappa_eig`` (|λ|_max/Σ|λ|),
+        ``eig_mean`` and ``eig_var`` (of the d_k eigenvalues of ``W_K^T W_Q``), ``qk_erank``
+        (effective rank of σ), ``qk_spectral_norm`` (σ_1 · scale), ``qk_stable_rank`` and
+        ``sec`` (σ_1²/Σσ²). ``kappa_eig``, ``eig_mean``, ``eig_var`` are NaN when the query and
+        key input dims differ (no square W_QK, no eigenvalues).
+    """
+    sv = qk_singular_values(w_q, w_k, num_heads, num_kv_heads)
+    if w_q.shape[-1] == w_k.shape[-1]:
+        eig = qk_eigenvalues(w_q, w_k, num_heads, num_kv_heads)
+        eig_mean, eig_var = eigenvalue_moments(eig)
+        kappa_eig = spectral_concentration(eig)
+    else:
+        kappa_eig = eig_mean = eig_var = torch.full_like(sv[..., 0], float("nan"))
+    if isinstance(scale, Tensor):
+        scale = scale.to(sv.dtype)[..., None]
+    return {
+        "kappa": spectral_concentration(sv),
+        "kappa_eig": kappa_eig,
+        "eig_mean": eig_mean,
+        "eig_var": eig_var,
+        "qk_erank": effective_rank(sv),
+        "qk_spectral_norm": sv[..., 0] * scale,
+        "qk_stable_rank": stable_rank(sv),
+        "sec": spectral_energy_concentration(sv),
+    }
+
+
+def attention_entropy(probs: Tensor, normalize: bool = False, mask: Tensor | None = None) -> Tensor:
+    r"""Entropy of each row of an explicit attention matrix, in nats.
+
+    ``H_i = -Σ_j p_ij log p_ij`` with ``0 log 0 = 0``. With ``normalize``, ``H_i / log(n_i)`` where
+    ``n_i`` is the row length, or the number of allowed keys when ``mask`` is given; rows with
+    ``n_i <= 1`` have no spread to measure and give NaN (aggregates leave them out).
+
+    Args:
+        probs: (..., N, M), rows summing to 1 over their allowed keys.
+        normalize: divide by ``log(n_i)``.
+        mask: optional (..., N, M) or broadcastable bool, True where row i may attend key j.
+            Probability outside the mask is ignored.
+
+    Returns:
+        (..., N), in the dtype of ``probs`` (float32 at least).
+
+    Example:
+        >>> attention_entropy(torch.tensor([[0.5, 0.5], [1.0, 0.0]]), normalize=True)
+        tensor([1., 0.])
+    """
+    if not torch.is_floating_point(probs):
+        raise ValueError(f"Expected floating-point `probs`, got dtype {probs.dtype}")
+    p = probs if probs.dtype == torch.float64 else probs.float()
+    allowed = torch.ones_like(p, dtype=torch.bool) if mask is None else mask.to(torch.bool).expand_as(p)
+    plogp = torch.where(~allowed | (p == 0), 0.0, p * p.log())  # NaN stays NaN
+    entropy = 0.0 - plogp.sum(dim=-1)
+    if not normalize:
+        return entropy
+    n = allowed.sum(dim=-1).to(p.dtype)
+    return torch.where(n > 1, entropy / n.log(), torch.full_like(entropy, float("nan")))

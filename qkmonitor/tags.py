@@ -1,0 +1,30 @@
+"""TensorBoard tag names: the stable contract between the callbacks, dashboards and reports.
+
+``{prefix}/{metric}/layer_{LL}`` — mean over heads; ``{prefix}/{metric}_{max|min}/layer_{LL}`` —
+the worst head; ``{prefix}/{metric}/layer_{LL}/head_{HH}`` — one head; ``{prefix}/alerts/{rule}``
+— how many alerts of a rule have fired. LL and HH are zero-padded to two digits.
+"""
+
+from __future__ import annotations
+
+__all__ = ["layer_tag", "worst_tag", "head_tag", "alert_tag"]
+
+
+def layer_tag(prefix: str, metric: str, layer: int) -> str:
+    """``{prefix}/{metric}/layer_{LL}``."""
+    return f"{prefix}/{metric}/layer_{layer:02d}"
+
+
+def worst_tag(prefix: str, metric: str, worst: str, layer: int) -> str:
+    """``{prefix}/{metric}_{worst}/layer_{LL}`` with ``worst`` ``"max"`` or ``"min"``."""
+    return f"{prefix}/{metric}_{worst}/layer_{layer:02d}"
+
+
+def head_tag(prefix: str, metric: str, layer: int, head: int) -> str:
+    """``{prefix}/{metric}/layer_{LL}/head_{HH}``."""
+    return f"{prefix}/{metric}/layer_{layer:02d}/head_{head:02d}"
+
+
+def alert_tag(prefix: str, rule: str) -> str:
+    """``{prefix}/alerts/{rule}``."""
+    return f"{prefix}/alerts/{rule}"

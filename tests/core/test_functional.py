@@ -1,0 +1,195 @@
+"""qkmonitor.functional against dense float64 linear algebra and spectra built by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+from qkmonitor import functional as QF
+
+
+def dense_w_qk(w_q: torch.Tensor, w_k: torch.Tensor, h: int, num_heads: int, num_kv_heads: int) -> np.ndarray:
+    """The d x d' matrix W_Q^h (W_K^g)^T, formed naively in float64."""
+    d_k = w_q.shape[0] // num_heads
+    g = h // (num_heads // num_kv_heads)
+    wq_h = w_q[h * d_k:(h + 1) * d_k].double().numpy().T  # (d, d_k)
+    wk_g = w_k[g * d_k:(g + 1) * d_k].double().numpy().T  # (d', d_k)
+    return wq_h @ wk_g.T
+
+
+def random_orthonormal(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(rows, cols, generator=gen, dtype=torch.float64))
+    return q
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "d", "d_kv_in"),
+    [(4, 4, 32, 32), (8, 2, 64, 64), (4, 1, 32, 32), (2, 2, 16, 24)],
+    ids=["mha", "gqa", "mqa", "cross-dims"],
+)
+def test_singular_values_match_dense_svd(num_heads, num_kv_heads, d, d_kv_in):
+    gen = torch.Generator().manual_seed(0)
+    d_k = d // num_heads
+    w_q = torch.randn(num_heads * d_k, d, generator=gen)
+    w_k = torch.randn(num_kv_heads * d_k, d_kv_in, generator=gen)
+    got = QF.qk_singular_values(w_q, w_k, num_heads, num_kv_heads)
+    assert got.shape == (num_heads, d_k) and got.dtype == torch.float32
+    for h in range(num_heads):
+        expected = np.linalg.svd(dense_w_qk(w_q, w_k, h, num_heads, num_kv_heads), compute_uv=False)[:d_k]
+        assert_close(got[h].double(), torch.from_numpy(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_batched_layers_equal_one_call_per_layer():
+    gen = torch.Generator().manual_seed(1)
+    w_q, w_k = torch.randn(3, 32, 32, generator=gen), torch.randn(3, 16, 32, generator=gen)
+    batched = QF.qk_singular_values(w_q, w_k, num_heads=4, num_kv_heads=2)
+    assert batched.shape == (3, 4, 8)
+    for layer in range(3):
+        assert_close(batched[layer], QF.qk_singular_values(w_q[layer], w_k[layer], 4, 2))
+
+
+def test_known_spectrum_gives_exact_kappa_and_erank():
+    """W_Q = U diag(s), W_K = V (orthonormal columns): W_QK = U diag(s) V^T has singular values s."""
+    gen = torch.Generator().manual_seed(2)
+    d, d_k = 24, 4
+    s = torch.tensor([8.0, 4.0, 2.0, 1.0], dtype=torch.float64)
+    w_q = (random_orthonormal(d, d_k, gen) * s).T  # rows = columns of W_Q^h
+    w_k = random_orthonormal(d, d_k, gen).T
+    metrics = QF.qk_spectrum_metrics(w_q, w_k, num_heads=1, scale=0.5)
+    p = s / s.sum()
+    assert_close(QF.qk_singular_values(w_q, w_k, 1)[0], s)
+    assert_close(metrics["kappa"][0], s[0] / s.sum())
+    assert_close(metrics["qk_erank"][0], torch.exp(-(p * p.log()).sum()))
+    assert_close(metrics["qk_spectral_norm"][0], s[0] * 0.5)
+    assert_close(metrics["qk_stable_rank"][0], (s**2).sum() / s[0] ** 2)
+    assert_close(metrics["sec"][0], s[0] ** 2 / (s**2).sum())
+
+
+def test_rank_one_head_has_kappa_one_and_erank_one():
+    gen = torch.Generator().manual_seed(3)
+    u, v = torch.randn(1, 16, generator=gen), torch.randn(1, 16, generator=gen)
+    w_q = torch.cat([u * 3.0, torch.zeros(3, 16)])  # one non-zero direction in a d_k = 4 head
+    w_k = torch.cat([v, torch.zeros(3, 16)])
+    metrics = QF.qk_spectrum_metrics(w_q, w_k, num_heads=1)
+    assert_close(metrics["kappa"], torch.ones(1))
+    assert_close(metrics["qk_erank"], torch.ones(1))
+
+
+def test_eigenvalues_match_dense_eig():
+    gen = torch.Generator().manual_seed(4)
+    num_heads, num_kv_heads, d = 4, 2, 32
+    d_k = d // num_heads
+    w_q = torch.randn(num_heads * d_k, d, generator=gen, dtype=torch.float64)
+    w_k = torch.randn(num_kv_heads * d_k, d, generator=gen, dtype=torch.float64)
+    got = QF.qk_eigenvalues(w_q, w_k, num_heads, num_kv_heads)
+    assert got.shape == (num_heads, d_k) and got.dtype == torch.complex128
+    for h in range(num_heads):
+        dense = np.linalg.eigvals(dense_w_qk(w_q, w_k, h, num_heads, num_kv_heads))
+        top = dense[np.argsort(-np.abs(dense), kind="stable")][:d_k]
+        # the d - d_k others are zero
+        assert np.abs(dense[np.argsort(-np.abs(dense))][d_k:]).max() < 1e-8
+        assert_close(got[h].abs(), torch.from_numpy(np.abs(top)), rtol=1e-8, atol=1e-8)
+        # as a multiset: every dense eigenvalue has a match among ours
+        distance = np.abs(top[:, None] - got[h].numpy()[None, :]).min(axis=1)
+        assert distance.max() < 1e-8
+        mean, var = QF.eigenvalue_moments(got[h])
+        assert math.isclose(mean.item(), np.trace(dense_w_qk(w_q, w_k, h, num_heads, num_kv_heads)) / d_k,
+                            rel_tol=1e-9, abs_tol=1e-9)
+        assert math.isclose(var.item(), np.mean(np.abs(top - top.mean()) ** 2), rel_tol=1e-9)
+
+
+def test_eigenvalues_of_a_symmetric_head_are_its_built_spectrum():
+    """W_QK = U diag(lam) U^T: eigenvalues lam, kappa_eig = max|lam| / sum|lam|."""
+    gen = torch.Generator().manual_seed(5)
+    lam = torch.tensor([-5.0, 3.0, 1.0, 0.5], dtype=torch.float64)
+    u = random_orthonormal(16, 4, gen)
+    eig = QF.qk_eigenvalues((u * lam).T, u.T, num_heads=1)[0]
+    assert_close(eig.real, lam, atol=1e-10, rtol=0)  # by descending modulus, lam is already sorted
+    assert_close(eig.imag, torch.zeros(4, dtype=torch.float64), atol=1e-10, rtol=0)
+    assert_close(QF.spectral_concentration(eig), lam.abs().max() / lam.abs().sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_input_is_computed_in_float32(dtype):
+    gen = torch.Generator().manual_seed(6)
+    w_q, w_k = torch.randn(32, 32, generator=gen).to(dtype), torch.randn(32, 32, generator=gen).to(dtype)
+    got = QF.qk_singular_values(w_q, w_k, num_heads=4)
+    assert got.dtype == torch.float32
+    expected = QF.qk_singular_values(w_q.double(), w_k.double(), num_heads=4)  # same rounded weights
+    assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_non_finite_head_gives_nan_for_that_head_only():
+    gen = torch.Generator().manual_seed(7)
+    w_q, w_k = torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen)
+    w_q[9, 3] = float("nan")  # head 1 of 4 (d_k = 8)
+    w_k[30, 0] = float("inf")  # head 3
+    metrics = QF.qk_spectrum_metrics(w_q, w_k, num_heads=4)
+    for name, values in metrics.items():
+        assert values[[1, 3]].isnan().all(), name
+        assert values[[0, 2]].isfinite().all(), name
+
+
+def test_rank_measures_against_their_formulas():
+    s = torch.tensor([[4.0, 2.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    p = s / s.sum(-1, keepdim=True)
+    assert_close(QF.effective_rank(s), torch.exp(-(p * p.log()).sum(-1)))
+    assert_close(QF.effective_rank(s[1]), torch.tensor(4.0, dtype=torch.float64))
+    assert_close(QF.stable_rank(s), (s**2).sum(-1) / (s**2).amax(-1))
+    assert_close(QF.spectral_concentration(s), torch.tensor([0.5, 0.25], dtype=torch.float64))
+    assert QF.spectral_concentration(torch.zeros(3)).isnan()  # no direction to concentrate on
+
+
+def test_attention_entropy_against_naive_sum():
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(2, 3, 5, 7, generator=gen, dtype=torch.float64)
+    mask = torch.ones(5, 7, dtype=torch.bool).tril(diagonal=2)  # row i may attend keys j <= i + 2
+    probs = logits.masked_fill(~mask, -math.inf).softmax(-1)
+    got = QF.attention_entropy(probs, mask=mask)
+    norm = QF.attention_entropy(probs, normalize=True, mask=mask)
+    for i in range(5):
+        n_i = i + 3
+        row = probs[..., i, :n_i]
+        h = -(row * row.log()).sum(-1)
+        assert_close(got[..., i], h)
+        assert_close(norm[..., i], h / math.log(n_i))
+    uniform = torch.full((1, 4), 0.25)
+    assert_close(QF.attention_entropy(uniform, normalize=True), torch.ones(1))
+
+
+def test_attention_entropy_of_single_key_rows_is_nan_when_normalized():
+    probs = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    mask = torch.tensor([[True, False], [True, True]])
+    got = QF.attention_entropy(probs, normalize=True, mask=mask)
+    assert got[0].isnan() and got[1].item() == pytest.approx(1.0)
+    assert QF.attention_entropy(probs, mask=mask)[0].item() == 0.0
+
+
+@pytest.mark.parametrize(
+    ("w_q_shape", "w_k_shape", "heads", "kv_heads", "match"),
+    [
+        ((30, 32), (30, 32), 4, None, "multiple of `num_heads`"),
+        ((32, 32), (32, 32), 4, 3, "`num_kv_heads`"),
+        ((32, 32), (24, 32), 4, 2, "num_kv_heads \\* d_k"),
+        ((32,), (32, 32), 4, None, "shape"),
+        ((2, 32, 32), (32, 32), 4, None, "leading dims"),
+        ((32, 32), (32, 32), 0, None, "`num_heads`"),
+    ],
+)
+def test_bad_shapes_raise_value_error_naming_the_argument(w_q_shape, w_k_shape, heads, kv_heads, match):
+    with pytest.raises(ValueError, match=match):
+        QF.qk_singular_values(torch.zeros(w_q_shape), torch.zeros(w_k_shape), heads, kv_heads)
+
+
+def test_integer_weights_are_rejected():
+    with pytest.raises(ValueError, match="floating-point"):
+        QF.qk_singular_values(torch.zeros(4, 4, dtype=torch.int64), torch.zeros(4, 4), 1)
+
+
+def test_eigenvalues_need_square_w_qk():
+    with pytest.raises(ValueError, match="square"):
+        QF.qk_eigenvalues(torch.zeros(8, 8), torch.zeros(8, 6), 1)
