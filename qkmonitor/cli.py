@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--kv-heads", type=_positive_int, default=None, help="key/value heads (GQA); default = heads")
     train.add_argument("--batch-size", type=_positive_int, default=64)
     train.add_argument("--lr", type=_positive_float, default=3e-3, help="peak AdamW learning rate")
-    train.add_argument("--pairs", type=_positive_int, default=8, help="recall: key-value pairs per sequence")
+    train.add_argument("--pairs", type=_positive_int, default=6, help="recall: key-value pairs per sequence")
     train.add_argument("--every-n-steps", type=_positive_int, default=25, help="monitor probe interval")
     train.add_argument("--per-head", action="store_true", help="also log every head")
     train.add_argument("--log-dir", default="runs", help="TensorBoard root directory")

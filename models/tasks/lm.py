@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -24,14 +25,18 @@ class CausalLMTask(pl.LightningModule):
         warmup_steps: linear warmup length in optimizer steps.
     """
 
-    def __init__(self, config: TransformerConfig, lr: float = 3e-3, weight_decay: float = 0.1,
+    def __init__(self, config: TransformerConfig | dict, lr: float = 3e-3, weight_decay: float = 0.1,
                  warmup_steps: int = 100) -> None:
         super().__init__()
-        if not lr > 0:
-            raise ValueError(f"Expected `lr` > 0, got {lr}")
+        if isinstance(config, dict):  # as saved in a checkpoint's hyper-parameters
+            config = TransformerConfig(**config)
+        if not lr >= 0:
+            raise ValueError(f"Expected `lr` >= 0, got {lr}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"Expected `warmup_steps` to be an int >= 0, got {warmup_steps!r}")
-        self.save_hyperparameters()
+        # a plain dict, so that checkpoints load with torch.load(weights_only=True)
+        self.save_hyperparameters({"config": dataclasses.asdict(config), "lr": lr,
+                                   "weight_decay": weight_decay, "warmup_steps": warmup_steps})
         self.model = DecoderLM(config)
 
     def forward(self, tokens: Tensor) -> Tensor:

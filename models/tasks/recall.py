@@ -1,9 +1,8 @@
 """Multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"), generated from a seed.
 
-A sequence lists ``num_pairs`` key–value pairs, then asks for ``num_queries`` of the keys again,
-each followed by its value::
+A sequence lists ``num_pairs`` key–value pairs, then asks for ``num_queries`` of the keys again::
 
-    k_1 v_1 k_2 v_2 ... k_P v_P   q_1 a_1 q_2 a_2 ... q_Q a_Q
+    k_1 v_1 k_2 v_2 ... k_P v_P   q_1 q_2 ... q_Q        (targets at q_j: its value a_j)
 
 Keys are distinct within a sequence (token ids ``0 .. num_keys-1``), values are drawn at random
 (ids ``num_keys .. num_keys+num_values-1``). The model is scored only where it must recall: at
@@ -29,8 +28,10 @@ def make_recall_batch(
     """``n`` recall sequences.
 
     Returns:
-        tokens (n, L) and targets (n, L) with ``L = 2 * (num_pairs + num_queries)``; ``targets``
-        holds the next token at query positions and ``IGNORE_INDEX`` (-100) elsewhere.
+        tokens (n, L) and targets (n, L) with ``L = 2 * num_pairs + num_queries``; ``targets``
+        holds each query's value at its position and ``IGNORE_INDEX`` (-100) elsewhere. The
+        answers are never shown in the sequence, so no later query can be answered by
+        elimination: the only way below ``log(num_pairs)`` loss is recall.
     """
     keys = torch.rand(n, num_keys, generator=generator).argsort(dim=1)[:, :num_pairs]  # distinct
     values = num_keys + torch.randint(num_values, (n, num_pairs), generator=generator)
@@ -58,10 +59,10 @@ class AssociativeRecallDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        num_pairs: int = 8,
-        num_queries: int = 8,
-        num_keys: int = 32,
-        num_values: int = 32,
+        num_pairs: int = 6,
+        num_queries: int = 6,
+        num_keys: int = 24,
+        num_values: int = 24,
         batch_size: int = 64,
         train_size: int = 50_000,
         val_size: int = 1_024,
@@ -79,7 +80,7 @@ class AssociativeRecallDataModule(pl.LightningDataModule):
             raise ValueError(f"Expected `num_keys` >= `num_pairs` ({num_pairs}) for distinct keys, got {num_keys}")
         self.save_hyperparameters()
         self.vocab_size = num_keys + num_values
-        self.seq_len = 2 * (num_pairs + num_queries)
+        self.seq_len = 2 * num_pairs + num_queries
 
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams

@@ -1,0 +1,240 @@
+"""Attention kernels: one entry point, several backends, optional per-row statistics.
+
+``attention(q, k, v, ...)`` computes ``softmax(scale · q kᵀ) v`` without forming the N×M attention
+matrix and, on request, statistics of each row's attention distribution (entropy, max probability,
+max logit, log-sum-exp, attended keys, sink mass) from the same pass (DESIGN.md, "Attention
+kernel"). Backends:
+
+- ``"triton"``: fused FlashAttention-2 style kernels (``_triton.py``), forward and backward; CUDA
+  tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was imported.
+- ``"torch"``: exact online computation over key blocks in PyTorch (``_torch.py``), any device.
+- ``"auto"``: triton for CUDA tensors when triton is installed, torch otherwise.
+
+Triton is imported only when the triton backend runs, so this package imports without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from numbers import Real
+
+import torch
+
+from qkmonitor.kernels._stats import AttentionStats, attended_keys
+from qkmonitor.kernels._torch import torch_attention
+
+__all__ = ["AttentionStats", "attention"]
+
+BACKENDS = ("auto", "triton", "torch")
+TRITON_MAX_HEAD_DIM = 256
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TORCH_DTYPES = _FLOAT_DTYPES + (torch.float64,)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_stats: bool = False,
+    sink_tokens: int = 0,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
+    """Softmax attention ``out_i = Σ_j p_ij v_j``, ``p_ij = exp(s_ij) / Σ_{j'∈A_i} exp(s_ij')``.
+
+    Scores are ``s_ij = scale · q_i · k_j`` over the keys ``A_i`` that query row i may attend: all M
+    keys, minus those the key padding mask drops, minus (``causal``) those with
+    ``j > i + M − N`` — the causal mask is aligned bottom-right, so the last query sees every key;
+    with N > M the first N − M rows see none. A row with no key left gets ``out_i = 0`` and zero
+    gradients, never NaN. Query head h reads key/value head ``h // (H / H_kv)`` (grouped-query and
+    multi-query attention); repeated keys and values are never materialized. Statistics never
+    change the output and carry no gradient.
+
+    Args:
+        q: (B, H, N, D) queries; float16, bfloat16 or float32 (float64 on the torch backend).
+        k: (B, H_kv, M, D) keys, same dtype and device as ``q``; H_kv must divide H.
+        v: (B, H_kv, M, D) values, same shape, dtype and device as ``k``.
+        causal: apply the bottom-right aligned causal rule (query i attends key j iff
+            ``j ≤ i + M − N``).
+        key_padding_mask: (B, M) bool, **True where the key may be attended** (the Hugging Face
+            ``attention_mask`` convention; integer 0/1 masks are accepted too). This is the
+            opposite of ``torch.nn.MultiheadAttention``'s ``key_padding_mask``, where True means
+            "ignore": pass ``~mask`` from there.
+        scale: factor on ``q · k``; default ``1 / sqrt(D)``.
+        return_stats: also return an :class:`AttentionStats` of the rows.
+        sink_tokens: report the attention mass on the first ``sink_tokens`` keys as
+            ``stats.sink_mass`` (0: don't, and ``sink_mass`` is None).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``out`` of shape (B, H, N, D) in q's dtype; with ``return_stats``, ``(out, stats)`` where
+        ``stats`` holds detached float32 (B, H, N) tensors (see :class:`AttentionStats`):
+        ``lse = log Σ_j exp(s_ij)``, ``entropy = −Σ_j p_ij log p_ij`` (nats),
+        ``max_prob = max_j p_ij``, ``max_logit = max_j s_ij``, ``attended = |A_i|`` and
+        ``sink_mass = Σ_{j<sink_tokens} p_ij``. A fully masked row has ``lse = max_logit = −inf``
+        and ``entropy = max_prob = attended = sink_mass = 0``.
+
+    Raises:
+        ValueError: if a shape, dtype, device or option is not supported (the message names the
+            argument, what was expected and what was received), if ``backend="triton"`` is asked
+            for CPU tensors without ``TRITON_INTERPRET=1`` or without triton installed, or for a
+            head dim above 256.
+
+    Example::
+
+        out, stats = attention(q, k, v, causal=True, return_stats=True)
+        stats.entropy  # (B, H, N) nats per query row
+    """
+    _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_tokens)
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    use_triton = _choose_backend(backend, q)
+    if use_triton:
+        from qkmonitor.kernels._triton import triton_attention
+
+        run = triton_attention
+    else:
+        run = torch_attention
+    out, raw = run(
+        q,
+        k,
+        v,
+        causal=bool(causal),
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        return_stats=bool(return_stats),
+        sink_tokens=int(sink_tokens),
+    )
+    if not return_stats:
+        return out
+    lse, entropy, max_prob, max_logit, sink_mass = raw
+    batch, heads, n = q.shape[:3]
+    attended = attended_keys(
+        batch,
+        heads,
+        n,
+        k.shape[2],
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        device=q.device,
+    )
+    stats = AttentionStats(
+        lse=lse,
+        entropy=entropy,
+        max_prob=max_prob,
+        max_logit=max_logit,
+        attended=attended,
+        sink_mass=sink_mass,
+    )
+    return out, stats
+
+
+def _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_tokens) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(  # noqa: TRY004 (the contract: bad inputs are ValueErrors)
+                f"Expected `{name}` to be a torch.Tensor, got {type(x).__name__}"
+            )
+        if x.dim() != 4:
+            layout = "(B, H, N, D)" if name == "q" else "(B, H_kv, M, D)"
+            raise ValueError(
+                f"Expected `{name}` of shape {layout}, got {x.dim()} dims: {tuple(x.shape)}"
+            )
+    if q.dtype not in _TORCH_DTYPES:
+        raise ValueError(
+            f"Expected `q` of dtype float16, bfloat16, float32 or float64, got {q.dtype}"
+        )
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"Expected `{name}` of q's dtype {q.dtype}, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"Expected `{name}` on q's device {q.device}, got {x.device}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"Expected `k` and `v` of the same shape (B, H_kv, M, D), got {tuple(k.shape)} "
+            f"and {tuple(v.shape)}"
+        )
+    (b, h, _, d), (b_kv, h_kv, _, d_kv) = q.shape, k.shape
+    if b_kv != b:
+        raise ValueError(f"Expected `k`, `v` with q's batch size {b}, got {b_kv}")
+    if d_kv != d:
+        raise ValueError(f"Expected `k`, `v` with q's head dim {d}, got {d_kv}")
+    if d == 0:
+        raise ValueError(f"Expected a head dim D ≥ 1, got `q` of shape {tuple(q.shape)}")
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(
+            f"Expected the key/value heads H_kv to divide the query heads H, got H={h}, "
+            f"H_kv={h_kv} (H % H_kv must be 0)"
+        )
+    if key_padding_mask is not None:
+        _check_mask(key_padding_mask, q, k)
+    if not isinstance(causal, bool):
+        raise ValueError(f"Expected `causal` to be a bool, got {causal!r}")  # noqa: TRY004
+    if not isinstance(return_stats, bool):
+        msg = f"Expected `return_stats` to be a bool, got {return_stats!r}"
+        raise ValueError(msg)  # noqa: TRY004
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale)
+    ):
+        raise ValueError(f"Expected `scale` to be a finite float or None, got {scale!r}")
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"Expected `sink_tokens` to be a non-negative int, got {sink_tokens!r}")
+
+
+def _check_mask(mask, q, k) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(  # noqa: TRY004 (the contract: bad inputs are ValueErrors)
+            f"Expected `key_padding_mask` to be a (B, M) bool tensor, got {type(mask).__name__}"
+        )
+    expected = (k.shape[0], k.shape[2])
+    if tuple(mask.shape) != expected:
+        raise ValueError(
+            f"Expected `key_padding_mask` of shape (B, M) = {expected}, got {tuple(mask.shape)}"
+        )
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise ValueError(
+            "Expected `key_padding_mask` to be a bool tensor (True = key may be attended), got "
+            f"{mask.dtype}; additive float masks are not supported"
+        )
+    if mask.device != q.device:
+        raise ValueError(f"Expected `key_padding_mask` on q's device {q.device}, got {mask.device}")
+
+
+def _choose_backend(backend: str, q: torch.Tensor) -> bool:
+    """True for the triton backend, False for torch; raises if the choice cannot run here."""
+    if backend not in BACKENDS:
+        raise ValueError(f"Expected `backend` to be one of {BACKENDS}, got {backend!r}")
+    triton_ok = q.dtype in _FLOAT_DTYPES and q.shape[-1] <= TRITON_MAX_HEAD_DIM
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return q.is_cuda and triton_ok and importlib.util.find_spec("triton") is not None
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("`backend='triton'` needs the `triton` package; use backend='torch'")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"Expected float16, bfloat16 or float32 inputs for `backend='triton'`, got {q.dtype}"
+        )
+    if q.shape[-1] > TRITON_MAX_HEAD_DIM:
+        raise ValueError(
+            f"Expected a head dim D ≤ {TRITON_MAX_HEAD_DIM} for `backend='triton'`, got "
+            f"{q.shape[-1]}; use backend='torch'"
+        )
+    if q.device.type == "cpu" and not _interpreter_requested():
+        raise ValueError(
+            "`backend='triton'` runs on CUDA tensors, or on CPU tensors only under the Triton "
+            "interpreter (set TRITON_INTERPRET=1 before triton is imported); got CPU tensors"
+        )
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"`backend='triton'` runs on CUDA tensors, got {q.device.type} tensors")
+    return True
+
+
+def _interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

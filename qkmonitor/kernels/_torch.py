@@ -1,0 +1,262 @@
+"""Attention in plain PyTorch, exact, over key blocks: the any-device (CPU) backend.
+
+Forward. For each block of at most ``block_size`` keys, the scores ``s = scale · q kᵀ`` of that
+block update a running row max ``m``, ``l = Σ_j e^{s_j − m}``, the output accumulator
+``acc = Σ_j e^{s_j − m} v_j`` and, for the statistics, the centered sum
+``u = Σ_j e^{s_j − m}(s_j − m)``. When the max grows from ``m`` to ``m'`` every running sum is
+rescaled by ``α = e^{m − m'}``, and ``u`` also absorbs the shift:
+``u ← α(u + (m − m')·l) + Σ_j e^{s_j − m'}(s_j − m')``. At the end
+
+    out = acc / l,   lse = m + log l,   H = log l − u / l,   max_prob = 1 / l,   max_logit = m.
+
+Backward (FlashAttention-2, recomputing each block): with ``p = e^{s − lse}``,
+``δ_i = Σ_d dO_id O_id`` and ``dS = p ⊙ (dO vᵀ − δ)``, ``dV = pᵀ dO``, ``dQ = scale · dS k``,
+``dK = scale · dSᵀ q``. Grouped-query heads are handled by viewing q as (B, H_kv, G, N, D) and
+broadcasting each key/value block over G, so the repeated keys and values are never formed (at
+most one block's broadcast, O(G·block·D), inside a matmul). With ``causal``, query rows that see
+none of a key block's keys are skipped, which halves the work.
+
+Memory is O(B·H·N·block_size) in both directions instead of O(B·H·N·M). Without statistics and when
+no row can be fully masked, ``F.scaled_dot_product_attention`` is used instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["torch_attention"]
+
+DEFAULT_BLOCK_SIZE = 256
+_SDPA_HAS_GQA = torch.__version__ >= "2.5"  # `enable_gqa` appeared in torch 2.5
+_NEG_INF = float("-inf")
+
+
+def torch_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    scale: float,
+    return_stats: bool,
+    sink_tokens: int,
+    block_size: int | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None]:
+    """Softmax attention with optional per-row statistics; inputs already validated.
+
+    Args:
+        q: (B, H, N, D) queries.
+        k: (B, H_kv, M, D) keys, H_kv dividing H.
+        v: (B, H_kv, M, D) values.
+        causal: query i attends key j only when ``j ≤ i + M − N`` (bottom-right aligned).
+        key_padding_mask: (B, M) bool, True where the key may be attended, or None.
+        scale: the factor on ``q · k``.
+        return_stats: also compute the statistics.
+        sink_tokens: number of leading keys whose attention mass is reported (0 for none).
+        block_size: keys per block of the online computation; None reads ``DEFAULT_BLOCK_SIZE``
+            (at call time, so that tests can shrink it to exercise many blocks).
+
+    Returns:
+        ``out`` (B, H, N, D) in q's dtype, and either None or the detached float32 (B, H, N)
+        tensors ``(lse, entropy, max_prob, max_logit, sink_mass)``, ``sink_mass`` None when
+        ``sink_tokens == 0``.
+    """
+    if not return_stats and _sdpa_is_exact(q, k, causal, key_padding_mask):
+        return _sdpa(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale), None
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    out, lse, entropy, max_prob, max_logit, sink = _BlockwiseAttention.apply(
+        q, k, v, key_padding_mask, causal, scale, sink_tokens, return_stats, block_size
+    )
+    if not return_stats:
+        return out, None
+    return out, (lse, entropy, max_prob, max_logit, sink if sink_tokens > 0 else None)
+
+
+def _sdpa_is_exact(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, key_padding_mask: torch.Tensor | None
+) -> bool:
+    """Whether SDPA gives our semantics: no fully masked row (SDPA makes those NaN), causal only
+    when N == M (SDPA aligns the causal mask top-left), and GQA only where SDPA supports it."""
+    if q.shape[1] != k.shape[1] and not _SDPA_HAS_GQA:
+        return False
+    if causal:
+        return key_padding_mask is None and q.shape[2] == k.shape[2]
+    if key_padding_mask is None:
+        return k.shape[2] > 0
+    return bool(key_padding_mask.any(dim=-1).all())
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    attn_mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale, **kwargs
+    )
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """Autograd wrapper: blockwise forward with statistics, blockwise FlashAttention-2 backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size):
+        out, lse, entropy, max_prob, max_logit, sink = _forward_blocks(
+            q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size
+        )
+        out = out.to(q.dtype)
+        # Empty rows get lse = +inf in the backward so that p = e^{s − lse} = 0 there.
+        lse_bwd = torch.where(torch.isneginf(lse), float("inf"), lse)
+        ctx.save_for_backward(q, k, v, out, lse_bwd, key_padding_mask)
+        ctx.causal, ctx.scale, ctx.block_size = causal, scale, block_size
+        ctx.mark_non_differentiable(
+            *(x for x in (lse, entropy, max_prob, max_logit, sink) if x is not None)
+        )
+        return out, lse, entropy, max_prob, max_logit, sink
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, *_stat_grads):
+        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+        dq, dk, dv = _backward_blocks(
+            q, k, v, out, lse, dout, key_padding_mask, ctx.causal, ctx.scale, ctx.block_size
+        )
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, N, D) → (B, H_kv, G, N, D): head h = g_kv · G + g shares key/value head g_kv."""
+    b, h, n = x.shape[:3]
+    return x.reshape(b, kv_heads, h // kv_heads, n, *x.shape[3:])
+
+
+def _allowed(
+    rows: torch.Tensor,
+    start: int,
+    stop: int,
+    diag: int,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Which (query, key) pairs of query ``rows`` and keys ``start:stop`` may be attended,
+    broadcastable to (B, H_kv, G, rows, stop − start); None when all may. ``diag = M − N``."""
+    allowed = None
+    if causal:
+        cols = torch.arange(start, stop, device=rows.device)
+        allowed = cols[None, :] <= rows[:, None] + diag  # (rows, bn)
+    if key_padding_mask is not None:
+        pad = key_padding_mask[:, None, None, None, start:stop]  # (B, 1, 1, 1, bn)
+        allowed = pad if allowed is None else allowed & pad
+    return allowed
+
+
+def _first_row(start: int, diag: int, causal: bool) -> int:
+    """First query row that may attend key ``start`` or later (rows above see none of them)."""
+    return max(0, start - diag) if causal else 0
+
+
+def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size):
+    """The online forward; returns out in the compute dtype and float32 (B, H, N) statistics
+    (all None but lse when ``stats`` is False)."""
+    batch, heads, n, _ = q.shape
+    kv_heads, m_keys = k.shape[1], k.shape[2]
+    diag = m_keys - n
+    cd = _compute_dtype(q.dtype)
+    q_g = _grouped(q, kv_heads).to(cd) * scale  # (B, H_kv, G, N, D)
+    row_shape = q_g.shape[:-1]
+    m = torch.full(row_shape, _NEG_INF, dtype=cd, device=q.device)
+    l = torch.zeros(row_shape, dtype=cd, device=q.device)
+    acc = torch.zeros(row_shape + (v.shape[-1],), dtype=cd, device=q.device)
+    u = torch.zeros_like(l) if stats else None
+    sink = torch.zeros_like(l) if stats and sink_tokens > 0 else None
+    rows = torch.arange(n, device=q.device)
+    lowest = torch.finfo(cd).min
+    for start in range(0, m_keys, block_size):
+        stop = min(start + block_size, m_keys)
+        r0 = _first_row(start, diag, causal)  # causal: rows above r0 see none of these keys
+        if r0 >= n:
+            break
+        k_blk = k[:, :, None, start:stop].to(cd)  # (B, H_kv, 1, bn, D)
+        v_blk = v[:, :, None, start:stop].to(cd)
+        s = q_g[..., r0:, :] @ k_blk.transpose(-1, -2)  # (B, H_kv, G, N − r0, bn)
+        allowed = _allowed(rows[r0:], start, stop, diag, causal, key_padding_mask)
+        if allowed is not None:
+            s.masked_fill_(~allowed, _NEG_INF)
+        m_old, l_old = m[..., r0:], l[..., r0:]
+        m_new = torch.maximum(m_old, s.amax(dim=-1))
+        m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with no key yet
+        s -= m_safe[..., None]  # s − m', −inf where masked
+        p = torch.exp(s)
+        alpha = torch.exp(m_old - m_safe)
+        if stats:
+            shift = torch.where(l_old > 0, m_old - m_safe, 0.0) * l_old  # no (−inf)·0
+            s.clamp_(min=lowest).mul_(p)  # p·(s − m'), 0 (not 0·(−inf)) at masked keys
+            u[..., r0:] = alpha * (u[..., r0:] + shift) + s.sum(dim=-1)
+            if sink is not None:
+                sink[..., r0:] = alpha * sink[..., r0:] + p[..., : max(0, sink_tokens - start)].sum(
+                    -1
+                )
+        l[..., r0:] = alpha * l_old + p.sum(dim=-1)
+        acc[..., r0:, :] = alpha[..., None] * acc[..., r0:, :] + p @ v_blk
+        m[..., r0:] = m_new
+    full = l > 0
+    l_safe = torch.where(full, l, 1.0)
+    out = (acc / l_safe[..., None]).reshape(batch, heads, n, v.shape[-1])
+    lse = torch.where(full, m + torch.log(l_safe), _NEG_INF)
+
+    def finish(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(batch, heads, n).to(torch.float32)
+
+    if not stats:
+        return out, finish(lse), None, None, None, None
+    entropy = torch.where(full, (torch.log(l_safe) - u / l_safe).clamp(min=0.0), 0.0)
+    max_prob = torch.where(full, 1.0 / l_safe, 0.0)
+    sink_mass = None if sink is None else finish(torch.where(full, sink / l_safe, 0.0))
+    return out, finish(lse), finish(entropy), finish(max_prob), finish(m), sink_mass
+
+
+def _backward_blocks(q, k, v, out, lse, dout, key_padding_mask, causal, scale, block_size):
+    """Gradients of q, k, v from recomputed blocks; ``lse`` is +inf on fully masked rows."""
+    kv_heads, m_keys = k.shape[1], k.shape[2]
+    n = q.shape[2]
+    diag = m_keys - n
+    cd = _compute_dtype(q.dtype)
+    q_g = _grouped(q, kv_heads).to(cd) * scale  # (B, H_kv, G, N, D)
+    do_g = _grouped(dout, kv_heads).to(cd)
+    delta = (do_g * _grouped(out, kv_heads).to(cd)).sum(dim=-1, keepdim=True)  # (B, H_kv, G, N, 1)
+    lse_g = _grouped(lse, kv_heads).to(cd)[..., None]  # (B, H_kv, G, N, 1)
+    dq = torch.zeros_like(q_g)
+    dk = torch.zeros(k.shape, dtype=cd, device=k.device)
+    dv = torch.zeros(v.shape, dtype=cd, device=v.device)
+    rows = torch.arange(n, device=q.device)
+    for start in range(0, m_keys, block_size):
+        stop = min(start + block_size, m_keys)
+        r0 = _first_row(start, diag, causal)
+        if r0 >= n:
+            break
+        k_blk = k[:, :, None, start:stop].to(cd)  # (B, H_kv, 1, bn, D)
+        v_blk = v[:, :, None, start:stop].to(cd)
+        q_r, do_r = q_g[..., r0:, :], do_g[..., r0:, :]
+        s = q_r @ k_blk.transpose(-1, -2)  # (B, H_kv, G, N − r0, bn)
+        allowed = _allowed(rows[r0:], start, stop, diag, causal, key_padding_mask)
+        if allowed is not None:
+            s.masked_fill_(~allowed, _NEG_INF)
+        p = torch.exp_(s - lse_g[..., r0:, :])
+        dv[:, :, start:stop] = (p.transpose(-1, -2) @ do_r).sum(dim=2)
+        ds = (do_r @ v_blk.transpose(-1, -2)).sub_(delta[..., r0:, :]).mul_(p)
+        dq[..., r0:, :] += ds @ k_blk
+        dk[:, :, start:stop] = (ds.transpose(-1, -2) @ q_r).sum(dim=2)
+    dq = (dq * scale).reshape(q.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

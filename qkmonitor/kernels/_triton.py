@@ -1,0 +1,1022 @@
+"""Fused attention with in-kernel row statistics in Triton (FlashAttention-2 forward and backward).
+
+Forward (one program per block of BLOCK_M query rows of one head). Scores are kept in base 2:
+``t = log2(e) · scale · q kᵀ`` (the factor is folded into one multiply so that ``exp2`` replaces
+``exp``). Over key blocks the program keeps, per row, the running max ``m``,
+``l = Σ_j 2^{t_j − m}``, the output accumulator ``acc = Σ_j 2^{t_j − m} v_j`` and the centered
+``u = Σ_j 2^{t_j − m}(t_j − m)``. When the max grows from ``m`` to ``m'`` the sums are rescaled by
+``α = 2^{m − m'}`` and ``u ← α(u + (m − m')·l) + Σ_j 2^{t_j − m'}(t_j − m')``. At the end, in
+natural units (``ln 2`` converts):
+
+    out = acc / l,  lse = ln2·(m + log2 l),  entropy = ln2·(log2 l − u / l) ≥ 0,
+    max_prob = 1 / l,  max_logit = ln2·m,  sink_mass = (Σ_{j<S} 2^{t_j − m}) / l.
+
+Masked scores are −inf; a row whose keys are all masked keeps ``m = −inf`` and ``l = 0`` and is
+finished as out = 0, lse = max_logit = −inf, entropy = max_prob = 0. ``0·(−inf)`` never arises:
+exponents use ``m`` replaced by 0 while it is −inf, and masked entries of ``p·(t − m)`` are selected
+away. The statistics only add work on values the softmax already has (one multiply-add per score).
+
+Backward (Dao, "FlashAttention-2", 2023, Algorithm 2, split in two kernels so that nothing needs
+atomics): with ``p = 2^{t − lse2}`` (``lse2 = +inf`` on fully masked rows so p = 0 there),
+``δ_i = Σ_d dO_id O_id`` and ``dS = p ⊙ (dO vᵀ − δ)``:
+
+- ``_attn_bwd_dkdv``: one program per block of BLOCK_N keys of one key/value head; it loops over
+  the query heads of its group (grouped-query attention without repeating k and v) and over query
+  blocks, accumulating ``dV = pᵀ dO`` and ``dK = scale · dSᵀ q``.
+- ``_attn_bwd_dq``: one program per block of query rows, looping over key blocks:
+  ``dQ = scale · dS k``.
+
+Every loop over blocks is split into blocks that need no mask (full tiles, below the causal
+diagonal) and blocks that do (the diagonal band and the ragged tail), which keeps masks out of the
+bulk of the work. The causal mask is bottom-right aligned: query i attends key j iff
+``j ≤ i + M − N``. Head dims that are not powers of two are padded to the next one with masked
+loads. On CUDA the tile sizes are autotuned per (bucketed N, M, head dim, causal, statistics);
+under the interpreter (``TRITON_INTERPRET=1``) one small configuration is used, and bfloat16 is
+computed in float32 because the interpreter's bfloat16 arithmetic is wrong.
+
+Reference: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+Partitioning", 2023; Triton's fused-attention tutorial for the structure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+__all__ = ["triton_attention"]
+
+_INTERPRETED = bool(knobs.runtime.interpret)  # how the kernels below were decorated
+_LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)
+_MAX_GRID_Y = 65535
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+@triton.jit
+def _load_tile(
+    base,
+    rows,
+    offs_d,
+    stride_r,
+    stride_d,
+    n_rows,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+):
+    """Load a (rows, BLOCK_D) tile, zero outside ``rows < n_rows`` and ``d < HEAD_DIM``."""
+    ptrs = base + rows[:, None] * stride_r + offs_d[None, :] * stride_d
+    if CHECK_ROWS:
+        if BLOCK_D == HEAD_DIM:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(
+                ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0
+            )
+    else:
+        if BLOCK_D == HEAD_DIM:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_tile(
+    base, x, rows, offs_d, stride_r, stride_d, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    ptrs = base + rows[:, None] * stride_r + offs_d[None, :] * stride_d
+    if BLOCK_D == HEAD_DIM:
+        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _key_range(
+    start_m, n_ctx_q, n_ctx_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Key blocks of query block ``start_m``: ``[0, full)`` need no mask, ``[full, hi)`` do."""
+    full = (n_ctx_k // BLOCK_N) * BLOCK_N
+    hi = n_ctx_k
+    if CAUSAL:
+        diag = n_ctx_k - n_ctx_q
+        # every row of the block sees keys j <= start_m * BLOCK_M + diag
+        seen_by_all = tl.maximum(start_m * BLOCK_M + diag + 1, 0)
+        full = tl.minimum(full, (seen_by_all // BLOCK_N) * BLOCK_N)
+        hi = tl.minimum(hi, tl.maximum(start_m * BLOCK_M + BLOCK_M + diag, 0))
+        hi = tl.maximum(hi, full)
+    return full, hi
+
+
+# --------------------------------------------------------------------------------------------------
+# forward
+
+
+@triton.jit
+def _fwd_inner(
+    acc,
+    m_i,
+    l_i,
+    u_i,
+    sink_i,
+    q,
+    k_base,
+    v_base,
+    pad_base,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    stride_pn,
+    offs_m,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    n_ctx_q,
+    n_ctx_k,
+    qk_scale,
+    sink_tokens,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    STATS: tl.constexpr,
+    SINK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    diag = n_ctx_k - n_ctx_q
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_tile(
+            k_base, cols, offs_d, stride_kn, stride_kd, n_ctx_k, HEAD_DIM, BLOCK_D, MASKED
+        )
+        t = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            allowed = cols[None, :] < n_ctx_k
+            if CAUSAL:
+                allowed = allowed & (cols[None, :] <= offs_m[:, None] + diag)
+            t = tl.where(allowed, t, float("-inf"))
+        if HAS_PAD:
+            keep = tl.load(pad_base + cols * stride_pn, mask=cols < n_ctx_k, other=0) != 0
+            t = tl.where(keep[None, :], t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(t, 1))
+        if MASKED or HAS_PAD:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key of the row seen yet
+        else:
+            m_use = m_new
+        t = t - m_use[:, None]
+        p = tl.math.exp2(t)
+        alpha = tl.math.exp2(m_i - m_use)
+        if STATS:
+            if MASKED or HAS_PAD:
+                pt = p * tl.where(p > 0.0, t, 0.0)  # no 0·(−inf) at masked keys
+            else:
+                pt = p * t
+            shift = tl.where(l_i > 0.0, m_i - m_use, 0.0) * l_i  # no (−inf)·0 before the first key
+            u_i = alpha * (u_i + shift) + tl.sum(pt, 1)
+            if SINK:
+                if start_n < sink_tokens:
+                    sink_i = alpha * sink_i + tl.sum(
+                        tl.where(cols[None, :] < sink_tokens, p, 0.0), 1
+                    )
+                else:
+                    sink_i = alpha * sink_i
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(
+            v_base, cols, offs_d, stride_vn, stride_vd, n_ctx_k, HEAD_DIM, BLOCK_D, MASKED
+        )
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i, u_i, sink_i
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_ctx_q", "n_ctx_k", "sink_tokens"])
+def _attn_fwd(
+    Q,
+    K,
+    V,
+    Out,
+    Lse2,
+    Pad,
+    Lse,
+    Ent,
+    MaxP,
+    MaxL,
+    Sink,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_pb,
+    stride_pn,
+    n_heads,
+    n_ctx_q,
+    n_ctx_k,
+    qk_scale,
+    sink_tokens,
+    N_Q_BUCKET,  # autotune key only
+    N_K_BUCKET,  # autotune key only
+    GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    STATS: tl.constexpr,
+    SINK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    h_kv = h // GROUPS
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + h_kv * stride_kh
+    v_base = V + b * stride_vb + h_kv * stride_vh
+    o_base = Out + b * stride_ob + h * stride_oh
+    pad_base = Pad + b * stride_pb
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_tile(q_base, offs_m, offs_d, stride_qn, stride_qd, n_ctx_q, HEAD_DIM, BLOCK_D, True)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    u_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sink_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    full, hi = _key_range(start_m, n_ctx_q, n_ctx_k, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i, u_i, sink_i = _fwd_inner(
+        acc, m_i, l_i, u_i, sink_i, q, k_base, v_base, pad_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
+        offs_m, offs_n, offs_d, 0, full, n_ctx_q, n_ctx_k, qk_scale, sink_tokens,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_PAD, STATS, SINK, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i, u_i, sink_i = _fwd_inner(
+        acc, m_i, l_i, u_i, sink_i, q, k_base, v_base, pad_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
+        offs_m, offs_n, offs_d, full, hi, n_ctx_q, n_ctx_k, qk_scale, sink_tokens,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_PAD, STATS, SINK, DOT_PRECISION,
+    )  # fmt: skip
+
+    valid = l_i > 0.0
+    l_safe = tl.where(valid, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    _store_tile(
+        o_base,
+        out.to(Out.dtype.element_ty),
+        offs_m,
+        offs_d,
+        stride_on,
+        stride_od,
+        n_ctx_q,
+        HEAD_DIM,
+        BLOCK_D,
+    )
+
+    row_ptr = pid_bh.to(tl.int64) * n_ctx_q + offs_m
+    row_ok = offs_m < n_ctx_q
+    log2_l = tl.math.log2(l_safe)
+    tl.store(Lse2 + row_ptr, tl.where(valid, m_i + log2_l, float("inf")), mask=row_ok)
+    if STATS:
+        inv_l = 1.0 / l_safe
+        entropy = tl.maximum(_LN2 * (log2_l - u_i * inv_l), 0.0)
+        tl.store(Lse + row_ptr, tl.where(valid, _LN2 * (m_i + log2_l), float("-inf")), mask=row_ok)
+        tl.store(Ent + row_ptr, tl.where(valid, entropy, 0.0), mask=row_ok)
+        tl.store(MaxP + row_ptr, tl.where(valid, inv_l, 0.0), mask=row_ok)
+        tl.store(MaxL + row_ptr, tl.where(valid, _LN2 * m_i, float("-inf")), mask=row_ok)
+        if SINK:
+            tl.store(Sink + row_ptr, tl.where(valid, sink_i * inv_l, 0.0), mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_ctx_q"])
+def _attn_bwd_delta(
+    Out,
+    dO,
+    Delta,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    n_heads,
+    n_ctx_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """``δ_i = Σ_d dO_id · O_id`` in float32."""
+    start_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_tile(
+        Out + b * stride_ob + h * stride_oh,
+        offs_m,
+        offs_d,
+        stride_on,
+        stride_od,
+        n_ctx_q,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    do = _load_tile(
+        dO + b * stride_dob + h * stride_doh,
+        offs_m,
+        offs_d,
+        stride_don,
+        stride_dod,
+        n_ctx_q,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + pid_bh.to(tl.int64) * n_ctx_q + offs_m, delta, mask=offs_m < n_ctx_q)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse2_base,
+    delta_base,
+    stride_qn,
+    stride_qd,
+    stride_don,
+    stride_dod,
+    cols,
+    offs_m,
+    offs_d,
+    lo,
+    hi,
+    n_ctx_q,
+    n_ctx_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    diag = n_ctx_k - n_ctx_q
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q = _load_tile(
+            q_base, rows, offs_d, stride_qn, stride_qd, n_ctx_q, HEAD_DIM, BLOCK_D, MASKED
+        )
+        do = _load_tile(
+            do_base, rows, offs_d, stride_don, stride_dod, n_ctx_q, HEAD_DIM, BLOCK_D, MASKED
+        )
+        if MASKED:
+            lse2 = tl.load(lse2_base + rows, mask=rows < n_ctx_q, other=float("inf"))
+            delta = tl.load(delta_base + rows, mask=rows < n_ctx_q, other=0.0)
+        else:
+            lse2 = tl.load(lse2_base + rows)
+            delta = tl.load(delta_base + rows)
+        t_T = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
+        p_T = tl.math.exp2(t_T - lse2[None, :])
+        if MASKED and CAUSAL:
+            p_T = tl.where(cols[:, None] <= rows[None, :] + diag, p_T, 0.0)
+        dv = tl.dot(p_T.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_T = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_T = p_T * (dp_T - delta[None, :])
+        dk = tl.dot(ds_T.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["n_kv_heads", "n_ctx_q", "n_ctx_k"])
+def _attn_bwd_dkdv(
+    Q,
+    K,
+    V,
+    dO,
+    Lse2,
+    Delta,
+    Pad,
+    dK,
+    dV,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    stride_pb,
+    stride_pn,
+    n_kv_heads,
+    n_ctx_q,
+    n_ctx_k,
+    qk_scale,
+    sm_scale,
+    N_Q_BUCKET,  # autotune key only
+    N_K_BUCKET,  # autotune key only
+    GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bkv = tl.program_id(1)
+    b = (pid_bkv // n_kv_heads).to(tl.int64)
+    h_kv = (pid_bkv % n_kv_heads).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_tile(
+        K + b * stride_kb + h_kv * stride_kh,
+        cols,
+        offs_d,
+        stride_kn,
+        stride_kd,
+        n_ctx_k,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    v = _load_tile(
+        V + b * stride_vb + h_kv * stride_vh,
+        cols,
+        offs_d,
+        stride_vn,
+        stride_vd,
+        n_ctx_k,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    q_stop = n_ctx_q
+    if HAS_PAD:
+        keep = tl.load(Pad + b * stride_pb + cols * stride_pn, mask=cols < n_ctx_k, other=0) != 0
+        # A block of padded keys gets zero gradients: skip its query loop altogether.
+        q_stop = tl.where(tl.max(keep.to(tl.int32), 0) > 0, n_ctx_q, 0)
+    # Query blocks: [lo, diag_hi) cross the causal diagonal, [full_lo, full_hi) need no mask,
+    # [tail_lo, q_stop) is the ragged end.
+    full_hi = (q_stop // BLOCK_M) * BLOCK_M
+    lo = 0
+    full_lo = 0
+    if CAUSAL:
+        diag = n_ctx_k - n_ctx_q
+        lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
+        full_lo = ((tl.maximum(start_n + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    diag_hi = tl.minimum(full_lo, ((q_stop + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+    tail_lo = tl.maximum(full_lo, full_hi)
+
+    for g in range(GROUPS):
+        h = h_kv * GROUPS + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = dO + b * stride_dob + h * stride_doh
+        row_base = (b * (n_kv_heads * GROUPS) + h) * n_ctx_q
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, Lse2 + row_base, Delta + row_base,
+            stride_qn, stride_qd, stride_don, stride_dod, cols, offs_m, offs_d,
+            lo, diag_hi, n_ctx_q, n_ctx_k, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, Lse2 + row_base, Delta + row_base,
+            stride_qn, stride_qd, stride_don, stride_dod, cols, offs_m, offs_d,
+            full_lo, full_hi, n_ctx_q, n_ctx_k, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, Lse2 + row_base, Delta + row_base,
+            stride_qn, stride_qd, stride_don, stride_dod, cols, offs_m, offs_d,
+            tail_lo, q_stop, n_ctx_q, n_ctx_k, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PRECISION,
+        )  # fmt: skip
+
+    dk = dk * sm_scale
+    if HAS_PAD:
+        # Scores of padded keys were never in the softmax; their rows may hold junk.
+        dk = tl.where(keep[:, None], dk, 0.0)
+        dv = tl.where(keep[:, None], dv, 0.0)
+    _store_tile(
+        dK + b * stride_dkb + h_kv * stride_dkh,
+        dk.to(dK.dtype.element_ty),
+        cols,
+        offs_d,
+        stride_dkn,
+        stride_dkd,
+        n_ctx_k,
+        HEAD_DIM,
+        BLOCK_D,
+    )
+    _store_tile(
+        dV + b * stride_dvb + h_kv * stride_dvh,
+        dv.to(dV.dtype.element_ty),
+        cols,
+        offs_d,
+        stride_dvn,
+        stride_dvd,
+        n_ctx_k,
+        HEAD_DIM,
+        BLOCK_D,
+    )
+
+
+@triton.jit
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    pad_base,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    stride_pn,
+    offs_m,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    n_ctx_q,
+    n_ctx_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    diag = n_ctx_k - n_ctx_q
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_tile(
+            k_base, cols, offs_d, stride_kn, stride_kd, n_ctx_k, HEAD_DIM, BLOCK_D, MASKED
+        )
+        v = _load_tile(
+            v_base, cols, offs_d, stride_vn, stride_vd, n_ctx_k, HEAD_DIM, BLOCK_D, MASKED
+        )
+        t = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.math.exp2(t - lse2[:, None])
+        if MASKED:
+            allowed = cols[None, :] < n_ctx_k
+            if CAUSAL:
+                allowed = allowed & (cols[None, :] <= offs_m[:, None] + diag)
+            p = tl.where(allowed, p, 0.0)
+        if HAS_PAD:
+            keep = tl.load(pad_base + cols * stride_pn, mask=cols < n_ctx_k, other=0) != 0
+            p = tl.where(keep[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_ctx_q", "n_ctx_k"])
+def _attn_bwd_dq(
+    Q,
+    K,
+    V,
+    dO,
+    Lse2,
+    Delta,
+    Pad,
+    dQ,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqn,
+    stride_dqd,
+    stride_pb,
+    stride_pn,
+    n_heads,
+    n_ctx_q,
+    n_ctx_k,
+    qk_scale,
+    sm_scale,
+    N_Q_BUCKET,  # autotune key only
+    N_K_BUCKET,  # autotune key only
+    GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    h_kv = h // GROUPS
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < n_ctx_q
+    q = _load_tile(
+        Q + b * stride_qb + h * stride_qh,
+        offs_m,
+        offs_d,
+        stride_qn,
+        stride_qd,
+        n_ctx_q,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    do = _load_tile(
+        dO + b * stride_dob + h * stride_doh,
+        offs_m,
+        offs_d,
+        stride_don,
+        stride_dod,
+        n_ctx_q,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    row_ptr = pid_bh.to(tl.int64) * n_ctx_q + offs_m
+    lse2 = tl.load(Lse2 + row_ptr, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + row_ptr, mask=row_ok, other=0.0)
+    k_base = K + b * stride_kb + h_kv * stride_kh
+    v_base = V + b * stride_vb + h_kv * stride_vh
+    pad_base = Pad + b * stride_pb
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    full, hi = _key_range(start_m, n_ctx_q, n_ctx_k, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, pad_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, offs_m, offs_n, offs_d,
+        0, full, n_ctx_q, n_ctx_k, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_PAD, DOT_PRECISION,
+    )  # fmt: skip
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, pad_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, offs_m, offs_n, offs_d,
+        full, hi, n_ctx_q, n_ctx_k, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_PAD, DOT_PRECISION,
+    )  # fmt: skip
+    dq = dq * sm_scale
+    _store_tile(
+        dQ + b * stride_dqb + h * stride_dqh,
+        dq.to(dQ.dtype.element_ty),
+        offs_m,
+        offs_d,
+        stride_dqn,
+        stride_dqd,
+        n_ctx_q,
+        HEAD_DIM,
+        BLOCK_D,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# configurations
+
+_INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in shapes
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop tiles that cannot fit (large head dims) or exceed a short sequence; sequences of at
+    most 128 get one mid-sized tile without benchmarking (tuning would cost more than it wins,
+    and every new shape would pay it)."""
+    block_d = kwargs["BLOCK_D"]
+    n_q, n_k = named_args["N_Q_BUCKET"], named_args["N_K_BUCKET"]
+    budget = 128 * 128 if block_d <= 64 else 128 * 64 if block_d <= 128 else 64 * 64
+
+    def area(c):
+        return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
+
+    kept = [
+        c
+        for c in configs
+        if area(c) <= budget
+        and max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * block_d <= 128 * 128
+        and c.kwargs["BLOCK_M"] <= max(n_q, 16)
+        and c.kwargs["BLOCK_N"] <= max(n_k, 16)
+    ]
+    if not kept:
+        return [_TINY_CONFIG]
+    if max(n_q, n_k) <= 128:
+        return [min(kept, key=lambda c: abs(area(c) - 64 * 32))]
+    return kept
+
+
+_TINY_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)
+_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "CAUSAL", "GROUPS"]
+_FWD_CONFIGS = _configs(
+    [
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+        (128, 32, 4, 4),
+        (64, 64, 4, 3),
+        (64, 32, 4, 4),
+        (32, 32, 4, 2),
+    ]
+)
+_DKDV_CONFIGS = _configs(  # BLOCK_N keys per program, BLOCK_M queries per inner step
+    [
+        (64, 128, 8, 3),
+        (32, 128, 4, 3),
+        (64, 64, 4, 3),
+        (32, 64, 4, 3),
+        (16, 64, 4, 2),
+    ]
+)
+_DQ_CONFIGS = _configs(
+    [
+        (128, 64, 8, 3),
+        (128, 32, 4, 3),
+        (64, 64, 4, 3),
+        (64, 32, 4, 3),
+        (32, 32, 4, 2),
+    ]
+)
+
+
+def _tuned(kernel, configs, extra_key=()):
+    if _INTERPRETED:
+        return kernel
+    return triton.autotune(
+        configs=configs, key=_KEY + list(extra_key), prune_configs_by={"early_config_prune": _prune}
+    )(kernel)
+
+
+_fwd_kernel = _tuned(_attn_fwd, _FWD_CONFIGS, extra_key=["STATS", "SINK", "HAS_PAD"])
+_dkdv_kernel = _tuned(_attn_bwd_dkdv, _DKDV_CONFIGS, extra_key=["HAS_PAD"])
+_dq_kernel = _tuned(_attn_bwd_dq, _DQ_CONFIGS, extra_key=["HAS_PAD"])
+
+
+def _launch(kernel, grid, *args, **meta) -> None:
+    if _INTERPRETED:
+        meta = {**meta, **_INTERPRETER_BLOCKS}
+        kernel[grid(meta)](*args, **meta, num_warps=4)
+    else:
+        kernel[grid](*args, **meta)
+
+
+# --------------------------------------------------------------------------------------------------
+# autograd
+
+
+def _bucket(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    if dtype != torch.float32:
+        return "tf32"  # Triton's default; only float32 operands read it
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def _strides(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(x.stride())
+
+
+def _on_device(x: torch.Tensor):
+    """Launch on the tensor's GPU, not the current one (the backward runs on autograd's thread)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, pad, causal, scale, sink_tokens, stats):
+        batch, heads, n, d = q.shape
+        kv_heads, m = k.shape[1], k.shape[2]
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        rows = (batch, heads, n)
+        lse2 = torch.empty(rows, dtype=torch.float32, device=q.device)
+        if stats:
+            lse, entropy, max_prob, max_logit = (torch.empty_like(lse2) for _ in range(4))
+            sink = torch.empty_like(lse2) if sink_tokens > 0 else None
+        else:
+            lse = entropy = max_prob = max_logit = sink = None
+        pad_arg = q if pad is None else pad
+        pad_strides = (0, 0) if pad is None else _strides(pad)
+        block_d = max(16, triton.next_power_of_2(d))
+        _launch(
+            _fwd_kernel,
+            lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
+            q, k, v, out, lse2, pad_arg,
+            lse2 if lse is None else lse,
+            lse2 if entropy is None else entropy,
+            lse2 if max_prob is None else max_prob,
+            lse2 if max_logit is None else max_logit,
+            lse2 if sink is None else sink,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out), *pad_strides,
+            heads, n, m, scale * _LOG2E, sink_tokens, _bucket(n), _bucket(m),
+            GROUPS=heads // kv_heads, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal,
+            HAS_PAD=pad is not None, STATS=stats, SINK=stats and sink_tokens > 0,
+            DOT_PRECISION=_dot_precision(q.dtype),
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse2, pad)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.mark_non_differentiable(
+            *(x for x in (lse, entropy, max_prob, max_logit, sink) if x is not None)
+        )
+        return out, lse, entropy, max_prob, max_logit, sink
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, *_stat_grads):
+        with _on_device(dout):
+            return _TritonAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
+        q, k, v, out, lse2, pad = ctx.saved_tensors
+        batch, heads, n, d = q.shape
+        kv_heads, m = k.shape[1], k.shape[2]
+        groups = heads // kv_heads
+        dout = dout.to(q.dtype)
+        block_d = max(16, triton.next_power_of_2(d))
+        delta = torch.empty_like(lse2)
+        delta_block = 16 if _INTERPRETED else 64
+        _attn_bwd_delta[(triton.cdiv(n, delta_block), batch * heads)](
+            out, dout, delta, *_strides(out), *_strides(dout), heads, n,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=delta_block,
+        )  # fmt: skip
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        pad_arg = q if pad is None else pad
+        pad_strides = (0, 0) if pad is None else _strides(pad)
+        common = {
+            "GROUPS": groups, "HEAD_DIM": d, "BLOCK_D": block_d, "CAUSAL": ctx.causal,
+            "HAS_PAD": pad is not None, "DOT_PRECISION": _dot_precision(q.dtype),
+        }  # fmt: skip
+        _launch(
+            _dkdv_kernel,
+            lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
+            q, k, v, dout, lse2, delta, pad_arg, dk, dv,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+            *_strides(dk), *_strides(dv), *pad_strides,
+            kv_heads, n, m, ctx.scale * _LOG2E, ctx.scale, _bucket(n), _bucket(m),
+            **common,
+        )  # fmt: skip
+        _launch(
+            _dq_kernel,
+            lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
+            q, k, v, dout, lse2, delta, pad_arg, dq,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq), *pad_strides,
+            heads, n, m, ctx.scale * _LOG2E, ctx.scale, _bucket(n), _bucket(m),
+            **common,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None
+
+
+def triton_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    scale: float,
+    return_stats: bool,
+    sink_tokens: int,
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None]:
+    """Fused attention on the Triton kernels; inputs already validated by ``attention``.
+
+    Args:
+        q: (B, H, N, D) queries, float16, bfloat16 or float32, D ≤ 256.
+        k: (B, H_kv, M, D) keys, H_kv dividing H.
+        v: (B, H_kv, M, D) values.
+        causal: query i attends key j only when ``j ≤ i + M − N``.
+        key_padding_mask: (B, M) bool, True where the key may be attended, or None.
+        scale: the factor on ``q · k``.
+        return_stats: also return the statistics.
+        sink_tokens: number of leading keys whose attention mass is reported (0 for none).
+
+    Returns:
+        ``out`` (B, H, N, D) in q's dtype, and either None or the detached float32 (B, H, N)
+        tensors ``(lse, entropy, max_prob, max_logit, sink_mass)``.
+
+    Raises:
+        ValueError: for CPU tensors when the kernels were not built for the interpreter (set
+            ``TRITON_INTERPRET=1`` before triton is imported), or when B·H exceeds the grid limit.
+    """
+    if q.device.type == "cpu" and not _INTERPRETED:
+        raise ValueError(
+            "`backend='triton'` got CPU tensors but its kernels were compiled for the GPU: set "
+            "TRITON_INTERPRET=1 before triton is first imported to run them in the interpreter"
+        )
+    batch, heads, n, _ = q.shape
+    if batch * heads > _MAX_GRID_Y:
+        raise ValueError(
+            f"Expected B·H ≤ {_MAX_GRID_Y} for `backend='triton'`, got B={batch}, H={heads}"
+        )
+    if n == 0 or batch * heads == 0 or k.shape[2] == 0:
+        from qkmonitor.kernels._torch import torch_attention  # nothing to fuse: empty rows
+
+        return torch_attention(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+            return_stats=return_stats, sink_tokens=sink_tokens,
+        )  # fmt: skip
+    dtype = q.dtype
+    if _INTERPRETED and dtype == torch.bfloat16:  # the interpreter's bfloat16 math is wrong
+        q, k, v = q.float(), k.float(), v.float()
+    pad = None if key_padding_mask is None else key_padding_mask.to(torch.int8)
+    with _on_device(q):
+        out, lse, entropy, max_prob, max_logit, sink = _TritonAttention.apply(
+            q, k, v, pad, causal, scale, sink_tokens, return_stats
+        )
+    out = out.to(dtype)
+    if not return_stats:
+        return out, None
+    return out, (lse, entropy, max_prob, max_logit, sink)

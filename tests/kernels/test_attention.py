@@ -1,0 +1,342 @@
+"""``qkmonitor.kernels.attention`` against naive float64 attention, on both backends.
+
+Outputs, every statistic and the gradients of q, k and v are compared with
+``reference_attention`` (conftest). The triton backend runs in the interpreter without a GPU, which
+is slow: its tests are marked ``slow`` and keep shapes small.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qkmonitor.kernels import AttentionStats, attention
+from qkmonitor.kernels import _torch as torch_backend
+
+BACKENDS = [
+    pytest.param("torch", id="torch"),
+    pytest.param("triton", id="triton", marks=pytest.mark.slow),
+]
+
+# (out atol/rtol, statistics atol/rtol, gradient tolerance relative to the gradient's max |value|)
+TOLERANCES = {
+    torch.float32: {"out": 2e-5, "stats": 2e-5, "grad": 2e-4},
+    torch.float16: {"out": 3e-3, "stats": 1e-3, "grad": 2e-2},
+    torch.bfloat16: {"out": 2e-2, "stats": 1e-3, "grad": 6e-2},
+}
+STAT_NAMES = ("lse", "entropy", "max_prob", "max_logit", "attended")
+
+
+def make_inputs(seed, batch, heads, kv_heads, n, m, d, device, dtype=torch.float32, spread=1.0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        x = torch.randn(*shape, generator=gen) * spread
+        return x.to(device=device, dtype=dtype).requires_grad_()
+
+    return randn(batch, heads, n, d), randn(batch, kv_heads, m, d), randn(batch, kv_heads, m, d)
+
+
+def run_and_check(
+    reference,
+    q,
+    k,
+    v,
+    *,
+    backend,
+    causal=False,
+    key_padding_mask=None,
+    scale=None,
+    sink_tokens=0,
+    seed=0,
+):
+    """Run ``attention`` with statistics and its backward; assert all of it against the reference.
+
+    Returns the kernel's (out, stats, (dq, dk, dv)) for extra checks.
+    """
+    tol = TOLERANCES[q.dtype]
+    out, stats = attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        return_stats=True,
+        sink_tokens=sink_tokens,
+        backend=backend,
+    )
+    assert isinstance(stats, AttentionStats)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = reference(
+        *leaves,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        sink_tokens=sink_tokens,
+    )
+    torch.testing.assert_close(
+        out.double(), ref.out.detach(), atol=tol["out"], rtol=tol["out"], msg="out"
+    )
+    for name in STAT_NAMES:
+        value = getattr(stats, name)
+        assert value.shape == q.shape[:3] and value.dtype == torch.float32, name
+        assert not value.requires_grad, name
+        assert not value.isnan().any(), name
+        torch.testing.assert_close(
+            value.double(), getattr(ref, name), atol=tol["stats"], rtol=tol["stats"], msg=name
+        )
+    assert (stats.entropy >= 0).all()
+    if sink_tokens == 0:
+        assert stats.sink_mass is None
+    else:
+        torch.testing.assert_close(
+            stats.sink_mass.double(), ref.sink_mass, atol=tol["stats"], rtol=tol["stats"]
+        )
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref.out, leaves, dout.double())
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert g.shape == r.shape and g.dtype == q.dtype, name
+        assert torch.isfinite(g).all(), f"d{name} not finite"
+        scale_g = max(r.abs().max().item(), 1.0)
+        torch.testing.assert_close(
+            g.double(), r, atol=tol["grad"] * scale_g, rtol=tol["grad"], msg=f"d{name}"
+        )
+    return out, stats, grads
+
+
+@st.composite
+def attention_cases(draw, max_len):
+    kv_heads = draw(st.integers(1, 2))
+    m = draw(st.integers(1, max_len))
+    mask_kind = draw(st.sampled_from(["none", "random", "one_batch_empty"]))
+    return {
+        "seed": draw(st.integers(0, 2**16)),
+        "batch": draw(st.integers(1, 2)),
+        "kv_heads": kv_heads,
+        "heads": kv_heads * draw(st.integers(1, 3)),
+        "n": draw(st.integers(1, max_len)),
+        "m": m,
+        "d": draw(st.sampled_from([8, 16, 24, 32, 64, 80])),
+        "causal": draw(st.booleans()),
+        "mask_kind": mask_kind,
+        "scale": draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
+        "sink_tokens": draw(st.integers(0, m + 1)),
+    }
+
+
+def make_mask(kind, batch, m, seed, device):
+    if kind == "none":
+        return None
+    gen = torch.Generator().manual_seed(seed + 2)
+    mask = torch.rand(batch, m, generator=gen) > 0.3
+    if kind == "one_batch_empty":
+        mask[0] = False  # every row of batch element 0 is fully masked
+    return mask.to(device)
+
+
+def check_case(reference, device, backend, case):
+    q, k, v = make_inputs(
+        case["seed"], case["batch"], case["heads"], case["kv_heads"], case["n"], case["m"],
+        case["d"], device,
+    )  # fmt: skip
+    run_and_check(
+        reference,
+        q,
+        k,
+        v,
+        backend=backend,
+        causal=case["causal"],
+        key_padding_mask=make_mask(
+            case["mask_kind"], case["batch"], case["m"], case["seed"], device
+        ),
+        scale=case["scale"],
+        sink_tokens=case["sink_tokens"],
+        seed=case["seed"],
+    )
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(case=attention_cases(max_len=70), block=st.sampled_from([5, 16, 64]))
+def test_torch_random_shapes(reference, device, case, block):
+    # Small key blocks so that the online rescaling runs over many blocks.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_backend, "DEFAULT_BLOCK_SIZE", block)
+        check_case(reference, device, "torch", case)
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(case=attention_cases(max_len=64))
+def test_triton_random_shapes(reference, device, case):
+    check_case(reference, device, "triton", case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_by_padding(reference, device, backend):
+    q, k, v = make_inputs(1, 2, 2, 1, 9, 21, 16, device)
+    mask = torch.ones(2, 21, dtype=torch.bool)
+    mask[0] = False
+    mask[1, ::3] = False
+    out, stats, (dq, dk, dv) = run_and_check(
+        reference, q, k, v, backend=backend, key_padding_mask=mask.to(device), sink_tokens=2
+    )
+    assert (out[0] == 0).all() and (dq[0] == 0).all() and (dk[0] == 0).all() and (dv[0] == 0).all()
+    assert (dk[1, :, ::3] == 0).all() and (dv[1, :, ::3] == 0).all()
+    assert (stats.entropy[0] == 0).all() and (stats.max_prob[0] == 0).all()
+    assert (stats.attended[0] == 0).all() and (stats.sink_mass[0] == 0).all()
+    assert torch.isneginf(stats.lse[0]).all() and torch.isneginf(stats.max_logit[0]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_by_causal_with_more_queries(reference, device, backend):
+    n, m = 23, 6  # bottom-right aligned: rows i < n - m see no key
+    q, k, v = make_inputs(2, 1, 2, 2, n, m, 24, device)
+    out, stats, (dq, _, _) = run_and_check(reference, q, k, v, backend=backend, causal=True)
+    empty = slice(0, n - m)
+    assert (out[:, :, empty] == 0).all() and (dq[:, :, empty] == 0).all()
+    assert (stats.attended[:, :, empty] == 0).all() and (stats.entropy[:, :, empty] == 0).all()
+    assert torch.isneginf(stats.lse[:, :, empty]).all()
+    assert (stats.attended[0, 0, n - m :] == torch.arange(1, m + 1, device=device)).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_and_causal_leave_first_row_empty(reference, device, backend):
+    q, k, v = make_inputs(3, 2, 2, 2, 18, 18, 16, device)
+    mask = torch.ones(2, 18, dtype=torch.bool)
+    mask[:, 0] = False  # row 0 may only see key 0 under the causal rule
+    out, stats, _ = run_and_check(
+        reference, q, k, v, backend=backend, causal=True, key_padding_mask=mask.to(device)
+    )
+    assert (out[:, :, 0] == 0).all() and (stats.attended[:, :, 0] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peaked_logits(reference, device, backend):
+    # q = k and a large scale: each row's softmax is (nearly) one-hot on its own key.
+    q, _, v = make_inputs(4, 1, 2, 2, 33, 33, 32, device)
+    k = q.detach().clone().requires_grad_()
+    out, stats, _ = run_and_check(reference, q, k, v, backend=backend, scale=4.0, causal=True)
+    assert stats.max_prob.min() > 0.99 and stats.entropy.max() < 0.05
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extreme_logits_stay_finite(reference, device, backend):
+    # Scores in the thousands: every exponent must be taken relative to the running max.
+    q, k, v = make_inputs(5, 1, 1, 1, 20, 40, 16, device, spread=10.0)
+    run_and_check(reference, q, k, v, backend=backend, scale=3.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision(reference, device, backend, dtype):
+    q, k, v = make_inputs(6, 2, 4, 2, 35, 29, 24, device, dtype=dtype)
+    mask = torch.rand(2, 29, generator=torch.Generator().manual_seed(6)) > 0.2
+    run_and_check(
+        reference, q, k, v, backend=backend, key_padding_mask=mask.to(device), causal=True
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d", [16, 24, 80, 128, 256])
+def test_head_dims(reference, device, backend, d):
+    q, k, v = make_inputs(7, 1, 2, 1, 17, 19, d, device)
+    run_and_check(reference, q, k, v, backend=backend, causal=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv_heads", [1, 2, 6], ids=["mqa", "gqa", "mha"])
+def test_grouped_heads(reference, device, backend, kv_heads):
+    q, k, v = make_inputs(8, 2, 6, kv_heads, 20, 26, 16, device)
+    run_and_check(reference, q, k, v, backend=backend, causal=True, sink_tokens=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs(reference, device, backend):
+    # (B, N, H, D) storage viewed as (B, H, N, D), as a model's projections produce it.
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (
+        torch.randn(2, l, h, 16, generator=gen).to(device).transpose(1, 2).requires_grad_()
+        for l, h in ((21, 4), (17, 2), (17, 2))
+    )
+    assert not q.is_contiguous()
+    run_and_check(reference, q, k, v, backend=backend, causal=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_statistics_do_not_change_output(device, backend):
+    q, k, v = make_inputs(10, 1, 2, 1, 30, 30, 24, device)
+    mask = (torch.arange(30) % 7 != 0).expand(1, 30).to(device)
+    plain = attention(q, k, v, causal=True, key_padding_mask=mask, backend=backend)
+    with_stats, _ = attention(
+        q,
+        k,
+        v,
+        causal=True,
+        key_padding_mask=mask,
+        backend=backend,
+        return_stats=True,
+        sink_tokens=3,
+    )
+    torch.testing.assert_close(with_stats, plain, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_without_statistics(reference, device, backend, causal):
+    # The torch backend may take F.scaled_dot_product_attention here (no row can be empty).
+    q, k, v = make_inputs(11, 2, 4, 2, 24, 24, 16, device)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[1, 5:9] = False
+    mask = None if causal else mask.to(device)
+    out = attention(q, k, v, causal=causal, key_padding_mask=mask, backend=backend)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = reference(*leaves, causal=causal, key_padding_mask=mask)
+    torch.testing.assert_close(out.double(), ref.out.detach(), atol=2e-5, rtol=2e-5)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(device)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for g, r in zip(grads, torch.autograd.grad(ref.out, leaves, dout.double())):
+        torch.testing.assert_close(g.double(), r, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_integer_mask_and_sink_covering_all_keys(reference, device, backend):
+    q, k, v = make_inputs(12, 1, 2, 2, 8, 10, 16, device)
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 0, 1, 1]], device=device)
+    _, stats, _ = run_and_check(
+        reference, q, k, v, backend=backend, key_padding_mask=mask, sink_tokens=12
+    )
+    torch.testing.assert_close(stats.sink_mass, torch.ones_like(stats.sink_mass))
+    assert (stats.attended == 8).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n, m", [(0, 5), (4, 0)])
+def test_empty_sequences(device, backend, n, m):
+    q, k, v = make_inputs(13, 1, 2, 1, n, m, 16, device)
+    out, stats = attention(q, k, v, return_stats=True, backend=backend)
+    assert out.shape == (1, 2, n, 16) and (out == 0).all()
+    assert torch.isneginf(stats.lse).all() and (stats.entropy == 0).all()
+    out.sum().backward()
+    assert q.grad.shape == q.shape and (q.grad == 0).all()
+
+
+def test_uniform_attention_has_maximal_entropy(device):
+    # All scores equal: p = 1/M, entropy = log M, max_prob = 1/M, lse = max_logit + log M.
+    q = torch.zeros(1, 1, 5, 16, device=device)
+    k = torch.randn(1, 1, 13, 16, device=device)
+    _, stats = attention(q, k, k, return_stats=True, backend="torch")
+    torch.testing.assert_close(stats.entropy, torch.full_like(stats.entropy, math.log(13)))
+    torch.testing.assert_close(stats.max_prob, torch.full_like(stats.max_prob, 1 / 13))
+    torch.testing.assert_close(stats.lse, stats.max_logit + math.log(13))

@@ -1,0 +1,42 @@
+"""The CUDA autotuning search space: what ``_prune`` keeps for each shape (plain Python, no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from qkmonitor.kernels import _triton  # after the importorskip
+
+KERNEL_CONFIGS = {
+    "fwd": _triton._FWD_CONFIGS,
+    "dkdv": _triton._DKDV_CONFIGS,
+    "dq": _triton._DQ_CONFIGS,
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNEL_CONFIGS))
+@pytest.mark.parametrize("n_q, n_k", [(16, 16), (32, 64), (128, 128), (16, 16384), (16384, 16384)])
+@pytest.mark.parametrize("block_d", [16, 64, 128, 256])
+def test_prune_keeps_fitting_tiles(kernel, n_q, n_k, block_d):
+    kept = _triton._prune(
+        KERNEL_CONFIGS[kernel], {"N_Q_BUCKET": n_q, "N_K_BUCKET": n_k}, BLOCK_D=block_d
+    )
+    assert kept
+    for config in kept:
+        bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+        assert bm <= max(n_q, 16) and bn <= max(n_k, 16)
+        assert max(bm, bn) * block_d <= 128 * 128  # register budget per tile row
+    if max(n_q, n_k) <= 128:
+        assert len(kept) == 1  # short sequences: no benchmarking at first call
+
+
+def test_autotune_key_buckets_lengths():
+    assert [_triton._bucket(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [
+        16,
+        16,
+        32,
+        1024,
+        1024,
+        2048,
+    ]
