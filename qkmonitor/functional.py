@@ -47,7 +47,7 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 def _split_heads(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | None):
-    """Per-head factors ``W_Q^h`` (..., H, d, d_k) and the matching ``W_K^g`` (..., H, d', d_k)."""
+    """Per-head factors ``W_Q^h`` (..., H, d, d_k), ``W_K^g`` (..., H_kv, d', d_k), and g for each h."""
     if w_q.dim() < 2 or w_k.dim() < 2:
         raise ValueError(
             f"Expected `w_q` and `w_k` of shape (..., heads * d_k, d), got {tuple(w_q.shape)} and "
@@ -77,14 +77,16 @@ def _split_heads(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | N
     wq = w_q.reshape(*lead, num_heads, d_k, w_q.shape[-1]).transpose(-1, -2)  # (..., H, d, d_k)
     wk = w_k.reshape(*lead, num_kv_heads, d_k, w_k.shape[-1]).transpose(-1, -2)  # (..., H_kv, d', d_k)
     group = torch.arange(num_heads, device=w_k.device) // (num_heads // num_kv_heads)
-    return wq, wk.index_select(-3, group)
+    return wq, wk, group
 
 
-def _finite_heads(wq: Tensor, wk: Tensor):
-    """Zero out heads with non-finite weights; return the cleaned factors and the (..., H) mask."""
-    finite = torch.isfinite(wq).all(dim=(-1, -2)) & torch.isfinite(wk).all(dim=(-1, -2))
-    keep = finite[..., None, None]
-    return torch.where(keep, wq, 0.0), torch.where(keep, wk, 0.0), finite
+def _finite_heads(wq: Tensor, wk: Tensor, group: Tensor):
+    """Zero out non-finite heads; return the cleaned factors and the (..., H) finite mask."""
+    finite_q = torch.isfinite(wq).all(dim=(-1, -2))
+    finite_k = torch.isfinite(wk).all(dim=(-1, -2))
+    wq = torch.where(finite_q[..., None, None], wq, 0.0)
+    wk = torch.where(finite_k[..., None, None], wk, 0.0)
+    return wq, wk, finite_q & finite_k.index_select(-1, group)
 
 
 def qk_singular_values(
@@ -113,10 +115,10 @@ def qk_singular_values(
         tensor([[3., 1.]])
     """
     dtype = _compute_dtype(w_q, w_k)
-    wq, wk = _split_heads(w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads)
-    wq, wk, finite = _finite_heads(wq, wk)
+    wq, wk, group = _split_heads(w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads)
+    wq, wk, finite = _finite_heads(wq, wk, group)
     r_q = torch.linalg.qr(wq, mode="r").R  # (..., H, d_k, d_k) when d >= d_k
-    r_k = torch.linalg.qr(wk, mode="r").R
+    r_k = torch.linalg.qr(wk, mode="r").R.index_select(-3, group)  # one QR per KV head, shared
     sv = torch.linalg.svdvals(r_q @ r_k.transpose(-1, -2))
     return torch.where(finite[..., None], sv, float("nan"))
 
@@ -148,9 +150,9 @@ def qk_eigenvalues(
             f"Eigenvalues need a square W_QK: `w_q` and `w_k` input dims differ ({w_q.shape[-1]} vs {w_k.shape[-1]})"
         )
     dtype = _compute_dtype(w_q, w_k)
-    wq, wk = _split_heads(w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads)
-    wq, wk, finite = _finite_heads(wq, wk)
-    eig = torch.linalg.eigvals(wk.transpose(-1, -2) @ wq)  # (..., H, d_k)
+    wq, wk, group = _split_heads(w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads)
+    wq, wk, finite = _finite_heads(wq, wk, group)
+    eig = torch.linalg.eigvals(wk.index_select(-3, group).transpose(-1, -2) @ wq)  # (..., H, d_k)
     order = eig.abs().argsort(dim=-1, descending=True)
     eig = eig.gather(-1, order)
     return torch.where(finite[..., None], eig, torch.full_like(eig, float("nan")))
