@@ -7,7 +7,7 @@ import math
 from torch import Tensor, nn
 
 from qkmonitor.adapters import QKWeights
-from qkmonitor.kernels import attention
+from qkmonitor.kernels import AttentionStats, attention
 
 from .config import TransformerConfig
 from .rope import RotaryEmbedding
@@ -20,7 +20,10 @@ class MultiHeadAttention(nn.Module):
 
     ``q = x W_q^T`` split into H heads of d_k, ``k, v`` into H_kv heads;
     ``out = W_o · concat_h softmax(q_h k_g^T / sqrt(d_k)) v_g``.
-    Implements :class:`qkmonitor.adapters.SupportsQKMonitor`.
+    Implements :class:`qkmonitor.adapters.SupportsQKMonitor`: ``qk_weights()`` for the spectrum,
+    and probing for the activation statistics: after ``set_probe(True)``, every forward asks the
+    kernel for its per-row statistics (computed in the same pass, no N x N matrix) and keeps the
+    last ones until ``pop_stats()`` takes them.
     """
 
     def __init__(self, config: TransformerConfig) -> None:
@@ -34,6 +37,8 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(config.d_model, kv_width, bias=config.bias)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.rope = RotaryEmbedding(self.head_dim, config.max_seq_len, config.rope_base)
+        self.probe = False
+        self._stats: AttentionStats | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         b, n, _ = x.shape  # (B, N, d)
@@ -41,8 +46,23 @@ class MultiHeadAttention(nn.Module):
         k = self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, N, D)
         v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.rope(q, k)
-        out = attention(q, k, v, causal=True, scale=self.scale, backend=self.backend)  # (B, H, N, D)
+        if self.probe:
+            out, self._stats = attention(q, k, v, causal=True, scale=self.scale, backend=self.backend,
+                                         return_stats=True)
+        else:
+            out = attention(q, k, v, causal=True, scale=self.scale, backend=self.backend)  # (B, H, N, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    def set_probe(self, enabled: bool) -> None:
+        """Turn statistics capture on or off for the following forwards."""
+        self.probe = bool(enabled)
+        if not enabled:
+            self._stats = None
+
+    def pop_stats(self) -> AttentionStats | None:
+        """The statistics of the last forward since probing was turned on (then forgets them)."""
+        stats, self._stats = self._stats, None
+        return stats
 
     def qk_weights(self) -> QKWeights:
         """With RoPE this is the position-0 bilinear form ``W_Q W_K^T``."""

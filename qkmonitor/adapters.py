@@ -49,7 +49,10 @@ class QKWeights:
 class SupportsQKMonitor(Protocol):
     """An attention module that describes itself to qkmonitor (qkmonitor's own modules do).
 
-    ``qk_weights()`` returns the :class:`QKWeights` of the module's current parameters.
+    ``qk_weights()`` returns the :class:`QKWeights` of the module's current parameters. A module
+    may also offer activation statistics by defining ``set_probe(enabled: bool)`` (capture on the
+    following forwards) and ``pop_stats() -> AttentionStats | None`` (the last forward's per-row
+    statistics, see :class:`qkmonitor.kernels.AttentionStats`).
     """
 
     def qk_weights(self) -> QKWeights: ...
@@ -75,6 +78,19 @@ class AttentionLayer:
         """The layer's current query/key weights; subclasses read them from their module."""
         raise NotImplementedError(f"{type(self).__name__} must implement `qk_weights()`")
 
+    @property
+    def supports_stats(self) -> bool:
+        """Whether :meth:`set_probe` / :meth:`pop_stats` give activation statistics."""
+        return False
+
+    def set_probe(self, enabled: bool) -> None:
+        """Capture attention statistics on the following forwards (``enabled``) or stop."""
+        raise NotImplementedError(f"{type(self).__name__} has no activation statistics")
+
+    def pop_stats(self):
+        """The :class:`~qkmonitor.kernels.AttentionStats` of the last probed forward, or None."""
+        raise NotImplementedError(f"{type(self).__name__} has no activation statistics")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(index={self.index}, name={self.name!r})"
 
@@ -86,6 +102,20 @@ class NativeAttentionLayer(AttentionLayer):
 
     def qk_weights(self) -> QKWeights:
         return self.module.qk_weights()
+
+    @property
+    def supports_stats(self) -> bool:
+        return callable(getattr(self.module, "set_probe", None)) and callable(getattr(self.module, "pop_stats", None))
+
+    def set_probe(self, enabled: bool) -> None:
+        if not self.supports_stats:
+            super().set_probe(enabled)
+        self.module.set_probe(enabled)
+
+    def pop_stats(self):
+        if not self.supports_stats:
+            return super().pop_stats()
+        return self.module.pop_stats()
 
 
 class MultiheadAttentionLayer(AttentionLayer):
