@@ -58,7 +58,7 @@ def test_logged_spectrum_matches_naive_svd_of_the_trained_weights(tmp_path, make
 
     for layer, block in enumerate(task.model.blocks):
         attn = block.attn
-        expected = naive_head_metrics(attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), 4, 2, attn.scale)
+        expected = naive_head_metrics(attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), 4, 2, 1 / math.sqrt(attn.head_dim))
         for metric in METRICS:
             tag = f"qkmonitor/{metric}/layer_{layer:02d}"
             assert [step for step, _ in scalars[tag]] == [0, 2, 4], tag  # start, then every 2 steps

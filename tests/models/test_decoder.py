@@ -80,7 +80,7 @@ def test_recall_data_is_reproducible_from_the_seed_and_checks_its_arguments():
 def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
     """Entropy and max-prob from the fused kernel equal those of the explicit float64 softmax."""
     from qkmonitor.adapters import find_attention_layers
-    from qkmonitor.models.rope import apply_rotary_pos_emb
+    from qkmonitor.models.positional import apply_rotary_pos_emb
 
     torch.manual_seed(0)
     model = DecoderLM(TransformerConfig(vocab_size=16, d_model=32, n_heads=4, n_kv_heads=2)).eval()
@@ -105,7 +105,7 @@ def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
     k = (x @ attn.k_proj.weight.double().T).view(3, 9, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
     cos, sin = attn.rope.cos[:9].double(), attn.rope.sin[:9].double()
     q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
-    scores = (q @ k.transpose(-1, -2)) * attn.scale
+    scores = (q @ k.transpose(-1, -2)) * attn.qk_weights().scale
     scores = scores.masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), float("-inf"))
     p = scores.softmax(-1)
     entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
