@@ -1,6 +1,7 @@
 """Lightning callbacks that watch attention while a model trains."""
 
-from .base import AttentionMonitor
+from .attention_entropy import AttentionEntropyMonitor
+from .base import ActivationMonitor, AttentionMonitor
 from .qk_spectrum import QKSpectrumMonitor
 
-__all__ = ["AttentionMonitor", "QKSpectrumMonitor"]
+__all__ = ["ActivationMonitor", "AttentionEntropyMonitor", "AttentionMonitor", "QKSpectrumMonitor"]

@@ -1,9 +1,10 @@
 """What every qkmonitor callback shares: when to probe, how to log, and what to do on an alert.
 
-A monitor subclass implements ``_measure(trainer, pl_module) -> {metric: [(heads,) tensor per layer]}``;
-this base class decides the probe steps (every ``every_n_steps`` optimizer steps, plus the first
-step of a fresh run), writes the tags of :mod:`qkmonitor.tags` to every logger on rank zero,
-feeds the alert rules, and keeps the state a resumed run needs.
+A monitor subclass implements ``_measure(trainer, pl_module) -> {metric: [(heads,) tensor per layer]}``
+and the hooks that decide when to call ``_collect_and_log``; this base class knows the probe steps
+(every ``every_n_steps`` optimizer steps), writes the tags of :mod:`qkmonitor.tags` to every logger
+on rank zero, feeds the alert rules, acts on alerts, and keeps the state a resumed run needs.
+:class:`ActivationMonitor` adds probing of the training forward.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from qkmonitor.adapters import AttentionLayer, LayerSpec, find_attention_layers
 from qkmonitor.alerts import ALERT_ACTIONS, Alert, AlertRule, AlertTracker
 from qkmonitor.tags import alert_tag, head_tag, layer_tag, worst_tag
 
-__all__ = ["AttentionMonitor"]
+__all__ = ["AttentionMonitor", "ActivationMonitor"]
 
 
 class AttentionMonitor(Callback):
@@ -96,18 +97,6 @@ class AttentionMonitor(Callback):
             )
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_step == 0 and self.latest_step is None:
-            self._collect_and_log(trainer, pl_module)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._should_probe(trainer.global_step):
-            self._collect_and_log(trainer, pl_module)
-
-    @override
     def state_dict(self) -> dict[str, Any]:
         return {"alerts": self.tracker.state_dict(), "latest_step": self.latest_step,
                 "warned_nonfinite": self._warned_nonfinite}
@@ -120,17 +109,16 @@ class AttentionMonitor(Callback):
 
     # -- shared mechanics ------------------------------------------------------------------
 
-    def _should_probe(self, step: int) -> bool:
-        # global_step counts optimizer steps; under gradient accumulation several batches end on
-        # the same step, and only the first of them probes.
-        return step > 0 and step % self.every_n_steps == 0 and step != self.latest_step
+    def _is_probe_step(self, step: int) -> bool:
+        # global_step counts optimizer steps; under gradient accumulation several batches share
+        # a step, and only the first of them probes.
+        return step % self.every_n_steps == 0 and step != self.latest_step
 
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
         """metric -> one (num_heads,) tensor per layer of ``self.layers``."""
         raise NotImplementedError
 
-    def _collect_and_log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step = trainer.global_step
+    def _collect_and_log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         with torch.no_grad():
             values = {
                 name: [heads.detach().float().cpu() for heads in per_layer]
@@ -199,3 +187,51 @@ def _current_lr(trainer: pl.Trainer) -> float | None:
             if "lr" in group:
                 return float(group["lr"])
     return None
+
+
+class ActivationMonitor(AttentionMonitor):
+    """A monitor of the training forward: probes are switched on for the first batch of every
+    ``every_n_steps``-th optimizer step (step 0 included) and read when that batch ends.
+
+    Values are logged at the step the batch started on, i.e. for the weights the spectrum monitor
+    logs at the same step. Validation and prediction forwards are never probed.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._probing_step: int | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._setup_probes(pl_module)
+
+    def _setup_probes(self, pl_module: pl.LightningModule) -> None:
+        """Prepare what probing needs (aggregators, hooks) once the layers are known."""
+
+    def _set_probes(self, enabled: bool) -> None:
+        raise NotImplementedError
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        step = trainer.global_step
+        if self._probing_step is None and self._is_probe_step(step):
+            self._probing_step = step
+            self._set_probes(True)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._probing_step is not None:
+            step, self._probing_step = self._probing_step, None
+            try:
+                self._collect_and_log(trainer, pl_module, step)
+            finally:
+                self._set_probes(False)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._probing_step is not None:  # a probed batch that never ended (e.g. skipped)
+            self._probing_step = None
+            self._set_probes(False)

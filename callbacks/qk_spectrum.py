@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from typing_extensions import override
 
 from qkmonitor.adapters import AttentionLayer
 from qkmonitor.alerts import KAPPA_RULE
@@ -62,6 +64,18 @@ class QKSpectrumMonitor(AttentionMonitor):
 
     worst_head = {"kappa": "max", "kappa_eig": "max", "qk_erank": "min", "qk_spectral_norm": "max"}
     default_rules = (KAPPA_RULE,)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == 0 and self.latest_step is None:  # the spectrum at initialization
+            self._collect_and_log(trainer, pl_module, 0)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step  # after the optimizer step: the weights of this step
+        if step > 0 and self._is_probe_step(step):
+            self._collect_and_log(trainer, pl_module, step)
 
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
         return spectrum_of_layers(self.layers)

@@ -10,10 +10,13 @@ user module may implement too.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
@@ -123,18 +126,147 @@ class MultiheadAttentionLayer(AttentionLayer):
 
     ``batch_first`` does not matter for the weights. The scale is ``1/sqrt(head_dim)``, as in
     ``F.multi_head_attention_forward``.
+
+    Statistics: while probing, a forward pre-hook reads the call's query, key and masks and
+    recomputes the scores ``q_h k_h^T / sqrt(d_k)`` on the side, under ``no_grad`` — the module's
+    own call, its arguments and its outputs are untouched (``need_weights`` stays as the caller
+    set it). With no mask or a key padding mask the fused kernel gives the statistics without an
+    N x M matrix; an arbitrary ``attn_mask`` goes through the explicit scores. ``set_probe(False)``
+    removes the hook.
     """
 
     kind = "torch.nn.MultiheadAttention"
 
+    def __init__(self, name: str, module: nn.Module, index: int = 0) -> None:
+        super().__init__(name, module, index)
+        self._hook = None
+        self._stats = None
+
     def qk_weights(self) -> QKWeights:
+        w_q, w_k, _, _ = self._projections()
+        mha: nn.MultiheadAttention = self.module
+        return QKWeights(w_q, w_k, mha.num_heads, mha.num_heads, 1.0 / math.sqrt(mha.head_dim))
+
+    def _projections(self):
         mha: nn.MultiheadAttention = self.module
         e = mha.embed_dim
         if mha.in_proj_weight is not None:  # packed (3E, E): rows are q, k, v
             w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
         else:
             w_q, w_k = mha.q_proj_weight, mha.k_proj_weight  # (E, E) and (E, kdim)
-        return QKWeights(w_q, w_k, mha.num_heads, mha.num_heads, 1.0 / math.sqrt(mha.head_dim))
+        b = mha.in_proj_bias
+        return w_q, w_k, (None if b is None else b[:e]), (None if b is None else b[e : 2 * e])
+
+    @property
+    def supports_stats(self) -> bool:
+        return True
+
+    def set_probe(self, enabled: bool) -> None:
+        if enabled and self._hook is None:
+            self._hook = self.module.register_forward_pre_hook(self._capture, with_kwargs=True)
+        elif not enabled:
+            if self._hook is not None:
+                self._hook.remove()
+            self._hook, self._stats = None, None
+
+    def pop_stats(self):
+        stats, self._stats = self._stats, None
+        return stats
+
+    def _capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
+                 "average_attn_weights", "is_causal")
+        call = dict(zip(names, args)) | kwargs
+        try:
+            with torch.no_grad():
+                self._stats = self._stats_of_call(call)
+        except (RuntimeError, ValueError) as err:  # a metric problem must never stop training
+            self._stats = None
+            warnings.warn(f"qkmonitor: no attention statistics for {self.name!r} ({type(err).__name__}: {err})",
+                          RuntimeWarning, stacklevel=2)
+
+    def _stats_of_call(self, call: dict):
+        from qkmonitor.functional import attention_stats_from_scores
+        from qkmonitor.kernels import attention
+
+        mha: nn.MultiheadAttention = self.module
+        query, key = call["query"], call["key"]
+        if query.dim() == 2:  # unbatched (L, E)
+            query, key = query[None], key[None]
+        elif not mha.batch_first:  # (L, B, E) -> (B, L, E)
+            query, key = query.transpose(0, 1), key.transpose(0, 1)
+        w_q, w_k, b_q, b_k = self._projections()
+        h, d_k = mha.num_heads, mha.head_dim
+        q = F.linear(query, w_q, b_q).unflatten(-1, (h, d_k)).transpose(1, 2)  # (B, H, N, d_k)
+        k = F.linear(key, w_k, b_k).unflatten(-1, (h, d_k)).transpose(1, 2)  # (B, H, M, d_k)
+        if mha.bias_k is not None or mha.add_zero_attn:
+            k = _extra_keys(mha, k)
+        allowed_keys = _allowed_keys(call.get("key_padding_mask"), q.shape[0], k.shape[2], k.device)
+        scale = 1.0 / math.sqrt(d_k)
+        attn_mask = call.get("attn_mask")
+        causal = attn_mask is not None and _is_causal_mask(attn_mask, q.shape[2], k.shape[2])
+        if (attn_mask is None or causal) and _boolean_or_none(allowed_keys):
+            _, stats = attention(q, k, k, causal=causal, key_padding_mask=allowed_keys, scale=scale,
+                                 return_stats=True)
+            return stats
+        scores = (q @ k.transpose(-1, -2)) * scale  # an arbitrary mask: the explicit path
+        scores = scores + _additive(attn_mask, q.shape[0], h, scores)
+        if allowed_keys is not None:
+            scores = scores + _additive(allowed_keys, None, h, scores, keys_only=True)
+        return attention_stats_from_scores(scores)
+
+
+def _allowed_keys(key_padding_mask: Tensor | None, batch: int, num_keys: int, device) -> Tensor | None:
+    """MHA's key_padding_mask (True or -inf = ignore) as True-where-allowed, or a float bias."""
+    if key_padding_mask is None:
+        return None
+    mask = key_padding_mask.to(device)
+    if mask.dtype == torch.bool:
+        allowed = ~mask
+    else:  # additive float mask: -inf drops a key, other values bias it (explicit path)
+        return mask.float()
+    if allowed.shape[-1] < num_keys:  # bias_k / zero-attention keys are appended, always allowed
+        allowed = F.pad(allowed, (0, num_keys - allowed.shape[-1]), value=True)
+    return allowed
+
+
+def _boolean_or_none(mask: Tensor | None) -> bool:
+    return mask is None or mask.dtype == torch.bool
+
+
+def _is_causal_mask(attn_mask: Tensor, n: int, m: int) -> bool:
+    """Whether ``attn_mask`` is exactly the causal mask (bool True or float -inf above the diagonal)."""
+    if attn_mask.dim() != 2 or tuple(attn_mask.shape) != (n, m) or n != m:
+        return False
+    future = torch.ones(n, m, dtype=torch.bool, device=attn_mask.device).triu(1)
+    blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+    if attn_mask.dtype != torch.bool and not bool((attn_mask[~future] == 0).all()):
+        return False
+    return bool((blocked == future).all())
+
+
+def _additive(mask: Tensor | None, batch: int | None, heads: int, like: Tensor, keys_only: bool = False) -> Tensor:
+    """A bool (True = blocked) or float mask as an additive bias broadcastable to (B, H, N, M)."""
+    if mask is None:
+        return torch.zeros((), dtype=like.dtype, device=like.device)
+    if keys_only:  # (B, M): bool True = allowed here, or an additive float mask
+        bias = mask if mask.dtype != torch.bool else torch.where(mask, 0.0, float("-inf"))
+        return bias.to(like.dtype)[:, None, None, :]
+    bias = torch.where(mask, float("-inf"), 0.0) if mask.dtype == torch.bool else mask
+    bias = bias.to(device=like.device, dtype=like.dtype)
+    if bias.dim() == 3:  # (B * H, N, M)
+        bias = bias.view(batch, heads, *bias.shape[-2:])
+    return bias[..., : like.shape[-2], : like.shape[-1]] if bias.dim() == 2 else bias
+
+
+def _extra_keys(mha: nn.MultiheadAttention, k: Tensor) -> Tensor:
+    """The keys MHA appends: ``bias_k`` and, with ``add_zero_attn``, a zero key."""
+    b, h, _, d_k = k.shape
+    if mha.bias_k is not None:
+        k = torch.cat([k, mha.bias_k.view(1, h, 1, d_k).expand(b, h, 1, d_k)], dim=2)
+    if mha.add_zero_attn:
+        k = torch.cat([k, k.new_zeros(b, h, 1, d_k)], dim=2)
+    return k
 
 
 def _adapt(name: str, module: nn.Module, index: int) -> AttentionLayer | None:

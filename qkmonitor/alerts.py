@@ -20,10 +20,14 @@ from torch import Tensor
 __all__ = [
     "QKMonitorWarning",
     "OverLocalizationWarning",
+    "EntropyCollapseWarning",
+    "LogitGrowthWarning",
     "AlertRule",
     "Alert",
     "AlertTracker",
     "KAPPA_RULE",
+    "ENTROPY_COLLAPSE_RULE",
+    "LOGIT_GROWTH_RULE",
     "ALERT_ACTIONS",
 ]
 
@@ -36,6 +40,14 @@ class QKMonitorWarning(UserWarning):
 
 class OverLocalizationWarning(QKMonitorWarning):
     """The QK spectrum of a head concentrates on one direction (rule ``kappa``)."""
+
+
+class EntropyCollapseWarning(QKMonitorWarning):
+    """A head's attention is near one-hot (rule ``entropy_collapse``)."""
+
+
+class LogitGrowthWarning(QKMonitorWarning):
+    """A head's attention logits grow without bound (rule ``logit_growth``)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,33 @@ KAPPA_RULE = AlertRule(
     warning=OverLocalizationWarning,
     meaning="the head's QK spectrum is concentrated on one direction (over-localized attention)",
     advice="lower the learning rate, add QK-norm or sigma-reparametrization, or lengthen warmup",
+)
+
+
+ENTROPY_COLLAPSE_RULE = AlertRule(
+    name="entropy_collapse",
+    metric="entropy_norm",
+    threshold=0.1,
+    above=False,
+    patience=2,
+    margin=0.05,
+    warning=EntropyCollapseWarning,
+    meaning="the head's attention is near one-hot (normalized entropy close to 0)",
+    advice="lower the learning rate, add QK-norm or sigma-reparametrization, or check for a "
+    "runaway query/key scale",
+)
+
+LOGIT_GROWTH_RULE = AlertRule(
+    name="logit_growth",
+    metric="max_logit",
+    threshold=50.0,
+    above=True,
+    patience=2,
+    margin=5.0,
+    warning=LogitGrowthWarning,
+    meaning="the largest pre-softmax attention logit is large enough to saturate the softmax "
+    "(attention-logit growth, Dehghani et al. 2023; Wortsman et al. 2023)",
+    advice="add QK-norm, lower the learning rate, or use weight decay on the query/key projections",
 )
 
 

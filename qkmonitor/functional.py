@@ -36,6 +36,7 @@ __all__ = [
     "eigenvalue_moments",
     "qk_spectrum_metrics",
     "attention_entropy",
+    "attention_stats_from_scores",
 ]
 
 
@@ -299,3 +300,41 @@ def attention_entropy(probs: Tensor, normalize: bool = False, mask: Tensor | Non
         return entropy
     n = allowed.sum(dim=-1).to(p.dtype)
     return torch.where(n > 1, entropy / n.log(), torch.full_like(entropy, float("nan")))
+
+
+def attention_stats_from_scores(scores: Tensor, mask: Tensor | None = None, sink_tokens: int = 0):
+    r"""Per-row :class:`~qkmonitor.kernels.AttentionStats` from explicit pre-softmax scores.
+
+    The explicit counterpart of ``kernels.attention(..., return_stats=True)``, for attention whose
+    mask the kernel does not take (arbitrary ``attn_mask``): ``lse_i = log Σ_j e^{s_ij}``,
+    ``entropy_i = -Σ_j p_ij log p_ij``, ``max_prob_i``, ``max_logit_i = max_j s_ij``,
+    ``attended_i`` over allowed keys with finite scores. Fully masked rows give
+    ``lse = max_logit = -inf`` and zeros elsewhere, never NaN.
+
+    Args:
+        scores: (B, H, N, M) scaled logits; ``-inf`` marks a key that may not be attended.
+        mask: optional bool, broadcastable to ``scores``, True where the key may be attended.
+        sink_tokens: also report the mass on the first ``sink_tokens`` keys.
+
+    Returns:
+        AttentionStats with detached float32 (B, H, N) fields.
+    """
+    from qkmonitor.kernels import AttentionStats
+
+    s = scores.detach().double()
+    allowed = torch.isfinite(s) if mask is None else mask.to(torch.bool).expand_as(s) & torch.isfinite(s)
+    s = s.masked_fill(~allowed, float("-inf"))
+    max_logit = s.amax(dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    live = torch.isfinite(lse)
+    p = torch.where(allowed & live[..., None], (s - torch.where(live, lse, 0.0)[..., None]).exp(), 0.0)
+    plogp = torch.where(p > 0, p * p.log(), 0.0)
+    sink = p[..., :sink_tokens].sum(-1).float() if sink_tokens > 0 else None
+    return AttentionStats(
+        lse=lse.float(),
+        entropy=(0.0 - plogp.sum(-1)).clamp_min(0.0).float(),
+        max_prob=p.amax(dim=-1).float(),
+        max_logit=max_logit.float(),
+        attended=allowed.sum(-1).float(),
+        sink_mass=sink,
+    )

@@ -1,0 +1,99 @@
+"""AttentionEntropyMonitor: how spread each head's attention is, from the training forward."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE, LOGIT_GROWTH_RULE
+from qkmonitor.metrics import AttentionStatistics
+
+from .base import ActivationMonitor
+
+__all__ = ["AttentionEntropyMonitor"]
+
+ENTROPY_METRICS = ("entropy", "entropy_norm", "max_prob", "max_logit")
+
+
+class AttentionEntropyMonitor(ActivationMonitor):
+    r"""Log attention entropy, normalized entropy, max probability and max logit per layer and head.
+
+    At probe steps the training forward itself is measured: qkmonitor's own attention takes the
+    statistics from the fused kernel (same pass, no N x N matrix); ``nn.MultiheadAttention``
+    recomputes its scores on the side from the call's inputs. Per query row i over the n_i keys it
+    may attend, with probabilities p_ij and scaled logits s_ij:
+
+    .. math::
+
+        H_i = -\sum_j p_{ij}\log p_{ij}, \quad \tilde H_i = \frac{H_i}{\log n_i}, \quad
+        \max_j p_{ij}, \quad \max_j s_{ij}.
+
+    A head's value is the mean over rows and batch (rows with n_i ≤ 1 are left out of
+    ``entropy_norm``, fully masked rows out of everything), except ``max_logit``: the largest over
+    all rows. Sums are torchmetrics states, so under DDP the logged values cover every rank's rows.
+
+    Logged keys (``LL`` layer, ``HH`` head, ``prefix`` = ``log_key_prefix``):
+
+    - ``{prefix}/entropy/layer_LL``, ``{prefix}/entropy_min/layer_LL`` — nats; mean and lowest head.
+    - ``{prefix}/entropy_norm/layer_LL``, ``{prefix}/entropy_norm_min/layer_LL`` — in [0, 1].
+    - ``{prefix}/max_prob/layer_LL``, ``{prefix}/max_prob_max/layer_LL``.
+    - ``{prefix}/max_logit/layer_LL``, ``{prefix}/max_logit_max/layer_LL``.
+    - ``{prefix}/{metric}/layer_LL/head_HH`` with ``per_head=True``.
+    - ``{prefix}/alerts/entropy_collapse``, ``{prefix}/alerts/logit_growth``.
+
+    Default alerts: ``entropy_norm <= 0.1`` (:data:`~qkmonitor.alerts.ENTROPY_COLLAPSE_RULE`) and
+    ``max_logit >= 50`` (:data:`~qkmonitor.alerts.LOGIT_GROWTH_RULE`), 2 probes in a row.
+
+    Example::
+
+        trainer = Trainer(callbacks=[AttentionEntropyMonitor(every_n_steps=50)])
+    """
+
+    worst_head = {"entropy": "min", "entropy_norm": "min", "max_prob": "max", "max_logit": "max"}
+    default_rules = (ENTROPY_COLLAPSE_RULE, LOGIT_GROWTH_RULE)
+
+    def _setup_probes(self, pl_module: pl.LightningModule) -> None:
+        unsupported = [layer.name for layer in self.layers if not layer.supports_stats]
+        if unsupported:
+            raise ValueError(
+                f"AttentionEntropyMonitor: layers {unsupported} give no attention statistics; "
+                "pass `layers=` with AttentionLayer adapters that implement `set_probe`/`pop_stats`"
+            )
+        self._aggregators = [
+            AttentionStatistics(layer.qk_weights().num_heads).to(pl_module.device) for layer in self.layers
+        ]
+        self._warned_missing = False
+
+    def _set_probes(self, enabled: bool) -> None:
+        for layer in self.layers:
+            layer.set_probe(enabled)
+
+    def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
+        per_layer = []
+        for layer, aggregator in zip(self.layers, self._aggregators):
+            stats = layer.pop_stats()
+            if stats is None:
+                self._warn_missing(layer.name)
+            else:
+                aggregator.update(stats)
+            # compute() on every rank, updated or not: it is the collective that sums the states
+            # across processes (a rank that saw no rows adds zeros; no rows at all gives NaN).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+                values = aggregator.compute()
+            aggregator.reset()
+            per_layer.append(values)
+        return {name: [values[name] for values in per_layer] for name in ENTROPY_METRICS}
+
+    def _warn_missing(self, name: str) -> None:
+        if not self._warned_missing:
+            self._warned_missing = True
+            rank_zero_warn(
+                f"AttentionEntropyMonitor: layer {name!r} did not run in the probed forward; its "
+                "entropy is logged as NaN. This warning is shown once."
+            )
+
+

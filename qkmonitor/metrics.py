@@ -1,0 +1,90 @@
+r"""torchmetrics aggregators: per-head attention statistics reduced over rows, batches and ranks.
+
+:class:`AttentionStatistics` takes the per-row :class:`~qkmonitor.kernels.AttentionStats` of one
+layer and keeps sums, so that ``compute()`` gives exact means over every row of every rank (the
+states reduce with ``sum`` / ``max`` across processes). Per head h, over rows i with ``n_i ≥ 1``
+allowed keys (fully masked rows are left out of everything):
+
+.. math::
+
+    \mathrm{entropy}_h = \frac{1}{R_h}\sum_i H_i, \qquad
+    \mathrm{entropy\_norm}_h = \frac{1}{R'_h}\sum_{i: n_i > 1} \frac{H_i}{\log n_i}, \qquad
+    \mathrm{max\_prob}_h = \frac{1}{R_h}\sum_i \max_j p_{ij}, \qquad
+    \mathrm{max\_logit}_h = \max_i \max_j s_{ij},
+
+with ``R_h`` the rows counted and ``R'_h`` those with more than one key. ``sink_mass`` is the mean
+mass on the first ``k`` keys, when the kernel was asked for it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from qkmonitor.kernels import AttentionStats
+
+__all__ = ["AttentionStatistics"]
+
+
+class AttentionStatistics(Metric):
+    """Per-head means of attention entropy, normalized entropy, max probability (and sink mass),
+    and the largest logit, over all rows seen since the last reset.
+
+    Args:
+        num_heads: H of the layer.
+    """
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    def __init__(self, num_heads: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"Expected `num_heads` to be a positive int, got {num_heads!r}")
+        self.num_heads = num_heads
+        zeros = torch.zeros(num_heads, dtype=torch.float64)
+        for name in ("entropy_sum", "entropy_norm_sum", "max_prob_sum", "sink_mass_sum",
+                     "rows", "norm_rows", "sink_rows"):
+            self.add_state(name, default=zeros.clone(), dist_reduce_fx="sum")
+        self.add_state("max_logit", default=torch.full((num_heads,), float("-inf"), dtype=torch.float64),
+                       dist_reduce_fx="max")
+
+    def update(self, stats: AttentionStats) -> None:
+        """Add the rows of one forward: every field (B, H, N)."""
+        if stats.entropy.dim() != 3 or stats.entropy.shape[1] != self.num_heads:
+            raise ValueError(
+                f"Expected statistics of shape (B, {self.num_heads}, N), got {tuple(stats.entropy.shape)}"
+            )
+        n = stats.attended.double()
+        live = n >= 1  # fully masked rows are left out of every aggregate
+        spread = n > 1  # entropy_norm is undefined for a single key
+        entropy = stats.entropy.double()
+        self.entropy_sum += _sum_rows(entropy, live)
+        self.max_prob_sum += _sum_rows(stats.max_prob.double(), live)
+        self.rows += live.sum(dim=(0, 2)).double()
+        self.entropy_norm_sum += _sum_rows(entropy / n.clamp_min(2.0).log(), spread)
+        self.norm_rows += spread.sum(dim=(0, 2)).double()
+        logits = torch.where(live, stats.max_logit.double(), float("-inf"))
+        self.max_logit = torch.maximum(self.max_logit, logits.amax(dim=(0, 2)))
+        if stats.sink_mass is not None:
+            self.sink_mass_sum += _sum_rows(stats.sink_mass.double(), live)
+            self.sink_rows += live.sum(dim=(0, 2)).double()
+
+    def compute(self) -> dict[str, Tensor]:
+        """Per-head (H,) float64 values; NaN where no row contributed."""
+        out = {
+            "entropy": self.entropy_sum / self.rows,
+            "entropy_norm": self.entropy_norm_sum / self.norm_rows,
+            "max_prob": self.max_prob_sum / self.rows,
+            "max_logit": torch.where(self.rows > 0, self.max_logit, float("nan")),
+        }
+        if bool((self.sink_rows > 0).any()):
+            out["sink_mass"] = self.sink_mass_sum / self.sink_rows
+        return out
+
+
+def _sum_rows(values: Tensor, keep: Tensor) -> Tensor:
+    """Sum of ``values`` (B, H, N) over batch and rows where ``keep``: (H,)."""
+    return torch.where(keep, values, 0.0).sum(dim=(0, 2))
