@@ -2,6 +2,8 @@
 
 from .attention_entropy import AttentionEntropyMonitor
 from .base import ActivationMonitor, AttentionMonitor
+from .effective_rank import EffectiveRankMonitor
 from .qk_spectrum import QKSpectrumMonitor
 
-__all__ = ["ActivationMonitor", "AttentionEntropyMonitor", "AttentionMonitor", "QKSpectrumMonitor"]
+__all__ = ["ActivationMonitor", "AttentionEntropyMonitor", "AttentionMonitor", "EffectiveRankMonitor",
+           "QKSpectrumMonitor"]

@@ -44,6 +44,8 @@ class AttentionMonitor(Callback):
 
     #: metric -> "max" or "min": the direction in which a head is worst; logged as ``{metric}_{dir}``.
     worst_head: dict[str, str] = {}
+    #: metrics with one value per layer (no heads): logged as the layer tag only.
+    layer_metrics: frozenset[str] = frozenset()
     default_rules: tuple[AlertRule, ...] = ()
 
     def __init__(
@@ -142,6 +144,8 @@ class AttentionMonitor(Callback):
             worst = self.worst_head.get(metric)
             for layer, heads in enumerate(grid):
                 out[layer_tag(self.prefix, metric, layer)] = heads.mean().item()
+                if metric in self.layer_metrics:
+                    continue
                 if worst is not None:
                     extreme = heads.max() if worst == "max" else heads.min()
                     # a NaN head makes the worst head NaN too, as it does the mean

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import QKWeights
+from qkmonitor.functional import attention_probs
 from qkmonitor.kernels import AttentionStats, attention
 from qkmonitor.kernels._stats import attended_keys
 
@@ -59,6 +60,8 @@ class MultiHeadAttention(nn.Module):
         self.train_len = config.scale_train_len
         self.probe = False
         self._stats: AttentionStats | None = None
+        self._probs: Tensor | None = None
+        self._probs_slice: tuple[int, int] | None = None
 
     def forward(self, x: Tensor, memory: Tensor | None = None, key_padding_mask: Tensor | None = None,
                 coords: Tensor | None = None) -> Tensor:
@@ -78,6 +81,7 @@ class MultiHeadAttention(nn.Module):
         source = memory if self.cross else x
         b, n, _ = x.shape
         m = source.shape[1]
+        self._last_n = n
         q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, D)
         k = self.k_proj(source).view(b, m, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, M, D)
         v = self.v_proj(source).view(b, m, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -95,6 +99,8 @@ class MultiHeadAttention(nn.Module):
         kwargs = dict(causal=self.causal, key_padding_mask=key_padding_mask, scale=scale, backend=self.backend)
         if self.probe:
             out, self._stats = attention(q, k, v, return_stats=True, **kwargs)
+            if self._probs_slice is not None:
+                self._probs = self._explicit_probs(q, k, scale, key_padding_mask)
         else:
             out = attention(q, k, v, **kwargs)  # (B, H, N, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
@@ -106,16 +112,41 @@ class MultiHeadAttention(nn.Module):
         keys = attended_keys(b, 1, n, m, causal=self.causal, key_padding_mask=key_padding_mask, device=device)
         return (self.scale_policy(keys.clamp_min(1.0)) * self.logit_factor)[..., None]
 
-    def set_probe(self, enabled: bool) -> None:
-        """Turn statistics capture on or off for the following forwards."""
+    def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
+        """Turn statistics capture on or off for the following forwards.
+
+        Args:
+            enabled: capture the kernel's per-row statistics.
+            probs_slice: ``(sequences, rows)``: also keep the explicit attention matrix of the
+                first ``sequences`` sequences and ``rows`` query rows (all keys), (S, H, R, M).
+        """
         self.probe = bool(enabled)
+        self._probs_slice = probs_slice if enabled else None
         if not enabled:
-            self._stats = None
+            self._stats, self._probs = None, None
 
     def pop_stats(self) -> AttentionStats | None:
         """The statistics of the last forward since probing was turned on (then forgets them)."""
         stats, self._stats = self._stats, None
         return stats
+
+    def pop_probs(self) -> Tensor | None:
+        """The explicit attention matrix of the probe slice of the last forward (then forgets it)."""
+        probs, self._probs = self._probs, None
+        return probs
+
+    def _explicit_probs(self, q: Tensor, k: Tensor, scale: float, key_padding_mask: Tensor | None) -> Tensor:
+        sequences, rows = self._probs_slice
+        q = q[:sequences, :, :rows]
+        n, m = q.shape[2], k.shape[2]
+        pad = None if key_padding_mask is None else key_padding_mask[:sequences]
+        # rows [:R] of the full N x M matrix: keep the causal offset of the uncut rows
+        bias = None
+        if self.causal:
+            full_n = self._last_n
+            bias = torch.zeros(n, m, device=q.device).masked_fill(
+                ~torch.ones(n, m, dtype=torch.bool, device=q.device).tril(diagonal=m - full_n), float("-inf"))
+        return attention_probs(q.detach(), k[:sequences].detach(), scale=scale, key_padding_mask=pad, bias=bias)
 
     def qk_weights(self) -> QKWeights:
         """``W_Q``, ``W_K`` and the logit scale at the training length.

@@ -31,6 +31,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from qkmonitor.functional import masked_softmax
+
 __all__ = [
     "ATTENTION_SCALE_POLICIES",
     "AttentionScale",
@@ -275,12 +277,4 @@ def stable_softmax(x: Tensor, dim: int = -1, mask: Tensor | None = None) -> Tens
         tensor([[0.5000, 0.5000],
                 [0.0000, 0.0000]])
     """
-    work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    if mask is not None:
-        work = work.masked_fill(~mask.to(torch.bool), float("-inf"))
-    row_max = work.amax(dim=dim, keepdim=True)
-    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)  # empty row: exp(-inf - 0) = 0
-    e = (work - row_max).exp()
-    total = e.sum(dim=dim, keepdim=True)
-    probs = e / torch.where(total > 0, total, torch.ones_like(total))
-    return probs.to(x.dtype)
+    return masked_softmax(x, dim=dim, mask=mask)

@@ -86,12 +86,20 @@ class AttentionLayer:
         """Whether :meth:`set_probe` / :meth:`pop_stats` give activation statistics."""
         return False
 
-    def set_probe(self, enabled: bool) -> None:
-        """Capture attention statistics on the following forwards (``enabled``) or stop."""
+    def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
+        """Capture attention statistics on the following forwards (``enabled``) or stop.
+
+        ``probs_slice=(sequences, rows)`` also keeps the explicit attention matrix of that slice
+        (all keys), for :meth:`pop_probs`.
+        """
         raise NotImplementedError(f"{type(self).__name__} has no activation statistics")
 
     def pop_stats(self):
         """The :class:`~qkmonitor.kernels.AttentionStats` of the last probed forward, or None."""
+        raise NotImplementedError(f"{type(self).__name__} has no activation statistics")
+
+    def pop_probs(self) -> Tensor | None:
+        """The (S, H, R, M) attention matrix of the last probed forward's slice, or None."""
         raise NotImplementedError(f"{type(self).__name__} has no activation statistics")
 
     def __repr__(self) -> str:
@@ -110,15 +118,22 @@ class NativeAttentionLayer(AttentionLayer):
     def supports_stats(self) -> bool:
         return callable(getattr(self.module, "set_probe", None)) and callable(getattr(self.module, "pop_stats", None))
 
-    def set_probe(self, enabled: bool) -> None:
+    def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
         if not self.supports_stats:
             super().set_probe(enabled)
-        self.module.set_probe(enabled)
+        if probs_slice is None:
+            self.module.set_probe(enabled)
+        else:
+            self.module.set_probe(enabled, probs_slice=probs_slice)
 
     def pop_stats(self):
         if not self.supports_stats:
             return super().pop_stats()
         return self.module.pop_stats()
+
+    def pop_probs(self) -> Tensor | None:
+        pop = getattr(self.module, "pop_probs", None)
+        return pop() if callable(pop) else None
 
 
 class MultiheadAttentionLayer(AttentionLayer):
@@ -141,6 +156,8 @@ class MultiheadAttentionLayer(AttentionLayer):
         super().__init__(name, module, index)
         self._hook = None
         self._stats = None
+        self._probs = None
+        self._probs_slice: tuple[int, int] | None = None
 
     def qk_weights(self) -> QKWeights:
         w_q, w_k, _, _ = self._projections()
@@ -161,17 +178,22 @@ class MultiheadAttentionLayer(AttentionLayer):
     def supports_stats(self) -> bool:
         return True
 
-    def set_probe(self, enabled: bool) -> None:
+    def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
+        self._probs_slice = probs_slice if enabled else None
         if enabled and self._hook is None:
             self._hook = self.module.register_forward_pre_hook(self._capture, with_kwargs=True)
         elif not enabled:
             if self._hook is not None:
                 self._hook.remove()
-            self._hook, self._stats = None, None
+            self._hook, self._stats, self._probs = None, None, None
 
     def pop_stats(self):
         stats, self._stats = self._stats, None
         return stats
+
+    def pop_probs(self) -> Tensor | None:
+        probs, self._probs = self._probs, None
+        return probs
 
     def _capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
@@ -179,14 +201,14 @@ class MultiheadAttentionLayer(AttentionLayer):
         call = dict(zip(names, args)) | kwargs
         try:
             with torch.no_grad():
-                self._stats = self._stats_of_call(call)
+                self._stats, self._probs = self._stats_of_call(call)
         except (RuntimeError, ValueError) as err:  # a metric problem must never stop training
-            self._stats = None
+            self._stats, self._probs = None, None
             warnings.warn(f"qkmonitor: no attention statistics for {self.name!r} ({type(err).__name__}: {err})",
                           RuntimeWarning, stacklevel=2)
 
     def _stats_of_call(self, call: dict):
-        from qkmonitor.functional import attention_stats_from_scores
+        from qkmonitor.functional import attention_probs, attention_stats_from_scores, masked_softmax
         from qkmonitor.kernels import attention
 
         mha: nn.MultiheadAttention = self.module
@@ -205,15 +227,26 @@ class MultiheadAttentionLayer(AttentionLayer):
         scale = 1.0 / math.sqrt(d_k)
         attn_mask = call.get("attn_mask")
         causal = attn_mask is not None and _is_causal_mask(attn_mask, q.shape[2], k.shape[2])
+        probs = None
         if (attn_mask is None or causal) and _boolean_or_none(allowed_keys):
             _, stats = attention(q, k, k, causal=causal, key_padding_mask=allowed_keys, scale=scale,
                                  return_stats=True)
-            return stats
+            if self._probs_slice is not None:
+                seqs, rows = self._probs_slice
+                pad = None if allowed_keys is None else allowed_keys[:seqs]
+                r, m = min(rows, q.shape[2]), k.shape[2]
+                future = torch.ones(r, m, dtype=torch.bool, device=q.device).triu(1)  # N == M here
+                bias = torch.zeros(r, m, device=q.device).masked_fill(future, float("-inf")) if causal else None
+                probs = attention_probs(q[:seqs, :, :rows], k[:seqs], scale=scale, key_padding_mask=pad, bias=bias)
+            return stats, probs
         scores = (q @ k.transpose(-1, -2)) * scale  # an arbitrary mask: the explicit path
         scores = scores + _additive(attn_mask, q.shape[0], h, scores)
         if allowed_keys is not None:
             scores = scores + _additive(allowed_keys, None, h, scores, keys_only=True)
-        return attention_stats_from_scores(scores)
+        if self._probs_slice is not None:
+            seqs, rows = self._probs_slice
+            probs = masked_softmax(scores[:seqs, :, :rows])
+        return attention_stats_from_scores(scores), probs
 
 
 def _allowed_keys(key_padding_mask: Tensor | None, batch: int, num_keys: int, device) -> Tensor | None:

@@ -22,12 +22,17 @@ __all__ = [
     "OverLocalizationWarning",
     "EntropyCollapseWarning",
     "LogitGrowthWarning",
+    "RankCollapseWarning",
+    "MalignantCollapseWarning",
     "AlertRule",
     "Alert",
     "AlertTracker",
     "KAPPA_RULE",
     "ENTROPY_COLLAPSE_RULE",
     "LOGIT_GROWTH_RULE",
+    "RANK_COLLAPSE_RULE",
+    "MALIGNANT_COLLAPSE_RULE",
+    "Condition",
     "ALERT_ACTIONS",
 ]
 
@@ -50,6 +55,36 @@ class LogitGrowthWarning(QKMonitorWarning):
     """A head's attention logits grow without bound (rule ``logit_growth``)."""
 
 
+class RankCollapseWarning(QKMonitorWarning):
+    """A block's residual stream collapses towards rank one (rule ``rank_collapse``)."""
+
+
+class MalignantCollapseWarning(QKMonitorWarning):
+    """A head's attention is sparse *and* low-rank (rule ``malignant_collapse``)."""
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A further condition a rule needs at the same (layer, head): ``metric`` past ``threshold``.
+
+    Recovery of either the rule's own metric or this one (past ``margin``) ends the alert.
+    """
+
+    metric: str
+    threshold: float
+    above: bool
+    margin: float = 0.0
+
+    def crossed(self, value: float) -> bool:
+        return value >= self.threshold if self.above else value <= self.threshold
+
+    def recovered(self, value: float) -> bool:
+        return value < self.threshold - self.margin if self.above else value > self.threshold + self.margin
+
+    def describe(self) -> str:
+        return f"{self.metric} {'>=' if self.above else '<='} {self.threshold:g}"
+
+
 @dataclass(frozen=True)
 class AlertRule:
     """One alert rule.
@@ -65,6 +100,8 @@ class AlertRule:
         warning: the warning class raised, warned or named.
         meaning: what crossing the threshold says about attention.
         advice: what to try.
+        also: further conditions that must hold at the same time (e.g. low rank *and* sparse).
+        per_head: False for metrics of a whole layer (one value per layer, no head).
     """
 
     name: str
@@ -76,6 +113,8 @@ class AlertRule:
     warning: type[QKMonitorWarning]
     meaning: str
     advice: str
+    also: tuple[Condition, ...] = ()
+    per_head: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.patience, int) or self.patience < 1:
@@ -99,7 +138,11 @@ class AlertRule:
 
     def describe(self) -> str:
         side = ">=" if self.above else "<="
-        return f"{self.metric} {side} {self.threshold:g}"
+        return " and ".join([f"{self.metric} {side} {self.threshold:g}", *(c.describe() for c in self.also)])
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.metric, *(c.metric for c in self.also))
 
 
 KAPPA_RULE = AlertRule(
@@ -142,6 +185,37 @@ LOGIT_GROWTH_RULE = AlertRule(
 )
 
 
+RANK_COLLAPSE_RULE = AlertRule(
+    name="rank_collapse",
+    metric="hidden_collapse",
+    threshold=1e-3,
+    above=False,
+    patience=2,
+    margin=1e-3,
+    warning=RankCollapseWarning,
+    meaning="the block's token representations have collapsed to (nearly) one vector: "
+    "||X - 1 mean(X)||_F / ||X||_F is close to 0 (rank collapse, Dong et al. 2021)",
+    advice="check the residual (skip) connections and the normalization, lower the depth or the "
+    "learning rate",
+    per_head=False,
+)
+
+MALIGNANT_COLLAPSE_RULE = AlertRule(
+    name="malignant_collapse",
+    metric="attn_entropy_norm",
+    threshold=0.1,
+    above=False,
+    patience=2,
+    margin=0.05,
+    warning=MalignantCollapseWarning,
+    meaning="the head's attention is near one-hot and its attention matrix is low-rank: most "
+    "queries attend the same few keys (sparse and low-rank, the malignant kind; sparse but "
+    "identity-like attention is benign — Qi et al. 2025)",
+    advice="lower the learning rate, add QK-norm or sigma-reparametrization, or lengthen warmup",
+    also=(Condition("attn_erank_norm", 0.2, above=False, margin=0.05),),
+)
+
+
 @dataclass(frozen=True)
 class Alert:
     """A rule that fired for one (layer, head) at one step."""
@@ -156,9 +230,11 @@ class Alert:
     def message(self, lr: float | None = None) -> str:
         """The user-facing sentence: where, what value, which threshold, when, and what to try."""
         where = f"layer {self.layer} ({self.layer_name})" if self.layer_name else f"layer {self.layer}"
+        if self.rule.per_head:
+            where += f", head {self.head}"
         lr_text = f", learning rate {lr:.3g}" if lr is not None else ""
         return (
-            f"[qkmonitor:{self.rule.name}] {where}, head {self.head}: {self.rule.metric} = "
+            f"[qkmonitor:{self.rule.name}] {where}: {self.rule.metric} = "
             f"{self.value:.4g} (threshold {self.rule.describe()}, {self.rule.patience} probe(s) in a row) "
             f"at step {self.step}{lr_text}: {self.rule.meaning}. Try: {self.rule.advice}."
         )
@@ -191,25 +267,29 @@ class AlertTracker:
         """
         fired: list[Alert] = []
         for rule in self.rules:
-            if rule.metric not in values:
+            if not all(metric in values for metric in rule.metrics):
                 continue
-            for layer, heads in enumerate(values[rule.metric]):
-                for head, value in enumerate(heads.detach().double().cpu().tolist()):
-                    if self._step_cell(rule, layer, head, value):
+            grids = [values[metric] for metric in rule.metrics]
+            for layer, heads in enumerate(zip(*grids)):
+                rows = [h.detach().double().cpu().reshape(-1).tolist() for h in heads]
+                for head, cell in enumerate(zip(*rows)):
+                    if self._step_cell(rule, layer, head, cell):
                         self.counts[rule.name] += 1
-                        fired.append(Alert(rule, layer, layer_names[layer], head, value, step))
+                        fired.append(Alert(rule, layer, layer_names[layer], head, cell[0], step))
         return fired
 
-    def _step_cell(self, rule: AlertRule, layer: int, head: int, value: float) -> bool:
-        if math.isnan(value):
+    def _step_cell(self, rule: AlertRule, layer: int, head: int, cell: tuple[float, ...]) -> bool:
+        if any(math.isnan(v) for v in cell):
             return False
+        value, others = cell[0], cell[1:]
         key = f"{rule.name}/{layer}/{head}"
         if key in self._active:
-            if rule.recovered(value):
+            if rule.recovered(value) or any(c.recovered(v) for c, v in zip(rule.also, others)):
                 self._active.discard(key)
                 self._streak.pop(key, None)
             return False
-        streak = self._streak.get(key, 0) + 1 if rule.crossed(value) else 0
+        crossed = rule.crossed(value) and all(c.crossed(v) for c, v in zip(rule.also, others))
+        streak = self._streak.get(key, 0) + 1 if crossed else 0
         if streak >= rule.patience:
             self._active.add(key)
             self._streak.pop(key, None)

@@ -37,6 +37,9 @@ __all__ = [
     "qk_spectrum_metrics",
     "attention_entropy",
     "attention_stats_from_scores",
+    "masked_softmax",
+    "attention_probs",
+    "hidden_state_metrics",
 ]
 
 
@@ -338,3 +341,97 @@ def attention_stats_from_scores(scores: Tensor, mask: Tensor | None = None, sink
         attended=allowed.sum(-1).float(),
         sink_mass=sink,
     )
+
+
+def masked_softmax(scores: Tensor, dim: int = -1, mask: Tensor | None = None) -> Tensor:
+    r"""Softmax that subtracts the row maximum and gives an all-zero row where nothing is allowed.
+
+    ``p_j = e^{x_j - m} / Σ_{k∈A} e^{x_k - m}`` for ``j ∈ A`` (``m`` the maximum over A), 0
+    elsewhere; a row with A empty (all masked or all ``-inf``) is all zeros, never NaN.
+    float16/bfloat16 are computed in float32 and cast back.
+
+    Args:
+        scores: logits, any shape.
+        dim: the dimension to normalize over.
+        mask: optional bool (or 0/1), broadcastable to ``scores``, True where allowed.
+
+    Example:
+        >>> masked_softmax(torch.tensor([[1e4, 1e4], [0.0, 0.0]]), mask=torch.tensor([[True, True], [False, False]]))
+        tensor([[0.5000, 0.5000],
+                [0.0000, 0.0000]])
+    """
+    work = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    if mask is not None:
+        work = work.masked_fill(~mask.to(torch.bool), float("-inf"))
+    row_max = work.amax(dim=dim, keepdim=True)
+    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)  # empty row: exp(-inf - 0) = 0
+    e = (work - row_max).exp()
+    total = e.sum(dim=dim, keepdim=True)
+    return (e / torch.where(total > 0, total, torch.ones_like(total))).to(scores.dtype)
+
+
+def attention_probs(
+    q: Tensor,
+    k: Tensor,
+    *,
+    scale: float | Tensor,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    r"""The explicit attention matrix ``A = softmax(scale · q kᵀ + bias)`` — the reference path.
+
+    Args:
+        q: (B, H, N, D); k: (B, H_kv, M, D) with H_kv dividing H (query head h reads key head
+            ``h // (H / H_kv)``).
+        scale: float, or a tensor broadcastable to (B, H, N, 1) (a temperature per row).
+        causal: bottom-right aligned causal mask (row i sees keys ``j ≤ i + M − N``).
+        key_padding_mask: (B, M) bool, True where a key may be attended.
+        bias: optional additive bias broadcastable to (B, H, N, M) (``-inf`` blocks).
+
+    Returns:
+        (B, H, N, M) probabilities in float32 or better; fully masked rows are zeros.
+    """
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k = q.to(dtype), k.to(dtype)
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (scale.to(dtype) if isinstance(scale, Tensor) else scale)
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    n, m = scores.shape[-2:]
+    allowed = torch.ones(n, m, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed.tril(diagonal=m - n)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask.to(torch.bool)[:, None, None, :]
+    return masked_softmax(scores, mask=allowed)
+
+
+def hidden_state_metrics(x: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Effective rank and rank-collapse residual of each sequence's residual-stream matrix.
+
+    For ``X`` (n x d): ``hidden_erank = erank(σ(X))`` (Roy & Vetterli, on the uncentered X) and
+    ``hidden_collapse = ‖X − 1 x̄ᵀ‖_F / ‖X‖_F`` with ``x̄`` the mean over tokens — Dong et al.
+    (2021)'s residual to the nearest rank-one matrix of identical rows; it tends to 0 under rank
+    collapse, while the effective rank alone can stay low in a healthy stream that has a large
+    mean direction.
+
+    Args:
+        x: (..., n, d) hidden states.
+
+    Returns:
+        ``(hidden_erank, hidden_collapse)``, each (...), float32 or better.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]])  # three identical tokens
+        >>> hidden_state_metrics(x)
+        (tensor(1.), tensor(0.))
+    """
+    x = x.detach().double() if x.dtype == torch.float64 else x.detach().float()
+    finite = torch.isfinite(x).all(dim=(-2, -1))
+    x = torch.where(finite[..., None, None], x, 0.0)  # svd refuses NaN: those sequences give NaN
+    erank = effective_rank(torch.linalg.svdvals(x))
+    centered = x - x.mean(dim=-2, keepdim=True)
+    collapse = torch.linalg.vector_norm(centered, dim=(-2, -1)) / torch.linalg.vector_norm(x, dim=(-2, -1))
+    return torch.where(finite, erank, float("nan")), torch.where(finite, collapse, float("nan"))

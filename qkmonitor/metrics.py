@@ -24,7 +24,7 @@ from torchmetrics import Metric
 
 from qkmonitor.kernels import AttentionStats
 
-__all__ = ["AttentionStatistics"]
+__all__ = ["AttentionStatistics", "HeadMean"]
 
 
 class AttentionStatistics(Metric):
@@ -88,3 +88,35 @@ class AttentionStatistics(Metric):
 def _sum_rows(values: Tensor, keep: Tensor) -> Tensor:
     """Sum of ``values`` (B, H, N) over batch and rows where ``keep``: (H,)."""
     return torch.where(keep, values, 0.0).sum(dim=(0, 2))
+
+
+class HeadMean(Metric):
+    """Mean of per-sample values for each of ``num_heads`` slots, over samples, batches and ranks.
+
+    NaN samples are left out; a slot with no sample computes to NaN.
+
+    Args:
+        num_heads: number of slots (heads, or 1 for a per-layer value).
+    """
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    def __init__(self, num_heads: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"Expected `num_heads` to be a positive int, got {num_heads!r}")
+        self.num_heads = num_heads
+        self.add_state("total", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, values: Tensor) -> None:
+        """``values``: (S, num_heads) samples, or (num_heads,) for one."""
+        values = values.detach().double().reshape(-1, self.num_heads)
+        keep = ~values.isnan()
+        self.total += torch.where(keep, values, 0.0).sum(0)
+        self.count += keep.sum(0).double()
+
+    def compute(self) -> Tensor:
+        return self.total / self.count

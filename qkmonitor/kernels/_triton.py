@@ -11,8 +11,10 @@ natural units (``ln 2`` converts):
     out = acc / l,  lse = ln2·(m + log2 l),  entropy = ln2·(log2 l − u / l) ≥ 0,
     max_prob = 1 / l,  max_logit = ln2·m,  sink_mass = (Σ_{j<S} 2^{t_j − m}) / l.
 
-Masked scores are −inf; a row whose keys are all masked keeps ``m = −inf`` and ``l = 0`` and is
-finished as out = 0, lse = max_logit = −inf, entropy = max_prob = 0. ``0·(−inf)`` never arises:
+The sink sum is not carried through the loop: after it, the first S keys are scored again and
+summed with the final ``m`` (usually one extra block; a third running sum made the loop spill
+registers on sm_90). Masked scores are −inf; a row whose keys are all masked keeps ``m = −inf``
+and ``l = 0`` and is finished as out = 0, lse = max_logit = −inf, entropy = max_prob = 0. ``0·(−inf)`` never arises:
 exponents use ``m`` replaced by 0 while it is −inf, and masked entries of ``p·(t − m)`` are selected
 away. The statistics only add work on values the softmax already has (one multiply-add per score).
 
@@ -21,8 +23,8 @@ atomics): with ``p = 2^{t − lse2}`` (``lse2 = +inf`` on fully masked rows so p
 ``δ_i = Σ_d dO_id O_id`` and ``dS = p ⊙ (dO vᵀ − δ)``:
 
 - ``_attn_bwd_dkdv``: one program per block of BLOCK_N keys of one key/value head; it loops over
-  the query heads of its group (grouped-query attention without repeating k and v) and over query
-  blocks, accumulating ``dV = pᵀ dO`` and ``dK = scale · dSᵀ q``.
+  (query head of its group, query block) pairs in one flat loop (grouped-query attention without
+  repeating k and v), accumulating ``dV = pᵀ dO`` and ``dK = scale · dSᵀ q``.
 - ``_attn_bwd_dq``: one program per block of query rows, looping over key blocks:
   ``dQ = scale · dS k``.
 
@@ -30,8 +32,10 @@ Every loop over blocks is split into blocks that need no mask (full tiles, below
 diagonal) and blocks that do (the diagonal band and the ragged tail), which keeps masks out of the
 bulk of the work. The causal mask is bottom-right aligned: query i attends key j iff
 ``j ≤ i + M − N``. Head dims that are not powers of two are padded to the next one with masked
-loads. On CUDA the tile sizes are autotuned per (bucketed N, M, head dim, causal, statistics);
-under the interpreter (``TRITON_INTERPRET=1``) one small configuration is used, and bfloat16 is
+loads. Each tile's first row is added to its base pointer in int64 (``row · stride`` can pass
+2^31 in long strided layouts); offsets inside a tile stay int32. On CUDA the tile sizes are
+autotuned per (bucketed N, M, head dim, causal, statistics) among those that fit the GPU's shared
+memory; under the interpreter (``TRITON_INTERPRET=1``) one small configuration is used, and bfloat16 is
 computed in float32 because the interpreter's bfloat16 arithmetic is wrong.
 
 Reference: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
@@ -41,6 +45,7 @@ Partitioning", 2023; Triton's fused-attention tutorial for the structure.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -62,7 +67,8 @@ _MAX_GRID_Y = 65535
 @triton.jit
 def _load_tile(
     base,
-    rows,
+    start,
+    offs,
     offs_d,
     stride_r,
     stride_d,
@@ -71,14 +77,23 @@ def _load_tile(
     BLOCK_D: tl.constexpr,
     CHECK_ROWS: tl.constexpr,
 ):
-    """Load a (rows, BLOCK_D) tile, zero outside ``rows < n_rows`` and ``d < HEAD_DIM``."""
-    ptrs = base + rows[:, None] * stride_r + offs_d[None, :] * stride_d
+    """Load the (len(offs), BLOCK_D) tile of rows ``start + offs``, zero outside ``rows < n_rows``
+    and ``d < HEAD_DIM``.
+
+    The block's first row is added to ``base`` in int64: ``start * stride_r`` passes 2^31 for a long
+    sequence in a strided layout (e.g. a (B, N, H, D) tensor viewed as (B, H, N, D)), while the
+    offsets inside the tile stay int32 (cheap, and small).
+    """
+    base = base + tl.cast(start, tl.int64) * stride_r
+    ptrs = base + offs[:, None] * stride_r + offs_d[None, :] * stride_d
     if CHECK_ROWS:
         if BLOCK_D == HEAD_DIM:
-            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+            x = tl.load(ptrs, mask=offs[:, None] < n_rows - start, other=0.0)
         else:
             x = tl.load(
-                ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0
+                ptrs,
+                mask=(offs[:, None] < n_rows - start) & (offs_d[None, :] < HEAD_DIM),
+                other=0.0,
             )
     else:
         if BLOCK_D == HEAD_DIM:
@@ -90,13 +105,25 @@ def _load_tile(
 
 @triton.jit
 def _store_tile(
-    base, x, rows, offs_d, stride_r, stride_d, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
+    base,
+    x,
+    start,
+    offs,
+    offs_d,
+    stride_r,
+    stride_d,
+    n_rows,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    ptrs = base + rows[:, None] * stride_r + offs_d[None, :] * stride_d
+    """Store ``x`` to the rows ``start + offs`` below ``n_rows`` (int64 block base, as in
+    ``_load_tile``)."""
+    base = base + tl.cast(start, tl.int64) * stride_r
+    ptrs = base + offs[:, None] * stride_r + offs_d[None, :] * stride_d
     if BLOCK_D == HEAD_DIM:
-        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+        tl.store(ptrs, x, mask=offs[:, None] < n_rows - start)
     else:
-        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+        tl.store(ptrs, x, mask=(offs[:, None] < n_rows - start) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -126,7 +153,6 @@ def _fwd_inner(
     m_i,
     l_i,
     u_i,
-    sink_i,
     q,
     k_base,
     v_base,
@@ -144,7 +170,6 @@ def _fwd_inner(
     n_ctx_q,
     n_ctx_k,
     qk_scale,
-    sink_tokens,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -152,7 +177,6 @@ def _fwd_inner(
     CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr,
     STATS: tl.constexpr,
-    SINK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     diag = n_ctx_k - n_ctx_q
@@ -160,7 +184,16 @@ def _fwd_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = _load_tile(
-            k_base, cols, offs_d, stride_kn, stride_kd, n_ctx_k, HEAD_DIM, BLOCK_D, MASKED
+            k_base,
+            start_n,
+            offs_n,
+            offs_d,
+            stride_kn,
+            stride_kd,
+            n_ctx_k,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
         )
         t = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if MASKED:
@@ -186,21 +219,74 @@ def _fwd_inner(
                 pt = p * t
             shift = tl.where(l_i > 0.0, m_i - m_use, 0.0) * l_i  # no (−inf)·0 before the first key
             u_i = alpha * (u_i + shift) + tl.sum(pt, 1)
-            if SINK:
-                if start_n < sink_tokens:
-                    sink_i = alpha * sink_i + tl.sum(
-                        tl.where(cols[None, :] < sink_tokens, p, 0.0), 1
-                    )
-                else:
-                    sink_i = alpha * sink_i
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(
-            v_base, cols, offs_d, stride_vn, stride_vd, n_ctx_k, HEAD_DIM, BLOCK_D, MASKED
+            v_base,
+            start_n,
+            offs_n,
+            offs_d,
+            stride_vn,
+            stride_vd,
+            n_ctx_k,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
         )
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, m_i, l_i, u_i, sink_i
+    return acc, m_i, l_i, u_i
+
+
+@triton.jit
+def _fwd_sink(
+    q,
+    m_i,
+    k_base,
+    pad_base,
+    stride_kn,
+    stride_kd,
+    stride_pn,
+    offs_m,
+    offs_n,
+    offs_d,
+    n_ctx_q,
+    n_ctx_k,
+    qk_scale,
+    sink_tokens,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``Σ_{j<S} 2^{t_j − m}`` over the allowed sink keys, with the row's final max ``m``.
+
+    Recomputed after the main loop (one extra ``q kᵀ`` over the first S keys, usually one block)
+    rather than carried through it: a third running sum, rescaled every step and updated under a
+    data-dependent branch, pushes the main loop past the register file (ptxas spills on sm_90).
+    """
+    diag = n_ctx_k - n_ctx_q
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)  # rows with no key: every p is 0 below
+    n_sink = tl.minimum(sink_tokens, n_ctx_k)
+    total = tl.zeros_like(m_i)
+    for start_n in tl.range(0, n_sink, BLOCK_N, num_stages=1):  # usually one block: no pipeline
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_tile(
+            k_base, start_n, offs_n, offs_d, stride_kn, stride_kd, n_sink, HEAD_DIM, BLOCK_D, True
+        )
+        t = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        allowed = cols[None, :] < n_sink
+        if CAUSAL:
+            allowed = allowed & (cols[None, :] <= offs_m[:, None] + diag)
+        if HAS_PAD:
+            keep = tl.load(pad_base + cols * stride_pn, mask=cols < n_sink, other=0) != 0
+            allowed = allowed & keep[None, :]
+        # select, not multiply: exp2 of a disallowed score may overflow to inf
+        total += tl.sum(tl.where(allowed, tl.math.exp2(t - m_use[:, None]), 0.0), 1)
+    return total
 
 
 @triton.jit(do_not_specialize=["n_heads", "n_ctx_q", "n_ctx_k", "sink_tokens"])
@@ -263,29 +349,32 @@ def _attn_fwd(
     o_base = Out + b * stride_ob + h * stride_oh
     pad_base = Pad + b * stride_pb
 
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = start_m * BLOCK_M
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = row0 + offs_r
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_tile(q_base, offs_m, offs_d, stride_qn, stride_qd, n_ctx_q, HEAD_DIM, BLOCK_D, True)
+    q = _load_tile(
+        q_base, row0, offs_r, offs_d, stride_qn, stride_qd, n_ctx_q, HEAD_DIM, BLOCK_D, True
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     u_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    sink_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     full, hi = _key_range(start_m, n_ctx_q, n_ctx_k, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i, u_i, sink_i = _fwd_inner(
-        acc, m_i, l_i, u_i, sink_i, q, k_base, v_base, pad_base,
+    acc, m_i, l_i, u_i = _fwd_inner(
+        acc, m_i, l_i, u_i, q, k_base, v_base, pad_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
-        offs_m, offs_n, offs_d, 0, full, n_ctx_q, n_ctx_k, qk_scale, sink_tokens,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_PAD, STATS, SINK, DOT_PRECISION,
+        offs_m, offs_n, offs_d, 0, full, n_ctx_q, n_ctx_k, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_PAD, STATS, DOT_PRECISION,
     )  # fmt: skip
-    acc, m_i, l_i, u_i, sink_i = _fwd_inner(
-        acc, m_i, l_i, u_i, sink_i, q, k_base, v_base, pad_base,
+    acc, m_i, l_i, u_i = _fwd_inner(
+        acc, m_i, l_i, u_i, q, k_base, v_base, pad_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
-        offs_m, offs_n, offs_d, full, hi, n_ctx_q, n_ctx_k, qk_scale, sink_tokens,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_PAD, STATS, SINK, DOT_PRECISION,
+        offs_m, offs_n, offs_d, full, hi, n_ctx_q, n_ctx_k, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_PAD, STATS, DOT_PRECISION,
     )  # fmt: skip
 
     valid = l_i > 0.0
@@ -294,7 +383,8 @@ def _attn_fwd(
     _store_tile(
         o_base,
         out.to(Out.dtype.element_ty),
-        offs_m,
+        row0,
+        offs_r,
         offs_d,
         stride_on,
         stride_od,
@@ -315,6 +405,11 @@ def _attn_fwd(
         tl.store(MaxP + row_ptr, tl.where(valid, inv_l, 0.0), mask=row_ok)
         tl.store(MaxL + row_ptr, tl.where(valid, _LN2 * m_i, float("-inf")), mask=row_ok)
         if SINK:
+            sink_i = _fwd_sink(
+                q, m_i, k_base, pad_base, stride_kn, stride_kd, stride_pn,
+                offs_m, offs_n, offs_d, n_ctx_q, n_ctx_k, qk_scale, sink_tokens,
+                HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_PAD, DOT_PRECISION,
+            )  # fmt: skip
             tl.store(Sink + row_ptr, tl.where(valid, sink_i * inv_l, 0.0), mask=row_ok)
 
 
@@ -346,11 +441,14 @@ def _attn_bwd_delta(
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = start_m * BLOCK_M
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = row0 + offs_r
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_tile(
         Out + b * stride_ob + h * stride_oh,
-        offs_m,
+        row0,
+        offs_r,
         offs_d,
         stride_on,
         stride_od,
@@ -361,7 +459,8 @@ def _attn_bwd_delta(
     )
     do = _load_tile(
         dO + b * stride_dob + h * stride_doh,
-        offs_m,
+        row0,
+        offs_r,
         offs_d,
         stride_don,
         stride_dod,
@@ -384,8 +483,10 @@ def _dkdv_inner(
     do_base,
     lse2_base,
     delta_base,
+    stride_qh,
     stride_qn,
     stride_qd,
+    stride_doh,
     stride_don,
     stride_dod,
     cols,
@@ -396,6 +497,7 @@ def _dkdv_inner(
     n_ctx_q,
     n_ctx_k,
     qk_scale,
+    GROUPS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -403,22 +505,41 @@ def _dkdv_inner(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """Accumulate the query blocks ``[lo, hi)`` of all GROUPS query heads sharing this key/value
+    head (the ``*_base`` arguments point at the group's first head; Lse2/Delta rows of consecutive
+    heads are ``n_ctx_q`` apart).
+
+    One flat loop over (head, query block) pairs rather than a loop over heads around a loop over
+    blocks: the nested form keeps the software pipeline's prologue and epilogue inside the outer
+    loop and, on sm_90, drives ptxas to spill for GROUPS > 1.
+    """
     diag = n_ctx_k - n_ctx_q
-    for start_m in range(lo, hi, BLOCK_M):
+    n_blocks = tl.maximum(hi - lo + BLOCK_M - 1, 0) // BLOCK_M
+    for it in range(GROUPS * n_blocks):
+        if GROUPS == 1:
+            g = 0
+            start_m = lo + it * BLOCK_M
+        else:
+            g = it // n_blocks
+            start_m = lo + (it - g * n_blocks) * BLOCK_M
         start_m = tl.multiple_of(start_m, BLOCK_M)
+        g64 = tl.cast(g, tl.int64)
         rows = start_m + offs_m
         q = _load_tile(
-            q_base, rows, offs_d, stride_qn, stride_qd, n_ctx_q, HEAD_DIM, BLOCK_D, MASKED
-        )
+            q_base + g64 * stride_qh, start_m, offs_m, offs_d, stride_qn, stride_qd, n_ctx_q,
+            HEAD_DIM, BLOCK_D, MASKED,
+        )  # fmt: skip
         do = _load_tile(
-            do_base, rows, offs_d, stride_don, stride_dod, n_ctx_q, HEAD_DIM, BLOCK_D, MASKED
-        )
+            do_base + g64 * stride_doh, start_m, offs_m, offs_d, stride_don, stride_dod, n_ctx_q,
+            HEAD_DIM, BLOCK_D, MASKED,
+        )  # fmt: skip
+        row_ptr = g64 * n_ctx_q + rows
         if MASKED:
-            lse2 = tl.load(lse2_base + rows, mask=rows < n_ctx_q, other=float("inf"))
-            delta = tl.load(delta_base + rows, mask=rows < n_ctx_q, other=0.0)
+            lse2 = tl.load(lse2_base + row_ptr, mask=rows < n_ctx_q, other=float("inf"))
+            delta = tl.load(delta_base + row_ptr, mask=rows < n_ctx_q, other=0.0)
         else:
-            lse2 = tl.load(lse2_base + rows)
-            delta = tl.load(delta_base + rows)
+            lse2 = tl.load(lse2_base + row_ptr)
+            delta = tl.load(delta_base + row_ptr)
         t_T = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
         p_T = tl.math.exp2(t_T - lse2[None, :])
         if MASKED and CAUSAL:
@@ -488,12 +609,14 @@ def _attn_bwd_dkdv(
     b = (pid_bkv // n_kv_heads).to(tl.int64)
     h_kv = (pid_bkv % n_kv_heads).to(tl.int64)
     start_n = pid_n * BLOCK_N
-    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = start_n + offs_n
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     k = _load_tile(
         K + b * stride_kb + h_kv * stride_kh,
-        cols,
+        start_n,
+        offs_n,
         offs_d,
         stride_kn,
         stride_kd,
@@ -504,7 +627,8 @@ def _attn_bwd_dkdv(
     )
     v = _load_tile(
         V + b * stride_vb + h_kv * stride_vh,
-        cols,
+        start_n,
+        offs_n,
         offs_d,
         stride_vn,
         stride_vd,
@@ -516,6 +640,8 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
+    # CAUSAL and HAS_PAD are constexpr, so each variable below has one type per compiled variant
+    # (the untaken branch is never built).
     q_stop = n_ctx_q
     if HAS_PAD:
         keep = tl.load(Pad + b * stride_pb + cols * stride_pn, mask=cols < n_ctx_k, other=0) != 0
@@ -533,29 +659,28 @@ def _attn_bwd_dkdv(
     diag_hi = tl.minimum(full_lo, ((q_stop + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
     tail_lo = tl.maximum(full_lo, full_hi)
 
-    for g in range(GROUPS):
-        h = h_kv * GROUPS + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = dO + b * stride_dob + h * stride_doh
-        row_base = (b * (n_kv_heads * GROUPS) + h) * n_ctx_q
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, Lse2 + row_base, Delta + row_base,
-            stride_qn, stride_qd, stride_don, stride_dod, cols, offs_m, offs_d,
-            lo, diag_hi, n_ctx_q, n_ctx_k, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, Lse2 + row_base, Delta + row_base,
-            stride_qn, stride_qd, stride_don, stride_dod, cols, offs_m, offs_d,
-            full_lo, full_hi, n_ctx_q, n_ctx_k, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, Lse2 + row_base, Delta + row_base,
-            stride_qn, stride_qd, stride_don, stride_dod, cols, offs_m, offs_d,
-            tail_lo, q_stop, n_ctx_q, n_ctx_k, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PRECISION,
-        )  # fmt: skip
+    h0 = h_kv * GROUPS  # first query head of the group
+    q_base = Q + b * stride_qb + h0 * stride_qh
+    do_base = dO + b * stride_dob + h0 * stride_doh
+    row_base = (b * (n_kv_heads * GROUPS) + h0) * n_ctx_q
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, q_base, do_base, Lse2 + row_base, Delta + row_base,
+        stride_qh, stride_qn, stride_qd, stride_doh, stride_don, stride_dod, cols, offs_m, offs_d,
+        lo, diag_hi, n_ctx_q, n_ctx_k, qk_scale,
+        GROUPS, HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PRECISION,
+    )  # fmt: skip
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, q_base, do_base, Lse2 + row_base, Delta + row_base,
+        stride_qh, stride_qn, stride_qd, stride_doh, stride_don, stride_dod, cols, offs_m, offs_d,
+        full_lo, full_hi, n_ctx_q, n_ctx_k, qk_scale,
+        GROUPS, HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DOT_PRECISION,
+    )  # fmt: skip
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, q_base, do_base, Lse2 + row_base, Delta + row_base,
+        stride_qh, stride_qn, stride_qd, stride_doh, stride_don, stride_dod, cols, offs_m, offs_d,
+        tail_lo, q_stop, n_ctx_q, n_ctx_k, qk_scale,
+        GROUPS, HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PRECISION,
+    )  # fmt: skip
 
     dk = dk * sm_scale
     if HAS_PAD:
@@ -565,7 +690,8 @@ def _attn_bwd_dkdv(
     _store_tile(
         dK + b * stride_dkb + h_kv * stride_dkh,
         dk.to(dK.dtype.element_ty),
-        cols,
+        start_n,
+        offs_n,
         offs_d,
         stride_dkn,
         stride_dkd,
@@ -576,7 +702,8 @@ def _attn_bwd_dkdv(
     _store_tile(
         dV + b * stride_dvb + h_kv * stride_dvh,
         dv.to(dV.dtype.element_ty),
-        cols,
+        start_n,
+        offs_n,
         offs_d,
         stride_dvn,
         stride_dvd,
@@ -622,10 +749,28 @@ def _dq_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = _load_tile(
-            k_base, cols, offs_d, stride_kn, stride_kd, n_ctx_k, HEAD_DIM, BLOCK_D, MASKED
+            k_base,
+            start_n,
+            offs_n,
+            offs_d,
+            stride_kn,
+            stride_kd,
+            n_ctx_k,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
         )
         v = _load_tile(
-            v_base, cols, offs_d, stride_vn, stride_vd, n_ctx_k, HEAD_DIM, BLOCK_D, MASKED
+            v_base,
+            start_n,
+            offs_n,
+            offs_d,
+            stride_vn,
+            stride_vd,
+            n_ctx_k,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
         )
         t = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.math.exp2(t - lse2[:, None])
@@ -696,13 +841,16 @@ def _attn_bwd_dq(
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
     h_kv = h // GROUPS
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = start_m * BLOCK_M
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = row0 + offs_r
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < n_ctx_q
     q = _load_tile(
         Q + b * stride_qb + h * stride_qh,
-        offs_m,
+        row0,
+        offs_r,
         offs_d,
         stride_qn,
         stride_qd,
@@ -713,7 +861,8 @@ def _attn_bwd_dq(
     )
     do = _load_tile(
         dO + b * stride_dob + h * stride_doh,
-        offs_m,
+        row0,
+        offs_r,
         offs_d,
         stride_don,
         stride_dod,
@@ -747,7 +896,8 @@ def _attn_bwd_dq(
     _store_tile(
         dQ + b * stride_dqb + h * stride_dqh,
         dq.to(dQ.dtype.element_ty),
-        offs_m,
+        row0,
+        offs_r,
         offs_d,
         stride_dqn,
         stride_dqd,
@@ -770,16 +920,57 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     ]
 
 
-def _prune(configs, named_args, **kwargs):
-    """Drop tiles that cannot fit (large head dims) or exceed a short sequence; sequences of at
-    most 128 get one mid-sized tile without benchmarking (tuning would cost more than it wins,
-    and every new shape would pay it)."""
+def _smem_bytes(kernel: str, config: triton.Config, block_d: int, elem_bytes: int) -> int:
+    """Upper estimate of a configuration's shared memory: the tiles kept for the whole program
+    plus ``num_stages`` buffers of each tile the pipelined loop streams (measured sm_90 kernels
+    use at most this)."""
+    bm, bn, stages = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_stages
+    if kernel == "fwd":  # q resident; k, v streamed
+        return (bm + 2 * bn * stages) * block_d * elem_bytes
+    if kernel == "dkdv":  # k, v resident; q, dO and float32 lse2, δ streamed
+        return (2 * bn + 2 * bm * stages) * block_d * elem_bytes + 8 * bm * stages
+    return (2 * bm + 2 * bn * stages) * block_d * elem_bytes  # dq: q, dO resident; k, v streamed
+
+
+_SMEM_LIMITS: dict[int, int] = {}
+
+
+def _smem_limit(x) -> int | None:
+    """Opt-in shared memory per block of the tensor's GPU (None off CUDA): a launch that needs
+    more fails with OutOfResources, which autotuning survives but a lone configuration does not."""
+    if not (isinstance(x, torch.Tensor) and x.is_cuda):
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _SMEM_LIMITS:
+        from triton.runtime import driver  # at first launch, never at import
+
+        _SMEM_LIMITS[index] = driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return _SMEM_LIMITS[index]
+
+
+def _prune(configs, named_args, kernel=None, smem_limit=None, **kwargs):
+    """Drop tiles that cannot fit (large head dims, or, for ``kernel``, the GPU's shared memory at
+    the operands' element size) or exceed a short sequence; sequences of at most 128 get one
+    mid-sized tile without benchmarking (tuning would cost more than it wins, and every new shape
+    would pay it). ``kernel`` ("fwd", "dkdv", "dq") is bound per autotuned kernel; ``smem_limit``
+    defaults to the device's."""
     block_d = kwargs["BLOCK_D"]
     n_q, n_k = named_args["N_Q_BUCKET"], named_args["N_K_BUCKET"]
     budget = 128 * 128 if block_d <= 64 else 128 * 64 if block_d <= 128 else 64 * 64
+    q = named_args.get("Q")
+    elem_bytes = q.element_size() if isinstance(q, torch.Tensor) else 2
+    if smem_limit is None:
+        smem_limit = _smem_limit(q)
 
     def area(c):
         return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
+
+    def fits_smem(c):
+        return (
+            kernel is None
+            or smem_limit is None
+            or (_smem_bytes(kernel, c, block_d, elem_bytes) <= smem_limit)
+        )
 
     kept = [
         c
@@ -788,6 +979,7 @@ def _prune(configs, named_args, **kwargs):
         and max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * block_d <= 128 * 128
         and c.kwargs["BLOCK_M"] <= max(n_q, 16)
         and c.kwargs["BLOCK_N"] <= max(n_k, 16)
+        and fits_smem(c)
     ]
     if not kept:
         return [_TINY_CONFIG]
@@ -829,17 +1021,20 @@ _DQ_CONFIGS = _configs(
 )
 
 
-def _tuned(kernel, configs, extra_key=()):
+def _tuned(kernel, configs, name, extra_key=()):
     if _INTERPRETED:
         return kernel
+    # triton 3.9 calls early_config_prune(configs, named_args, **kernel_kwargs), where
+    # named_args holds the positional arguments (Q, N_Q_BUCKET, ...) and BLOCK_D is a kwarg.
+    prune = functools.partial(_prune, kernel=name)
     return triton.autotune(
-        configs=configs, key=_KEY + list(extra_key), prune_configs_by={"early_config_prune": _prune}
+        configs=configs, key=_KEY + list(extra_key), prune_configs_by={"early_config_prune": prune}
     )(kernel)
 
 
-_fwd_kernel = _tuned(_attn_fwd, _FWD_CONFIGS, extra_key=["STATS", "SINK", "HAS_PAD"])
-_dkdv_kernel = _tuned(_attn_bwd_dkdv, _DKDV_CONFIGS, extra_key=["HAS_PAD"])
-_dq_kernel = _tuned(_attn_bwd_dq, _DQ_CONFIGS, extra_key=["HAS_PAD"])
+_fwd_kernel = _tuned(_attn_fwd, _FWD_CONFIGS, "fwd", extra_key=["STATS", "SINK", "HAS_PAD"])
+_dkdv_kernel = _tuned(_attn_bwd_dkdv, _DKDV_CONFIGS, "dkdv", extra_key=["HAS_PAD"])
+_dq_kernel = _tuned(_attn_bwd_dq, _DQ_CONFIGS, "dq", extra_key=["HAS_PAD"])
 
 
 def _launch(kernel, grid, *args, **meta) -> None:

@@ -40,3 +40,23 @@ def test_autotune_key_buckets_lengths():
         1024,
         2048,
     ]
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNEL_CONFIGS))
+@pytest.mark.parametrize("n", [128, 16384])
+@pytest.mark.parametrize("block_d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_prune_keeps_tiles_within_shared_memory(kernel, n, block_d, dtype):
+    """A configuration over the GPU's shared memory fails at launch; with a single configuration
+    left (short sequences) nothing would catch it, so pruning must drop it (sm_90: 227 KiB)."""
+    import torch
+
+    q = torch.empty(0, dtype=getattr(torch, dtype))
+    named_args = {"N_Q_BUCKET": n, "N_K_BUCKET": n, "Q": q}
+    limit = 232448
+    kept = _triton._prune(
+        KERNEL_CONFIGS[kernel], named_args, kernel=kernel, smem_limit=limit, BLOCK_D=block_d
+    )
+    assert kept
+    for config in kept:
+        assert _triton._smem_bytes(kernel, config, block_d, q.element_size()) <= limit
