@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from qkmonitor.adapters import AttentionLayer
@@ -78,7 +79,27 @@ class QKSpectrumMonitor(AttentionMonitor):
             self._collect_and_log(trainer, pl_module, step)
 
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
-        return spectrum_of_layers(self.layers)
+        # Under FSDP every rank holds a shard: gather the full weights (read-only) for the probe.
+        with _full_parameters(getattr(trainer.strategy, "model", None)):
+            return spectrum_of_layers(self.layers)
+
+
+def _full_parameters(model: nn.Module | None):
+    """A context in which FSDP (v1) parameters are unsharded; a no-op for anything else."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return nullcontext()
+    if model is not None and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True)
+    return nullcontext()
+
+
+def full_tensor(weight: Tensor) -> Tensor:
+    """The whole tensor behind a sharded parameter (FSDP2 / DTensor), else the tensor itself."""
+    weight = weight.detach()
+    to_full = getattr(weight, "full_tensor", None)  # torch.distributed.tensor.DTensor
+    return to_full() if callable(to_full) else weight
 
 
 def spectrum_of_layers(layers: list[AttentionLayer]) -> dict[str, list[Tensor]]:
@@ -94,8 +115,8 @@ def spectrum_of_layers(layers: list[AttentionLayer]) -> dict[str, list[Tensor]]:
         groups[key].append(i)
     per_layer: list[dict[str, Tensor]] = [{} for _ in layers]
     for (_, _, num_heads, num_kv_heads, _), members in groups.items():
-        w_q = torch.stack([weights[i].w_q.detach() for i in members])  # (G, H*d_k, d)
-        w_k = torch.stack([weights[i].w_k.detach() for i in members])
+        w_q = torch.stack([full_tensor(weights[i].w_q) for i in members])  # (G, H*d_k, d)
+        w_k = torch.stack([full_tensor(weights[i].w_k) for i in members])
         scale = torch.tensor([weights[i].scale for i in members], dtype=torch.float64)
         try:
             metrics = qk_spectrum_metrics(w_q, w_k, num_heads, num_kv_heads, scale.to(w_q.device))

@@ -1,0 +1,47 @@
+"""The monitors under Lightning DDP on CPU (gloo, 2 processes) against one process on the same data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+JOB = Path(__file__).with_name("ddp_job.py")
+
+
+def run_job(out_dir: Path, devices: int, batch_per_device: int) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+    result = subprocess.run([sys.executable, str(JOB), str(out_dir), str(devices), str(batch_per_device)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_ddp_logs_the_same_entropy_as_one_process_and_only_rank_zero_writes(tmp_path):
+    run_job(tmp_path / "single", devices=1, batch_per_device=8)
+    run_job(tmp_path / "ddp", devices=2, batch_per_device=4)  # 2 x 4 = the same 8 samples per step
+
+    versions = sorted(p.name for p in (tmp_path / "ddp" / "run").iterdir())
+    assert versions == ["version_0"]  # one run directory: rank 1 wrote nothing
+    assert len(list((tmp_path / "ddp" / "run" / "version_0").glob("events.out.tfevents.*"))) == 1
+
+    single = scalars(tmp_path / "single" / "run" / "version_0")
+    ddp = scalars(tmp_path / "ddp" / "run" / "version_0")
+    tags = [t for t in single if t.startswith("qkmonitor/")]
+    assert "qkmonitor/entropy/layer_00/head_03" in tags and "qkmonitor/hidden_collapse/layer_01" in tags
+    for tag in tags:
+        # step 0: the same weights, the same 8 sequences split over two ranks
+        first_single, first_ddp = single[tag][0], ddp[tag][0]
+        assert first_single[0] == first_ddp[0] == 0, tag
+        if tag.startswith(("qkmonitor/entropy", "qkmonitor/max_", "qkmonitor/kappa", "qkmonitor/qk_")):
+            assert first_ddp[1] == pytest.approx(first_single[1], rel=1e-5, abs=1e-6), tag
