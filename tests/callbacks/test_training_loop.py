@@ -1,0 +1,65 @@
+"""The activation monitors inside Lightning's loop: accumulation, validation, resume."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
+
+
+class CountingProbes(AttentionEntropyMonitor):
+    """Records every forward of a probed layer, and whether validation was running then."""
+
+    def _setup_probes(self, pl_module):
+        super()._setup_probes(pl_module)
+        self.probed_forwards = []
+        attn = self.layers[0].module
+        attn.register_forward_hook(
+            lambda m, a, o: self.probed_forwards.append(self._trainer.validating) if m.probe else None)
+
+    def setup(self, trainer, pl_module, stage):
+        self._trainer = trainer
+        super().setup(trainer, pl_module, stage)
+
+
+def test_probes_follow_optimizer_steps_under_accumulation_and_skip_validation(tmp_path, make_task, scalars_of):
+    task, data = make_task()
+    monitor = CountingProbes(every_n_steps=2)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=5, logger=TensorBoardLogger(tmp_path, "run", 0),
+                         callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, accumulate_grad_batches=2, val_check_interval=2,
+                         check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0)
+    trainer.fit(task, datamodule=data)
+    steps = [s for s, _ in scalars_of(tmp_path / "run" / "version_0")["qkmonitor/entropy/layer_00"]]
+    assert steps == [0, 2, 4]  # optimizer steps, each probed once although two batches make a step
+    assert monitor.probed_forwards == [False, False, False]  # one probed forward each, none in validation
+
+
+def test_resumed_activation_monitor_continues_without_repeating_steps(tmp_path, make_task, scalars_of):
+    task, data = make_task()
+    common = dict(default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, log_every_n_steps=1)
+    first = EffectiveRankMonitor(every_n_steps=2)
+    pl.Trainer(max_steps=4, logger=TensorBoardLogger(tmp_path, "run", 0), **common,
+               callbacks=[first, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)]).fit(task, datamodule=data)
+    assert first.latest_step == 2  # batches start at steps 0..3: probes at 0 and 2
+    second = EffectiveRankMonitor(every_n_steps=2)
+    pl.Trainer(max_steps=8, logger=TensorBoardLogger(tmp_path, "run", 1), **common,
+               callbacks=[second, ModelCheckpoint(dirpath=tmp_path / "ckpt2")]).fit(
+        task, datamodule=data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    steps = [s for s, _ in scalars_of(tmp_path / "run" / "version_1")["qkmonitor/hidden_collapse/layer_00"]]
+    assert steps == [4, 6]  # continues at 4; 2 is not measured again, 8 is never a batch start
+
+
+@pytest.mark.parametrize("monitor_cls", [AttentionEntropyMonitor, EffectiveRankMonitor])
+def test_monitors_leave_no_probe_on_after_training(tmp_path, make_task, monitor_cls):
+    task, data = make_task()
+    monitor = monitor_cls(every_n_steps=1)
+    pl.Trainer(default_root_dir=tmp_path, max_steps=2, logger=False, callbacks=[monitor],
+               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+               limit_val_batches=0).fit(task, datamodule=data)
+    assert not any(block.attn.probe for block in task.model.blocks)
+    assert not any(block._forward_hooks for block in task.model.blocks)
