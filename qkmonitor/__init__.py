@@ -7,14 +7,26 @@ rules (:mod:`qkmonitor.alerts`) and the CLI. The Lightning callbacks live in
 """
 
 from qkmonitor.adapters import AttentionLayer, QKWeights, find_attention_layers
-from qkmonitor.alerts import AlertRule, OverLocalizationWarning, QKMonitorWarning
+from qkmonitor.alerts import (
+    AlertRule,
+    EntropyCollapseWarning,
+    LogitGrowthWarning,
+    MalignantCollapseWarning,
+    OverLocalizationWarning,
+    QKMonitorWarning,
+    RankCollapseWarning,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AlertRule",
     "AttentionLayer",
+    "EntropyCollapseWarning",
+    "LogitGrowthWarning",
+    "MalignantCollapseWarning",
     "OverLocalizationWarning",
+    "RankCollapseWarning",
     "QKMonitorWarning",
     "QKWeights",
     "find_attention_layers",
