@@ -27,13 +27,8 @@ from qkmonitor.kernels import AttentionStats
 __all__ = ["AttentionStatistics", "HeadMean"]
 
 
-class AttentionStatistics(Metric):
-    """Per-head means of attention entropy, normalized entropy, max probability (and sink mass),
-    and the largest logit, over all rows seen since the last reset.
-
-    Args:
-        num_heads: H of the layer.
-    """
+class _PerHeadMetric(Metric):
+    """A metric with one slot per head; subclasses add their states."""
 
     is_differentiable = False
     higher_is_better = None
@@ -44,6 +39,18 @@ class AttentionStatistics(Metric):
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"Expected `num_heads` to be a positive int, got {num_heads!r}")
         self.num_heads = num_heads
+
+
+class AttentionStatistics(_PerHeadMetric):
+    """Per-head means of attention entropy, normalized entropy, max probability (and sink mass),
+    and the largest logit, over all rows seen since the last reset.
+
+    Args:
+        num_heads: H of the layer.
+    """
+
+    def __init__(self, num_heads: int, **kwargs) -> None:
+        super().__init__(num_heads, **kwargs)
         zeros = torch.zeros(num_heads, dtype=torch.float64)
         for name in ("entropy_sum", "entropy_norm_sum", "max_prob_sum", "sink_mass_sum",
                      "rows", "norm_rows", "sink_rows"):
@@ -90,7 +97,7 @@ def _sum_rows(values: Tensor, keep: Tensor) -> Tensor:
     return torch.where(keep, values, 0.0).sum(dim=(0, 2))
 
 
-class HeadMean(Metric):
+class HeadMean(_PerHeadMetric):
     """Mean of per-sample values for each of ``num_heads`` slots, over samples, batches and ranks.
 
     NaN samples are left out; a slot with no sample computes to NaN.
@@ -99,15 +106,8 @@ class HeadMean(Metric):
         num_heads: number of slots (heads, or 1 for a per-layer value).
     """
 
-    is_differentiable = False
-    higher_is_better = None
-    full_state_update = False
-
     def __init__(self, num_heads: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"Expected `num_heads` to be a positive int, got {num_heads!r}")
-        self.num_heads = num_heads
+        super().__init__(num_heads, **kwargs)
         self.add_state("total", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
 
