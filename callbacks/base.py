@@ -121,40 +121,47 @@ class AttentionMonitor(Callback):
         raise NotImplementedError
 
     def _collect_and_log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
-        with torch.no_grad():
-            values = {
-                name: [heads.detach().float().cpu() for heads in per_layer]
-                for name, per_layer in self._measure(trainer, pl_module).items()
-            }
+        values = self._collect(trainer, pl_module)
         self.latest, self.latest_step = values, step
         self._warn_nonfinite(values, step)
         alerts = self.tracker.update(values, step, [layer.name for layer in self.layers])
-        if trainer.is_global_zero:
-            metrics = self._scalars(values)
-            metrics.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
-                            for r in self.tracker.rules})
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+        metrics = self._scalars(values, self.prefix)
+        metrics.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
+                        for r in self.tracker.rules})
+        self._log(trainer, metrics, step)
         for alert in alerts:
             self._act(trainer, alert)
 
-    def _scalars(self, values: dict[str, list[Tensor]]) -> dict[str, float]:
+    def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
+        with torch.no_grad():
+            return {
+                name: [heads.detach().float().cpu() for heads in per_layer]
+                for name, per_layer in self._measure(trainer, pl_module).items()
+            }
+
+    @staticmethod
+    def _log(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def _scalars(self, values: dict[str, list[Tensor]], prefix: str) -> dict[str, float]:
         out: dict[str, float] = {}
         for metric, grid in values.items():
             worst = self.worst_head.get(metric)
             for layer, heads in enumerate(grid):
-                out[layer_tag(self.prefix, metric, layer)] = heads.mean().item()
+                out[layer_tag(prefix, metric, layer)] = heads.mean().item()
                 if metric in self.layer_metrics:
                     continue
                 if worst is not None:
                     extreme = heads.max() if worst == "max" else heads.min()
                     # a NaN head makes the worst head NaN too, as it does the mean
-                    out[worst_tag(self.prefix, metric, worst, layer)] = (
+                    out[worst_tag(prefix, metric, worst, layer)] = (
                         math.nan if heads.isnan().any() else extreme.item()
                     )
                 if self.per_head:
                     for head, value in enumerate(heads.tolist()):
-                        out[head_tag(self.prefix, metric, layer, head)] = value
+                        out[head_tag(prefix, metric, layer, head)] = value
         return out
 
     def _warn_nonfinite(self, values: dict[str, list[Tensor]], step: int) -> None:
@@ -198,12 +205,41 @@ class ActivationMonitor(AttentionMonitor):
     ``every_n_steps``-th optimizer step (step 0 included) and read when that batch ends.
 
     Values are logged at the step the batch started on, i.e. for the weights the spectrum monitor
-    logs at the same step. Validation and prediction forwards are never probed.
+    logs at the same step. Validation is not probed unless ``probe_validation=True``: then the first
+    batch of every validation run is measured and logged under ``{prefix}/val/...`` (no alerts).
+
+    Args:
+        probe_validation: also measure the first validation batch of each validation run.
+        *args, **kwargs: see :class:`AttentionMonitor`.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, probe_validation: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if not isinstance(probe_validation, bool):
+            raise ValueError(f"Expected `probe_validation` to be a bool, got {probe_validation!r}")
+        self.probe_validation = probe_validation
         self._probing_step: int | None = None
+        self._probing_validation = False
+        #: The last validation probe's values, like :attr:`latest`.
+        self.latest_validation: dict[str, list[Tensor]] = {}
+
+    @override
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.probe_validation and batch_idx == 0 and dataloader_idx == 0 and not trainer.sanity_checking:
+            self._probing_validation = True
+            self._set_probes(True)
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                                batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._probing_validation:
+            self._probing_validation = False
+            try:
+                self.latest_validation = self._collect(trainer, pl_module)
+                self._log(trainer, self._scalars(self.latest_validation, f"{self.prefix}/val"), trainer.global_step)
+            finally:
+                self._set_probes(False)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -63,3 +63,19 @@ def test_monitors_leave_no_probe_on_after_training(tmp_path, make_task, monitor_
                limit_val_batches=0).fit(task, datamodule=data)
     assert not any(block.attn.probe for block in task.model.blocks)
     assert not any(block._forward_hooks for block in task.model.blocks)
+
+
+def test_validation_is_probed_only_when_asked_and_logged_apart(tmp_path, make_task, scalars_of):
+    task, data = make_task()
+    monitor = AttentionEntropyMonitor(every_n_steps=10, probe_validation=True)
+    pl.Trainer(default_root_dir=tmp_path, max_steps=4, logger=TensorBoardLogger(tmp_path, "run", 0),
+               callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False, val_check_interval=2, check_val_every_n_epoch=None,
+               limit_val_batches=2).fit(task, datamodule=data)
+    scalars = scalars_of(tmp_path / "run" / "version_0")
+    assert [s for s, _ in scalars["qkmonitor/val/entropy/layer_01"]] == [2, 4]  # after steps 2 and 4
+    assert [s for s, _ in scalars["qkmonitor/entropy/layer_01"]] == [0]  # training: every 10 steps
+    assert "qkmonitor/val/alerts/entropy_collapse" not in scalars
+    assert monitor.latest_validation["entropy"][1].shape == (4,)
+    with pytest.raises(ValueError, match="`probe_validation`"):
+        AttentionEntropyMonitor(probe_validation="yes")
