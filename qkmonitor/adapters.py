@@ -10,6 +10,7 @@ user module may implement too.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -307,11 +308,17 @@ def _adapt(name: str, module: nn.Module, index: int) -> AttentionLayer | None:
         return NativeAttentionLayer(name, module, index)
     if isinstance(module, nn.MultiheadAttention):
         return MultiheadAttentionLayer(name, module, index)
+    if sys.modules.get("transformers") is not None:  # a transformers module implies transformers imported
+        from qkmonitor.hf import adapt_hf_module
+
+        return adapt_hf_module(name, module, index)
     return None
 
 
 _LOOKED_FOR = (
-    "qkmonitor attention modules (a `qk_weights()` method), torch.nn.MultiheadAttention"
+    "qkmonitor attention modules (a `qk_weights()` method), torch.nn.MultiheadAttention, "
+    "Hugging Face transformers attention (LLaMA-family `q_proj`/`k_proj` with "
+    "`num_key_value_heads`, GPT-2 `c_attn` Conv1D, BERT `query`/`key`; needs the `hf` extra)"
 )
 
 LayerSpec = Iterable[AttentionLayer | nn.Module] | Callable[[nn.Module], Any]

@@ -1,0 +1,420 @@
+"""Hugging Face attention (LLaMA-family, GPT-2, BERT) through qkmonitor.hf, on tiny random models.
+
+The reference for the probed statistics is the model's own ``output_attentions=True`` attention
+weights under ``attn_implementation="eager"``; the reference for the weights is the dense float64
+W_QK built from the modules' own parameters (the Conv1D read as it is stored, for GPT-2).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import subprocess
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+from torch import nn
+from torch.testing import assert_close
+
+from qkmonitor import hf
+from qkmonitor.adapters import find_attention_layers
+from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
+from qkmonitor.functional import qk_singular_values, spectral_concentration
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 40, 7
+
+
+def llama_config(**kw):
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+
+
+def gpt2_config(**kw):
+    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2, n_positions=64,
+                                   bos_token_id=1, eos_token_id=2, **kw)
+
+
+def bert_config(**kw):
+    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                   intermediate_size=64, max_position_embeddings=64, pad_token_id=0, **kw)
+
+
+FAMILIES = {
+    "llama": (llama_config, "LlamaForCausalLM", "model.layers.{}.self_attn", "transformers.llama"),
+    "gpt2": (gpt2_config, "GPT2LMHeadModel", "transformer.h.{}.attn", "transformers.gpt2"),
+    "bert": (bert_config, "BertModel", "encoder.layer.{}.attention.self", "transformers.bert"),
+}
+
+
+def build(family: str, attn: str = "sdpa", seed: int = 0, **config_kw) -> nn.Module:
+    make_config, cls, _, _ = FAMILIES[family]
+    torch.manual_seed(seed)
+    return getattr(transformers, cls)._from_config(make_config(**config_kw), attn_implementation=attn).eval()
+
+
+def eager_twin(model: nn.Module) -> nn.Module:
+    """The same weights under eager attention: the independent reference."""
+    twin = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="eager").eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def batch(padded: bool, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (3, SEQ), generator=g)
+    if not padded:
+        return ids, None
+    mask = torch.ones(3, SEQ, dtype=torch.long)
+    mask[1, 5:], mask[2, 3:] = 0, 0  # right padding
+    return ids, mask
+
+
+def logits_of(model, ids, mask):
+    out = model(input_ids=ids, attention_mask=mask)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def probed(layers, fn, probs_slice=None):
+    for layer in layers:
+        layer.set_probe(True, probs_slice=probs_slice)
+    try:
+        result = fn()
+        return result, [layer.pop_stats() for layer in layers], [layer.pop_probs() for layer in layers]
+    finally:
+        for layer in layers:
+            layer.set_probe(False)
+
+
+def dense_kappa(w_q_heads: list[torch.Tensor], w_k_heads: list[torch.Tensor], num_kv_heads: int) -> torch.Tensor:
+    """kappa per head from the d x d W_QK^h = W_Q^h (W_K^g)^T, float64 SVD; inputs are (d, d_k)."""
+    group = len(w_q_heads) // num_kv_heads
+    out = []
+    for h, w_q in enumerate(w_q_heads):
+        s = torch.linalg.svdvals(w_q.double() @ w_k_heads[h // group].double().T)
+        out.append(s[0] / s.sum())
+    return torch.stack(out)
+
+
+# --- discovery and weights ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layers_are_found_in_order_with_their_kind(family):
+    model = build(family)
+    found = find_attention_layers(model)
+    _, _, pattern, kind = FAMILIES[family]
+    assert [f.name for f in found] == [pattern.format(i) for i in range(2)]
+    assert [f.index for f in found] == [0, 1]
+    assert all(f.kind == kind and f.supports_stats for f in found)
+
+
+@pytest.mark.parametrize(("config", "cls"), [("MistralConfig", "MistralForCausalLM"),
+                                              ("Qwen2Config", "Qwen2ForCausalLM")])
+def test_llama_family_is_recognised_by_structure(config, cls):
+    cfg = getattr(transformers, config)(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1)
+    model = getattr(transformers, cls)(cfg)
+    found = find_attention_layers(model)
+    assert [f.kind for f in found] == ["transformers.llama"] * 2
+    w = found[1].qk_weights()
+    assert (w.num_heads, w.num_kv_heads, tuple(w.w_k.shape)) == (4, 1, (8, 32))
+
+
+def test_llama_gqa_weights_are_the_projections_and_kappa_matches_dense_svd():
+    model = build("llama")
+    for layer, block in zip(find_attention_layers(model), model.model.layers):
+        w = layer.qk_weights()
+        attn = block.self_attn
+        assert w.w_q is attn.q_proj.weight and w.w_k is attn.k_proj.weight
+        assert (w.num_heads, w.num_kv_heads) == (4, 2)
+        assert w.scale == pytest.approx(1 / math.sqrt(8)) and w.scale == pytest.approx(attn.scaling)
+        heads = [attn.q_proj.weight[h * 8:(h + 1) * 8].T for h in range(4)]
+        kv = [attn.k_proj.weight[g * 8:(g + 1) * 8].T for g in range(2)]
+        kappa = spectral_concentration(qk_singular_values(w.w_q, w.w_k, w.num_heads, w.num_kv_heads))
+        assert_close(kappa.double(), dense_kappa(heads, kv, 2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("inverse_layer_idx", [False, True])
+def test_gpt2_conv1d_is_read_transposed_and_the_scale_follows_the_config(inverse_layer_idx):
+    model = build("gpt2", scale_attn_by_inverse_layer_idx=inverse_layer_idx)
+    for i, (layer, block) in enumerate(zip(find_attention_layers(model), model.transformer.h)):
+        w = layer.qk_weights()
+        conv = block.attn.c_attn.weight  # (in, 3 * embed): input features along dim 0
+        assert_close(w.w_q, conv[:, :32].T, rtol=0, atol=0)
+        assert_close(w.w_k, conv[:, 32:64].T, rtol=0, atol=0)
+        assert (w.num_heads, w.num_kv_heads) == (4, 4)
+        expected = 1 / math.sqrt(8) / (i + 1 if inverse_layer_idx else 1)
+        assert w.scale == pytest.approx(expected) and w.scale == pytest.approx(block.attn.scaling)
+        # W_Q^h is the Conv1D's own column block, no transposition involved
+        heads = [conv[:, h * 8:(h + 1) * 8] for h in range(4)]
+        keys = [conv[:, 32 + h * 8:32 + (h + 1) * 8] for h in range(4)]
+        kappa = spectral_concentration(qk_singular_values(w.w_q, w.w_k, 4, 4))
+        assert_close(kappa.double(), dense_kappa(heads, keys, 4), rtol=1e-5, atol=1e-6)
+
+
+def test_bert_weights_are_query_and_key():
+    model = build("bert")
+    for layer, block in zip(find_attention_layers(model), model.encoder.layer):
+        w = layer.qk_weights()
+        attn = block.attention.self
+        assert w.w_q is attn.query.weight and w.w_k is attn.key.weight
+        assert (w.num_heads, w.num_kv_heads, w.scale) == (4, 4, pytest.approx(1 / math.sqrt(8)))
+        heads = [attn.query.weight[h * 8:(h + 1) * 8].T for h in range(4)]
+        keys = [attn.key.weight[h * 8:(h + 1) * 8].T for h in range(4)]
+        kappa = spectral_concentration(qk_singular_values(w.w_q, w.w_k, 4, 4))
+        assert_close(kappa.double(), dense_kappa(heads, keys, 4), rtol=1e-5, atol=1e-6)
+
+
+# --- activation statistics ---------------------------------------------------------------------
+
+
+def assert_stats_match_eager_weights(stats, probs, attentions, probs_slice, dead_rows: int = 0):
+    """Compare with eager's weights on the rows that may attend some key.
+
+    A row with no key left (``dead_rows`` of them) is uniform in eager's weights but, by
+    qkmonitor's convention, has zero statistics and ``attended = 0`` and is left out of aggregates.
+    """
+    s, r = probs_slice
+    for st, pr, a in zip(stats, probs, attentions, strict=True):
+        a = a.double()
+        live = st.attended > 0
+        assert int((~live).sum()) == dead_rows
+        assert not st.entropy[~live].any() and not st.max_prob[~live].any()
+        entropy = -(a * a.clamp_min(1e-300).log()).sum(-1)
+        assert_close(st.entropy.double()[live], entropy[live], rtol=1e-5, atol=2e-6)
+        assert_close(st.max_prob.double()[live], a.amax(-1)[live], rtol=1e-5, atol=1e-6)
+        assert_close(st.attended.double()[live], (a > 0).sum(-1).double()[live], rtol=0, atol=0)
+        assert st.entropy.dtype == torch.float32 and not st.entropy.requires_grad
+        rows = live[:s, :, :r]
+        assert_close(pr.double()[rows], a[:s, :, :r][rows], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padding", "no_mask"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_probed_statistics_equal_the_eager_attention_weights(family, attn, padded):
+    model = build(family, attn)
+    ids, mask = batch(padded)
+    layers = find_attention_layers(model)
+    config = model.config
+    before = logits_of(model, ids, mask)
+    after, stats, probs = probed(layers, lambda: logits_of(model, ids, mask), probs_slice=(2, 4))
+    assert torch.equal(before, after)  # bit-identical
+    assert model.config is config and config._attn_implementation == attn
+    assert all(layer.module.config is config for layer in layers)
+    attentions = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert_stats_match_eager_weights(stats, probs, attentions, (2, 4))
+    if family != "bert":  # causal: row i attends i + 1 keys (fewer where padded)
+        n_allowed = torch.arange(1, SEQ + 1).double()
+        if mask is not None:
+            n_allowed = torch.minimum(n_allowed, mask.sum(-1, keepdim=True).double())
+        assert_close(stats[0].attended[:, 0].double(), n_allowed.expand(3, SEQ), rtol=0, atol=0)
+
+
+def test_a_custom_4d_mask_with_a_bias_goes_through_explicit_scores():
+    model = build("llama", "sdpa")
+    ids, _ = batch(False)
+    g = torch.Generator().manual_seed(3)
+    bias = torch.randn(3, 1, SEQ, SEQ, generator=g)
+    mask = bias.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
+    mask[1, :, :, 0] = float("-inf")  # one sequence never attends its first key
+    mask[1, :, 0, 0] = 0.0
+    layers = find_attention_layers(model)
+    before = logits_of(model, ids, mask)
+    after, stats, probs = probed(layers, lambda: logits_of(model, ids, mask), probs_slice=(3, SEQ))
+    assert torch.equal(before, after)
+    attentions = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert_stats_match_eager_weights(stats, probs, attentions, (3, SEQ))
+
+
+def test_gemma2_softcap_and_sliding_window_go_through_explicit_scores():
+    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
+                                       attn_logit_softcapping=2.0, query_pre_attn_scalar=16, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.self_attn.q_proj.weight.mul_(300.0)  # logits well past the softcap
+    ids, mask = batch(True)
+    layers = find_attention_layers(model)
+    assert [f.kind for f in layers] == ["transformers.llama"] * 2
+    before = logits_of(model, ids, mask)
+    after, stats, probs = probed(layers, lambda: logits_of(model, ids, mask), probs_slice=(3, SEQ))
+    assert torch.equal(before, after)
+    assert stats[0].max_logit.max() > 1.5  # the cap bites (max 2)
+    attentions = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    # layer 0 slides (window 3): in the third sequence, query rows 5 and 6 see only padding
+    assert_stats_match_eager_weights(stats[:1], probs[:1], attentions[:1], (3, SEQ), dead_rows=2 * 4)
+    assert_stats_match_eager_weights(stats[1:], probs[1:], attentions[1:], (3, SEQ))
+
+
+def test_dropout_draws_are_unchanged_by_probing():
+    model = build("gpt2", "eager", attn_pdrop=0.3, resid_pdrop=0.3, embd_pdrop=0.3).train()
+    ids, mask = batch(True)
+    layers = find_attention_layers(model)
+    torch.manual_seed(5)
+    before = logits_of(model, ids, mask)
+    torch.manual_seed(5)
+    after, stats, _ = probed(layers, lambda: logits_of(model, ids, mask))
+    assert torch.equal(before, after)
+    assert all(s is not None for s in stats)
+
+
+def test_gpt2_reordered_upcast_attention_is_probed_where_it_skips_the_dispatch():
+    model = build("gpt2", "eager", reorder_and_upcast_attn=True)
+    ids, mask = batch(True)
+    layers = find_attention_layers(model)
+    before = logits_of(model, ids, mask)
+    after, stats, probs = probed(layers, lambda: logits_of(model, ids, mask), probs_slice=(1, 3))
+    assert torch.equal(before, after)
+    assert all("_upcast_and_reordered_attn" not in layer.module.__dict__ for layer in layers)
+    attentions = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert_stats_match_eager_weights(stats, probs, attentions, (1, 3))
+
+
+def test_two_monitors_probing_one_module_both_get_statistics_and_the_config_comes_back():
+    model = build("llama")
+    ids, mask = batch(True)
+    first, second = find_attention_layers(model), find_attention_layers(model)
+    config = model.config
+    for layer in first + second:
+        layer.set_probe(True)
+    logits_of(model, ids, mask)
+    first[0].set_probe(False)  # the other monitor keeps probing
+    assert first[0].pop_stats() is None and second[0].pop_stats() is not None
+    assert second[0].module.config is not config
+    logits_of(model, ids, mask)
+    assert second[0].pop_stats() is not None
+    for layer in first + second:
+        layer.set_probe(False)
+    assert all(layer.module.config is config for layer in first)
+    assert config._attn_implementation == "sdpa"
+
+
+def test_a_metric_failure_warns_gives_none_and_leaves_the_forward_alone(monkeypatch):
+    model = build("bert")
+    ids, mask = batch(True)
+    layers = find_attention_layers(model)
+    before = logits_of(model, ids, mask)
+
+    def broken(self):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(hf._Call, "stats", broken)
+    with pytest.warns(RuntimeWarning) as record:
+        after, stats, _ = probed(layers, lambda: logits_of(model, ids, mask))
+    assert torch.equal(before, after) and stats == [None, None]
+    assert [str(w.message) for w in record] == [
+        f"qkmonitor: no attention statistics for 'encoder.layer.{i}.attention.self' (RuntimeError: boom)"
+        for i in range(2)
+    ]
+
+
+def test_flash_attention_calls_apply_padding_causality_and_the_sliding_window():
+    attn = build("llama").model.layers[0].self_attn
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
+    padding = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    call = hf._Call.of(attn, q, k, padding, {"sliding_window": 3}, "flash_attention_2", scale=0.5)
+    stats = call.stats()
+    i, j = torch.arange(6)[:, None], torch.arange(6)
+    allowed = (j <= i) & (i - j < 3) & padding.bool()[:, None, None, :]
+    scores = (q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.5
+    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    assert_close(stats.entropy.double(), entropy, rtol=1e-5, atol=1e-6)
+    assert_close(stats.attended.double(), allowed.expand(2, 4, 6, 6).sum(-1).double(), rtol=0, atol=0)
+
+
+# --- wiring ------------------------------------------------------------------------------------
+
+
+def test_without_transformers_nothing_hf_is_looked_for(monkeypatch):
+    model = build("llama")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ValueError, match="No attention layers found in LlamaForCausalLM: looked for .*hf"):
+        find_attention_layers(model)
+
+
+def test_qkmonitor_imports_without_transformers():
+    # torchmetrics imports transformers when it is installed, so it is loaded first; then
+    # transformers is made unimportable before anything of qkmonitor is imported.
+    code = ("import sys, torchmetrics, lightning.pytorch\n"
+            "for name in [n for n in sys.modules if n == 'transformers' or n.startswith('transformers.')]:\n"
+            "    del sys.modules[name]\n"
+            "sys.modules['transformers'] = None\n"
+            "import qkmonitor, qkmonitor.hf, qkmonitor.callbacks\n"
+            "from qkmonitor.adapters import find_attention_layers\n"
+            "import torch\n"
+            "assert find_attention_layers(torch.nn.MultiheadAttention(8, 2))\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class RecordingLogger(Logger):
+    def __init__(self):
+        super().__init__()
+        self.metrics: dict[str, list[tuple[int, float]]] = {}
+
+    @property
+    def name(self):
+        return "recording"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        for key, value in metrics.items():
+            self.metrics.setdefault(key, []).append((step, float(value)))
+
+
+class TinyLlama(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = transformers.LlamaForCausalLM(llama_config())
+
+    def training_step(self, batch, batch_idx):
+        ids, mask = batch
+        return self.model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, VOCAB, (16, SEQ), generator=g)
+        mask = torch.ones_like(ids)
+        mask[::2, 5:] = 0
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, mask), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_lightning_run_on_a_tiny_llama_logs_entropy_and_kappa_for_every_layer(tmp_path):
+    module, logger = TinyLlama(), RecordingLogger()
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=logger, log_every_n_steps=1,
+                         callbacks=[AttentionEntropyMonitor(every_n_steps=1), QKSpectrumMonitor(every_n_steps=1)],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         accelerator="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no metric may have failed
+        trainer.fit(module)
+    for layer in range(2):
+        for metric in ("entropy", "entropy_norm", "max_prob", "kappa"):
+            values = logger.metrics[f"qkmonitor/{metric}/layer_{layer:02d}"]
+            assert {0, 1, 2} <= {s for s, _ in values}
+            assert all(math.isfinite(v) for _, v in values)
+        assert all(0.0 < v <= 1.0 for _, v in logger.metrics[f"qkmonitor/entropy_norm/layer_{layer:02d}"])
+    config = module.model.config
+    assert config._attn_implementation == "sdpa"
+    assert all(block.self_attn.config is config for block in module.model.model.layers)
