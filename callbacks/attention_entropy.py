@@ -37,10 +37,10 @@ class AttentionEntropyMonitor(ActivationMonitor):
 
     Logged keys (``LL`` layer, ``HH`` head, ``prefix`` = ``log_key_prefix``):
 
-    - ``{prefix}/entropy/layer_LL``, ``{prefix}/entropy_min/layer_LL`` — nats; mean and lowest head.
-    - ``{prefix}/entropy_norm/layer_LL``, ``{prefix}/entropy_norm_min/layer_LL`` — in [0, 1].
-    - ``{prefix}/max_prob/layer_LL``, ``{prefix}/max_prob_max/layer_LL``.
-    - ``{prefix}/max_logit/layer_LL``, ``{prefix}/max_logit_max/layer_LL``.
+    - ``{prefix}/{metric}/layer_LL`` (mean over heads), ``{prefix}/{metric}_min/layer_LL`` and
+      ``{prefix}/{metric}_max/layer_LL`` (lowest and highest head) for ``entropy`` (nats),
+      ``entropy_norm`` (in [0, 1]), ``max_prob`` and ``max_logit``.
+    - ``{prefix}/heatmap/entropy_norm``, ``{prefix}/heatmap/max_prob`` — layer x head images.
     - ``{prefix}/{metric}/layer_LL/head_HH`` with ``per_head=True``.
     - ``{prefix}/alerts/entropy_collapse``, ``{prefix}/alerts/logit_growth``.
 
@@ -52,7 +52,8 @@ class AttentionEntropyMonitor(ActivationMonitor):
         trainer = Trainer(callbacks=[AttentionEntropyMonitor(every_n_steps=50)])
     """
 
-    worst_head = {"entropy": "min", "entropy_norm": "min", "max_prob": "max", "max_logit": "max"}
+    metric_names = ENTROPY_METRICS
+    heatmaps = {"entropy_norm": (0.0, 1.0), "max_prob": (0.0, 1.0)}
     default_rules = (ENTROPY_COLLAPSE_RULE, LOGIT_GROWTH_RULE)
 
     def _setup_probes(self, pl_module: pl.LightningModule) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
@@ -22,6 +23,7 @@ from typing_extensions import override
 
 from qkmonitor.adapters import AttentionLayer, LayerSpec, find_attention_layers
 from qkmonitor.alerts import ALERT_ACTIONS, Alert, AlertRule, AlertTracker
+from qkmonitor.dashboards import custom_scalars_layout, grid_of, heatmap_image
 from qkmonitor.tags import alert_tag, head_tag, layer_tag, worst_tag
 
 __all__ = ["AttentionMonitor", "ActivationMonitor"]
@@ -42,10 +44,12 @@ class AttentionMonitor(Callback):
             :func:`qkmonitor.adapters.find_attention_layers`).
     """
 
-    #: metric -> "max" or "min": the direction in which a head is worst; logged as ``{metric}_{dir}``.
-    worst_head: dict[str, str] = {}
+    #: every metric the monitor logs, in display order.
+    metric_names: tuple[str, ...] = ()
     #: metrics with one value per layer (no heads): logged as the layer tag only.
     layer_metrics: frozenset[str] = frozenset()
+    #: metrics drawn as a layer x head heatmap image, with their fixed colour range (or None).
+    heatmaps: dict[str, tuple[float, float] | None] = {}
     default_rules: tuple[AlertRule, ...] = ()
 
     def __init__(
@@ -84,6 +88,7 @@ class AttentionMonitor(Callback):
         self.latest: dict[str, list[Tensor]] = {}
         self.latest_step: int | None = None
         self._warned_nonfinite = False
+        self._warned_no_images = False
 
     # -- Lightning hooks -------------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class AttentionMonitor(Callback):
         if self.every_n_steps is None:
             self.every_n_steps = max(1, int(trainer.log_every_n_steps))
         self.layers = find_attention_layers(pl_module, self._layer_spec)
+        self._log_thresholds(trainer)
         if not trainer.loggers:
             rank_zero_warn(
                 f"{type(self).__name__}: the Trainer has no logger; metrics are kept in `.latest` "
@@ -111,6 +117,18 @@ class AttentionMonitor(Callback):
 
     # -- shared mechanics ------------------------------------------------------------------
 
+    def _log_thresholds(self, trainer: pl.Trainer) -> None:
+        """The alert rules' thresholds, as hyper-parameters of the run (next to the model's)."""
+        params = {}
+        for rule in self.tracker.rules:
+            key = f"{self.prefix}/alert_{rule.name}"
+            params.update({f"{key}/threshold": rule.threshold, f"{key}/patience": rule.patience,
+                           f"{key}/margin": rule.margin})
+        params[f"{self.prefix}/{type(self).__name__}/every_n_steps"] = self.every_n_steps
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_hyperparams(params)
+
     def _is_probe_step(self, step: int) -> bool:
         # global_step counts optimizer steps; under gradient accumulation several batches share
         # a step, and only the first of them probes.
@@ -129,8 +147,44 @@ class AttentionMonitor(Callback):
         metrics.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
                         for r in self.tracker.rules})
         self._log(trainer, metrics, step)
+        if trainer.is_global_zero:
+            self._log_visuals(trainer, values, step)
         for alert in alerts:
             self._act(trainer, alert)
+
+    # -- dashboards ------------------------------------------------------------------------
+
+    def _images(self, values: dict[str, list[Tensor]]) -> dict[str, np.ndarray]:
+        """tag -> HWC uint8 image for this probe: the heatmaps; subclasses add their own."""
+        return {
+            f"{self.prefix}/heatmap/{metric}": heatmap_image(grid_of(values[metric]), *(limits or (None, None)))
+            for metric, limits in self.heatmaps.items() if metric in values
+        }
+
+    def _histograms(self) -> dict[str, Tensor]:
+        """tag -> values to histogram for this probe; none by default."""
+        return {}
+
+    def _draws_visuals(self) -> bool:
+        """Whether this monitor has images or histograms for TensorBoard."""
+        return bool(self.heatmaps)
+
+    def _log_visuals(self, trainer: pl.Trainer, values: dict[str, list[Tensor]], step: int) -> None:
+        writers = [logger.experiment for logger in trainer.loggers
+                   if hasattr(getattr(logger, "experiment", None), "add_image")]
+        if not writers:
+            if trainer.loggers and not self._warned_no_images and self._draws_visuals():
+                self._warned_no_images = True
+                rank_zero_warn(f"{type(self).__name__}: no TensorBoard logger, so heatmaps, histograms and "
+                               "attention images are skipped; scalars are logged. This message is shown once.")
+            return
+        images, histograms = self._images(values), self._histograms()
+        for writer in writers:
+            _register_layout(writer, trainer, len(self.layers))
+            for tag, image in images.items():
+                writer.add_image(tag, image, global_step=step, dataformats="HWC")
+            for tag, data in histograms.items():
+                writer.add_histogram(tag, data, global_step=step)
 
     def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
         with torch.no_grad():
@@ -148,17 +202,14 @@ class AttentionMonitor(Callback):
     def _scalars(self, values: dict[str, list[Tensor]], prefix: str) -> dict[str, float]:
         out: dict[str, float] = {}
         for metric, grid in values.items():
-            worst = self.worst_head.get(metric)
             for layer, heads in enumerate(grid):
                 out[layer_tag(prefix, metric, layer)] = heads.mean().item()
                 if metric in self.layer_metrics:
                     continue
-                if worst is not None:
-                    extreme = heads.max() if worst == "max" else heads.min()
-                    # a NaN head makes the worst head NaN too, as it does the mean
-                    out[worst_tag(prefix, metric, worst, layer)] = (
-                        math.nan if heads.isnan().any() else extreme.item()
-                    )
+                # the band over heads; a NaN head makes it NaN too, as it does the mean
+                nan = bool(heads.isnan().any())
+                out[worst_tag(prefix, metric, "min", layer)] = math.nan if nan else heads.min().item()
+                out[worst_tag(prefix, metric, "max", layer)] = math.nan if nan else heads.max().item()
                 if self.per_head:
                     for head, value in enumerate(heads.tolist()):
                         out[head_tag(prefix, metric, layer, head)] = value
@@ -275,3 +326,15 @@ class ActivationMonitor(AttentionMonitor):
         if self._probing_step is not None:  # a probed batch that never ended (e.g. skipped)
             self._probing_step = None
             self._set_probes(False)
+
+
+def _register_layout(writer: Any, trainer: pl.Trainer, num_layers: int) -> None:
+    """Write the custom-scalars layout once per run, covering every qkmonitor callback."""
+    if getattr(writer, "_qkmonitor_layout", False):
+        return
+    monitors = [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
+    metrics = {name: name not in cb.layer_metrics for cb in monitors for name in cb.metric_names}
+    rules = [rule.name for cb in monitors for rule in cb.tracker.rules]
+    prefix = monitors[0].prefix if monitors else "qkmonitor"
+    writer.add_custom_scalars(custom_scalars_layout(prefix, metrics, num_layers, rules))
+    writer._qkmonitor_layout = True

@@ -6,10 +6,12 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
+from qkmonitor.dashboards import attention_image
 from qkmonitor.functional import effective_rank, hidden_state_metrics
 from qkmonitor.metrics import HeadMean
 
@@ -41,10 +43,12 @@ class EffectiveRankMonitor(ActivationMonitor):
     module itself when the parent is a container or the model; ``blocks=`` overrides it.
 
     Logged keys: ``{prefix}/hidden_erank/layer_LL``, ``{prefix}/hidden_collapse/layer_LL`` (one
-    value per layer), ``{prefix}/attn_erank/layer_LL`` with ``{prefix}/attn_erank_min/layer_LL``,
-    ``{prefix}/attn_erank_norm/layer_LL`` (+ ``_min``), ``{prefix}/attn_entropy_norm/layer_LL``
-    (+ ``_min``), per head with ``per_head=True``, and ``{prefix}/alerts/rank_collapse``,
-    ``{prefix}/alerts/malignant_collapse``.
+    value per layer), ``{prefix}/attn_erank/layer_LL``,
+    ``{prefix}/attn_erank_norm/layer_LL``, ``{prefix}/attn_entropy_norm/layer_LL`` (each with
+    ``_min`` and ``_max`` over heads), per head with ``per_head=True``,
+    ``{prefix}/alerts/rank_collapse``, ``{prefix}/alerts/malignant_collapse``, and (TensorBoard
+    only) images ``{prefix}/attention/layer_LL/head_HH`` of the first probe sequence's attention
+    for the first ``pattern_heads`` heads.
 
     Default alerts: ``hidden_collapse <= 1e-3`` (rank collapse) and ``attn_entropy_norm <= 0.1``
     together with ``attn_erank_norm <= 0.2`` (malignant collapse: sparse *and* low rank; sparse,
@@ -55,6 +59,7 @@ class EffectiveRankMonitor(ActivationMonitor):
         max_probe_tokens: tokens (query rows) per sequence measured.
         blocks: the modules whose outputs are the residual stream after each layer, in layer
             order (a list, or a function of the model); default: derived from the layers.
+        pattern_heads: heads per layer whose attention pattern is logged as an image (0: none).
         **kwargs: see :class:`~qkmonitor.callbacks.base.AttentionMonitor`.
 
     Example::
@@ -62,17 +67,21 @@ class EffectiveRankMonitor(ActivationMonitor):
         trainer = Trainer(callbacks=[EffectiveRankMonitor(every_n_steps=100, max_probe_tokens=256)])
     """
 
-    worst_head = {"attn_erank": "min", "attn_erank_norm": "min", "attn_entropy_norm": "min"}
+    metric_names = (*LAYER_METRICS, *HEAD_METRICS)
     layer_metrics = frozenset(LAYER_METRICS)
     default_rules = (RANK_COLLAPSE_RULE, MALIGNANT_COLLAPSE_RULE)
 
     def __init__(self, *args, max_probe_sequences: int = 4, max_probe_tokens: int = 128,
                  blocks: Sequence[nn.Module] | Callable[[nn.Module], Sequence[nn.Module]] | None = None,
-                 **kwargs) -> None:
+                 pattern_heads: int = 4, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for name, value in (("max_probe_sequences", max_probe_sequences), ("max_probe_tokens", max_probe_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
+        if isinstance(pattern_heads, bool) or not isinstance(pattern_heads, int) or pattern_heads < 0:
+            raise ValueError(f"Expected `pattern_heads` to be an int >= 0, got {pattern_heads!r}")
+        self.pattern_heads = pattern_heads
+        self._patterns: dict[int, Tensor] = {}
         self.max_probe_sequences = max_probe_sequences
         self.max_probe_tokens = max_probe_tokens
         self._blocks_spec = blocks
@@ -127,13 +136,28 @@ class EffectiveRankMonitor(ActivationMonitor):
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
         values: dict[str, list[Tensor]] = {m: [] for m in (*LAYER_METRICS, *HEAD_METRICS)}
         for i, layer in enumerate(self.layers):
-            self._update_layer(i, layer.pop_probs(), layer.pop_stats())
+            probs = layer.pop_probs()
+            self._update_layer(i, probs, layer.pop_stats())
+            if probs is not None:  # the first probe sequence's patterns, for the images
+                self._patterns[i] = probs[0, : self.pattern_heads].detach().cpu()
             for name, metric in (*self._layer_means[i].items(), *self._head_means[i].items()):
                 with warnings.catch_warnings():  # compute() on every rank: it is the collective
                     warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
                     values[name].append(metric.compute().reshape(-1))  # torchmetrics squeezes (1,)
                 metric.reset()
         return values
+
+    def _draws_visuals(self) -> bool:
+        return self.pattern_heads > 0
+
+    def _images(self, values: dict[str, list[Tensor]]) -> dict[str, np.ndarray]:
+        """The attention patterns of the first probe sequence, for the first ``pattern_heads`` heads."""
+        images = super()._images(values)
+        for i, heads in self._patterns.items():
+            for h, probs in enumerate(heads):
+                images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = attention_image(probs)
+        self._patterns = {}
+        return images
 
     def _update_layer(self, i: int, probs: Tensor | None, stats) -> None:
         hidden = self._hidden.get(i)

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from qkmonitor.adapters import AttentionLayer
 from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.functional import qk_spectrum_metrics
+from qkmonitor.functional import qk_singular_values, qk_spectrum_metrics
 
 from .base import AttentionMonitor
 
@@ -41,12 +41,12 @@ class QKSpectrumMonitor(AttentionMonitor):
     Logged keys (``LL`` = layer index, ``HH`` = head index, two digits; ``prefix`` =
     ``log_key_prefix``):
 
-    - ``{prefix}/kappa/layer_LL``, ``{prefix}/kappa_max/layer_LL`` — mean and worst head.
-    - ``{prefix}/kappa_eig/layer_LL``, ``{prefix}/kappa_eig_max/layer_LL``.
-    - ``{prefix}/eig_mean/layer_LL``, ``{prefix}/eig_var/layer_LL`` — mean and variance of the
-      eigenvalues of ``W_K^T W_Q`` (Bao et al. 2024), averaged over heads.
-    - ``{prefix}/qk_erank/layer_LL``, ``{prefix}/qk_erank_min/layer_LL``.
-    - ``{prefix}/qk_spectral_norm/layer_LL``, ``{prefix}/qk_spectral_norm_max/layer_LL``.
+    - ``{prefix}/{metric}/layer_LL`` — the mean over heads — and ``{prefix}/{metric}_min/layer_LL``,
+      ``{prefix}/{metric}_max/layer_LL`` — the lowest and highest head — for ``kappa``,
+      ``kappa_eig``, ``eig_mean`` and ``eig_var`` (mean and variance of the eigenvalues of
+      ``W_K^T W_Q``, Bao et al. 2024), ``qk_erank`` and ``qk_spectral_norm``.
+    - ``{prefix}/heatmap/kappa`` — a layer x head image; ``{prefix}/qk_singular_values/layer_LL`` —
+      a histogram of the layer's singular values (TensorBoard loggers only).
     - ``{prefix}/{metric}/layer_LL/head_HH`` for each of the above with ``per_head=True``.
     - ``{prefix}/alerts/kappa`` — how many ``kappa`` alerts have fired.
 
@@ -63,7 +63,8 @@ class QKSpectrumMonitor(AttentionMonitor):
         trainer = Trainer(callbacks=[QKSpectrumMonitor(every_n_steps=50, per_head=True)])
     """
 
-    worst_head = {"kappa": "max", "kappa_eig": "max", "qk_erank": "min", "qk_spectral_norm": "max"}
+    metric_names = SPECTRUM_METRICS
+    heatmaps = {"kappa": (0.0, 1.0)}
     default_rules = (KAPPA_RULE,)
 
     @override
@@ -81,7 +82,21 @@ class QKSpectrumMonitor(AttentionMonitor):
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
         # Under FSDP every rank holds a shard: gather the full weights (read-only) for the probe.
         with _full_parameters(getattr(trainer.strategy, "model", None)):
-            return spectrum_of_layers(self.layers)
+            values = spectrum_of_layers(self.layers, keep_singular_values=True)
+        self._singular_values = values.pop("singular_values")
+        return values
+
+    def _draws_visuals(self) -> bool:
+        return True
+
+    def _histograms(self) -> dict[str, Tensor]:
+        """Each layer's singular values of W_QK, all heads together."""
+        out = {}
+        for i, sv in enumerate(getattr(self, "_singular_values", [])):
+            finite = sv[torch.isfinite(sv)]  # NaN heads are in the scalars; a histogram needs numbers
+            if finite.numel():
+                out[f"{self.prefix}/qk_singular_values/layer_{i:02d}"] = finite
+        return out
 
 
 def _full_parameters(model: nn.Module | None):
@@ -102,11 +117,12 @@ def full_tensor(weight: Tensor) -> Tensor:
     return to_full() if callable(to_full) else weight
 
 
-def spectrum_of_layers(layers: list[AttentionLayer]) -> dict[str, list[Tensor]]:
+def spectrum_of_layers(layers: list[AttentionLayer], keep_singular_values: bool = False) -> dict[str, list[Tensor]]:
     """The spectrum metrics of each layer; layers of the same shape go through one batched call.
 
     Returns:
-        metric -> one (num_heads,) tensor per layer, in the order of ``layers``.
+        metric -> one (num_heads,) tensor per layer, in the order of ``layers``; with
+        ``keep_singular_values`` also ``"singular_values"`` -> one (num_heads, d_k) per layer.
     """
     groups: dict[tuple, list[int]] = defaultdict(list)
     weights = [layer.qk_weights() for layer in layers]
@@ -120,10 +136,15 @@ def spectrum_of_layers(layers: list[AttentionLayer]) -> dict[str, list[Tensor]]:
         scale = torch.tensor([weights[i].scale for i in members], dtype=torch.float64)
         try:
             metrics = qk_spectrum_metrics(w_q, w_k, num_heads, num_kv_heads, scale.to(w_q.device))
+            if keep_singular_values:
+                metrics["singular_values"] = qk_singular_values(w_q, w_k, num_heads, num_kv_heads)
         except torch.linalg.LinAlgError as err:  # a decomposition that did not converge
             rank_zero_warn(f"QKSpectrumMonitor: {err}; the affected layers are logged as NaN.")
             nan = torch.full((len(members), num_heads), float("nan"))
             metrics = {name: nan for name in SPECTRUM_METRICS}
+            metrics["singular_values"] = nan[..., None]
+        names = (*SPECTRUM_METRICS, "singular_values") if keep_singular_values else SPECTRUM_METRICS
         for j, i in enumerate(members):
-            per_layer[i] = {name: metrics[name][j] for name in SPECTRUM_METRICS}
-    return {name: [values[name] for values in per_layer] for name in SPECTRUM_METRICS}
+            per_layer[i] = {name: metrics[name][j] for name in names}
+    names = (*SPECTRUM_METRICS, "singular_values") if keep_singular_values else SPECTRUM_METRICS
+    return {name: [values[name] for values in per_layer] for name in names}

@@ -62,6 +62,7 @@ class MultiHeadAttention(nn.Module):
         self._stats: AttentionStats | None = None
         self._probs: Tensor | None = None
         self._probs_slice: tuple[int, int] | None = None
+        self._probe_users = 0
 
     def forward(self, x: Tensor, memory: Tensor | None = None, key_padding_mask: Tensor | None = None,
                 coords: Tensor | None = None) -> Tensor:
@@ -115,25 +116,35 @@ class MultiHeadAttention(nn.Module):
     def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
         """Turn statistics capture on or off for the following forwards.
 
+        Several monitors may probe at once: each ``set_probe(True)`` is matched by one
+        ``set_probe(False)``, and capture stops when the last one has turned it off.
+
         Args:
             enabled: capture the kernel's per-row statistics.
             probs_slice: ``(sequences, rows)``: also keep the explicit attention matrix of the
                 first ``sequences`` sequences and ``rows`` query rows (all keys), (S, H, R, M).
+                Requests of several probes are merged (the largest of each).
         """
-        self.probe = bool(enabled)
-        self._probs_slice = probs_slice if enabled else None
-        if not enabled:
-            self._stats, self._probs = None, None
+        if enabled:
+            self._probe_users += 1
+            if probs_slice is not None:
+                old = self._probs_slice or (0, 0)
+                self._probs_slice = (max(old[0], probs_slice[0]), max(old[1], probs_slice[1]))
+        else:
+            self._probe_users = max(0, self._probe_users - 1)
+        self.probe = self._probe_users > 0
+        if not self.probe:
+            self._stats, self._probs, self._probs_slice = None, None, None
 
     def pop_stats(self) -> AttentionStats | None:
-        """The statistics of the last forward since probing was turned on (then forgets them)."""
-        stats, self._stats = self._stats, None
-        return stats
+        """The statistics of the last probed forward (kept for every probe until capture stops)."""
+        return self._stats
 
-    def pop_probs(self) -> Tensor | None:
-        """The explicit attention matrix of the probe slice of the last forward (then forgets it)."""
-        probs, self._probs = self._probs, None
-        return probs
+    def pop_probs(self, probs_slice: tuple[int, int] | None = None) -> Tensor | None:
+        """The explicit attention matrix of the last probed forward, cut to ``probs_slice``."""
+        if self._probs is None or probs_slice is None:
+            return self._probs
+        return self._probs[: probs_slice[0], :, : probs_slice[1]]
 
     def _explicit_probs(self, q: Tensor, k: Tensor, scale: float, key_padding_mask: Tensor | None) -> Tensor:
         sequences, rows = self._probs_slice

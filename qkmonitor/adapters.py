@@ -122,6 +122,7 @@ class NativeAttentionLayer(AttentionLayer):
     def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
         if not self.supports_stats:
             super().set_probe(enabled)
+        self._probs_slice = probs_slice if enabled else None
         if probs_slice is None:
             self.module.set_probe(enabled)
         else:
@@ -134,7 +135,10 @@ class NativeAttentionLayer(AttentionLayer):
 
     def pop_probs(self) -> Tensor | None:
         pop = getattr(self.module, "pop_probs", None)
-        return pop() if callable(pop) else None
+        if not callable(pop):
+            return None
+        slice_ = getattr(self, "_probs_slice", None)
+        return pop(slice_) if slice_ is not None else pop()
 
 
 class MultiheadAttentionLayer(AttentionLayer):

@@ -96,9 +96,10 @@ def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
         model(tokens)
     handle.remove()
     stats = layers[1].pop_stats()
-    assert layers[1].pop_stats() is None  # popped once
+    assert layers[1].pop_stats() is stats  # kept for every probe of this forward
     for layer in layers:
         layer.set_probe(False)
+    assert layers[1].pop_stats() is None and not attn.probe  # capture stopped
 
     x = captured["x"].double()  # (B, N, d), the attention module's input
     q = (x @ attn.q_proj.weight.double().T).view(3, 9, 4, 8).transpose(1, 2)
@@ -113,3 +114,17 @@ def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
     torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats.max_prob.double(), p.amax(-1), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats.attended, torch.arange(1, 10, dtype=torch.float32).expand(3, 4, 9))
+
+
+def test_two_probes_share_a_module_until_the_last_one_stops():
+    model = DecoderLM(TransformerConfig(vocab_size=8, d_model=16, n_heads=2))
+    attn = model.blocks[0].attn
+    attn.set_probe(True)
+    attn.set_probe(True, probs_slice=(1, 3))
+    with torch.no_grad():
+        model(torch.randint(8, (2, 5)))
+    assert attn.pop_probs((1, 3)).shape == (1, 2, 3, 5)
+    attn.set_probe(False)
+    assert attn.probe and attn.pop_stats() is not None  # the other probe still reads
+    attn.set_probe(False)
+    assert not attn.probe and attn.pop_stats() is None and attn.pop_probs() is None

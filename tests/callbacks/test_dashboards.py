@@ -1,0 +1,94 @@
+"""The TensorBoard dashboards the monitors write, read back with TensorBoard's own readers."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import yaml
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.dashboards import attention_image, custom_scalars_layout, heatmap_image
+
+
+def all_monitors(**kwargs):
+    return [QKSpectrumMonitor(every_n_steps=2, **kwargs), AttentionEntropyMonitor(every_n_steps=2, **kwargs),
+            EffectiveRankMonitor(every_n_steps=2, max_probe_tokens=6, pattern_heads=2, **kwargs)]
+
+
+def fit(tmp_path, make_task, logger):
+    task, data = make_task()
+    pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=logger, callbacks=all_monitors(),
+               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+               limit_val_batches=0, log_every_n_steps=1).fit(task, datamodule=data)
+
+
+def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_path, make_task):
+    fit(tmp_path, make_task, TensorBoardLogger(tmp_path, "run", 0))
+    run = tmp_path / "run" / "version_0"
+    acc = EventAccumulator(str(run), size_guidance={"images": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+
+    images = set(tags["images"])
+    assert {"qkmonitor/heatmap/kappa", "qkmonitor/heatmap/entropy_norm", "qkmonitor/heatmap/max_prob",
+            "qkmonitor/attention/layer_01/head_01"} <= images
+    assert "qkmonitor/attention/layer_00/head_02" not in images  # pattern_heads=2
+    heat = acc.Images("qkmonitor/heatmap/kappa")
+    assert [e.step for e in heat] == [0, 2] and (heat[0].height, heat[0].width) == (2 * 16, 4 * 16)  # layers x heads
+
+    hist = acc.Histograms("qkmonitor/qk_singular_values/layer_01")
+    assert hist[-1].histogram_value.num == 4 * 8  # every singular value of 4 heads with d_k = 8
+
+    # one custom-scalars layout for the run, whose charts match the scalars logged
+    layouts = [e for e in acc.Tensors("custom_scalars__config__")]
+    assert len(layouts) == 1
+    layout = layout_pb2.Layout.FromString(layouts[0].tensor_proto.string_val[0])
+    charts = {chart.title: chart for category in layout.category for chart in category.chart}
+    kappa = charts["kappa (a line per layer)"].multiline.tag[0]
+    assert sorted(t for t in tags["scalars"] if re.search(kappa, t)) == [
+        "qkmonitor/kappa/layer_00", "qkmonitor/kappa/layer_01"]
+    margin = charts["entropy_norm layer 01 (heads: min, mean, max)"].margin.series
+    assert [(s.value, s.lower, s.upper) for s in margin] == [(
+        "qkmonitor/entropy_norm/layer_01", "qkmonitor/entropy_norm_min/layer_01", "qkmonitor/entropy_norm_max/layer_01")]
+    assert {margin[0].value, margin[0].lower, margin[0].upper} <= set(tags["scalars"])
+    assert "hidden_collapse layer 00 (heads: min, mean, max)" not in charts  # one value per layer
+
+    hparams = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert hparams["qkmonitor/alert_kappa/threshold"] == 0.8
+    assert hparams["qkmonitor/alert_rank_collapse/threshold"] == 1e-3
+    assert hparams["config"]["d_model"] == 32  # the model's config, logged by Lightning beside them
+
+
+def test_non_tensorboard_logger_gets_scalars_and_one_message_about_images(tmp_path, make_task):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, make_task, CSVLogger(tmp_path, "csv", 0))
+    skipped = [w for w in caught if "heatmaps, histograms and attention images are skipped" in str(w.message)]
+    assert len(skipped) == 3  # one per monitor, not one per probe
+    header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    assert "qkmonitor/kappa/layer_00" in header and "qkmonitor/entropy_norm_max/layer_01" in header
+
+
+def test_heatmap_colours_follow_the_values_and_nan_is_grey():
+    img = heatmap_image(torch.tensor([[0.0, 1.0], [float("nan"), 0.5]]), 0.0, 1.0, cell=2)
+    assert img.shape == (4, 4, 3) and img.dtype == np.uint8
+    low, high, nan = img[0, 0], img[0, 2], img[2, 0]
+    assert tuple(nan) == (128, 128, 128)
+    assert low.sum() < high.sum()  # dark for 0, bright for 1
+    pattern = attention_image(torch.eye(4), size=8)
+    assert pattern.shape == (8, 8, 3) and tuple(pattern[0, 0]) != tuple(pattern[0, 7])
+
+
+def test_layout_lists_margin_charts_only_for_per_head_metrics():
+    layout = custom_scalars_layout("p", {"kappa": True, "hidden_collapse": False}, 2, ["kappa"])
+    margins = layout["p: QK spectrum, per layer over heads"]
+    assert list(margins) == ["kappa layer 00 (heads: min, mean, max)", "kappa layer 01 (heads: min, mean, max)"]
+    assert "p: effective rank, per layer over heads" not in layout
+    assert layout["p: alerts"]["alerts fired (count)"] == ["Multiline", ["^p/alerts/"]]
