@@ -1,0 +1,303 @@
+"""qkmonitor.report on real Lightning runs, checked against TensorBoard's own EventAccumulator."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import warnings
+
+import lightning.pytorch as pl
+import matplotlib.image
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
+
+from qkmonitor import QKMonitorWarning
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.models import TransformerConfig
+from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
+from qkmonitor.report import add_report_parser, build_report, main_report, run_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LAYER_TAG = re.compile(r"^qkmonitor/(?P<metric>[^/]+)/layer_(?P<layer>\d\d)$")
+HEAD_TAG = re.compile(r"^qkmonitor/(?P<metric>[^/]+)/layer_(?P<layer>\d\d)/head_(?P<head>\d\d)$")
+
+
+def tiny_task(lr: float):
+    data = AssociativeRecallDataModule(num_pairs=3, num_queries=2, num_keys=8, num_values=8,
+                                       batch_size=8, train_size=64, val_size=16, seed=0)
+    config = TransformerConfig(vocab_size=data.vocab_size, d_model=32, n_layers=2, n_heads=4,
+                               max_seq_len=data.seq_len)
+    return CausalLMTask(config, lr=lr, warmup_steps=0), data
+
+
+def train(root, name: str, callbacks, lr: float = 3e-3, rank_one: bool = False) -> list[str]:
+    """A 4-step run logged to ``root/name/version_0``; returns the qkmonitor warnings' messages."""
+    pl.seed_everything(0, verbose=False)
+    task, data = tiny_task(lr)
+    if rank_one:  # every head's W_QK of rank one: kappa = 1, so the kappa alert fires
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for block in task.model.blocks:
+                w = block.attn.q_proj.weight
+                w.copy_(torch.randn(w.shape[0], 1, generator=gen) @ torch.randn(1, w.shape[1], generator=gen))
+    trainer = pl.Trainer(default_root_dir=root, max_steps=4, logger=TensorBoardLogger(root, name=name, version=0),
+                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, log_every_n_steps=1, limit_val_batches=0, accelerator="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(task, datamodule=data)
+    return [str(w.message) for w in caught if issubclass(w.category, QKMonitorWarning)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    train(root, "plain", [QKSpectrumMonitor(every_n_steps=1, per_head=True),
+                          AttentionEntropyMonitor(every_n_steps=1, per_head=True),
+                          EffectiveRankMonitor(every_n_steps=2)])
+    alerts = train(root, "alerting", [QKSpectrumMonitor(every_n_steps=1, per_head=True),
+                                      AttentionEntropyMonitor(every_n_steps=1)], lr=0.0, rank_one=True)
+    return {"plain": root / "plain" / "version_0", "alerting": root / "alerting" / "version_0",
+            "alert_messages": alerts}
+
+
+def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def layer_means(tags: dict[str, list]) -> dict[tuple[str, int], list[tuple[int, float]]]:
+    """(metric, layer) -> events of the mean-over-heads tags; the `_min`/`_max` head bands left out."""
+    found = {(m["metric"], int(m["layer"])): events for tag, events in tags.items() if (m := LAYER_TAG.match(tag))}
+    metrics = {metric for metric, _ in found}
+    return {key: events for key, events in found.items()
+            if not (key[0].endswith(("_min", "_max")) and key[0][:-4] in metrics)}
+
+
+def table_rows(text: str) -> dict[tuple[str, int], list[str]]:
+    """(metric, layer) -> the cells of that row of the table (the lines from its dashes to a blank line)."""
+    rows, inside = {}, False
+    for line in text.splitlines():
+        if line.startswith("-----"):
+            inside = True
+        elif not line.strip():
+            inside = False
+        elif inside:
+            cells = line.split()
+            rows[cells[0], int(cells[1])] = cells
+    return rows
+
+
+def close(cell: str, expected: float) -> bool:
+    """A table cell (four significant digits) against the value read back independently."""
+    if math.isnan(expected):
+        return cell == "nan"
+    return math.isclose(float(cell), expected, rel_tol=5e-4, abs_tol=1e-12)
+
+
+def nan_min(values):
+    finite = [v for v in values if not math.isnan(v)]
+    return min(finite) if finite else math.nan
+
+
+def nan_max(values):
+    finite = [v for v in values if not math.isnan(v)]
+    return max(finite) if finite else math.nan
+
+
+def write_run(folder, values: dict[str, list[float]], text: dict[int, str] | None = None) -> None:
+    """A run written by hand with torch's SummaryWriter: tag -> value at steps 0, 1, ..."""
+    writer = SummaryWriter(str(folder))
+    for tag, series in values.items():
+        for step, value in enumerate(series):
+            writer.add_scalar(tag, value, step)
+    for step, message in (text or {}).items():
+        writer.add_text("qkmonitor/alerts", message, step)
+    writer.close()
+
+
+# -- the table -------------------------------------------------------------------------------
+
+
+def test_table_final_min_max_match_event_accumulator(runs):
+    report = build_report([runs["plain"]], plots=False)
+    tags = scalars(runs["plain"])
+    expected = layer_means(tags)
+    rows = table_rows(report.text)
+    assert set(rows) == set(expected)
+    run = report.runs[0]
+    for (metric, layer), events in expected.items():
+        steps, values = [s for s, _ in events], [v for _, v in events]
+        series = run.layers[metric][layer]
+        assert series.steps == tuple(steps) and series.values == tuple(values)
+        cells = rows[metric, layer]
+        assert int(cells[2]) == steps[-1], (metric, layer)
+        assert close(cells[3], values[-1]) and close(cells[4], nan_min(values)) and close(cells[5], nan_max(values)), cells
+        if f"qkmonitor/{metric}_max/layer_{layer:02d}" in tags:  # the heads' range at the final step
+            low = tags[f"qkmonitor/{metric}_min/layer_{layer:02d}"][-1][1]
+            high = tags[f"qkmonitor/{metric}_max/layer_{layer:02d}"][-1][1]
+            lo_cell, hi_cell = cells[6].split("..")
+            assert close(lo_cell, low) and close(hi_cell, high), cells
+    for tag, events in tags.items():
+        if m := HEAD_TAG.match(tag):
+            assert run.heads[m["metric"]][int(m["layer"])][int(m["head"])].final == events[-1][1]
+    # discovered, known metrics first in the README's order
+    assert run.metrics[:6] == ["kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm"]
+    assert run.metrics[6:10] == ["entropy", "entropy_norm", "max_prob", "max_logit"]
+    assert {"hidden_erank", "hidden_collapse", "attn_erank"} <= set(run.metrics)
+    assert run.final_step == max(events[-1][0] for events in expected.values())
+    assert f"steps 0-{run.final_step}, 2 layer(s)" in report.text
+
+
+def test_nan_and_unknown_metrics_are_shown(tmp_path):
+    nan = float("nan")
+    write_run(tmp_path / "v", {"qkmonitor/kappa/layer_00": [0.5, 0.7, nan],
+                               "qkmonitor/my_metric/layer_00": [2.0, 1.0, 3.0],
+                               "qkmonitor/kappa/layer_01": [nan, nan, nan],
+                               "qkmonitor/val/entropy/layer_00": [1.0, 1.5, 1.25]})
+    report = build_report([tmp_path / "v"], plots=False)
+    rows = table_rows(report.text)
+    assert rows["kappa", 0][3:6] == ["nan", "0.5", "0.7"]  # min and max leave NaN out
+    assert rows["kappa", 1][3:6] == ["nan", "nan", "nan"]
+    assert rows["my_metric", 0][3:6] == ["3", "1", "3"]
+    assert rows["val/entropy", 0][3:6] == ["1.25", "1", "1.5"]
+    assert report.runs[0].metrics == ["kappa", "my_metric", "val/entropy"]  # known, unknown, validation
+    assert "alerts: no alert counters logged; 0 message(s)" in report.text
+
+
+# -- the alerts ------------------------------------------------------------------------------
+
+
+def test_alert_messages_and_counters(runs):
+    report = build_report([runs["alerting"]], plots=False, max_alerts=None)
+    run = report.runs[0]
+    warned = runs["alert_messages"]
+    assert len(warned) == 8  # kappa: every (layer, head) once
+    from_warnings = sorted((int(re.search(r"at step (\d+)", m)[1]), m) for m in warned)
+    assert sorted((a.step, a.message) for a in run.alerts) == from_warnings
+    assert {a.rule for a in run.alerts} == {"kappa"}
+    tags = scalars(runs["alerting"])
+    counters = {tag.rsplit("/", 1)[1]: events[-1][1] for tag, events in tags.items()
+                if tag.startswith("qkmonitor/alerts/")}
+    assert {rule: s.final for rule, s in run.alert_counts.items()} == counters
+    assert counters["kappa"] == 8.0
+    assert "alerts: 8 fired: kappa 8 (none of " in report.text
+    step, message = from_warnings[0]
+    assert f"  step {step}  {message}" in report.text.splitlines()
+    short = build_report([runs["alerting"]], plots=False, max_alerts=3).text
+    assert short.count("[qkmonitor:kappa]") == 3 and "... and 5 more" in short
+
+
+def test_text_alerts_are_read_whole_and_in_step_order(tmp_path):
+    messages = {3: "[qkmonitor:logit_growth] layer 1: late", 1: "[qkmonitor:kappa] layer 0: early"}
+    write_run(tmp_path / "v", {"qkmonitor/kappa/layer_00": [0.1] * 5, "qkmonitor/alerts/kappa": [0, 1, 1, 1, 1]},
+              text=messages)
+    run = build_report([tmp_path / "v"], plots=False).runs[0]
+    assert [(a.step, a.rule, a.message) for a in run.alerts] == [
+        (1, "kappa", messages[1]), (3, "logit_growth", messages[3])]
+
+
+# -- the plots -------------------------------------------------------------------------------
+
+
+def check_png(path) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] >= 200 and image.shape[1] >= 400, (path, image.shape)
+    assert image[..., :3].std() > 0.05, f"{path} looks blank"
+
+
+def test_plots_one_per_metric_and_heatmaps_in_the_default_folder(runs):
+    report = build_report([runs["alerting"]])
+    out = runs["alerting"] / "report"
+    assert report.out_dir == out and f"plots: {len(report.plots)} PNG file(s) in {out}" in report.text
+    run = report.runs[0]
+    expected = {f"{m}.png" for m in run.metrics} | {f"{m}_heads.png" for m in run.heads}
+    assert {p.name for p in report.plots} == expected == {p.name for p in out.iterdir()}
+    assert {"kappa.png", "kappa_heads.png", "entropy.png"} <= expected
+    assert "entropy_heads.png" not in expected  # the entropy monitor ran without per_head
+    for path in report.plots:
+        check_png(path)
+
+
+def test_two_runs_side_by_side(runs, tmp_path):
+    report = build_report([runs["plain"], runs["alerting"]], out_dir=tmp_path / "cmp", max_alerts=1)
+    text = report.text
+    assert f"  A: {runs['plain']} (" in text and f"  B: {runs['alerting']} (" in text
+    a_means, b_means = layer_means(scalars(runs["plain"])), layer_means(scalars(runs["alerting"]))
+    rows = table_rows(text)
+    assert set(rows) == set(a_means) | set(b_means)
+    for key, cells in rows.items():
+        a = a_means[key][-1][1] if key in a_means else None
+        b = b_means[key][-1][1] if key in b_means else None
+        assert cells[2] == "-" if a is None else close(cells[2], a), cells
+        assert cells[3] == "-" if b is None else close(cells[3], b), cells
+        if a is None or b is None:
+            assert cells[4] == "-"
+        else:
+            assert close(cells[4], b - a) and cells[4][0] in "+-n", cells
+    assert rows["kappa", 0][3] == "1"  # the rank-one run
+    assert "A: alerts: none fired" in text and "B: alerts: 8 fired: kappa 8" in text
+    assert {"kappa.png", "kappa_heads.png", "hidden_erank.png"} <= {p.name for p in report.plots}
+    check_png(tmp_path / "cmp" / "kappa_heads.png")
+
+
+# -- finding runs, errors and the command line -----------------------------------------------
+
+
+def test_a_parent_folder_with_one_run_is_read(runs):
+    report = build_report([runs["alerting"].parent], plots=False)
+    assert report.runs[0].path == runs["alerting"] and "note:" not in report.text
+
+
+def test_a_parent_folder_with_several_runs_takes_the_newest_and_says_so(tmp_path):
+    for version, kappa in enumerate([0.1, 0.2, 0.3]):
+        write_run(tmp_path / "recall" / f"version_{version}", {"qkmonitor/kappa/layer_00": [kappa]})
+    for version, age in [(0, 300), (1, 100), (2, 200)]:  # version_1 written last
+        for event in (tmp_path / "recall" / f"version_{version}").iterdir():
+            os.utime(event, (event.stat().st_atime, event.stat().st_mtime - age))
+    report = build_report([tmp_path / "recall"], plots=False)
+    assert report.runs[0].path == tmp_path / "recall" / "version_1"
+    assert report.runs[0].layers["kappa"][0].final == pytest.approx(0.2)
+    assert "holds 3 runs (version_0, version_1, version_2); reporting the newest, `version_1`" in report.text
+
+
+def test_errors_name_the_path_and_what_was_expected(tmp_path):
+    with pytest.raises(ValueError, match=r"`.*nowhere` does not exist; expected a TensorBoard run folder"):
+        build_report([tmp_path / "nowhere"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"`.*empty` holds no TensorBoard event files"):
+        build_report([tmp_path / "empty"])
+    write_run(tmp_path / "other", {"train_loss": [1.0, 0.5]})
+    with pytest.raises(ValueError, match=r"`.*other` holds no qkmonitor scalars: expected tags like "
+                                         r"`qkmonitor/kappa/layer_00`.*`train_loss`"):
+        build_report([tmp_path / "other"])
+    write_run(tmp_path / "mine", {"watch/kappa/layer_00": [0.5]})
+    with pytest.raises(ValueError, match=r"under the prefix `watch` \(try `--prefix`\)"):
+        build_report([tmp_path / "mine"])
+    assert build_report([tmp_path / "mine"], prefix="watch", plots=False).runs[0].layers["kappa"][0].final == 0.5
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="not a TensorBoard event file"):
+        build_report([tmp_path / "notes.txt"])
+    with pytest.raises(ValueError, match="non-empty list of run folders"):
+        build_report([])
+
+
+def test_command_line_prints_the_report_or_the_error(runs, tmp_path, capsys):
+    assert main_report([str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkmonitor report: Run directory `") and "nowhere` does not exist" in err
+
+    parser = argparse.ArgumentParser(prog="qkmonitor")  # how the main CLI wires the command
+    add_report_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["report", str(runs["alerting"]), "--no-plots", "--max-alerts", "0"])
+    assert args.command == "report" and run_report(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"qkmonitor report: {runs['alerting']}\n") and "[qkmonitor:kappa]" not in out
+    assert "alerts: 8 fired: kappa 8" in out and "plots:" not in out
