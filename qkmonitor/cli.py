@@ -1,8 +1,10 @@
 """The ``qkmonitor`` command line: ``qkmonitor train`` runs the main job.
 
-``qkmonitor train`` trains a bundled decoder on multi-query associative recall (generated from a
-seed, nothing downloaded) with the monitors on, writes TensorBoard logs under ``runs/``, and ends
-with a per-layer summary. The CLI is the one place in the core that imports Lightning and the
+``qkmonitor train`` trains a bundled model on an example task (``--task``: associative recall, the
+default; copy / reverse with the encoder-decoder; character-level LM on the standard library's own
+source; modular addition; a 2-D grid relation with the vision encoder; generated from a seed or read
+from the local Python installation, nothing downloaded) with the monitors on, writes TensorBoard
+logs under ``runs/``, and ends with a per-layer summary and the task's validation scores. The CLI is the one place in the core that imports Lightning and the
 bundled models, and it does so only inside the command that needs them.
 """
 
@@ -30,92 +32,227 @@ def _positive_float(text: str) -> float:
     return value
 
 
+#: Per-task defaults of the shared options: each task learns with ``qkmonitor train --task X``
+#: on a 2-core CPU in about a minute or two. An option given on the command line wins.
+TASK_DEFAULTS: dict[str, dict[str, object]] = {
+    "recall": {"steps": 1500, "d_model": 64, "layers": 2, "heads": 4, "batch_size": 64, "lr": 3e-3,
+               "lr_decay": "constant", "weight_decay": 0.1, "positional": "rope"},
+    "copy": {"steps": 600, "d_model": 64, "layers": 2, "heads": 4, "batch_size": 64, "lr": 3e-3,
+             "lr_decay": "cosine", "weight_decay": 0.1, "positional": "learned"},
+    "reverse": {"steps": 800, "d_model": 64, "layers": 2, "heads": 4, "batch_size": 64, "lr": 3e-3,
+                "lr_decay": "cosine", "weight_decay": 0.1, "positional": "learned"},
+    "modular": {"steps": 2500, "d_model": 64, "layers": 1, "heads": 4, "batch_size": None, "lr": 3e-3,
+                "lr_decay": "cosine", "weight_decay": 1.0, "positional": "rope"},
+    "charlm": {"steps": 400, "d_model": 128, "layers": 2, "heads": 4, "batch_size": 32, "lr": 3e-3,
+               "lr_decay": "cosine", "weight_decay": 0.1, "positional": "rope"},
+    "grid": {"steps": 400, "d_model": 64, "layers": 2, "heads": 4, "batch_size": 64, "lr": 3e-3,
+             "lr_decay": "cosine", "weight_decay": 0.1, "positional": "rope_2d"},
+}
+TASKS = tuple(TASK_DEFAULTS)
+_PER_TASK = "default: per task, see below"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _defaults_table() -> str:
+    names = list(TASK_DEFAULTS["recall"])
+    rows = [["task", *names]] + [[task, *(str(d[n]) for n in names)] for task, d in TASK_DEFAULTS.items()]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(names) + 1)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "per-task defaults (batch_size None = the whole training set):\n  " + "\n  ".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qkmonitor", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
-        "train", help="train a bundled model on the default task with the monitors on",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "train", help="train a bundled model on an example task with the monitors on",
+        formatter_class=_HelpFormatter, epilog=_defaults_table(),
     )
-    train.add_argument("--task", choices=["recall"], default="recall", help="the task to learn")
-    train.add_argument("--steps", type=_positive_int, default=1500, help="optimizer steps")
-    train.add_argument("--d-model", type=_positive_int, default=64, help="residual width")
-    train.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks")
-    train.add_argument("--heads", type=_positive_int, default=4, help="query heads per layer")
+    per_task = {"default": argparse.SUPPRESS}  # resolved from TASK_DEFAULTS once the task is known
+    train.add_argument("--task", choices=TASKS, default="recall", help="the task to learn")
+    train.add_argument("--steps", type=_positive_int, **per_task, help=f"optimizer steps ({_PER_TASK})")
+    train.add_argument("--d-model", type=_positive_int, **per_task, help=f"residual width ({_PER_TASK})")
+    train.add_argument("--layers", type=_positive_int, **per_task,
+                       help=f"transformer blocks; encoder-decoder: each side ({_PER_TASK})")
+    train.add_argument("--heads", type=_positive_int, **per_task, help=f"query heads per layer ({_PER_TASK})")
     train.add_argument("--kv-heads", type=_positive_int, default=None, help="key/value heads (GQA); default = heads")
-    train.add_argument("--batch-size", type=_positive_int, default=64)
-    train.add_argument("--lr", type=_positive_float, default=3e-3, help="peak AdamW learning rate")
+    train.add_argument("--batch-size", type=_positive_int, **per_task, help=f"examples per training batch ({_PER_TASK})")
+    train.add_argument("--lr", type=_positive_float, **per_task, help=f"peak AdamW learning rate ({_PER_TASK})")
+    train.add_argument("--lr-decay", choices=["constant", "cosine"], **per_task,
+                       help=f"after warmup: keep the peak rate, or cosine to a tenth of it at the end ({_PER_TASK})")
+    train.add_argument("--weight-decay", type=_non_negative_float, **per_task,
+                       help=f"AdamW weight decay on matrices ({_PER_TASK})")
+    train.add_argument("--positional", **per_task, help=f"position encoding of the model ({_PER_TASK})")
     train.add_argument("--pairs", type=_positive_int, default=6, help="recall: key-value pairs per sequence")
+    train.add_argument("--modulus", type=_positive_int, default=23, help="modular: the modulus p")
+    train.add_argument("--train-fraction", type=float, default=0.6, help="modular: share of the p^2 pairs trained on")
+    train.add_argument("--length", type=_positive_int, default=10, help="copy/reverse: longest source string")
+    train.add_argument("--grid-size", type=_positive_int, default=8, help="grid: rows = columns of the grid")
+    train.add_argument("--chars", type=_positive_int, default=1_000_000,
+                       help="charlm: characters read from the standard library's .py files")
+    train.add_argument("--seq-len", type=_positive_int, default=128, help="charlm: context length")
     train.add_argument("--every-n-steps", type=_positive_int, default=25, help="monitor probe interval")
     train.add_argument("--per-head", action="store_true", help="also log every head")
     train.add_argument("--log-dir", default="runs", help="TensorBoard root directory")
     train.add_argument("--name", default=None, help="run name under the log dir (default: the task)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--no-progress-bar", action="store_true", help="hide Lightning's progress bar")
+    from qkmonitor.report import add_report_parser
+
+    add_report_parser(commands)
     return parser
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
+        for name, value in TASK_DEFAULTS[args.task].items():
+            if not hasattr(args, name):
+                setattr(args, name, value)
         return _train(args)
+    if args.command == "report":
+        from qkmonitor.report import run_report
+
+        return run_report(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _config(args: argparse.Namespace, **fields):
+    """The model config from the shared options; ``fields`` are the task's own (vocabulary, ...)."""
+    from qkmonitor.models import TransformerConfig
+
+    return TransformerConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                             n_kv_heads=args.kv_heads, positional=args.positional, **fields)
+
+
+def _optim(args: argparse.Namespace) -> dict:
+    return {"lr": args.lr, "weight_decay": args.weight_decay, "warmup_steps": min(100, args.steps // 10),
+            "decay_steps": args.steps if args.lr_decay == "cosine" else None}
+
+
+def _build_recall(args: argparse.Namespace):
+    from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
+
+    data = AssociativeRecallDataModule(num_pairs=args.pairs, num_queries=args.pairs,
+                                       num_keys=4 * args.pairs, num_values=4 * args.pairs,
+                                       batch_size=args.batch_size, seed=args.seed)
+    config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
+    return data, CausalLMTask(config, **_optim(args))
+
+
+def _build_modular(args: argparse.Namespace):
+    from qkmonitor.models.tasks import CausalLMTask, ModularAdditionDataModule
+
+    data = ModularAdditionDataModule(modulus=args.modulus, train_fraction=args.train_fraction,
+                                     batch_size=args.batch_size, seed=args.seed)
+    config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
+    return data, CausalLMTask(config, **_optim(args))
+
+
+def _build_seq2seq(args: argparse.Namespace):
+    from qkmonitor.models.tasks import CopyReverseDataModule, Seq2SeqTask
+
+    data = CopyReverseDataModule(reverse=args.task == "reverse", min_len=min(3, args.length), max_len=args.length,
+                                 batch_size=args.batch_size, seed=args.seed)
+    config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
+    return data, Seq2SeqTask(config, **_optim(args))
+
+
+def _build_grid(args: argparse.Namespace):
+    from qkmonitor.models.tasks import GridRelationDataModule, VisionClassificationTask
+
+    data = GridRelationDataModule(height=args.grid_size, width=args.grid_size, batch_size=args.batch_size,
+                                  seed=args.seed)
+    config = _config(args, vocab_size=1, max_seq_len=args.grid_size**2, grid_size=data.grid_size,
+                     patch_dim=data.patch_dim, num_classes=data.num_classes)
+    return data, VisionClassificationTask(config, **_optim(args))
+
+
+def _build_charlm(args: argparse.Namespace):
+    from qkmonitor.models.tasks import CharLMTask, PythonSourceDataModule
+
+    data = PythonSourceDataModule(max_chars=args.chars, seq_len=args.seq_len, batch_size=args.batch_size,
+                                  seed=args.seed)
+    config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
+    return data, CharLMTask(config, **_optim(args))
+
+
+_BUILDERS = {"recall": _build_recall, "copy": _build_seq2seq, "reverse": _build_seq2seq, "charlm": _build_charlm,
+             "modular": _build_modular, "grid": _build_grid}
 
 
 def _train(args: argparse.Namespace) -> int:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from qkmonitor.callbacks import QKSpectrumMonitor
-    from qkmonitor.models import TransformerConfig
-    from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
+    from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 
     pl.seed_everything(args.seed, verbose=False)
-    data = AssociativeRecallDataModule(num_pairs=args.pairs, num_queries=args.pairs,
-                                       num_keys=4 * args.pairs, num_values=4 * args.pairs,
-                                       batch_size=args.batch_size, seed=args.seed)
     try:
-        config = TransformerConfig(vocab_size=data.vocab_size, d_model=args.d_model, n_layers=args.layers,
-                                   n_heads=args.heads, n_kv_heads=args.kv_heads,
-                                   max_seq_len=data.seq_len)
+        data, task = _BUILDERS[args.task](args)
     except ValueError as err:
         print(f"qkmonitor train: {err}", file=sys.stderr)
         return 2
-    task = CausalLMTask(config, lr=args.lr, warmup_steps=min(100, args.steps // 10))
     logger = TensorBoardLogger(args.log_dir, name=args.name or args.task, default_hp_metric=False)
-    spectrum = QKSpectrumMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head)
+    monitors = {
+        "spectrum": QKSpectrumMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
+        "entropy": AttentionEntropyMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
+        "rank": EffectiveRankMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
+    }
     trainer = pl.Trainer(
-        max_steps=args.steps, accelerator="cpu", devices=1, logger=logger, callbacks=[spectrum],
+        max_steps=args.steps, accelerator="cpu", devices=1, logger=logger, callbacks=list(monitors.values()),
         log_every_n_steps=args.every_n_steps, val_check_interval=min(250, args.steps),
         check_val_every_n_epoch=None, enable_progress_bar=not args.no_progress_bar,
         enable_model_summary=False, num_sanity_val_steps=0,
     )
     trainer.fit(task, datamodule=data)
     final = trainer.validate(task, datamodule=data, verbose=False)[0]
-    print(_summary(spectrum, final, logger.log_dir))
+    print(_summary(monitors, final, logger.log_dir))
     print(f"\nTo see the dashboards:\n  tensorboard --logdir {args.log_dir}")
     return 0
 
 
-def _summary(spectrum, final: dict[str, float], log_dir: str) -> str:
-    """A per-layer table of the last probe, with the task's final validation scores."""
-    columns = [("kappa", "mean"), ("kappa", "max"), ("kappa_eig", "mean"), ("qk_erank", "mean"),
-               ("qk_spectral_norm", "max")]
-    header = ["layer", "name"] + [f"{m} {agg}" if agg != "mean" else m for m, agg in columns]
+#: (monitor, metric, over heads) columns of the summary table.
+SUMMARY_COLUMNS = [
+    ("spectrum", "kappa", "mean"), ("spectrum", "kappa", "max"), ("spectrum", "qk_erank", "mean"),
+    ("entropy", "entropy_norm", "mean"), ("entropy", "entropy_norm", "min"), ("entropy", "max_logit", "max"),
+    ("rank", "hidden_collapse", "mean"), ("rank", "attn_erank", "mean"),
+]
+
+
+def _summary(monitors: dict, final: dict[str, float], log_dir: str) -> str:
+    """A per-layer table of each monitor's last probe, with the task's final validation scores."""
+    header = ["layer", "name"] + [m if agg == "mean" else f"{m} {agg}" for _, m, agg in SUMMARY_COLUMNS]
     rows = []
-    for i, layer in enumerate(spectrum.layers):
+    for i, layer in enumerate(monitors["spectrum"].layers):
         cells = [str(i), layer.name]
-        for metric, agg in columns:
-            heads = spectrum.latest[metric][i]
-            value = heads.mean() if agg == "mean" else heads.max()
-            cells.append("nan" if math.isnan(value) else f"{value.item():.4f}")
+        for monitor, metric, agg in SUMMARY_COLUMNS:
+            latest = monitors[monitor].latest.get(metric)
+            if latest is None:
+                cells.append("-")
+                continue
+            heads = latest[i]
+            value = {"mean": heads.mean(), "max": heads.max(), "min": heads.min()}[agg].item()
+            cells.append("nan" if math.isnan(value) else f"{value:.4g}")
         rows.append(cells)
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    alerts = ", ".join(f"{name}: {n}" for name, n in spectrum.tracker.counts.items()) or "none"
+    counts = {name: n for m in monitors.values() for name, n in m.tracker.counts.items()}
+    alerts = ", ".join(f"{name}: {n}" for name, n in counts.items()) or "none"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
+    steps = ", ".join(f"{name} at step {m.latest_step}" for name, m in monitors.items())
     return "\n".join([
-        f"\nqkmonitor summary at step {spectrum.latest_step} ({log_dir})",
+        f"\nqkmonitor summary ({steps}; {log_dir})",
         line(header), line(["-" * w for w in widths]), *map(line, rows),
         f"alerts fired: {alerts}", f"final validation: {scores}",
     ])

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["make_recall_batch", "AssociativeRecallDataModule"]
+from .base import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+__all__ = ["make_recall_batch", "AssociativeRecallDataModule"]
 
 
 def make_recall_batch(

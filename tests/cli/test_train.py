@@ -25,13 +25,26 @@ def test_short_run_writes_logs_and_prints_summary(tmp_path, capsys):
                  "--no-progress-bar", "--layers", "3", "--heads", "2", "--kv-heads", "1", "--per-head"])
     assert code == 0
     out = capsys.readouterr().out
-    assert "qkmonitor summary at step 12" in out
+    assert "qkmonitor summary (spectrum at step 12, entropy at step 8, rank at step 8" in out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("layer"))
+    assert header.split()[2:] == ["kappa", "kappa", "max", "qk_erank", "entropy_norm", "entropy_norm", "min",
+                                  "max_logit", "max", "hidden_collapse", "attn_erank"]
     for layer in range(3):
-        assert re.search(rf"^\s+{layer}\s+model\.blocks\.{layer}\.attn\s+\d\.\d{{4}}", out, re.M)
+        row = re.search(rf"^\s+{layer}\s+model\.blocks\.{layer}\.attn((\s+[0-9.e+-]+){{8}})$", out, re.M)
+        assert row and all(float(v) == float(v) for v in row.group(1).split())  # numbers, not NaN
     assert "tensorboard --logdir " + str(tmp_path / "runs") in out
     tags = read_tags(tmp_path / "runs" / "recall" / "version_0")
     assert {"qkmonitor/kappa/layer_02", "qkmonitor/kappa_max/layer_02", "qkmonitor/kappa/layer_02/head_01",
-            "qkmonitor/alerts/kappa", "train_loss", "val_acc"} <= tags
+            "qkmonitor/alerts/kappa", "qkmonitor/entropy_norm/layer_02/head_01", "qkmonitor/hidden_collapse/layer_02",
+            "train_loss", "val_acc"} <= tags
+
+    # and read it back: `qkmonitor report`
+    assert main(["report", str(tmp_path / "runs" / "recall" / "version_0"), "--out", str(tmp_path / "report")]) == 0
+    report = capsys.readouterr().out
+    assert re.search(r"^kappa\s+0\s+12\s", report, re.M) and "alerts:" in report
+    assert (tmp_path / "report" / "kappa.png").is_file() and (tmp_path / "report" / "entropy_norm_heads.png").is_file()
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_bad_options_are_rejected_with_the_option_named(tmp_path, capsys):

@@ -1,0 +1,92 @@
+"""What every example task shares: argument checks and one AdamW + warmup training setup."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ..config import TransformerConfig
+
+__all__ = ["IGNORE_INDEX", "TaskModule", "check_fraction", "check_positive_int", "lr_factor"]
+
+#: Targets with this value are not scored (PyTorch's ``cross_entropy`` default).
+IGNORE_INDEX = -100
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (bools rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
+
+
+def check_fraction(name: str, value: Any) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``0 < value < 1``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ValueError(f"Expected `{name}` in (0, 1), got {value!r}")
+
+
+def lr_factor(step: int, warmup: int, decay: int | None = None, floor: float = 0.1) -> float:
+    """The learning rate at optimizer step ``step`` as a fraction of the peak.
+
+    Linear warmup over ``warmup`` steps; then constant, or with ``decay`` a cosine from 1 down to
+    ``floor`` at step ``decay`` (held after).
+    """
+    warmup = max(1, warmup)
+    if step + 1 < warmup or decay is None:
+        return min(1.0, (step + 1) / warmup)
+    progress = min(1.0, (step + 1 - warmup) / max(1, decay - warmup))
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class TaskModule(pl.LightningModule):
+    """Base of the example tasks: checks and saves the hyper-parameters, builds the optimizer.
+
+    Subclasses build ``self.model`` from ``self.config`` and implement the steps. Hyper-parameters
+    are saved as plain values (the config as a dict) so that checkpoints load with
+    ``torch.load(weights_only=True)``.
+
+    Args:
+        config: the model (a dict, as saved in a checkpoint, is accepted).
+        lr: peak AdamW learning rate, reached after ``warmup_steps`` linear warmup, then constant.
+        weight_decay: AdamW weight decay on matrices (not on norms, biases or 1-D parameters).
+        warmup_steps: linear warmup length in optimizer steps.
+        decay_steps: ``None`` keeps the peak rate after warmup; an int decays it along a cosine
+            to a tenth of the peak at step ``decay_steps`` (then holds it): a run that ends on a
+            low rate ends on a stable model rather than inside a loss spike.
+        **extra: further hyper-parameters of the subclass, saved alongside.
+    """
+
+    def __init__(self, config: TransformerConfig | dict, lr: float = 3e-3, weight_decay: float = 0.1,
+                 warmup_steps: int = 100, decay_steps: int | None = None, **extra: Any) -> None:
+        super().__init__()
+        if isinstance(config, dict):
+            config = TransformerConfig(**config)
+        if not lr >= 0:
+            raise ValueError(f"Expected `lr` >= 0, got {lr}")
+        if not weight_decay >= 0:
+            raise ValueError(f"Expected `weight_decay` >= 0, got {weight_decay}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"Expected `warmup_steps` to be an int >= 0, got {warmup_steps!r}")
+        if decay_steps is not None:
+            check_positive_int("decay_steps", decay_steps)
+        self.config = config
+        self.save_hyperparameters({"config": dataclasses.asdict(config), "lr": lr,
+                                   "weight_decay": weight_decay, "warmup_steps": warmup_steps,
+                                   "decay_steps": decay_steps, **extra})
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr, betas=(0.9, 0.98),
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, partial(lr_factor, warmup=self.hparams.warmup_steps, decay=self.hparams.get("decay_steps")))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,44 @@
+"""`qkmonitor train --task X`: every task runs end to end and prints its summary (not learning)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from qkmonitor.cli import TASK_DEFAULTS, main
+
+# The attention layers the summary must list, per task: every self- and cross-attention.
+LAYERS = {
+    "recall": ["model.blocks.0.attn", "model.blocks.1.attn"],
+    "modular": ["model.blocks.0.attn"],
+    "copy": ["model.encoder.0.attn", "model.decoder.0.attn", "model.decoder.0.cross_attn"],
+    "reverse": ["model.encoder.0.attn", "model.decoder.0.attn", "model.decoder.0.cross_attn"],
+    "grid": ["model.blocks.0.attn"],
+    "charlm": ["model.blocks.0.attn"],
+}
+METRICS = {"recall": ["val_acc", "val_loss"], "modular": ["val_acc", "val_loss"],
+           "copy": ["val_acc", "val_loss", "val_seq_acc"], "reverse": ["val_acc", "val_loss", "val_seq_acc"],
+           "grid": ["val_acc", "val_loss"], "charlm": ["val_acc", "val_bpc", "val_loss"]}
+
+
+@pytest.mark.parametrize("task", list(LAYERS))
+def test_every_task_trains_end_to_end_and_prints_the_summary(task, tmp_path, capsys):
+    argv = ["train", "--task", task, "--steps", "4", "--every-n-steps", "2", "--layers", "1", "--chars", "20000",
+            "--log-dir", str(tmp_path / "runs"), "--no-progress-bar"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "qkmonitor summary (spectrum at step 4, entropy at step 2, rank at step 2" in out
+    for i, name in enumerate(LAYERS[task] if task != "recall" else LAYERS[task][:1]):
+        row = re.search(rf"^\s+{i}\s+{re.escape(name)}((\s+[-0-9.e+]+){{8}})$", out, re.MULTILINE)
+        assert row, name
+        assert all(math.isfinite(float(v)) for v in row.group(1).split()), name
+    final = re.search(r"^final validation: (.*)$", out, re.MULTILINE).group(1)
+    assert re.findall(r"(\w+) [0-9.]+", final) == METRICS[task]
+    assert (tmp_path / "runs" / task / "version_0").is_dir()
+
+
+def test_tasks_are_the_documented_ones_with_recall_the_default():
+    assert set(TASK_DEFAULTS) == set(LAYERS) and next(iter(TASK_DEFAULTS)) == "recall"
+    assert all(set(d) == set(TASK_DEFAULTS["recall"]) for d in TASK_DEFAULTS.values())
