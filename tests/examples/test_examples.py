@@ -52,3 +52,12 @@ def test_entropy_vs_length_example_log_n_keeps_entropy_from_growing_like_log_n()
     assert standard[0][1] == pytest.approx(log_n[0][1])  # same weights: equal up to the training length
     assert standard[-1][1] > standard[0][1]  # a fixed temperature flattens with n
     assert log_n[-1][2] < standard[-1][2]  # log-n scaling keeps attention sharper at long range
+
+
+@pytest.mark.slow
+def test_bundled_tasks_example_runs_every_task_with_the_monitors(tmp_path, capsys):
+    codes = load("bundled_tasks").main(["--steps", "10", "--log-dir", str(tmp_path)])
+    assert codes == {task: 0 for task in ("recall", "copy", "reverse", "charlm", "modular", "grid")}
+    out = capsys.readouterr().out
+    assert out.count("qkmonitor summary (spectrum at step 10, entropy at step 0") == 6
+    assert {p.name for p in tmp_path.iterdir()} == set(codes)
