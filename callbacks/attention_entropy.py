@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
@@ -40,6 +41,9 @@ class AttentionEntropyMonitor(ActivationMonitor):
     - ``{prefix}/{metric}/layer_LL`` (mean over heads), ``{prefix}/{metric}_min/layer_LL`` and
       ``{prefix}/{metric}_max/layer_LL`` (lowest and highest head) for ``entropy`` (nats),
       ``entropy_norm`` (in [0, 1]), ``max_prob`` and ``max_logit``.
+    - ``{prefix}/sink_mass/layer_LL`` (+ ``_min``, ``_max``) with ``sink_tokens=k`` > 0: the mean
+      attention mass on the first k keys ("attention sinks"), from qkmonitor's own attention and
+      ``nn.MultiheadAttention`` (NaN for adapters that cannot measure it).
     - ``{prefix}/heatmap/entropy_norm``, ``{prefix}/heatmap/max_prob`` — layer x head images.
     - ``{prefix}/{metric}/layer_LL/head_HH`` with ``per_head=True``.
     - ``{prefix}/alerts/entropy_collapse``, ``{prefix}/alerts/logit_growth``.
@@ -56,6 +60,14 @@ class AttentionEntropyMonitor(ActivationMonitor):
     heatmaps = {"entropy_norm": (0.0, 1.0), "max_prob": (0.0, 1.0)}
     default_rules = (ENTROPY_COLLAPSE_RULE, LOGIT_GROWTH_RULE)
 
+    def __init__(self, *args, sink_tokens: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"Expected `sink_tokens` to be an int >= 0, got {sink_tokens!r}")
+        self.sink_tokens = sink_tokens
+        if sink_tokens:
+            self.metric_names = (*ENTROPY_METRICS, "sink_mass")
+
     def _setup_probes(self, pl_module: pl.LightningModule) -> None:
         unsupported = [layer.name for layer in self.layers if not layer.supports_stats]
         if unsupported:
@@ -70,6 +82,7 @@ class AttentionEntropyMonitor(ActivationMonitor):
 
     def _set_probes(self, enabled: bool) -> None:
         for layer in self.layers:
+            layer.sink_tokens = self.sink_tokens
             layer.set_probe(enabled)
 
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
@@ -87,7 +100,9 @@ class AttentionEntropyMonitor(ActivationMonitor):
                 values = aggregator.compute()
             aggregator.reset()
             per_layer.append(values)
-        return {name: [values[name] for values in per_layer] for name in ENTROPY_METRICS}
+        nan = float("nan")
+        return {name: [values.get(name, torch.full((agg.num_heads,), nan)) for values, agg in
+                       zip(per_layer, self._aggregators)] for name in self.metric_names}
 
     def _warn_missing(self, name: str) -> None:
         if not self._warned_missing:

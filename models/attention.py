@@ -63,6 +63,8 @@ class MultiHeadAttention(nn.Module):
         self._probs: Tensor | None = None
         self._probs_slice: tuple[int, int] | None = None
         self._probe_users = 0
+        #: while probing, also measure the attention mass on the first this-many keys (0: off)
+        self.probe_sink_tokens = 0
 
     def forward(self, x: Tensor, memory: Tensor | None = None, key_padding_mask: Tensor | None = None,
                 coords: Tensor | None = None) -> Tensor:
@@ -99,7 +101,7 @@ class MultiHeadAttention(nn.Module):
             q, scale = q * scale.to(q.dtype), 1.0
         kwargs = dict(causal=self.causal, key_padding_mask=key_padding_mask, scale=scale, backend=self.backend)
         if self.probe:
-            out, self._stats = attention(q, k, v, return_stats=True, **kwargs)
+            out, self._stats = attention(q, k, v, return_stats=True, sink_tokens=self.probe_sink_tokens, **kwargs)
             if self._probs_slice is not None:
                 self._probs = self._explicit_probs(q, k, scale, key_padding_mask)
         else:
@@ -135,6 +137,7 @@ class MultiHeadAttention(nn.Module):
         self.probe = self._probe_users > 0
         if not self.probe:
             self._stats, self._probs, self._probs_slice = None, None, None
+            self.probe_sink_tokens = 0
 
     def pop_stats(self) -> AttentionStats | None:
         """The statistics of the last probed forward (kept for every probe until capture stops)."""

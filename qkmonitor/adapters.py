@@ -77,6 +77,9 @@ class AttentionLayer:
         self.name = name
         self.module = module
         self.index = index
+        #: while probing, also report the attention mass on the first this-many keys (0: off),
+        #: where the adapter can (qkmonitor's own attention, nn.MultiheadAttention).
+        self.sink_tokens = 0
 
     def qk_weights(self) -> QKWeights:
         """The layer's current query/key weights; subclasses read them from their module."""
@@ -127,6 +130,8 @@ class NativeAttentionLayer(AttentionLayer):
             self.module.set_probe(enabled)
         else:
             self.module.set_probe(enabled, probs_slice=probs_slice)
+        if enabled and self.sink_tokens and hasattr(self.module, "probe_sink_tokens"):
+            self.module.probe_sink_tokens = max(self.module.probe_sink_tokens, self.sink_tokens)
 
     def pop_stats(self):
         if not self.supports_stats:
@@ -141,7 +146,25 @@ class NativeAttentionLayer(AttentionLayer):
         return pop(slice_) if slice_ is not None else pop()
 
 
-class MultiheadAttentionLayer(AttentionLayer):
+class CapturingAttentionLayer(AttentionLayer):
+    """An adapter that captures statistics itself (hooks, wrappers) and hands them out once."""
+
+    def __init__(self, name: str, module: nn.Module, index: int = 0) -> None:
+        super().__init__(name, module, index)
+        self._stats = None
+        self._probs: Tensor | None = None
+        self._probs_slice: tuple[int, int] | None = None
+
+    def pop_stats(self):
+        stats, self._stats = self._stats, None
+        return stats
+
+    def pop_probs(self) -> Tensor | None:
+        probs, self._probs = self._probs, None
+        return probs
+
+
+class MultiheadAttentionLayer(CapturingAttentionLayer):
     """``torch.nn.MultiheadAttention``: packed ``in_proj_weight`` or separate q/k/v weights.
 
     ``batch_first`` does not matter for the weights. The scale is ``1/sqrt(head_dim)``, as in
@@ -160,9 +183,6 @@ class MultiheadAttentionLayer(AttentionLayer):
     def __init__(self, name: str, module: nn.Module, index: int = 0) -> None:
         super().__init__(name, module, index)
         self._hook = None
-        self._stats = None
-        self._probs = None
-        self._probs_slice: tuple[int, int] | None = None
 
     def qk_weights(self) -> QKWeights:
         w_q, w_k, _, _ = self._projections()
@@ -191,14 +211,6 @@ class MultiheadAttentionLayer(AttentionLayer):
             if self._hook is not None:
                 self._hook.remove()
             self._hook, self._stats, self._probs = None, None, None
-
-    def pop_stats(self):
-        stats, self._stats = self._stats, None
-        return stats
-
-    def pop_probs(self) -> Tensor | None:
-        probs, self._probs = self._probs, None
-        return probs
 
     def _capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
@@ -235,7 +247,7 @@ class MultiheadAttentionLayer(AttentionLayer):
         probs = None
         if (attn_mask is None or causal) and _boolean_or_none(allowed_keys):
             _, stats = attention(q, k, k, causal=causal, key_padding_mask=allowed_keys, scale=scale,
-                                 return_stats=True)
+                                 return_stats=True, sink_tokens=self.sink_tokens)
             if self._probs_slice is not None:
                 seqs, rows = self._probs_slice
                 pad = None if allowed_keys is None else allowed_keys[:seqs]
@@ -251,7 +263,7 @@ class MultiheadAttentionLayer(AttentionLayer):
         if self._probs_slice is not None:
             seqs, rows = self._probs_slice
             probs = masked_softmax(scores[:seqs, :, :rows])
-        return attention_stats_from_scores(scores), probs
+        return attention_stats_from_scores(scores, sink_tokens=self.sink_tokens), probs
 
 
 def _allowed_keys(key_padding_mask: Tensor | None, batch: int, num_keys: int, device) -> Tensor | None:

@@ -54,7 +54,7 @@ from numbers import Real
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.adapters import AttentionLayer, QKWeights
+from qkmonitor.adapters import CapturingAttentionLayer, QKWeights
 
 __all__ = [
     "PROBE_IMPLEMENTATION",
@@ -82,16 +82,10 @@ class _ProbeState:
 _PROBED: weakref.WeakKeyDictionary[nn.Module, _ProbeState] = weakref.WeakKeyDictionary()
 
 
-class HFAttentionLayer(AttentionLayer):
+class HFAttentionLayer(CapturingAttentionLayer):
     """A ``transformers`` attention module; subclasses read its query/key weights."""
 
     kind = "transformers"
-
-    def __init__(self, name: str, module: nn.Module, index: int = 0) -> None:
-        super().__init__(name, module, index)
-        self._stats = None
-        self._probs = None
-        self._probs_slice: tuple[int, int] | None = None
 
     def _default_scale(self) -> float:
         return self.qk_weights().scale
@@ -110,14 +104,6 @@ class HFAttentionLayer(AttentionLayer):
         if not self.supports_stats:
             super().set_probe(enabled)
         _attach(self)
-
-    def pop_stats(self):
-        stats, self._stats = self._stats, None
-        return stats
-
-    def pop_probs(self) -> Tensor | None:
-        probs, self._probs = self._probs, None
-        return probs
 
 
 class LlamaAttentionLayer(HFAttentionLayer):

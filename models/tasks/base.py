@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 
 from ..config import TransformerConfig
 
@@ -78,6 +79,20 @@ class TaskModule(pl.LightningModule):
         self.save_hyperparameters({"config": dataclasses.asdict(config), "lr": lr,
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "decay_steps": decay_steps, **extra})
+
+    def token_loss(self, logits: torch.Tensor, targets: torch.Tensor, stage: str) -> torch.Tensor:
+        """Cross-entropy over the positions whose target is not ``IGNORE_INDEX``; logs
+        ``{stage}_loss`` and ``{stage}_acc`` (accuracy on those positions).
+
+        Args:
+            logits: (B, N, V); targets: (B, N).
+        """
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        scored = targets != IGNORE_INDEX
+        acc = (logits.argmax(-1)[scored] == targets[scored]).float().mean()
+        self.log(f"{stage}_loss", loss, prog_bar=True)
+        self.log(f"{stage}_acc", acc, prog_bar=stage == "val")
+        return loss
 
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.dim() >= 2]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -135,12 +134,7 @@ class Seq2SeqTask(TaskModule):
     def _step(self, batch: tuple[Tensor, Tensor, Tensor], stage: str) -> Tensor:
         source, decoder_input, targets = batch
         logits = self(source, decoder_input)  # (B, N, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-        scored = targets != IGNORE_INDEX
-        acc = (logits.argmax(-1)[scored] == targets[scored]).float().mean()
-        self.log(f"{stage}_loss", loss, prog_bar=True)
-        self.log(f"{stage}_acc", acc, prog_bar=stage == "val")
-        return loss
+        return self.token_loss(logits, targets, stage)
 
     def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
         return self._step(batch, "train")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import TransformerConfig
 from ..transformer import DecoderLM
-from .base import IGNORE_INDEX, TaskModule
+from .base import TaskModule
 
 __all__ = ["CausalLMTask"]
 
@@ -40,12 +39,7 @@ class CausalLMTask(TaskModule):
     def _step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
         tokens, targets = batch
         logits = self(tokens)  # (B, N, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-        scored = targets != IGNORE_INDEX
-        acc = (logits.argmax(-1)[scored] == targets[scored]).float().mean()
-        self.log(f"{stage}_loss", loss, prog_bar=True)
-        self.log(f"{stage}_acc", acc, prog_bar=stage == "val")
-        return loss
+        return self.token_loss(logits, targets, stage)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self._step(batch, "train")

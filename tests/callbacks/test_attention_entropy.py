@@ -52,6 +52,7 @@ def reference_head_values(model, batch_tokens: torch.Tensor) -> list[dict[str, t
             "entropy_norm": norm.mean(dim=(0, 2)),
             "max_prob": p.amax(-1).mean(dim=(0, 2)),
             "max_logit": s.amax(-1).amax(dim=(0, 2)),
+            "sink_mass": p[..., :2].sum(-1).mean(dim=(0, 2)),  # mass on the first two keys
         })
     return out
 
@@ -63,7 +64,7 @@ def test_logged_entropy_equals_explicit_attention_of_the_probed_batch(tmp_path, 
     initial = copy.deepcopy(task.model)
     expected = reference_head_values(initial, first_batch)
 
-    monitor = AttentionEntropyMonitor(every_n_steps=2, per_head=True)
+    monitor = AttentionEntropyMonitor(every_n_steps=2, per_head=True, sink_tokens=2)
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=TensorBoardLogger(tmp_path, "run", 0),
                          callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1)
@@ -103,6 +104,7 @@ def test_multihead_attention_statistics_match_its_own_attention_weights(batch_fi
     inp = x if batch_first else x.transpose(0, 1)
 
     layer = find_attention_layers(mha)[0]
+    layer.sink_tokens = 1
     layer.set_probe(True)
     with torch.no_grad():
         mha(inp, inp, inp, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)
@@ -117,6 +119,7 @@ def test_multihead_attention_statistics_match_its_own_attention_weights(batch_fi
     entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
     torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats.max_prob.double(), p.amax(-1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stats.sink_mass.double(), p[..., 0], rtol=1e-4, atol=1e-5)
     live = p.sum(-1) > 0.5
     assert torch.equal(stats.attended > 0, live)
 
