@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import warnings
+from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 
-from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE, LOGIT_GROWTH_RULE
-from qkmonitor.metrics import AttentionStatistics
+from qkmonitor.adapters import LayerSpec
+from qkmonitor.alerts import Alert, AlertRule
+from qkmonitor.engine import AttentionEntropy
 
 from .base import ActivationMonitor
 
 __all__ = ["AttentionEntropyMonitor"]
-
-ENTROPY_METRICS = ("entropy", "entropy_norm", "max_prob", "max_logit")
 
 
 class AttentionEntropyMonitor(ActivationMonitor):
@@ -51,65 +47,32 @@ class AttentionEntropyMonitor(ActivationMonitor):
     Default alerts: ``entropy_norm <= 0.1`` (:data:`~qkmonitor.alerts.ENTROPY_COLLAPSE_RULE`) and
     ``max_logit >= 50`` (:data:`~qkmonitor.alerts.LOGIT_GROWTH_RULE`), 2 probes in a row.
 
+    Args (keyword-only): those of :class:`~qkmonitor.callbacks.QKSpectrumMonitor`, and
+        sink_tokens: also log ``sink_mass`` on the first this-many keys (0: off).
+        probe_validation: also measure the first validation batch of each validation run, logged
+            under ``{prefix}/val/...``.
+
     Example::
 
         trainer = Trainer(callbacks=[AttentionEntropyMonitor(every_n_steps=50)])
     """
 
-    metric_names = ENTROPY_METRICS
-    heatmaps = {"entropy_norm": (0.0, 1.0), "max_prob": (0.0, 1.0)}
-    default_rules = (ENTROPY_COLLAPSE_RULE, LOGIT_GROWTH_RULE)
+    engine: AttentionEntropy
 
-    def __init__(self, *args, sink_tokens: int = 0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-            raise ValueError(f"Expected `sink_tokens` to be an int >= 0, got {sink_tokens!r}")
-        self.sink_tokens = sink_tokens
-        if sink_tokens:
-            self.metric_names = (*ENTROPY_METRICS, "sink_mass")
-
-    def _setup_probes(self, pl_module: pl.LightningModule) -> None:
-        unsupported = [layer.name for layer in self.layers if not layer.supports_stats]
-        if unsupported:
-            raise ValueError(
-                f"AttentionEntropyMonitor: layers {unsupported} give no attention statistics; "
-                "pass `layers=` with AttentionLayer adapters that implement `set_probe`/`pop_stats`"
-            )
-        self._aggregators = [
-            AttentionStatistics(layer.qk_weights().num_heads).to(pl_module.device) for layer in self.layers
-        ]
-        self._warned_missing = False
-
-    def _set_probes(self, enabled: bool) -> None:
-        for layer in self.layers:
-            layer.sink_tokens = self.sink_tokens
-            layer.set_probe(enabled)
-
-    def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
-        per_layer = []
-        for layer, aggregator in zip(self.layers, self._aggregators):
-            stats = layer.pop_stats()
-            if stats is None:
-                self._warn_missing(layer.name)
-            else:
-                aggregator.update(stats)
-            # compute() on every rank, updated or not: it is the collective that sums the states
-            # across processes (a rank that saw no rows adds zeros; no rows at all gives NaN).
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
-                values = aggregator.compute()
-            aggregator.reset()
-            per_layer.append(values)
-        nan = float("nan")
-        return {name: [values.get(name, torch.full((agg.num_heads,), nan)) for values, agg in
-                       zip(per_layer, self._aggregators)] for name in self.metric_names}
-
-    def _warn_missing(self, name: str) -> None:
-        if not self._warned_missing:
-            self._warned_missing = True
-            rank_zero_warn(
-                f"AttentionEntropyMonitor: layer {name!r} did not run in the probed forward; its "
-                "entropy is logged as NaN. This warning is shown once."
-            )
-
-
+    def __init__(
+        self,
+        *,
+        every_n_steps: int | None = None,
+        per_head: bool = False,
+        log_key_prefix: str = "qkmonitor",
+        alerts: Sequence[AlertRule] | None = None,
+        alert_action: str = "warn",
+        on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
+        layers: LayerSpec | None = None,
+        probe_validation: bool = False,
+        sink_tokens: int = 0,
+    ) -> None:
+        engine = AttentionEntropy(every_n_steps=every_n_steps, per_head=per_head, log_key_prefix=log_key_prefix,
+                                  alerts=alerts, alert_action=alert_action, on_alert=on_alert, layers=layers,
+                                  sink_tokens=sink_tokens)
+        super().__init__(engine, probe_validation=probe_validation)

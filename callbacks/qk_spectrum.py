@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor, nn
 from typing_extensions import override
 
-from qkmonitor.adapters import AttentionLayer
-from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.functional import qk_singular_values, qk_spectrum_metrics
+from qkmonitor.adapters import LayerSpec
+from qkmonitor.alerts import Alert, AlertRule
+from qkmonitor.engine import QKSpectrum
 
-from .base import AttentionMonitor
+from .base import AttentionMonitor, LightningHost
 
 __all__ = ["QKSpectrumMonitor"]
-
-#: The metrics this monitor logs, in the order of the docs.
-SPECTRUM_METRICS = ("kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm")
 
 
 class QKSpectrumMonitor(AttentionMonitor):
@@ -53,7 +46,16 @@ class QKSpectrumMonitor(AttentionMonitor):
     Default alert: ``kappa >= 0.8`` for 2 consecutive probes, recovering below 0.75
     (:data:`qkmonitor.alerts.KAPPA_RULE`), raising :class:`qkmonitor.OverLocalizationWarning`.
 
-    Args: see :class:`~qkmonitor.callbacks.base.AttentionMonitor`.
+    Args (keyword-only; see :class:`~qkmonitor.engine.base.MonitorEngine`):
+        every_n_steps: probe every this many optimizer steps (default: the Trainer's
+            ``log_every_n_steps``).
+        per_head: also log every head's value.
+        log_key_prefix: first part of every tag (tag-safe).
+        alerts: the alert rules (``None``: the defaults; ``[]``: none); each must watch a metric
+            this monitor logs.
+        alert_action: ``"warn"``, ``"stop"`` or ``"raise"``.
+        on_alert: ``on_alert(trainer, alert)`` for every alert that fires.
+        layers: which attention layers (one module, a list, or a function of the model).
 
     Example::
 
@@ -63,88 +65,33 @@ class QKSpectrumMonitor(AttentionMonitor):
         trainer = Trainer(callbacks=[QKSpectrumMonitor(every_n_steps=50, per_head=True)])
     """
 
-    metric_names = SPECTRUM_METRICS
-    heatmaps = {"kappa": (0.0, 1.0)}
-    default_rules = (KAPPA_RULE,)
+    engine: QKSpectrum
+
+    def __init__(
+        self,
+        *,
+        every_n_steps: int | None = None,
+        per_head: bool = False,
+        log_key_prefix: str = "qkmonitor",
+        alerts: Sequence[AlertRule] | None = None,
+        alert_action: str = "warn",
+        on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
+        layers: LayerSpec | None = None,
+    ) -> None:
+        super().__init__(QKSpectrum(every_n_steps=every_n_steps, per_head=per_head, log_key_prefix=log_key_prefix,
+                                    alerts=alerts, alert_action=alert_action, on_alert=on_alert, layers=layers))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_step == 0 and self.latest_step is None:  # the spectrum at initialization
-            self._collect_and_log(trainer, pl_module, 0)
+        if trainer.global_step == 0:  # the spectrum at initialization
+            self._observe(trainer, 0)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step = trainer.global_step  # after the optimizer step: the weights of this step
-        if step > 0 and self._is_probe_step(step):
-            self._collect_and_log(trainer, pl_module, step)
+        if trainer.global_step > 0:  # after the optimizer step: the weights of this step
+            self._observe(trainer, trainer.global_step)
 
-    def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
-        # Under FSDP every rank holds a shard: gather the full weights (read-only) for the probe.
-        with _full_parameters(getattr(trainer.strategy, "model", None)):
-            values = spectrum_of_layers(self.layers, keep_singular_values=True)
-        self._singular_values = values.pop("singular_values")
-        return values
-
-    def _draws_visuals(self) -> bool:
-        return True
-
-    def _histograms(self) -> dict[str, Tensor]:
-        """Each layer's singular values of W_QK, all heads together."""
-        out = {}
-        for i, sv in enumerate(getattr(self, "_singular_values", [])):
-            finite = sv[torch.isfinite(sv)]  # NaN heads are in the scalars; a histogram needs numbers
-            if finite.numel():
-                out[f"{self.prefix}/qk_singular_values/layer_{i:02d}"] = finite
-        return out
-
-
-def _full_parameters(model: nn.Module | None):
-    """A context in which FSDP (v1) parameters are unsharded; a no-op for anything else."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return nullcontext()
-    if model is not None and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True)
-    return nullcontext()
-
-
-def full_tensor(weight: Tensor) -> Tensor:
-    """The whole tensor behind a sharded parameter (FSDP2 / DTensor), else the tensor itself."""
-    weight = weight.detach()
-    to_full = getattr(weight, "full_tensor", None)  # torch.distributed.tensor.DTensor
-    return to_full() if callable(to_full) else weight
-
-
-def spectrum_of_layers(layers: list[AttentionLayer], keep_singular_values: bool = False) -> dict[str, list[Tensor]]:
-    """The spectrum metrics of each layer; layers of the same shape go through one batched call.
-
-    Returns:
-        metric -> one (num_heads,) tensor per layer, in the order of ``layers``; with
-        ``keep_singular_values`` also ``"singular_values"`` -> one (num_heads, d_k) per layer.
-    """
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    weights = [layer.qk_weights() for layer in layers]
-    for i, w in enumerate(weights):
-        key = (tuple(w.w_q.shape), tuple(w.w_k.shape), w.num_heads, w.num_kv_heads, w.w_q.device)
-        groups[key].append(i)
-    per_layer: list[dict[str, Tensor]] = [{} for _ in layers]
-    for (_, _, num_heads, num_kv_heads, _), members in groups.items():
-        w_q = torch.stack([full_tensor(weights[i].w_q) for i in members])  # (G, H*d_k, d)
-        w_k = torch.stack([full_tensor(weights[i].w_k) for i in members])
-        scale = torch.tensor([weights[i].scale for i in members], dtype=torch.float64)
-        try:
-            metrics = qk_spectrum_metrics(w_q, w_k, num_heads, num_kv_heads, scale.to(w_q.device))
-            if keep_singular_values:
-                metrics["singular_values"] = qk_singular_values(w_q, w_k, num_heads, num_kv_heads)
-        except torch.linalg.LinAlgError as err:  # a decomposition that did not converge
-            rank_zero_warn(f"QKSpectrumMonitor: {err}; the affected layers are logged as NaN.")
-            nan = torch.full((len(members), num_heads), float("nan"))
-            metrics = {name: nan for name in SPECTRUM_METRICS}
-            metrics["singular_values"] = nan[..., None]
-        names = (*SPECTRUM_METRICS, "singular_values") if keep_singular_values else SPECTRUM_METRICS
-        for j, i in enumerate(members):
-            per_layer[i] = {name: metrics[name][j] for name in names}
-    names = (*SPECTRUM_METRICS, "singular_values") if keep_singular_values else SPECTRUM_METRICS
-    return {name: [values[name] for values in per_layer] for name in names}
+    def _observe(self, trainer: pl.Trainer, step: int) -> None:
+        # under FSDP every rank holds a shard: the engine gathers the full weights for the read
+        self.engine.observe_weights(LightningHost(trainer), step, full_model=trainer.strategy.model)

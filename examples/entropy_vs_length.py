@@ -40,11 +40,10 @@ def mean_entropy(model: DecoderLM, n: int) -> tuple[float, float]:
     quarter of the rows (rows that see about n keys)."""
     layer = find_attention_layers(model)[-1]
     tokens = torch.randint(64, (2, n), generator=torch.Generator().manual_seed(n))
-    layer.set_probe(True)
-    with torch.no_grad():
-        model(tokens)
-    stats = layer.pop_stats()  # per row: entropy, attended keys, ... (B, H, n)
-    layer.set_probe(False)
+    with layer.open_probe() as probe:  # measures every forward until closed
+        with torch.no_grad():
+            model(tokens)
+    stats = probe.close().stats[0]  # per row: entropy, attended keys, ... (B, H, n)
     entropy, keys = stats.entropy[..., n - n // 4:], stats.attended[..., n - n // 4:]
     return entropy.mean().item(), (entropy / keys.log()).mean().item()
 

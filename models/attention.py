@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import QKWeights
-from qkmonitor.functional import attention_probs
-from qkmonitor.kernels import AttentionStats, attention
+from qkmonitor.kernels import attention
 from qkmonitor.kernels._stats import attended_keys
+from qkmonitor.probes import AttentionCall, KernelCall, ObserverSet
 
 from .config import TransformerConfig
 from .norms import make_norm
@@ -30,9 +32,9 @@ class MultiHeadAttention(nn.Module):
     self-attention only: queries and keys of a cross-attention live on different sequences.
 
     Implements :class:`qkmonitor.adapters.SupportsQKMonitor`: ``qk_weights()`` for the spectrum,
-    and probing for the activation statistics: after ``set_probe(True)``, every forward asks the
-    kernel for its per-row statistics (computed in the same pass, no N x N matrix) and keeps the
-    last ones until ``pop_stats()`` takes them.
+    and ``register_probe`` for the activation statistics: while an observer is registered, every
+    forward asks the kernel for its per-row statistics (computed in the same pass, no N x N
+    matrix) and hands them to each observer (:mod:`qkmonitor.probes`).
 
     Args:
         config: the model's config.
@@ -58,13 +60,7 @@ class MultiHeadAttention(nn.Module):
         )
         self.logit_factor = getattr(self.rope, "attention_factor", 1.0)  # YaRN temperature
         self.train_len = config.scale_train_len
-        self.probe = False
-        self._stats: AttentionStats | None = None
-        self._probs: Tensor | None = None
-        self._probs_slice: tuple[int, int] | None = None
-        self._probe_users = 0
-        #: while probing, also measure the attention mass on the first this-many keys (0: off)
-        self.probe_sink_tokens = 0
+        self._observers = ObserverSet()
 
     def forward(self, x: Tensor, memory: Tensor | None = None, key_padding_mask: Tensor | None = None,
                 coords: Tensor | None = None) -> Tensor:
@@ -84,7 +80,6 @@ class MultiHeadAttention(nn.Module):
         source = memory if self.cross else x
         b, n, _ = x.shape
         m = source.shape[1]
-        self._last_n = n
         q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, D)
         k = self.k_proj(source).view(b, m, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, M, D)
         v = self.v_proj(source).view(b, m, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -100,10 +95,11 @@ class MultiHeadAttention(nn.Module):
         if isinstance(scale, Tensor):  # a temperature per row: fold it into q, the kernel scales by 1
             q, scale = q * scale.to(q.dtype), 1.0
         kwargs = dict(causal=self.causal, key_padding_mask=key_padding_mask, scale=scale, backend=self.backend)
-        if self.probe:
-            out, self._stats = attention(q, k, v, return_stats=True, sink_tokens=self.probe_sink_tokens, **kwargs)
-            if self._probs_slice is not None:
-                self._probs = self._explicit_probs(q, k, scale, key_padding_mask)
+        if self._observers:
+            sink = self._observers.sink_tokens()
+            out, stats = attention(q, k, v, return_stats=True, sink_tokens=sink, **kwargs)
+            self._observers.notify(KernelCall(q, k, scale=scale, causal=self.causal, key_padding_mask=key_padding_mask,
+                                              stats=stats, stats_sink=sink))
         else:
             out = attention(q, k, v, **kwargs)  # (B, H, N, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
@@ -115,52 +111,22 @@ class MultiHeadAttention(nn.Module):
         keys = attended_keys(b, 1, n, m, causal=self.causal, key_padding_mask=key_padding_mask, device=device)
         return (self.scale_policy(keys.clamp_min(1.0)) * self.logit_factor)[..., None]
 
-    def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
-        """Turn statistics capture on or off for the following forwards.
+    @property
+    def probing(self) -> bool:
+        """Whether a probe is registered (the forward then computes statistics)."""
+        return bool(self._observers)
 
-        Several monitors may probe at once: each ``set_probe(True)`` is matched by one
-        ``set_probe(False)``, and capture stops when the last one has turned it off.
+    def register_probe(self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0) -> Callable[[], None]:
+        """Hand every following forward to ``observer`` until the returned function is called.
 
-        Args:
-            enabled: capture the kernel's per-row statistics.
-            probs_slice: ``(sequences, rows)``: also keep the explicit attention matrix of the
-                first ``sequences`` sequences and ``rows`` query rows (all keys), (S, H, R, M).
-                Requests of several probes are merged (the largest of each).
+        The forward then asks the kernel for its per-row statistics (same pass, no N x N matrix,
+        with the most sink keys any observer wants) and passes a
+        :class:`~qkmonitor.probes.KernelCall` holding them, the scaled queries and the keys.
+
+        Returns:
+            A function that removes exactly this observer.
         """
-        if enabled:
-            self._probe_users += 1
-            if probs_slice is not None:
-                old = self._probs_slice or (0, 0)
-                self._probs_slice = (max(old[0], probs_slice[0]), max(old[1], probs_slice[1]))
-        else:
-            self._probe_users = max(0, self._probe_users - 1)
-        self.probe = self._probe_users > 0
-        if not self.probe:
-            self._stats, self._probs, self._probs_slice = None, None, None
-            self.probe_sink_tokens = 0
-
-    def pop_stats(self) -> AttentionStats | None:
-        """The statistics of the last probed forward (kept for every probe until capture stops)."""
-        return self._stats
-
-    def pop_probs(self, probs_slice: tuple[int, int] | None = None) -> Tensor | None:
-        """The explicit attention matrix of the last probed forward, cut to ``probs_slice``."""
-        if self._probs is None or probs_slice is None:
-            return self._probs
-        return self._probs[: probs_slice[0], :, : probs_slice[1]]
-
-    def _explicit_probs(self, q: Tensor, k: Tensor, scale: float, key_padding_mask: Tensor | None) -> Tensor:
-        sequences, rows = self._probs_slice
-        q = q[:sequences, :, :rows]
-        n, m = q.shape[2], k.shape[2]
-        pad = None if key_padding_mask is None else key_padding_mask[:sequences]
-        # rows [:R] of the full N x M matrix: keep the causal offset of the uncut rows
-        bias = None
-        if self.causal:
-            full_n = self._last_n
-            bias = torch.zeros(n, m, device=q.device).masked_fill(
-                ~torch.ones(n, m, dtype=torch.bool, device=q.device).tril(diagonal=m - full_n), float("-inf"))
-        return attention_probs(q.detach(), k[:sequences].detach(), scale=scale, key_padding_mask=pad, bias=bias)
+        return self._observers.add(observer, sink_tokens)
 
     def qk_weights(self) -> QKWeights:
         """``W_Q``, ``W_K`` and the logit scale at the training length.

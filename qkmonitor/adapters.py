@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -19,6 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from qkmonitor.probes import KernelCall, Probe, ProbeRequest
 
 __all__ = [
     "QKWeights",
@@ -54,9 +55,11 @@ class SupportsQKMonitor(Protocol):
     """An attention module that describes itself to qkmonitor (qkmonitor's own modules do).
 
     ``qk_weights()`` returns the :class:`QKWeights` of the module's current parameters. A module
-    may also offer activation statistics by defining ``set_probe(enabled: bool)`` (capture on the
-    following forwards) and ``pop_stats() -> AttentionStats | None`` (the last forward's per-row
-    statistics, see :class:`qkmonitor.kernels.AttentionStats`).
+    may also offer activation statistics by defining ``register_probe(observer, sink_tokens=0)``:
+    it hands every following forward to ``observer`` as an
+    :class:`~qkmonitor.probes.AttentionCall` (e.g. a :class:`~qkmonitor.probes.KernelCall` holding
+    the kernel's statistics), and returns a function that removes exactly that observer
+    (:class:`~qkmonitor.probes.ObserverSet` does the bookkeeping).
     """
 
     def qk_weights(self) -> QKWeights: ...
@@ -64,6 +67,10 @@ class SupportsQKMonitor(Protocol):
 
 class AttentionLayer:
     """One attention layer of a model, seen through an adapter.
+
+    Subclasses read the module's query/key weights (:meth:`qk_weights`) and, where they can
+    measure activations, install what a probe needs (:meth:`_install`); :meth:`open_probe` is the
+    protocol of :mod:`qkmonitor.probes`.
 
     Args:
         name: the module's qualified name in the model (``""`` for the model itself).
@@ -77,9 +84,6 @@ class AttentionLayer:
         self.name = name
         self.module = module
         self.index = index
-        #: while probing, also report the attention mass on the first this-many keys (0: off),
-        #: where the adapter can (qkmonitor's own attention, nn.MultiheadAttention).
-        self.sink_tokens = 0
 
     def qk_weights(self) -> QKWeights:
         """The layer's current query/key weights; subclasses read them from their module."""
@@ -87,23 +91,33 @@ class AttentionLayer:
 
     @property
     def supports_stats(self) -> bool:
-        """Whether :meth:`set_probe` / :meth:`pop_stats` give activation statistics."""
+        """Whether :meth:`open_probe` can measure this layer's forwards."""
         return False
 
-    def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
-        """Capture attention statistics on the following forwards (``enabled``) or stop.
+    def open_probe(self, request: ProbeRequest | None = None) -> Probe:
+        """Measure every forward of the module until the returned probe is closed.
 
-        ``probs_slice=(sequences, rows)`` also keeps the explicit attention matrix of that slice
-        (all keys), for :meth:`pop_probs`.
+        Args:
+            request: what to measure (default: the per-row statistics only).
+
+        Returns:
+            An open :class:`~qkmonitor.probes.Probe`; ``probe.close()`` removes what this
+            installed and returns the measurements of every call.
+
+        Raises:
+            ValueError: if the layer gives no activation statistics.
         """
-        raise NotImplementedError(f"{type(self).__name__} has no activation statistics")
+        request = ProbeRequest() if request is None else request
+        if not isinstance(request, ProbeRequest):
+            raise ValueError(f"Expected `request` to be a ProbeRequest, got {type(request).__name__}")
+        if not self.supports_stats:
+            raise ValueError(f"{type(self).__name__} {self.name!r} gives no activation statistics")
+        probe = Probe(self.name, request)
+        probe._remove = self._install(probe)
+        return probe
 
-    def pop_stats(self):
-        """The :class:`~qkmonitor.kernels.AttentionStats` of the last probed forward, or None."""
-        raise NotImplementedError(f"{type(self).__name__} has no activation statistics")
-
-    def pop_probs(self) -> Tensor | None:
-        """The (S, H, R, M) attention matrix of the last probed forward's slice, or None."""
+    def _install(self, probe: Probe) -> Callable[[], None]:
+        """Route the module's forwards to ``probe.observe``; return what undoes exactly that."""
         raise NotImplementedError(f"{type(self).__name__} has no activation statistics")
 
     def __repr__(self) -> str:
@@ -120,69 +134,29 @@ class NativeAttentionLayer(AttentionLayer):
 
     @property
     def supports_stats(self) -> bool:
-        return callable(getattr(self.module, "set_probe", None)) and callable(getattr(self.module, "pop_stats", None))
+        return callable(getattr(self.module, "register_probe", None))
 
-    def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
-        if not self.supports_stats:
-            super().set_probe(enabled)
-        self._probs_slice = probs_slice if enabled else None
-        if probs_slice is None:
-            self.module.set_probe(enabled)
-        else:
-            self.module.set_probe(enabled, probs_slice=probs_slice)
-        if enabled and self.sink_tokens and hasattr(self.module, "probe_sink_tokens"):
-            self.module.probe_sink_tokens = max(self.module.probe_sink_tokens, self.sink_tokens)
-
-    def pop_stats(self):
-        if not self.supports_stats:
-            return super().pop_stats()
-        return self.module.pop_stats()
-
-    def pop_probs(self) -> Tensor | None:
-        pop = getattr(self.module, "pop_probs", None)
-        if not callable(pop):
-            return None
-        slice_ = getattr(self, "_probs_slice", None)
-        return pop(slice_) if slice_ is not None else pop()
+    def _install(self, probe: Probe) -> Callable[[], None]:
+        return self.module.register_probe(probe.observe, sink_tokens=probe.request.sink_tokens)
 
 
-class CapturingAttentionLayer(AttentionLayer):
-    """An adapter that captures statistics itself (hooks, wrappers) and hands them out once."""
-
-    def __init__(self, name: str, module: nn.Module, index: int = 0) -> None:
-        super().__init__(name, module, index)
-        self._stats = None
-        self._probs: Tensor | None = None
-        self._probs_slice: tuple[int, int] | None = None
-
-    def pop_stats(self):
-        stats, self._stats = self._stats, None
-        return stats
-
-    def pop_probs(self) -> Tensor | None:
-        probs, self._probs = self._probs, None
-        return probs
-
-
-class MultiheadAttentionLayer(CapturingAttentionLayer):
+class MultiheadAttentionLayer(AttentionLayer):
     """``torch.nn.MultiheadAttention``: packed ``in_proj_weight`` or separate q/k/v weights.
 
     ``batch_first`` does not matter for the weights. The scale is ``1/sqrt(head_dim)``, as in
     ``F.multi_head_attention_forward``.
 
-    Statistics: while probing, a forward pre-hook reads the call's query, key and masks and
-    recomputes the scores ``q_h k_h^T / sqrt(d_k)`` on the side, under ``no_grad`` — the module's
-    own call, its arguments and its outputs are untouched (``need_weights`` stays as the caller
-    set it). With no mask or a key padding mask the fused kernel gives the statistics without an
-    N x M matrix; an arbitrary ``attn_mask`` goes through the explicit scores. ``set_probe(False)``
-    removes the hook.
+    Statistics: a probe installs a forward pre-hook that reads the call's query, key and masks and
+    recomputes the scores ``q_h k_h^T / sqrt(d_k)`` on the side, under ``no_grad`` and in float32
+    or better — the module's own call, its arguments and its outputs are untouched
+    (``need_weights`` stays as the caller set it). The keys MHA appends (``bias_k``, the zero key
+    of ``add_zero_attn``) are appended here too, and masks are widened over them as MHA does. With
+    no mask, a causal mask or a boolean key padding mask the fused kernel gives the statistics
+    without an N x M matrix; any other ``attn_mask`` goes through the explicit scores. Closing the
+    probe removes the hook.
     """
 
     kind = "torch.nn.MultiheadAttention"
-
-    def __init__(self, name: str, module: nn.Module, index: int = 0) -> None:
-        super().__init__(name, module, index)
-        self._hook = None
 
     def qk_weights(self) -> QKWeights:
         w_q, w_k, _, _ = self._projections()
@@ -203,31 +177,20 @@ class MultiheadAttentionLayer(CapturingAttentionLayer):
     def supports_stats(self) -> bool:
         return True
 
-    def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
-        self._probs_slice = probs_slice if enabled else None
-        if enabled and self._hook is None:
-            self._hook = self.module.register_forward_pre_hook(self._capture, with_kwargs=True)
-        elif not enabled:
-            if self._hook is not None:
-                self._hook.remove()
-            self._hook, self._stats, self._probs = None, None, None
+    def _install(self, probe: Probe) -> Callable[[], None]:
+        def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
+                     "average_attn_weights", "is_causal")
+            try:
+                with torch.no_grad():
+                    call = self._call_of(dict(zip(names, args)) | kwargs)
+            except (RuntimeError, ValueError) as err:  # a metric problem must never stop training
+                call = _FailedCall(err)
+            probe.observe(call)
 
-    def _capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
-                 "average_attn_weights", "is_causal")
-        call = dict(zip(names, args)) | kwargs
-        try:
-            with torch.no_grad():
-                self._stats, self._probs = self._stats_of_call(call)
-        except (RuntimeError, ValueError) as err:  # a metric problem must never stop training
-            self._stats, self._probs = None, None
-            warnings.warn(f"qkmonitor: no attention statistics for {self.name!r} ({type(err).__name__}: {err})",
-                          RuntimeWarning, stacklevel=2)
+        return self.module.register_forward_pre_hook(capture, with_kwargs=True).remove
 
-    def _stats_of_call(self, call: dict):
-        from qkmonitor.functional import attention_probs, attention_stats_from_scores, masked_softmax
-        from qkmonitor.kernels import attention
-
+    def _call_of(self, call: dict):
         mha: nn.MultiheadAttention = self.module
         query, key = call["query"], call["key"]
         if query.dim() == 2:  # unbatched (L, E)
@@ -235,49 +198,73 @@ class MultiheadAttentionLayer(CapturingAttentionLayer):
         elif not mha.batch_first:  # (L, B, E) -> (B, L, E)
             query, key = query.transpose(0, 1), key.transpose(0, 1)
         w_q, w_k, b_q, b_k = self._projections()
+        dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         h, d_k = mha.num_heads, mha.head_dim
-        q = F.linear(query, w_q, b_q).unflatten(-1, (h, d_k)).transpose(1, 2)  # (B, H, N, d_k)
-        k = F.linear(key, w_k, b_k).unflatten(-1, (h, d_k)).transpose(1, 2)  # (B, H, M, d_k)
+        q = F.linear(query.to(dtype), w_q.to(dtype), _to(b_q, dtype)).unflatten(-1, (h, d_k)).transpose(1, 2)
+        k = F.linear(key.to(dtype), w_k.to(dtype), _to(b_k, dtype)).unflatten(-1, (h, d_k)).transpose(1, 2)
+        extra = 0
         if mha.bias_k is not None or mha.add_zero_attn:
-            k = _extra_keys(mha, k)
-        allowed_keys = _allowed_keys(call.get("key_padding_mask"), q.shape[0], k.shape[2], k.device)
+            k, extra = _extra_keys(mha, k)
+        b, n, m = q.shape[0], q.shape[2], k.shape[2]
+        key_padding_mask, attn_mask = call.get("key_padding_mask"), call.get("attn_mask")
+        if key_padding_mask is not None and key_padding_mask.dim() == 1:  # unbatched (S,)
+            key_padding_mask = key_padding_mask[None]
         scale = 1.0 / math.sqrt(d_k)
-        attn_mask = call.get("attn_mask")
-        causal = attn_mask is not None and _is_causal_mask(attn_mask, q.shape[2], k.shape[2])
-        probs = None
-        if (attn_mask is None or causal) and _boolean_or_none(allowed_keys):
-            _, stats = attention(q, k, k, causal=causal, key_padding_mask=allowed_keys, scale=scale,
-                                 return_stats=True, sink_tokens=self.sink_tokens)
-            if self._probs_slice is not None:
-                seqs, rows = self._probs_slice
-                pad = None if allowed_keys is None else allowed_keys[:seqs]
-                r, m = min(rows, q.shape[2]), k.shape[2]
-                future = torch.ones(r, m, dtype=torch.bool, device=q.device).triu(1)  # N == M here
-                bias = torch.zeros(r, m, device=q.device).masked_fill(future, float("-inf")) if causal else None
-                probs = attention_probs(q[:seqs, :, :rows], k[:seqs], scale=scale, key_padding_mask=pad, bias=bias)
-            return stats, probs
-        scores = (q @ k.transpose(-1, -2)) * scale  # an arbitrary mask: the explicit path
-        scores = scores + _additive(attn_mask, q.shape[0], h, scores)
-        if allowed_keys is not None:
-            scores = scores + _additive(allowed_keys, None, h, scores, keys_only=True)
-        if self._probs_slice is not None:
-            seqs, rows = self._probs_slice
-            probs = masked_softmax(scores[:seqs, :, :rows])
-        return attention_stats_from_scores(scores, sink_tokens=self.sink_tokens), probs
+        causal = attn_mask is not None and extra == 0 and _is_causal_mask(attn_mask, n, m)
+        if (attn_mask is None or causal) and _boolean_or_none(key_padding_mask):
+            allowed = None if key_padding_mask is None else _pad_keys(~key_padding_mask.to(q.device), m, True)
+            return KernelCall(q, k, scale=scale, causal=causal, key_padding_mask=allowed)
+        scores = (q @ k.transpose(-1, -2)) * scale  # an arbitrary mask: the explicit path (B, H, N, M)
+        if attn_mask is not None:
+            scores = scores + _pad_keys(_additive(attn_mask, b, h, scores), m, 0.0)
+        if key_padding_mask is not None:  # MHA: bool True = ignore; _additive's keys: True = allowed
+            kpm = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask
+            scores = scores + _pad_keys(_additive(kpm.to(q.device), None, h, scores, keys_only=True), m, 0.0)
+        return _ScoresCall(scores)
 
 
-def _allowed_keys(key_padding_mask: Tensor | None, batch: int, num_keys: int, device) -> Tensor | None:
-    """MHA's key_padding_mask (True or -inf = ignore) as True-where-allowed, or a float bias."""
-    if key_padding_mask is None:
-        return None
-    mask = key_padding_mask.to(device)
+class _ScoresCall:
+    """A call given by its explicit (B, H, N, M) scores (``-inf`` = blocked)."""
+
+    def __init__(self, scores: Tensor) -> None:
+        self.scores = scores
+
+    def stats(self, sink_tokens: int = 0):
+        from qkmonitor.functional import attention_stats_from_scores
+
+        return attention_stats_from_scores(self.scores, sink_tokens=sink_tokens)
+
+    def probs(self, sequences: int, rows: int) -> Tensor:
+        from qkmonitor.functional import masked_softmax
+
+        return masked_softmax(self.scores[:sequences, :, :rows])
+
+
+class _FailedCall:
+    """A call that could not be read: measuring it raises the original error."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def stats(self, sink_tokens: int = 0):
+        raise self.error
+
+    def probs(self, sequences: int, rows: int) -> Tensor:
+        raise self.error
+
+
+def _to(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if bias is None else bias.to(dtype)
+
+
+def _pad_keys(mask: Tensor, num_keys: int, value) -> Tensor:
+    """Widen a mask's key dim to ``num_keys`` with ``value`` (the keys MHA appends are allowed)."""
+    short = num_keys - mask.shape[-1]
+    if short <= 0:
+        return mask
     if mask.dtype == torch.bool:
-        allowed = ~mask
-    else:  # additive float mask: -inf drops a key, other values bias it (explicit path)
-        return mask.float()
-    if allowed.shape[-1] < num_keys:  # bias_k / zero-attention keys are appended, always allowed
-        allowed = F.pad(allowed, (0, num_keys - allowed.shape[-1]), value=True)
-    return allowed
+        return F.pad(mask, (0, short), value=bool(value))
+    return F.pad(mask, (0, short), value=float(value))
 
 
 def _boolean_or_none(mask: Tensor | None) -> bool:
@@ -309,14 +296,17 @@ def _additive(mask: Tensor | None, batch: int | None, heads: int, like: Tensor, 
     return bias[..., : like.shape[-2], : like.shape[-1]] if bias.dim() == 2 else bias
 
 
-def _extra_keys(mha: nn.MultiheadAttention, k: Tensor) -> Tensor:
-    """The keys MHA appends: ``bias_k`` and, with ``add_zero_attn``, a zero key."""
+def _extra_keys(mha: nn.MultiheadAttention, k: Tensor) -> tuple[Tensor, int]:
+    """The keys MHA appends: ``bias_k`` and, with ``add_zero_attn``, a zero key; and how many."""
     b, h, _, d_k = k.shape
+    extra = 0
     if mha.bias_k is not None:
-        k = torch.cat([k, mha.bias_k.view(1, h, 1, d_k).expand(b, h, 1, d_k)], dim=2)
+        k = torch.cat([k, mha.bias_k.to(k.dtype).view(1, h, 1, d_k).expand(b, h, 1, d_k)], dim=2)
+        extra += 1
     if mha.add_zero_attn:
         k = torch.cat([k, k.new_zeros(b, h, 1, d_k)], dim=2)
-    return k
+        extra += 1
+    return k, extra
 
 
 def _adapt(name: str, module: nn.Module, index: int) -> AttentionLayer | None:
@@ -337,7 +327,7 @@ _LOOKED_FOR = (
     "`num_key_value_heads`, GPT-2 `c_attn` Conv1D, BERT `query`/`key`; needs the `hf` extra)"
 )
 
-LayerSpec = Iterable[AttentionLayer | nn.Module] | Callable[[nn.Module], Any]
+LayerSpec = nn.Module | AttentionLayer | Iterable[AttentionLayer | nn.Module] | Callable[[nn.Module], Any]
 
 
 def find_attention_layers(model: nn.Module, layers: LayerSpec | None = None) -> list[AttentionLayer]:
@@ -345,14 +335,16 @@ def find_attention_layers(model: nn.Module, layers: LayerSpec | None = None) -> 
 
     Args:
         model: the model to search.
-        layers: optional override: a list of :class:`AttentionLayer` or modules, or a function
-            ``model -> list`` of either. Modules must be of a supported kind.
+        layers: optional override: one module or :class:`AttentionLayer`, a list of them, or a
+            function ``model -> list`` of either. Modules must be of a supported kind and
+            submodules of ``model``.
 
     Returns:
         A non-empty list of :class:`AttentionLayer`, ``index`` counting from 0.
 
     Raises:
-        ValueError: if no attention layer is found, or a given module is not supported.
+        ValueError: if no attention layer is found, or a given module is not supported or not in
+            ``model``.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -375,8 +367,17 @@ def find_attention_layers(model: nn.Module, layers: LayerSpec | None = None) -> 
     return found
 
 
-def _from_user(model: nn.Module, layers: LayerSpec) -> list[AttentionLayer]:
-    items = list(layers(model) if callable(layers) else layers)
+def _from_user(model: nn.Module, layers: LayerSpec | nn.Module | AttentionLayer) -> list[AttentionLayer]:
+    if isinstance(layers, (nn.Module, AttentionLayer)):  # one layer (a module is callable too)
+        items = [layers]
+    elif callable(layers):
+        items = layers(model)
+        items = [items] if isinstance(items, (nn.Module, AttentionLayer)) else list(items)
+    elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)):
+        items = list(layers)
+    else:
+        raise ValueError(f"Expected `layers` to be a module, an AttentionLayer, a list of them or a function of "
+                         f"the model, got {type(layers).__name__}")
     names = {id(m): n for n, m in model.named_modules()}
     result: list[AttentionLayer] = []
     for i, item in enumerate(items):
@@ -388,7 +389,12 @@ def _from_user(model: nn.Module, layers: LayerSpec) -> list[AttentionLayer]:
             raise ValueError(
                 f"Expected `layers` to hold AttentionLayer or nn.Module items, got {type(item).__name__} at {i}"
             )
-        layer = _adapt(names.get(id(item), f"layers.{i}"), item, i)
+        if id(item) not in names:
+            raise ValueError(
+                f"`layers[{i}]` ({type(item).__name__}) is not a submodule of the monitored "
+                f"{type(model).__name__}: pass modules of the model being trained"
+            )
+        layer = _adapt(names[id(item)], item, i)
         if layer is None:
             raise ValueError(
                 f"`layers[{i}]` ({type(item).__name__}) is not a supported attention module: "

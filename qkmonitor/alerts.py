@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
+from numbers import Real
 
 from torch import Tensor
 
@@ -37,6 +39,11 @@ __all__ = [
 ]
 
 ALERT_ACTIONS = ("warn", "stop", "raise")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 class QKMonitorWarning(UserWarning):
@@ -74,6 +81,16 @@ class Condition:
     threshold: float
     above: bool
     margin: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"Expected `metric` to be a metric name, got {self.metric!r}")
+        if not _is_real(self.threshold) or not math.isfinite(self.threshold):
+            raise ValueError(f"Expected `threshold` to be a finite number, got {self.threshold!r}")
+        if not isinstance(self.above, bool):
+            raise ValueError(f"Expected `above` to be a bool, got {self.above!r}")
+        if not _is_real(self.margin) or not math.isfinite(self.margin) or self.margin < 0:
+            raise ValueError(f"Expected `margin` to be a finite number >= 0, got {self.margin!r}")
 
     def crossed(self, value: float) -> bool:
         return value >= self.threshold if self.above else value <= self.threshold
@@ -117,12 +134,28 @@ class AlertRule:
     per_head: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.patience, int) or self.patience < 1:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ValueError(f"Expected `name` to be a non-empty tag-safe string (letters, digits, '_', '.', '-'), "
+                             f"got {self.name!r}")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"Expected `metric` to be a metric name, got {self.metric!r}")
+        if not _is_real(self.threshold) or not math.isfinite(self.threshold):
+            raise ValueError(f"Expected `threshold` to be a finite number, got {self.threshold!r}")
+        if not isinstance(self.above, bool):
+            raise ValueError(f"Expected `above` to be a bool, got {self.above!r}")
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
             raise ValueError(f"Expected `patience` to be a positive int, got {self.patience!r}")
-        if not math.isfinite(self.threshold):
-            raise ValueError(f"Expected `threshold` to be finite, got {self.threshold!r}")
-        if not math.isfinite(self.margin) or self.margin < 0:
+        if not _is_real(self.margin) or not math.isfinite(self.margin) or self.margin < 0:
             raise ValueError(f"Expected `margin` to be a finite number >= 0, got {self.margin!r}")
+        if not isinstance(self.warning, type) or not issubclass(self.warning, QKMonitorWarning):
+            raise ValueError(f"Expected `warning` to be a subclass of qkmonitor.QKMonitorWarning, got {self.warning!r}")
+        for field_name in ("meaning", "advice"):
+            if not isinstance(getattr(self, field_name), str):
+                raise ValueError(f"Expected `{field_name}` to be a string, got {getattr(self, field_name)!r}")
+        if not isinstance(self.also, tuple) or not all(isinstance(c, Condition) for c in self.also):
+            raise ValueError(f"Expected `also` to be a tuple of Condition, got {self.also!r}")
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"Expected `per_head` to be a bool, got {self.per_head!r}")
 
     def replace(self, **changes) -> AlertRule:
         """A copy with some fields changed, e.g. ``KAPPA_RULE.replace(threshold=0.9)``."""

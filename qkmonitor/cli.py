@@ -204,13 +204,13 @@ def _train(args: argparse.Namespace) -> int:
         print(f"qkmonitor train: {err}", file=sys.stderr)
         return 2
     logger = TensorBoardLogger(args.log_dir, name=args.name or args.task, default_hp_metric=False)
-    monitors = {
-        "spectrum": QKSpectrumMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
-        "entropy": AttentionEntropyMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
-        "rank": EffectiveRankMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
-    }
+    monitors = [
+        QKSpectrumMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
+        AttentionEntropyMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
+        EffectiveRankMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
+    ]
     trainer = pl.Trainer(
-        max_steps=args.steps, accelerator="cpu", devices=1, logger=logger, callbacks=list(monitors.values()),
+        max_steps=args.steps, accelerator="cpu", devices=1, logger=logger, callbacks=monitors,
         log_every_n_steps=args.every_n_steps, val_check_interval=min(250, args.steps),
         check_val_every_n_epoch=None, enable_progress_bar=not args.no_progress_bar,
         enable_model_summary=False, num_sanity_val_steps=0,
@@ -222,22 +222,30 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-#: (monitor, metric, over heads) columns of the summary table.
-SUMMARY_COLUMNS = [
-    ("spectrum", "kappa", "mean"), ("spectrum", "kappa", "max"), ("spectrum", "qk_erank", "mean"),
-    ("entropy", "entropy_norm", "mean"), ("entropy", "entropy_norm", "min"), ("entropy", "max_logit", "max"),
-    ("rank", "hidden_collapse", "mean"), ("rank", "attn_erank", "mean"),
-]
+def summary_columns() -> list[tuple[str, str, str]]:
+    """(monitor, metric, over heads) columns of the summary table, from the metric catalogue: the
+    mean over heads of each summary metric, and its worst head where one end is worse."""
+    from qkmonitor.catalogue import CATALOGUE
+
+    columns = []
+    for spec in CATALOGUE:
+        if spec.summary:
+            columns.append((spec.monitor, spec.name, "mean"))
+            if spec.per_head and spec.worst_band:
+                columns.append((spec.monitor, spec.name, spec.worst_band))
+    return columns
 
 
-def _summary(monitors: dict, final: dict[str, float], log_dir: str) -> str:
+def _summary(monitors: list, final: dict[str, float], log_dir: str) -> str:
     """A per-layer table of each monitor's last probe, with the task's final validation scores."""
-    header = ["layer", "name"] + [m if agg == "mean" else f"{m} {agg}" for _, m, agg in SUMMARY_COLUMNS]
+    by_kind = {m.engine.monitor: m for m in monitors}
+    columns = [c for c in summary_columns() if c[0] in by_kind]
+    header = ["layer", "name"] + [m if agg == "mean" else f"{m} {agg}" for _, m, agg in columns]
     rows = []
-    for i, layer in enumerate(monitors["spectrum"].layers):
+    for i, layer in enumerate(monitors[0].layers):
         cells = [str(i), layer.name]
-        for monitor, metric, agg in SUMMARY_COLUMNS:
-            latest = monitors[monitor].latest.get(metric)
+        for monitor, metric, agg in columns:
+            latest = by_kind[monitor].latest.get(metric)
             if latest is None:
                 cells.append("-")
                 continue
@@ -247,10 +255,10 @@ def _summary(monitors: dict, final: dict[str, float], log_dir: str) -> str:
         rows.append(cells)
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    counts = {name: n for m in monitors.values() for name, n in m.tracker.counts.items()}
+    counts = {name: n for m in monitors for name, n in m.tracker.counts.items()}
     alerts = ", ".join(f"{name}: {n}" for name, n in counts.items()) or "none"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
-    steps = ", ".join(f"{name} at step {m.latest_step}" for name, m in monitors.items())
+    steps = ", ".join(f"{type(m).__name__} at step {m.latest_step}" for m in monitors)
     return "\n".join([
         f"\nqkmonitor summary ({steps}; {log_dir})",
         line(header), line(["-" * w for w in widths]), *map(line, rows),

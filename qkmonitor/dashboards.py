@@ -16,58 +16,80 @@ and :func:`attention_image` a (rows, keys) attention matrix.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from qkmonitor.catalogue import FAMILIES, metric
 from qkmonitor.tags import layer_tag, worst_tag
 
-__all__ = ["FAMILIES", "custom_scalars_layout", "heatmap_image", "attention_image", "grid_of"]
+__all__ = ["FAMILIES", "LayoutSection", "custom_scalars_layout", "heatmap_image", "attention_image", "grid_of"]
 
-#: Dashboard categories and the metrics they chart, in display order.
-FAMILIES: dict[str, tuple[str, ...]] = {
-    "QK spectrum": ("kappa", "kappa_eig", "qk_erank", "qk_spectral_norm", "eig_mean", "eig_var"),
-    "attention entropy": ("entropy_norm", "entropy", "max_prob", "max_logit"),
-    "effective rank": ("hidden_collapse", "hidden_erank", "attn_erank", "attn_erank_norm", "attn_entropy_norm"),
-}
+@dataclass(frozen=True)
+class LayoutSection:
+    """What one monitor charts: its prefix, metrics, layer count and alert rules."""
+
+    prefix: str
+    metrics: tuple[str, ...]
+    num_layers: int
+    alert_rules: tuple[str, ...] = ()
 
 
-def custom_scalars_layout(prefix: str, metrics: dict[str, bool], num_layers: int,
-                          alert_rules: list[str]) -> dict:
-    """The layout for ``SummaryWriter.add_custom_scalars``.
+def custom_scalars_layout(sections: Sequence[LayoutSection]) -> dict:
+    """The layout for ``SummaryWriter.add_custom_scalars``, covering every prefix present.
 
-    Args:
-        prefix: the monitors' ``log_key_prefix``.
-        metrics: metric name -> whether it has per-head values (then it gets margin charts).
-        num_layers: layers monitored.
-        alert_rules: names of the alert rules in use.
+    Sections under the same prefix (the usual three monitors) merge into one set of categories;
+    each prefix gets its own. Metric families and order come from :mod:`qkmonitor.catalogue`.
 
     Returns:
         ``{category: {chart: ["Multiline" | "Margin", [tags]]}}``.
     """
+    by_prefix: dict[str, dict] = {}
+    for section in sections:
+        merged = by_prefix.setdefault(section.prefix, {"metrics": [], "num_layers": 0, "rules": []})
+        merged["metrics"] += [m for m in section.metrics if m not in merged["metrics"]]
+        merged["num_layers"] = max(merged["num_layers"], section.num_layers)
+        merged["rules"] += [r for r in section.alert_rules if r not in merged["rules"]]
     layout: dict[str, dict[str, list]] = {}
-    known = [m for family in FAMILIES.values() for m in family]
+    for prefix, merged in by_prefix.items():
+        layout.update(_prefix_layout(prefix, merged["metrics"], merged["num_layers"], merged["rules"]))
+    return layout
+
+
+def _prefix_layout(prefix: str, metrics: list[str], num_layers: int, rules: list[str]) -> dict:
+    layout: dict[str, dict[str, list]] = {}
+    known = {m for names in FAMILIES.values() for m in names}
     extra = tuple(m for m in metrics if m not in known)
     for family, names in (*FAMILIES.items(), ("other", extra)):
         present = [m for m in names if m in metrics]
         if not present:
             continue
         layout[f"{prefix}: {family}"] = {
-            f"{m} (a line per layer)": ["Multiline", [f"^{prefix}/{m}/layer_\\d+$"]] for m in present
+            f"{m} (a line per layer)": ["Multiline", [f"^{re.escape(prefix)}/{m}/layer_\\d+$"]] for m in present
         }
         margins = {
             f"{m} layer {layer:02d} (heads: min, mean, max)": [
                 "Margin",
                 [layer_tag(prefix, m, layer), worst_tag(prefix, m, "min", layer), worst_tag(prefix, m, "max", layer)],
             ]
-            for m in present if metrics[m] for layer in range(num_layers)
+            for m in present if _per_head(m) for layer in range(num_layers)
         }
         if margins:
             layout[f"{prefix}: {family}, per layer over heads"] = margins
-    if alert_rules:
-        layout[f"{prefix}: alerts"] = {"alerts fired (count)": ["Multiline", [f"^{prefix}/alerts/"]]}
+    if rules:
+        layout[f"{prefix}: alerts"] = {"alerts fired (count)": ["Multiline", [f"^{re.escape(prefix)}/alerts/"]]}
     return layout
+
+
+def _per_head(name: str) -> bool:
+    try:
+        return metric(name).per_head
+    except KeyError:  # a metric of a user's own engine: assume heads
+        return True
 
 
 def _colormap(values: np.ndarray, vmin: float, vmax: float) -> np.ndarray:

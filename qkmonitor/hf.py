@@ -24,7 +24,9 @@ measures the call on the side, under ``no_grad``, then hands the same arguments 
 implementation the model was using and returns its result unchanged. The shared model config is
 never written: ``transformers`` also builds the attention *mask* from ``config._attn_implementation``
 (``masking_utils``), so renaming it model-wide would change the masks the model computes with.
-``set_probe(False)`` puts the module's own config object back. GPT-2 with
+The first open probe on a module installs that view (and a route holding the probes' observers
+in the module's ``__dict__``); the last one closed puts the module's own config object back and
+removes the route, so no state outlives the probes. GPT-2 with
 ``reorder_and_upcast_attn`` under eager attention bypasses the dispatch; there the module's
 ``_upcast_and_reordered_attn`` is wrapped on the instance instead.
 
@@ -37,7 +39,8 @@ matrix); other masks, ``sliding_window``, ``softcap`` and ``position_bias`` go t
 scores, a few query rows at a time. ``flex_attention``'s ``BlockMask`` is not supported (a warning,
 no statistics). A query row left with no key (e.g. a padded query under a sliding window) has
 zero statistics and ``attended = 0``, as everywhere in qkmonitor, where eager attention would
-spread it uniformly. A metric problem never stops training: it warns and the layer gives ``None``.
+spread it uniformly. A metric problem never stops training: the probe records the failure and the
+monitor warns.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ import copy
 import dataclasses
 import sys
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Real
@@ -54,7 +56,8 @@ from numbers import Real
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.adapters import CapturingAttentionLayer, QKWeights
+from qkmonitor.adapters import AttentionLayer, QKWeights, _FailedCall
+from qkmonitor.probes import ObserverSet, Probe
 
 __all__ = [
     "PROBE_IMPLEMENTATION",
@@ -71,18 +74,20 @@ _ORIGINAL_KEY = "_qkmonitor_original_attn_implementation"
 _MAX_SCORES = 1 << 24  # explicit path: score elements per chunk (128 MiB in float64)
 
 
-@dataclass
-class _ProbeState:
-    """What probing changed on one module; several adapters (one per monitor) may share it."""
-
-    restore: Callable[[], None]
-    adapters: list[HFAttentionLayer] = field(default_factory=list)
+#: Where probing keeps its route on a module (installed by the first open probe, removed by the last).
+_ROUTE_KEY = "_qkmonitor_route"
 
 
-_PROBED: weakref.WeakKeyDictionary[nn.Module, _ProbeState] = weakref.WeakKeyDictionary()
+class _Route:
+    """What probing installed on one module: the probes' observers, and how to undo the install."""
+
+    def __init__(self, restore: Callable[[], None], default_scale: Callable[[], float]) -> None:
+        self.observers = ObserverSet()
+        self.restore = restore
+        self.default_scale = default_scale
 
 
-class HFAttentionLayer(CapturingAttentionLayer):
+class HFAttentionLayer(AttentionLayer):
     """A ``transformers`` attention module; subclasses read its query/key weights."""
 
     kind = "transformers"
@@ -95,15 +100,24 @@ class HFAttentionLayer(CapturingAttentionLayer):
         return _dispatch_table(self.module) is not None and hasattr(getattr(self.module, "config", None),
                                                                     "_attn_implementation")
 
-    def set_probe(self, enabled: bool, probs_slice: tuple[int, int] | None = None) -> None:
-        self._probs_slice = probs_slice if enabled else None
-        if not enabled:
-            self._stats, self._probs = None, None
-            _detach(self)
-            return
-        if not self.supports_stats:
-            super().set_probe(enabled)
-        _attach(self)
+    def _install(self, probe: Probe) -> Callable[[], None]:
+        module = self.module
+        route = module.__dict__.get(_ROUTE_KEY)
+        if route is None:
+            restore = _route_module(self)
+            if restore is None:  # warned: the probe sees no call, and the monitor says so
+                return lambda: None
+            route = _Route(restore, self._default_scale)
+            module.__dict__[_ROUTE_KEY] = route
+        remove_observer = route.observers.add(probe.observe, probe.request.sink_tokens)
+
+        def remove() -> None:
+            remove_observer()
+            if not route.observers and module.__dict__.get(_ROUTE_KEY) is route:
+                del module.__dict__[_ROUTE_KEY]
+                route.restore()
+
+        return remove
 
 
 class LlamaAttentionLayer(HFAttentionLayer):
@@ -244,35 +258,13 @@ def _register() -> None:
     AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
 
 
-def _attach(layer: HFAttentionLayer) -> None:
-    module = layer.module
-    state = _PROBED.get(module)
-    if state is None:
-        state = _install(layer)
-        if state is None:
-            return
-        _PROBED[module] = state
-    if layer not in state.adapters:
-        state.adapters.append(layer)
-
-
-def _detach(layer: HFAttentionLayer) -> None:
-    state = _PROBED.get(layer.module)
-    if state is None or layer not in state.adapters:
-        return
-    state.adapters.remove(layer)
-    if not state.adapters:
-        state.restore()
-        del _PROBED[layer.module]
-
-
-def _install(layer: HFAttentionLayer) -> _ProbeState | None:
-    """Point the module (alone) at the probe; None, with a warning, where that cannot be done."""
+def _route_module(layer: HFAttentionLayer) -> Callable[[], None] | None:
+    """Point the module (alone) at the probe; return what undoes it, or None (with a warning)."""
     module = layer.module
     config = module.config
     original = config._attn_implementation
     if original in (None, "eager") and getattr(module, "reorder_and_upcast_attn", False):
-        return _install_gpt2_upcast(layer)  # this path never reaches the dispatch
+        return _route_gpt2_upcast(layer)  # this path never reaches the dispatch
     if original in (None, "eager") and _eager_default(module) is None:
         _warn(layer.name, f"no `eager_attention_forward` next to {type(module).__name__} to hand the call to")
         return None
@@ -288,10 +280,10 @@ def _install(layer: HFAttentionLayer) -> _ProbeState | None:
     def restore() -> None:
         module.config = config
 
-    return _ProbeState(restore)
+    return restore
 
 
-def _install_gpt2_upcast(layer: HFAttentionLayer) -> _ProbeState:
+def _route_gpt2_upcast(layer: HFAttentionLayer) -> Callable[[], None]:
     module = layer.module
     own = type(module)._upcast_and_reordered_attn.__get__(module)
 
@@ -305,7 +297,7 @@ def _install_gpt2_upcast(layer: HFAttentionLayer) -> _ProbeState:
     def restore() -> None:
         module.__dict__.pop("_upcast_and_reordered_attn", None)
 
-    return _ProbeState(restore)
+    return restore
 
 
 def _probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -319,23 +311,17 @@ def _probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
 
 
 def _capture(module: nn.Module, query: Tensor, key: Tensor, attention_mask, kwargs: dict, original) -> None:
-    state = _PROBED.get(module)
-    if state is None or not state.adapters:
+    route = module.__dict__.get(_ROUTE_KEY)
+    if route is None or not route.observers:
         return
-    layers = list(state.adapters)
     try:
         with torch.no_grad():
             scale = kwargs.get("scaling")
             call = _Call.of(module, query, key, attention_mask, kwargs, original,
-                            scale=layers[0]._default_scale() if scale is None else float(scale))
-            stats = call.stats()
-            for layer in layers:
-                layer._stats = stats
-                layer._probs = None if layer._probs_slice is None else call.probs(*layer._probs_slice)
+                            scale=route.default_scale() if scale is None else float(scale))
     except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-        for layer in layers:
-            layer._stats, layer._probs = None, None
-            _warn(layer.name, f"{type(err).__name__}: {err}")
+        call = _FailedCall(err)
+    route.observers.notify(call)
 
 
 def _warn(name: str, why: str) -> None:
@@ -358,6 +344,7 @@ class _Call:
     bias: Tensor | None  # 4-D additive float, same broadcasting
     window: int | None = None
     softcap: float | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, module, query, key, mask, kwargs, original, scale) -> _Call:
@@ -400,19 +387,28 @@ class _Call:
                 self.padding = None if bool(pad.all()) else pad
                 return
 
-    def stats(self):
+    def stats(self, sink_tokens: int = 0):
+        """Per-row statistics; computed once per sink count however many probes ask."""
+        cached = self._cache.get(sink_tokens)
+        if cached is None:
+            cached = self._cache[sink_tokens] = self._stats(sink_tokens)
+        return cached
+
+    def _stats(self, sink_tokens: int):
         from qkmonitor.functional import attention_stats_from_scores
         from qkmonitor.kernels import attention
 
         if self.allowed is None and self.bias is None and self.window is None and self.softcap is None:
             try:
-                return attention(self.q, self.k, self.k, causal=self.causal, key_padding_mask=self.padding,
-                                 scale=self.scale, return_stats=True)[1]
+                with torch.autocast(self.q.device.type, enabled=False):
+                    return attention(self.q, self.k, self.k, causal=self.causal, key_padding_mask=self.padding,
+                                     scale=self.scale, return_stats=True, sink_tokens=sink_tokens)[1]
             except ValueError:  # a shape or dtype the kernel does not take: the explicit path below
                 pass
         b, h, n = self.q.shape[:3]
         rows = max(1, _MAX_SCORES // (h * self.k.shape[2]))
-        return _cat_stats([_cat_stats([attention_stats_from_scores(*self._scores(slice(i, i + 1), slice(r, r + rows)))
+        return _cat_stats([_cat_stats([attention_stats_from_scores(*self._scores(slice(i, i + 1), slice(r, r + rows)),
+                                                                   sink_tokens=sink_tokens)
                                        for r in range(0, n, rows)], dim=2) for i in range(b)], dim=0)
 
     def probs(self, sequences: int, rows: int) -> Tensor:

@@ -100,7 +100,8 @@ def _sum_rows(values: Tensor, keep: Tensor) -> Tensor:
 class HeadMean(_PerHeadMetric):
     """Mean of per-sample values for each of ``num_heads`` slots, over samples, batches and ranks.
 
-    NaN samples are left out; a slot with no sample computes to NaN.
+    A NaN sample makes its slot NaN (a broken value is never averaged away); samples that have no
+    value by definition are left out through ``keep``. A slot with no sample computes to NaN.
 
     Args:
         num_heads: number of slots (heads, or 1 for a per-layer value).
@@ -111,10 +112,10 @@ class HeadMean(_PerHeadMetric):
         self.add_state("total", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, values: Tensor) -> None:
-        """``values``: (S, num_heads) samples, or (num_heads,) for one."""
+    def update(self, values: Tensor, keep: Tensor | None = None) -> None:
+        """``values``: (S, num_heads) samples, or (num_heads,) for one; ``keep``: same shape, bool."""
         values = values.detach().double().reshape(-1, self.num_heads)
-        keep = ~values.isnan()
+        keep = torch.ones_like(values, dtype=torch.bool) if keep is None else keep.reshape(values.shape)
         self.total += torch.where(keep, values, 0.0).sum(0)
         self.count += keep.sum(0).double()
 

@@ -2,7 +2,7 @@
 
 A run's story in three parts: a per-layer table of every metric the monitors logged (final value
 and the range over steps of the ``{prefix}/{metric}/layer_{LL}`` mean), the alerts (the text
-messages under ``{prefix}/alerts`` and the ``{prefix}/alerts/{rule}`` counters), and PNG plots:
+messages and the counters, both under ``{prefix}/alerts/{rule}``), and PNG plots:
 each metric over steps with one line per layer (``kappa.png``) and, where per-head tags exist, a
 layer x head heatmap of the final values (``kappa_heads.png``). Given two runs, the table puts
 their final values side by side with the difference and the plots overlay them.
@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qkmonitor.catalogue import CATALOGUE
+
 __all__ = [
     "AlertEntry",
     "Report",
@@ -48,15 +50,10 @@ __all__ = [
     "run_report",
 ]
 
-#: Display order of the metrics the bundled monitors log; any other metric found follows, sorted.
-KNOWN_METRICS = (
-    "kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm",
-    "entropy", "entropy_norm", "max_prob", "max_logit",
-    "hidden_erank", "hidden_collapse", "attn_erank", "attn_erank_norm", "attn_entropy_norm",
-)
+#: Display order of the metrics the bundled monitors log (the catalogue's); any other follows, sorted.
+KNOWN_METRICS = tuple(spec.name for spec in CATALOGUE)
 _EVENT_MARKER = "tfevents"
 _LAYER_RE = re.compile(r"^(?P<metric>.+)/layer_(?P<layer>\d+)(?:/head_(?P<head>\d+))?$")
-_RULE_RE = re.compile(r"^\[[^\]:]+:(?P<rule>[^\]]+)\]")
 _LINE_STYLES = ("-", "--", ":", "-.")
 _RUN_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -95,7 +92,7 @@ class AlertEntry:
 
     step: int
     message: str
-    #: the rule name from the message's ``[qkmonitor:{rule}]`` head; ``None`` if it has none
+    #: the rule, from the message's tag ``{prefix}/alerts/{rule}``
     rule: str | None = None
 
 
@@ -284,22 +281,24 @@ def _no_scalars_message(folder: Path, prefix: str, tags: Sequence[str]) -> str:
 
 
 def _read_alerts(acc, prefix: str) -> list[AlertEntry]:
+    """The alert messages, each under ``{prefix}/alerts/{rule}``: the rule is read from the tag."""
     from tensorboard.util import tensor_util
 
-    # torch's SummaryWriter.add_text(tag) stores the string tensor under `{tag}/text_summary`;
-    # other writers (tensorboardX, tf.summary.text) may keep the tag as given
-    wanted = {f"{prefix}/alerts", f"{prefix}/alerts/text_summary"}
     try:
         text_tags = set(acc.PluginTagToContent("text"))
     except KeyError:  # no text plugin data in this run
         text_tags = set()
     entries = []
-    for tag in sorted(wanted & set(acc.Tags().get("tensors", [])) & text_tags):
+    for tag in sorted(text_tags & set(acc.Tags().get("tensors", []))):
+        # torch's SummaryWriter.add_text(tag) stores the string tensor under `{tag}/text_summary`
+        name = tag.removesuffix("/text_summary")
+        if not name.startswith(f"{prefix}/alerts/") or "/" in name[len(prefix) + 8:]:
+            continue
+        rule = name[len(prefix) + 8:]
         for event in acc.Tensors(tag):
             cells = tensor_util.make_ndarray(event.tensor_proto).reshape(-1)
             text = "\n".join(c.decode("utf-8", "replace") if isinstance(c, bytes) else str(c) for c in cells)
-            rule = _RULE_RE.match(text)
-            entries.append(AlertEntry(step=int(event.step), message=text, rule=rule["rule"] if rule else None))
+            entries.append(AlertEntry(step=int(event.step), message=text, rule=rule))
     return sorted(entries, key=lambda entry: entry.step)  # stable: same-step alerts keep their order
 
 

@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from qkmonitor.adapters import find_attention_layers
+from qkmonitor.probes import ProbeRequest
 from qkmonitor.alerts import EntropyCollapseWarning
 from qkmonitor.callbacks import AttentionEntropyMonitor
 from qkmonitor.models.positional import apply_rotary_pos_emb
@@ -83,7 +84,7 @@ def test_logged_entropy_equals_explicit_attention_of_the_probed_batch(tmp_path, 
         assert scalars[f"qkmonitor/max_logit_max/layer_{layer:02d}"][0][1] == pytest.approx(
             values["max_logit"].max().item(), rel=1e-4)
     # probing is off again after the probe, and validation-free training ran to the end
-    assert trainer.global_step == 3 and not any(block.attn.probe for block in task.model.blocks)
+    assert trainer.global_step == 3 and not any(block.attn.probing for block in task.model.blocks)
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -104,12 +105,10 @@ def test_multihead_attention_statistics_match_its_own_attention_weights(batch_fi
     inp = x if batch_first else x.transpose(0, 1)
 
     layer = find_attention_layers(mha)[0]
-    layer.sink_tokens = 1
-    layer.set_probe(True)
+    probe = layer.open_probe(ProbeRequest(sink_tokens=1))
     with torch.no_grad():
         mha(inp, inp, inp, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)
-    stats = layer.pop_stats()
-    layer.set_probe(False)
+    stats = probe.close().stats[0]
     assert not mha._forward_pre_hooks  # the hook is gone
 
     with torch.no_grad():

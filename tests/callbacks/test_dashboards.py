@@ -8,13 +8,13 @@ import warnings
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import yaml
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.hparams import plugin_data_pb2
 
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.dashboards import attention_image, custom_scalars_layout, heatmap_image
+from qkmonitor.dashboards import LayoutSection, attention_image, custom_scalars_layout, heatmap_image
 
 
 def all_monitors(**kwargs):
@@ -60,18 +60,26 @@ def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_
     assert {margin[0].value, margin[0].lower, margin[0].upper} <= set(tags["scalars"])
     assert "hidden_collapse layer 00 (heads: min, mean, max)" not in charts  # one value per layer
 
-    hparams = yaml.safe_load((run / "hparams.yaml").read_text())
+    # one hparams record (TensorBoard shows a run's first) with the model's and the rules' values
+    hparams = hparams_of(acc)
     assert hparams["qkmonitor/alert_kappa/threshold"] == 0.8
     assert hparams["qkmonitor/alert_rank_collapse/threshold"] == 1e-3
-    assert hparams["config"]["d_model"] == 32  # the model's config, logged by Lightning beside them
+    assert hparams["config/d_model"] == 32 and hparams["lr"] == 3e-3  # the model's hyper-parameters
+
+
+def hparams_of(acc) -> dict:
+    """The run's hparams record as TensorBoard's HPARAMS tab reads it (the first one of the run)."""
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    return {key: getattr(value, value.WhichOneof("kind")) for key, value in info.hparams.items()}
 
 
 def test_non_tensorboard_logger_gets_scalars_and_one_message_about_images(tmp_path, make_task):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(tmp_path, make_task, CSVLogger(tmp_path, "csv", 0))
-    skipped = [w for w in caught if "heatmaps, histograms and attention images are skipped" in str(w.message)]
-    assert len(skipped) == 3  # one per monitor, not one per probe
+    skipped = [w for w in caught if "no TensorBoard logger, so the dashboards" in str(w.message)]
+    assert len(skipped) == 1  # one for the run, not one per monitor or probe
     header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert "qkmonitor/kappa/layer_00" in header and "qkmonitor/entropy_norm_max/layer_01" in header
 
@@ -87,7 +95,7 @@ def test_heatmap_colours_follow_the_values_and_nan_is_grey():
 
 
 def test_layout_lists_margin_charts_only_for_per_head_metrics():
-    layout = custom_scalars_layout("p", {"kappa": True, "hidden_collapse": False}, 2, ["kappa"])
+    layout = custom_scalars_layout([LayoutSection("p", ("kappa", "hidden_collapse"), 2, ("kappa",))])
     margins = layout["p: QK spectrum, per layer over heads"]
     assert list(margins) == ["kappa layer 00 (heads: min, mean, max)", "kappa layer 01 (heads: min, mean, max)"]
     assert "p: effective rank, per layer over heads" not in layout

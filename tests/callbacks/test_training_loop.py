@@ -13,16 +13,11 @@ from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
 class CountingProbes(AttentionEntropyMonitor):
     """Records every forward of a probed layer, and whether validation was running then."""
 
-    def _setup_probes(self, pl_module):
-        super()._setup_probes(pl_module)
-        self.probed_forwards = []
-        attn = self.layers[0].module
-        attn.register_forward_hook(
-            lambda m, a, o: self.probed_forwards.append(self._trainer.validating) if m.probe else None)
-
     def setup(self, trainer, pl_module, stage):
-        self._trainer = trainer
         super().setup(trainer, pl_module, stage)
+        self.probed_forwards = []
+        self.layers[0].module.register_forward_hook(
+            lambda m, a, o: self.probed_forwards.append(trainer.validating) if m.probing else None)
 
 
 def test_probes_follow_optimizer_steps_under_accumulation_and_skip_validation(tmp_path, make_task, scalars_of):
@@ -61,7 +56,7 @@ def test_monitors_leave_no_probe_on_after_training(tmp_path, make_task, monitor_
     pl.Trainer(default_root_dir=tmp_path, max_steps=2, logger=False, callbacks=[monitor],
                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                limit_val_batches=0).fit(task, datamodule=data)
-    assert not any(block.attn.probe for block in task.model.blocks)
+    assert not any(block.attn.probing for block in task.model.blocks)
     assert not any(block._forward_hooks for block in task.model.blocks)
 
 

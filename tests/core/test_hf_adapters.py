@@ -22,6 +22,7 @@ from torch.testing import assert_close
 
 from qkmonitor import hf
 from qkmonitor.adapters import find_attention_layers
+from qkmonitor.probes import ProbeRequest
 from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
 from qkmonitor.functional import qk_singular_values, spectral_concentration
 
@@ -82,14 +83,13 @@ def logits_of(model, ids, mask):
 
 
 def probed(layers, fn, probs_slice=None):
-    for layer in layers:
-        layer.set_probe(True, probs_slice=probs_slice)
+    probes = [layer.open_probe(ProbeRequest(probs_slice=probs_slice)) for layer in layers]
     try:
         result = fn()
-        return result, [layer.pop_stats() for layer in layers], [layer.pop_probs() for layer in layers]
     finally:
-        for layer in layers:
-            layer.set_probe(False)
+        results = [probe.close() for probe in probes]
+    last = lambda items: items[-1] if items else None  # noqa: E731  (one forward: one entry)
+    return result, [last(r.stats) for r in results], [last(r.probs) for r in results]
 
 
 def dense_kappa(w_q_heads: list[torch.Tensor], w_k_heads: list[torch.Tensor], num_kv_heads: int) -> torch.Tensor:
@@ -285,37 +285,38 @@ def test_two_monitors_probing_one_module_both_get_statistics_and_the_config_come
     ids, mask = batch(True)
     first, second = find_attention_layers(model), find_attention_layers(model)
     config = model.config
-    for layer in first + second:
-        layer.set_probe(True)
+    first_probes = [layer.open_probe() for layer in first]
+    second_probes = [layer.open_probe() for layer in second]
     logits_of(model, ids, mask)
-    first[0].set_probe(False)  # the other monitor keeps probing
-    assert first[0].pop_stats() is None and second[0].pop_stats() is not None
+    first_results = [probe.close() for probe in first_probes]  # the other monitor keeps probing
     assert second[0].module.config is not config
     logits_of(model, ids, mask)
-    assert second[0].pop_stats() is not None
-    for layer in first + second:
-        layer.set_probe(False)
+    second_results = [probe.close() for probe in second_probes]
+    assert [r.calls for r in first_results] == [1] * len(first)
+    assert [r.calls for r in second_results] == [2] * len(second)
+    assert all(len(r.stats) == 2 for r in second_results)
     assert all(layer.module.config is config for layer in first)
+    assert all("_qkmonitor_route" not in layer.module.__dict__ for layer in first)
     assert config._attn_implementation == "sdpa"
 
 
-def test_a_metric_failure_warns_gives_none_and_leaves_the_forward_alone(monkeypatch):
+def test_a_metric_failure_is_recorded_and_leaves_the_forward_alone(monkeypatch):
     model = build("bert")
     ids, mask = batch(True)
     layers = find_attention_layers(model)
     before = logits_of(model, ids, mask)
 
-    def broken(self):
+    def broken(self, sink_tokens=0):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(hf._Call, "stats", broken)
-    with pytest.warns(RuntimeWarning) as record:
-        after, stats, _ = probed(layers, lambda: logits_of(model, ids, mask))
-    assert torch.equal(before, after) and stats == [None, None]
-    assert [str(w.message) for w in record] == [
-        f"qkmonitor: no attention statistics for 'encoder.layer.{i}.attention.self' (RuntimeError: boom)"
-        for i in range(2)
-    ]
+    probes = [layer.open_probe() for layer in layers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the probe itself does not warn: the monitor does, once
+        after = logits_of(model, ids, mask)
+    results = [probe.close() for probe in probes]
+    assert torch.equal(before, after)
+    assert [(r.calls, r.stats, r.failures) for r in results] == [(1, [], ["RuntimeError: boom"])] * 2
 
 
 def test_flash_attention_calls_apply_padding_causality_and_the_sliding_window():

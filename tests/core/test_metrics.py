@@ -30,10 +30,14 @@ def test_attention_statistics_means_leave_out_masked_and_single_key_rows():
         metric.update(stats([[0.1], [0.2]], [[2], [2]], [[0.5], [0.5]], [[1.0], [1.0]]))
 
 
-def test_head_mean_skips_nan_and_gives_nan_for_empty_slots():
-    metric = HeadMean(num_heads=2)
-    metric.update(torch.tensor([[1.0, float("nan")], [3.0, float("nan")]]))
+def test_head_mean_passes_nan_on_leaves_out_unkept_samples_and_gives_nan_for_empty_slots():
+    metric = HeadMean(num_heads=3)
+    values = torch.tensor([[1.0, float("nan"), 5.0], [3.0, 2.0, 7.0]])
+    keep = torch.tensor([[True, True, False], [True, True, False]])
+    metric.update(values, keep)
     out = metric.compute()
-    assert out[0].item() == 2.0 and math.isnan(out[1].item())
+    assert out[0].item() == 2.0  # (1 + 3) / 2
+    assert math.isnan(out[1].item())  # a broken sample is never averaged away
+    assert math.isnan(out[2].item())  # no sample kept
     with pytest.raises(ValueError, match="`num_heads`"):
         HeadMean(num_heads=0)

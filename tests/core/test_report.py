@@ -111,14 +111,15 @@ def nan_max(values):
     return max(finite) if finite else math.nan
 
 
-def write_run(folder, values: dict[str, list[float]], text: dict[int, str] | None = None) -> None:
-    """A run written by hand with torch's SummaryWriter: tag -> value at steps 0, 1, ..."""
+def write_run(folder, values: dict[str, list[float]], text: dict[int, tuple[str, str]] | None = None) -> None:
+    """A run written by hand with torch's SummaryWriter: tag -> value at steps 0, 1, ...; alert
+    texts as step -> (rule, message), under the rule's tag as the monitors write them."""
     writer = SummaryWriter(str(folder))
     for tag, series in values.items():
         for step, value in enumerate(series):
             writer.add_scalar(tag, value, step)
-    for step, message in (text or {}).items():
-        writer.add_text("qkmonitor/alerts", message, step)
+    for step, (rule, message) in (text or {}).items():
+        writer.add_text(f"qkmonitor/alerts/{rule}", message, step)
     writer.close()
 
 
@@ -195,12 +196,12 @@ def test_alert_messages_and_counters(runs):
 
 
 def test_text_alerts_are_read_whole_and_in_step_order(tmp_path):
-    messages = {3: "[qkmonitor:logit_growth] layer 1: late", 1: "[qkmonitor:kappa] layer 0: early"}
+    # the message text names no rule the report could parse: the rule comes from the tag
+    messages = {3: ("logit_growth", "layer 1: late\nsecond line"), 1: ("kappa", "layer 0: early")}
     write_run(tmp_path / "v", {"qkmonitor/kappa/layer_00": [0.1] * 5, "qkmonitor/alerts/kappa": [0, 1, 1, 1, 1]},
               text=messages)
     run = build_report([tmp_path / "v"], plots=False).runs[0]
-    assert [(a.step, a.rule, a.message) for a in run.alerts] == [
-        (1, "kappa", messages[1]), (3, "logit_growth", messages[3])]
+    assert [(a.step, a.rule, a.message) for a in run.alerts] == [(1, *messages[1]), (3, *messages[3])]
 
 
 # -- the plots -------------------------------------------------------------------------------

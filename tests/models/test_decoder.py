@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qkmonitor.adapters import find_attention_layers
 from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.probes import ProbeRequest
 from qkmonitor.models.tasks import AssociativeRecallDataModule, make_recall_batch
 from qkmonitor.models.tasks.recall import IGNORE_INDEX
 
@@ -90,16 +92,17 @@ def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
     captured = {}
     attn = model.blocks[1].attn
     handle = attn.register_forward_pre_hook(lambda module, args: captured.update(x=args[0]))
-    for layer in layers:
-        layer.set_probe(True)
+    probes = [layer.open_probe() for layer in layers]
     with torch.no_grad():
         model(tokens)
     handle.remove()
-    stats = layers[1].pop_stats()
-    assert layers[1].pop_stats() is stats  # kept for every probe of this forward
-    for layer in layers:
-        layer.set_probe(False)
-    assert layers[1].pop_stats() is None and not attn.probe  # capture stopped
+    results = [probe.close() for probe in probes]
+    assert results[1].calls == 1 and len(results[1].stats) == 1
+    stats = results[1].stats[0]
+    assert not attn.probing  # closing removed the observers
+    with torch.no_grad():
+        model(tokens)
+    assert results[1].calls == 1  # a closed probe sees nothing more
 
     x = captured["x"].double()  # (B, N, d), the attention module's input
     q = (x @ attn.q_proj.weight.double().T).view(3, 9, 4, 8).transpose(1, 2)
@@ -116,15 +119,21 @@ def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
     torch.testing.assert_close(stats.attended, torch.arange(1, 10, dtype=torch.float32).expand(3, 4, 9))
 
 
-def test_two_probes_share_a_module_until_the_last_one_stops():
+def test_two_probes_on_one_module_are_independent():
     model = DecoderLM(TransformerConfig(vocab_size=8, d_model=16, n_heads=2))
-    attn = model.blocks[0].attn
-    attn.set_probe(True)
-    attn.set_probe(True, probs_slice=(1, 3))
+    layer = find_attention_layers(model)[0]
+    attn = layer.module
+    plain = layer.open_probe()
+    sliced = layer.open_probe(ProbeRequest(probs_slice=(1, 3), sink_tokens=1))
     with torch.no_grad():
         model(torch.randint(8, (2, 5)))
-    assert attn.pop_probs((1, 3)).shape == (1, 2, 3, 5)
-    attn.set_probe(False)
-    assert attn.probe and attn.pop_stats() is not None  # the other probe still reads
-    attn.set_probe(False)
-    assert not attn.probe and attn.pop_stats() is None and attn.pop_probs() is None
+    first = plain.close()
+    assert attn.probing  # the other probe is still open
+    with torch.no_grad():
+        model(torch.randint(8, (2, 5)))
+    second = sliced.close()
+    assert not attn.probing
+    assert first.calls == 1 and second.calls == 2 and not first.probs
+    assert [p.shape for p in second.probs] == [(1, 2, 3, 5)] * 2
+    assert all(stats.sink_mass is not None for stats in second.stats)  # the kernel measured it in the same pass
+    assert plain.close() is first  # closing again changes nothing

@@ -1,0 +1,470 @@
+"""The framework-free monitor engine: when to probe, how to measure, what to log, when to alert.
+
+A :class:`MonitorEngine` knows its layers (:func:`qkmonitor.adapters.find_attention_layers`),
+decides the probe steps, computes its metrics, feeds the alert tracker, builds the tags of
+:mod:`qkmonitor.tags` from the metric catalogue and hands everything to the sinks of a
+:class:`Host`. The host is whatever drives the engine: the Lightning callbacks (a thin adapter
+over a Trainer) or :class:`qkmonitor.engine.Monitoring` in a plain PyTorch loop.
+
+:class:`ActivationEngine` adds probes of the forward pass (:mod:`qkmonitor.probes`): ``open``
+opens one probe per layer for a probe window, ``finish`` closes them and logs, ``abort`` closes
+them and logs nothing. Every path closes what it opened.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from qkmonitor.adapters import AttentionLayer, LayerSpec, find_attention_layers
+from qkmonitor.alerts import ALERT_ACTIONS, Alert, AlertRule, AlertTracker
+from qkmonitor.catalogue import MetricSpec, metric, names_of
+from qkmonitor.dashboards import grid_of, heatmap_image
+from qkmonitor.engine.sinks import Sink
+from qkmonitor.probes import Probe, ProbeRequest, ProbeResult
+from qkmonitor.tags import alert_tag, head_tag, layer_tag, worst_tag
+
+__all__ = ["Host", "PlainHost", "MonitorEngine", "ActivationEngine", "Values", "check_prefix"]
+
+#: metric -> one (num_heads,) float CPU tensor per layer ((1,) for per-layer metrics)
+Values = dict[str, list[Tensor]]
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+
+
+class Host:
+    """What an engine needs from what drives it. The base is a plain single-process loop.
+
+    Attributes:
+        owner: handed to ``on_alert(owner, alert)`` (the Trainer in Lightning).
+        is_logging_rank: whether this process writes (rank zero).
+    """
+
+    owner: Any = None
+    is_logging_rank: bool = True
+
+    def sinks(self) -> list[Sink]:
+        return []
+
+    def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
+        warnings.warn(message, category, stacklevel=3)
+
+    def stop(self) -> None:
+        """Ask the training loop to stop (alert action ``"stop"``)."""
+
+    def learning_rate(self) -> float | None:
+        return None
+
+
+class PlainHost(Host):
+    """A host for a plain loop: fixed sinks, an optional optimizer for the learning rate.
+
+    ``should_stop`` turns True when an alert with action ``"stop"`` fires.
+    """
+
+    def __init__(self, sinks: Sequence[Sink] = (), optimizer: torch.optim.Optimizer | None = None,
+                 owner: Any = None) -> None:
+        self._sinks = list(sinks)
+        self.optimizer = optimizer
+        self.owner = owner
+        self.should_stop = False
+
+    def sinks(self) -> list[Sink]:
+        return self._sinks
+
+    def stop(self) -> None:
+        self.should_stop = True
+
+    def learning_rate(self) -> float | None:
+        if self.optimizer is None:
+            return None
+        return next((float(g["lr"]) for g in self.optimizer.param_groups if "lr" in g), None)
+
+
+def check_prefix(prefix: object) -> str:
+    """A tag-safe ``log_key_prefix``: parts of letters, digits, ``_ . -`` joined by single ``/``."""
+    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+        raise ValueError(
+            "Expected `log_key_prefix` to be a tag-safe string (letters, digits, '_', '.', '-', parts joined "
+            f"by single '/', no leading or trailing '/'), got {prefix!r}"
+        )
+    return prefix
+
+
+def _check_optional_positive_int(name: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"Expected `{name}` to be a positive int or None, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"Expected `{name}` to be a bool, got {value!r}")
+
+
+class MonitorEngine:
+    """Base of the engines: probe schedule, logging, alerts and resume state.
+
+    Args:
+        every_n_steps: probe every this many optimizer steps; ``None`` takes the host's default
+            (the Trainer's ``log_every_n_steps``).
+        per_head: also log ``{prefix}/{metric}/layer_LL/head_HH`` for every head.
+        log_key_prefix: first part of every tag; tag-safe (see :func:`check_prefix`).
+        alerts: the alert rules; ``None`` for the engine's defaults, ``[]`` for none. Each rule's
+            metrics must be ones this engine logs.
+        alert_action: ``"warn"`` (warning, TensorBoard text, counter), ``"stop"`` (also asks the
+            loop to stop) or ``"raise"`` (raises the rule's warning class as an exception).
+        on_alert: called as ``on_alert(owner, alert)`` for every alert that fires (the owner is
+            the Trainer under Lightning), e.g. to lower the learning rate or save a checkpoint.
+        layers: which attention layers: ``None`` finds them all; one module or AttentionLayer,
+            a list of them, or a function ``model -> list``.
+    """
+
+    #: the catalogue's name of the monitor whose metrics this engine computes
+    monitor: str = ""
+    default_rules: tuple[AlertRule, ...] = ()
+
+    def __init__(
+        self,
+        *,
+        every_n_steps: int | None = None,
+        per_head: bool = False,
+        log_key_prefix: str = "qkmonitor",
+        alerts: Sequence[AlertRule] | None = None,
+        alert_action: str = "warn",
+        on_alert: Callable[[Any, Alert], None] | None = None,
+        layers: LayerSpec | nn.Module | AttentionLayer | None = None,
+    ) -> None:
+        _check_optional_positive_int("every_n_steps", every_n_steps)
+        _check_bool("per_head", per_head)
+        if alert_action not in ALERT_ACTIONS:
+            raise ValueError(f"Expected `alert_action` to be one of {ALERT_ACTIONS}, got {alert_action!r}")
+        if on_alert is not None and not callable(on_alert):
+            raise ValueError(f"Expected `on_alert` to be a callable (owner, alert) or None, got {on_alert!r}")
+        if isinstance(alerts, AlertRule):
+            alerts = [alerts]
+        if alerts is not None and (isinstance(alerts, (str, bytes)) or not isinstance(alerts, Sequence)):
+            raise ValueError(f"Expected `alerts` to be a list of AlertRule or None, got {type(alerts).__name__}")
+        self.every_n_steps = every_n_steps
+        self.per_head = per_head
+        self.prefix = check_prefix(log_key_prefix)
+        self.alert_action = alert_action
+        self.on_alert = on_alert
+        self.layer_spec = layers
+        rules = list(self.default_rules if alerts is None else alerts)
+        self._check_rules(rules)
+        self.tracker = AlertTracker(rules)
+        self.layers: list[AttentionLayer] = []
+        #: The last probe's values: metric -> one (num_heads,) float CPU tensor per layer.
+        self.latest: Values = {}
+        self.latest_step: int | None = None
+        #: The last validation probe's values, like :attr:`latest`.
+        self.latest_validation: Values = {}
+        self._nonfinite: set[int] = set()
+        self._warned: set[str] = set()
+
+    # -- what the engine logs ----------------------------------------------------------------
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """Every metric this engine logs, in catalogue order."""
+        return names_of(self.monitor)
+
+    @property
+    def specs(self) -> tuple[MetricSpec, ...]:
+        return tuple(metric(name) for name in self.metric_names)
+
+    def _check_rules(self, rules: list) -> None:
+        for i, rule in enumerate(rules):
+            if not isinstance(rule, AlertRule):
+                raise ValueError(f"Expected `alerts[{i}]` to be an AlertRule, got {type(rule).__name__}")
+            unknown = [m for m in rule.metrics if m not in self.metric_names]
+            if unknown:
+                raise ValueError(
+                    f"Alert rule {rule.name!r} watches {', '.join(map(repr, unknown))}, which "
+                    f"{type(self).__name__} does not log; it logs {', '.join(self.metric_names)}"
+                )
+
+    def thresholds(self) -> dict[str, float | int | str]:
+        """The rules and the probe interval, as hyper-parameters of the run."""
+        params: dict[str, float | int | str] = {}
+        for rule in self.tracker.rules:
+            key = f"{self.prefix}/alert_{rule.name}"
+            params.update({f"{key}/threshold": rule.threshold, f"{key}/patience": rule.patience,
+                           f"{key}/margin": rule.margin})
+        params[f"{self.prefix}/{self.monitor}/every_n_steps"] = self.every_n_steps or 0
+        return params
+
+    def selection(self) -> str:
+        """The layer selection, as it goes into a checkpoint's state key."""
+        if self.layers:
+            return ",".join(layer.name or type(layer.module).__name__ for layer in self.layers)
+        spec = self.layer_spec
+        if spec is None:
+            return "auto"
+        if callable(spec) and not isinstance(spec, nn.Module):
+            return getattr(spec, "__qualname__", repr(spec))
+        items = [spec] if isinstance(spec, (nn.Module, AttentionLayer)) else list(spec)
+        return ",".join(f"{type(item).__name__}@{id(item):x}" for item in items)
+
+    # -- binding to a model --------------------------------------------------------------------
+
+    def bind(self, model: nn.Module, *, default_every_n_steps: int = 50) -> None:
+        """Find the layers of ``model`` and prepare what measuring needs.
+
+        Raises:
+            ValueError: if no attention layer is found, or ``layers`` names a module that is not
+                in ``model`` or not supported.
+        """
+        if self.every_n_steps is None:
+            self.every_n_steps = max(1, int(default_every_n_steps))
+        self.layers = find_attention_layers(model, self.layer_spec)
+        self._prepare(model)
+
+    def _prepare(self, model: nn.Module) -> None:
+        """Subclasses build per-layer state once the layers are known."""
+
+    def is_probe_step(self, step: int) -> bool:
+        # a step counts optimizer steps; under gradient accumulation several batches share a
+        # step, and only the first of them probes
+        return self.every_n_steps is not None and step % self.every_n_steps == 0 and step != self.latest_step
+
+    # -- the probe window (weights engines ignore it) -------------------------------------------
+
+    def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
+        """Measure the weights as they are after ``step`` optimizer steps, if that is a probe step."""
+
+    def open(self, step: int, *, validation: bool = False) -> bool:
+        """Open the probes of a probe window; True if any were opened."""
+        return False
+
+    def finish(self, host: Host) -> None:
+        """Close the open probes and log what they measured."""
+
+    def abort(self) -> None:
+        """Close the open probes without logging (a failed step, teardown)."""
+
+    # -- logging ---------------------------------------------------------------------------------
+
+    def record(self, host: Host, values: Values, step: int, *, validation: bool = False,
+               undefined: dict[str, list[Tensor]] | None = None, images: dict[str, np.ndarray] | None = None,
+               histograms: dict[str, Tensor] | None = None) -> list[Alert]:
+        """Log one probe's values at ``step``, fire and act on alerts (not for validation).
+
+        Args:
+            values: metric -> one tensor per layer.
+            validation: log under ``{prefix}/val``; no alerts.
+            undefined: metric -> per-layer bool tensors, True where a NaN is NaN by definition.
+            images, histograms: extra TensorBoard visuals of this probe, by tag.
+
+        Returns:
+            The alerts that fired.
+        """
+        self._warn_nonfinite(host, values, undefined or {}, step)
+        prefix = f"{self.prefix}/val" if validation else self.prefix
+        alerts: list[Alert] = []
+        if validation:
+            self.latest_validation = values
+        else:
+            self.latest, self.latest_step = values, step
+            alerts = self.tracker.update(values, step, [layer.name for layer in self.layers])
+        scalars = self.scalars(values, prefix)
+        if not validation:
+            scalars.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
+                            for r in self.tracker.rules})
+        if host.is_logging_rank:
+            sinks = host.sinks()
+            for sink in sinks:
+                sink.log_scalars(scalars, step)
+            drawing = [sink for sink in sinks if sink.draws]
+            if drawing and not validation:
+                visuals = {**self._heatmaps(values), **(images or {})}
+                for sink in drawing:
+                    for tag, image in visuals.items():
+                        sink.log_image(tag, image, step)
+                    for tag, data in (histograms or {}).items():
+                        sink.log_histogram(tag, data, step)
+        for alert in alerts:
+            self._act(host, alert)
+        return alerts
+
+    def scalars(self, values: Values, prefix: str) -> dict[str, float]:
+        """The scalar tags of one probe: layer mean, lowest and highest head, and (``per_head``) heads."""
+        out: dict[str, float] = {}
+        for name, grid in values.items():
+            per_head = metric(name).per_head
+            for layer, heads in enumerate(grid):
+                out[layer_tag(prefix, name, layer)] = heads.mean().item()
+                if not per_head:
+                    continue
+                nan = bool(heads.isnan().any())  # a NaN head makes the band NaN, as it does the mean
+                out[worst_tag(prefix, name, "min", layer)] = math.nan if nan else heads.min().item()
+                out[worst_tag(prefix, name, "max", layer)] = math.nan if nan else heads.max().item()
+                if self.per_head:
+                    for head, value in enumerate(heads.tolist()):
+                        out[head_tag(prefix, name, layer, head)] = value
+        return out
+
+    def _heatmaps(self, values: Values) -> dict[str, np.ndarray]:
+        return {
+            f"{self.prefix}/heatmap/{spec.name}": heatmap_image(grid_of(values[spec.name]), *spec.heatmap)
+            for spec in self.specs if spec.heatmap is not None and spec.name in values
+        }
+
+    def _act(self, host: Host, alert: Alert) -> None:
+        message = alert.message(host.learning_rate())
+        if self.alert_action == "raise":
+            raise alert.rule.warning(message)
+        host.warn(message, alert.rule.warning)
+        if host.is_logging_rank:
+            for sink in host.sinks():
+                sink.log_text(alert_tag(self.prefix, alert.rule.name), message, alert.step)
+        if self.on_alert is not None:
+            self.on_alert(host.owner, alert)
+        if self.alert_action == "stop":
+            host.stop()
+
+    def warn_once(self, host: Host, key: str, message: str) -> None:
+        """Warn once per ``key`` for the engine's lifetime."""
+        if key not in self._warned:
+            self._warned.add(key)
+            host.warn(f"{type(self).__name__}: {message}", RuntimeWarning)
+
+    def _warn_nonfinite(self, host: Host, values: Values, undefined: dict[str, list[Tensor]], step: int) -> None:
+        """Name the layers and heads whose values are not finite (and not undefined by definition);
+        warn again only when a layer goes bad that had not before."""
+        bad: dict[int, dict[str, list[int]]] = {}
+        for name, grid in values.items():
+            masks = undefined.get(name, [])
+            for layer, heads in enumerate(grid):
+                broken = ~torch.isfinite(heads)
+                if layer < len(masks):
+                    broken &= ~masks[layer].reshape(broken.shape)
+                if bool(broken.any()):
+                    bad.setdefault(layer, {})[name] = broken.nonzero().flatten().tolist()
+        new = sorted(set(bad) - self._nonfinite)
+        if not new:
+            return
+        self._nonfinite.update(new)
+        parts = []
+        for layer in new:
+            name = self.layers[layer].name if layer < len(self.layers) else ""
+            cells = "; ".join(f"{m}" + (f" heads {h}" if metric(m).per_head else "") for m, h in bad[layer].items())
+            parts.append(f"layer {layer}{f' ({name})' if name else ''}: {cells}")
+        host.warn(
+            f"{type(self).__name__}: non-finite values at step {step} in " + " | ".join(parts)
+            + ". They are logged as NaN and fire no alert (are the weights or activations NaN/Inf?). "
+            "Warned again only if another layer goes bad.",
+            RuntimeWarning,
+        )
+
+    # -- resume ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"alerts": self.tracker.state_dict(), "latest_step": self.latest_step,
+                "nonfinite_layers": sorted(self._nonfinite)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tracker.load_state_dict(state.get("alerts", {}))
+        self.latest_step = state.get("latest_step")
+        self._nonfinite = set(state.get("nonfinite_layers", []))
+
+
+class ActivationEngine(MonitorEngine):
+    """An engine that measures the forward pass through probes (:mod:`qkmonitor.probes`).
+
+    Subclasses say what they want (:meth:`_request`), may install more for the window
+    (:meth:`_open_extra` / :meth:`_close_extra`, e.g. block hooks) and turn the probes' results
+    into values (:meth:`_measure`).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._probes: list[Probe] = []
+        self._window: tuple[int, bool] | None = None
+
+    @property
+    def probing(self) -> bool:
+        """Whether a probe window is open."""
+        return self._window is not None
+
+    def _prepare(self, model: nn.Module) -> None:
+        unsupported = [layer.name for layer in self.layers if not layer.supports_stats]
+        if unsupported:
+            raise ValueError(
+                f"{type(self).__name__}: layers {unsupported} give no attention statistics; pass `layers=` with "
+                "AttentionLayer adapters that implement `open_probe`"
+            )
+
+    def _request(self) -> ProbeRequest:
+        return ProbeRequest()
+
+    def open(self, step: int, *, validation: bool = False) -> bool:
+        if self._window is not None or not self.layers or (not validation and not self.is_probe_step(step)):
+            return False
+        self._window = (step, validation)
+        try:
+            request = self._request()
+            for layer in self.layers:
+                self._probes.append(layer.open_probe(request))
+            self._open_extra()
+        except BaseException:
+            self.abort()
+            raise
+        return True
+
+    def _open_extra(self) -> None:
+        """Install what the window needs beyond the layer probes."""
+
+    def _close_extra(self) -> None:
+        """Remove what :meth:`_open_extra` installed; idempotent."""
+
+    def close_probes(self) -> list[ProbeResult]:
+        """Close every open probe (each one, even if another fails) and return their results."""
+        probes, self._probes, self._window = self._probes, [], None
+        results, error = [], None
+        for probe in probes:
+            try:
+                results.append(probe.close())
+            except Exception as err:  # noqa: BLE001 -- close the rest first
+                error = error or err
+        try:
+            self._close_extra()
+        finally:
+            if error is not None:
+                raise error
+        return results
+
+    def abort(self) -> None:
+        self.close_probes()
+
+    def finish(self, host: Host) -> None:
+        if self._window is None:
+            return
+        step, validation = self._window
+        results = self.close_probes()
+        self._report_missing(host, results)
+        with torch.no_grad():
+            values, extra = self._measure(results)
+        self.record(host, values, step, validation=validation, **extra)
+
+    def _report_missing(self, host: Host, results: list[ProbeResult]) -> None:
+        for layer, result in zip(self.layers, results):
+            if result.calls == 0:
+                self.warn_once(host, f"missing:{layer.name}",
+                               f"layer {layer.name!r} did not run in the probed forward; its values are NaN. "
+                               "This warning is shown once per layer.")
+            for reason in result.failures[:1]:
+                self.warn_once(host, f"failed:{layer.name}",
+                               f"no statistics for layer {layer.name!r} in {len(result.failures)} call(s) "
+                               f"({reason}); they are left out. This warning is shown once per layer.")
+
+    def _measure(self, results: list[ProbeResult]) -> tuple[Values, dict[str, Any]]:
+        """Values from the closed probes' results (one per layer), plus extra ``record`` arguments."""
+        raise NotImplementedError

@@ -1,0 +1,175 @@
+r"""EffectiveRank: how much rank the residual stream and the attention matrices keep.
+
+On a capped slice of each probed forward — the first ``max_probe_sequences`` sequences and
+``max_probe_tokens`` tokens:
+
+- ``hidden_erank``: :math:`\mathrm{erank}(X) = \exp(-\sum_i p_i \log p_i)`,
+  :math:`p_i = \sigma_i / \sum_j \sigma_j`, of each sequence's block output ``X`` (n x d);
+- ``hidden_collapse``: :math:`\|X - \mathbf{1}\bar x^\top\|_F / \|X\|_F` (Dong et al. 2021),
+  → 0 under rank collapse;
+- ``attn_erank``: erank of each head's attention matrix A (rows of the slice, all keys);
+  ``attn_erank_norm`` = ``attn_erank / min(rows, keys)``;
+- ``attn_entropy_norm``: the mean normalized row entropy of the same slice.
+
+Values are means over the probe sequences of every call in the window (and over ranks, through
+torchmetrics).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
+from qkmonitor.catalogue import RANK
+from qkmonitor.dashboards import attention_image
+from qkmonitor.engine.base import ActivationEngine, Values
+from qkmonitor.functional import effective_rank, hidden_state_metrics
+from qkmonitor.metrics import HeadMean
+from qkmonitor.probes import ProbeRequest, ProbeResult
+
+__all__ = ["EffectiveRank"]
+
+BlocksSpec = Sequence[nn.Module] | Callable[[nn.Module], Sequence[nn.Module]]
+
+
+class EffectiveRank(ActivationEngine):
+    """Logs hidden_erank and hidden_collapse per layer, attn_erank, attn_erank_norm and
+    attn_entropy_norm per layer and head, and images of the first probe sequence's attention.
+
+    The block of an attention layer is its parent module (``blocks.3`` for ``blocks.3.attn``), or
+    the attention module itself when the parent is a container or the model; ``blocks=``
+    overrides it.
+
+    Args:
+        max_probe_sequences: sequences of the batch measured.
+        max_probe_tokens: tokens (query rows) per sequence measured.
+        blocks: the modules whose outputs are the residual stream after each layer, in layer
+            order (a list, or a function of the model); default: derived from the layers.
+        pattern_heads: heads per layer whose attention pattern is logged as an image (0: none).
+        **kwargs: see :class:`~qkmonitor.engine.base.MonitorEngine`.
+    """
+
+    monitor = RANK
+    default_rules = (RANK_COLLAPSE_RULE, MALIGNANT_COLLAPSE_RULE)
+
+    def __init__(self, *, max_probe_sequences: int = 4, max_probe_tokens: int = 128,
+                 blocks: BlocksSpec | None = None, pattern_heads: int = 4, **kwargs: Any) -> None:
+        for name, value in (("max_probe_sequences", max_probe_sequences), ("max_probe_tokens", max_probe_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
+        if isinstance(pattern_heads, bool) or not isinstance(pattern_heads, int) or pattern_heads < 0:
+            raise ValueError(f"Expected `pattern_heads` to be an int >= 0, got {pattern_heads!r}")
+        if blocks is not None and not callable(blocks) and not isinstance(blocks, Sequence):
+            raise ValueError(f"Expected `blocks` to be a list of modules, a function of the model or None, "
+                             f"got {type(blocks).__name__}")
+        super().__init__(**kwargs)
+        self.max_probe_sequences = max_probe_sequences
+        self.max_probe_tokens = max_probe_tokens
+        self.pattern_heads = pattern_heads
+        self._blocks_spec = blocks
+        self.blocks: list[nn.Module] = []
+        self._hooks: list = []
+        self._hidden: dict[int, list[Tensor]] = {}
+
+    def _request(self) -> ProbeRequest:
+        return ProbeRequest(stats=True, probs_slice=(self.max_probe_sequences, self.max_probe_tokens))
+
+    def _prepare(self, model: nn.Module) -> None:
+        super()._prepare(model)
+        self.blocks = self._find_blocks(model)
+        self._batch_first = [getattr(layer.module, "batch_first", True) for layer in self.layers]
+        heads = [layer.qk_weights().num_heads for layer in self.layers]
+        self._head_means = [{m.name: HeadMean(h) for m in self.specs if m.per_head} for h in heads]
+        self._layer_means = [{m.name: HeadMean(1) for m in self.specs if not m.per_head} for _ in heads]
+
+    def _find_blocks(self, model: nn.Module) -> list[nn.Module]:
+        if self._blocks_spec is not None:
+            blocks = list(self._blocks_spec(model) if callable(self._blocks_spec) else self._blocks_spec)
+            if len(blocks) != len(self.layers) or not all(isinstance(b, nn.Module) for b in blocks):
+                raise ValueError(f"Expected `blocks` to give one module per attention layer ({len(self.layers)}), "
+                                 f"got {[type(b).__name__ for b in blocks]}")
+            return blocks
+        found = []
+        for layer in self.layers:
+            parent_name = layer.name.rpartition(".")[0]
+            try:
+                parent = model.get_submodule(parent_name) if layer.name else model
+            except AttributeError:  # a layer given by the user, outside the model's naming
+                parent = model
+            container = isinstance(parent, (nn.ModuleList, nn.ModuleDict)) or parent is model
+            found.append(layer.module if container else parent)
+        return found
+
+    def _open_extra(self) -> None:
+        self._hidden = {}
+        self._hooks = [block.register_forward_hook(self._hidden_hook(i)) for i, block in enumerate(self.blocks)]
+
+    def _close_extra(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+
+    def _hidden_hook(self, index: int):
+        def hook(module: nn.Module, args, output) -> None:
+            x = output[0] if isinstance(output, (tuple, list)) else output
+            if not isinstance(x, Tensor) or x.dim() not in (2, 3):
+                return
+            if x.dim() == 2:  # unbatched (N, d)
+                x = x[None]
+            elif not self._batch_first[index]:  # (N, B, d) -> (B, N, d)
+                x = x.transpose(0, 1)
+            cut = x[: self.max_probe_sequences, : self.max_probe_tokens].detach().clone()
+            self._hidden.setdefault(index, []).append(cut)
+
+        return hook
+
+    def _measure(self, results: list[ProbeResult]) -> tuple[Values, dict[str, Any]]:
+        values: Values = {m: [] for m in self.metric_names}
+        images: dict[str, np.ndarray] = {}
+        hidden, self._hidden = self._hidden, {}
+        for i, result in enumerate(results):
+            for x in hidden.get(i, []):
+                erank, collapse = hidden_state_metrics(x)  # (S,)
+                self._update(self._layer_means[i]["hidden_erank"], erank[:, None])
+                self._update(self._layer_means[i]["hidden_collapse"], collapse[:, None])
+            for probs in result.probs:  # (S, H, R, M)
+                broken = probs.isnan().flatten(-2).any(-1)  # (S, H): NaN scores, never averaged away
+                rank = effective_rank(torch.linalg.svdvals(torch.nan_to_num(probs.double())))  # (S, H)
+                rank = rank.masked_fill(broken, float("nan"))
+                self._update(self._head_means[i]["attn_erank"], rank)
+                self._update(self._head_means[i]["attn_erank_norm"], rank / min(probs.shape[-2:]))
+            for stats in result.stats:
+                s, r = self.max_probe_sequences, self.max_probe_tokens
+                n = stats.attended[:s, :, :r].double()
+                norm = stats.entropy[:s, :, :r].double() / n.clamp_min(2).log()
+                keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
+                self._update(self._head_means[i]["attn_entropy_norm"], _mean_rows(norm, n > 1), keep)
+            if result.probs:
+                for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
+                    images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = attention_image(probs)
+            for name, aggregate in (*self._layer_means[i].items(), *self._head_means[i].items()):
+                with warnings.catch_warnings():  # compute() on every rank: it is the collective
+                    warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+                    values[name].append(aggregate.compute().reshape(-1).float().cpu())
+                aggregate.reset()
+        return {name: values[name] for name in self.metric_names}, {"images": images}
+
+    @staticmethod
+    def _update(aggregate: HeadMean, samples: Tensor, keep: Tensor | None = None) -> None:
+        if aggregate.device != samples.device:
+            aggregate.to(samples.device)
+        aggregate.update(samples, keep)
+
+
+def _mean_rows(values: Tensor, keep: Tensor) -> Tensor:
+    """(S, H, R) -> (S, H): the mean over the rows ``keep`` selects (rows with more than one key).
+
+    A NaN in a kept row (broken scores) makes the mean NaN; a slot with no kept row is NaN.
+    """
+    return torch.where(keep, values, 0.0).sum(-1) / keep.sum(-1)

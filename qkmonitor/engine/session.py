@@ -1,0 +1,170 @@
+"""Several engines on one model, driven from a plain PyTorch loop; the run header they share.
+
+:class:`Monitoring` is the plain-loop counterpart of putting the Lightning callbacks in a Trainer:
+the same engines, tags and dashboards, logged to a ``torch.utils.tensorboard.SummaryWriter``.
+:func:`write_run_header` writes what a run holds once — one custom-scalars layout covering every
+prefix and one hparams record with the model's hyper-parameters and every engine's thresholds —
+for both paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from qkmonitor.dashboards import LayoutSection, custom_scalars_layout
+from qkmonitor.engine.base import MonitorEngine, PlainHost
+from qkmonitor.engine.sinks import Sink, SummaryWriterSink
+from qkmonitor.tags import alert_tag
+
+__all__ = ["Monitoring", "write_run_header", "check_tag_collisions"]
+
+
+def check_tag_collisions(engines: Sequence[MonitorEngine]) -> None:
+    """Two engines of one kind under one prefix would write the same tags: refuse that."""
+    seen: dict[tuple[str, str], MonitorEngine] = {}
+    for engine in engines:
+        key = (engine.monitor, engine.prefix)
+        if key in seen:
+            raise ValueError(
+                f"Two {engine.monitor}s log under the same `log_key_prefix` {engine.prefix!r} (layers "
+                f"{seen[key].selection()!r} and {engine.selection()!r}); their tags would collide. "
+                "Give each its own `log_key_prefix`, e.g. 'qkmonitor/encoder' and 'qkmonitor/decoder'."
+            )
+        seen[key] = engine
+
+
+def write_run_header(sinks: Sequence[Sink], engines: Sequence[MonitorEngine],
+                     hparams: dict[str, Any] | None = None) -> None:
+    """One layout and one hparams record for the run, to every sink that draws.
+
+    TensorBoard keeps the first hparams record of a run, so this goes first.
+    """
+    sections = [LayoutSection(e.prefix, e.metric_names, len(e.layers), tuple(r.name for r in e.tracker.rules))
+                for e in engines]
+    params: dict[str, Any] = dict(hparams or {})
+    for engine in engines:
+        params.update(engine.thresholds())
+    metrics = {alert_tag(e.prefix, r.name): 0.0 for e in engines for r in e.tracker.rules}
+    for sink in sinks:
+        if sink.draws:
+            sink.log_layout(custom_scalars_layout(sections))
+            sink.log_hparams(params, metrics)
+
+
+class Monitoring:
+    """Engines on one model in a plain loop.
+
+    Args:
+        model: the model whose attention is watched.
+        engines: :class:`~qkmonitor.engine.QKSpectrum`, :class:`~qkmonitor.engine.AttentionEntropy`,
+            :class:`~qkmonitor.engine.EffectiveRank` (or your own), each at most once per prefix.
+        writer: a ``torch.utils.tensorboard.SummaryWriter`` (or any :class:`Sink`); None logs
+            nothing but keeps each engine's ``.latest`` and fires alerts.
+        hparams: the run's hyper-parameters, for TensorBoard's HPARAMS tab.
+        optimizer: read for the learning rate in alert messages.
+        every_n_steps: the probe interval of engines that did not set one.
+
+    Example::
+
+        from torch.utils.tensorboard import SummaryWriter
+        from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
+
+        monitoring = Monitoring(model, [QKSpectrum(), AttentionEntropy()], writer=SummaryWriter("runs/x"),
+                                hparams={"lr": 3e-4}, optimizer=optimizer, every_n_steps=50)
+        for step, batch in enumerate(loader):
+            with monitoring.step(step):  # measures this step's forward on probe steps
+                loss = model(batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            if monitoring.should_stop:  # an alert with alert_action="stop" fired
+                break
+        monitoring.close()
+    """
+
+    def __init__(self, model: nn.Module, engines: Sequence[MonitorEngine], *, writer: Any = None,
+                 hparams: dict[str, Any] | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 every_n_steps: int = 50) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+        engines = list(engines)
+        if not engines or not all(isinstance(e, MonitorEngine) for e in engines):
+            raise ValueError(f"Expected `engines` to be a non-empty list of MonitorEngine, got {engines!r}")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"Expected `every_n_steps` to be a positive int, got {every_n_steps!r}")
+        sinks = [] if writer is None else [writer if isinstance(writer, Sink) else SummaryWriterSink(writer)]
+        self.engines = engines
+        self.host = PlainHost(sinks, optimizer, owner=self)
+        check_tag_collisions(engines)
+        for engine in engines:
+            engine.bind(model, default_every_n_steps=every_n_steps)
+        write_run_header(sinks, engines, hparams)
+
+    @property
+    def should_stop(self) -> bool:
+        """True once an alert with ``alert_action="stop"`` has fired."""
+        return self.host.should_stop
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[Monitoring]:
+        """The window of one optimizer step: weights are read as they are at its start (after
+        ``step`` updates), the forwards inside are measured on probe steps and logged at its end.
+        If the body raises, every probe is closed and nothing is logged."""
+        self._check_step(step)
+        with self._window(step, validation=False):
+            yield self
+
+    @contextmanager
+    def validation(self, step: int) -> Iterator[Monitoring]:
+        """Measure the forwards inside (e.g. one validation batch) and log them under ``{prefix}/val``."""
+        self._check_step(step)
+        with self._window(step, validation=True):
+            yield self
+
+    @contextmanager
+    def _window(self, step: int, validation: bool) -> Iterator[None]:
+        try:
+            if not validation:
+                for engine in self.engines:
+                    engine.observe_weights(self.host, step)
+            for engine in self.engines:
+                engine.open(step, validation=validation)
+            yield
+            for engine in self.engines:
+                engine.finish(self.host)
+        finally:  # a failed step, or an alert raised by one engine: nothing stays installed
+            for engine in self.engines:
+                engine.abort()
+
+    @staticmethod
+    def _check_step(step: object) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"Expected `step` to be an int >= 0, got {step!r}")
+
+    def close(self) -> None:
+        """Close any open probe and flush the writer."""
+        for engine in self.engines:
+            engine.abort()
+        for sink in self.host.sinks():
+            flush = getattr(sink, "flush", None)
+            if callable(flush):
+                flush()
+
+    def __enter__(self) -> Monitoring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"{e.monitor}[{e.prefix}]": e.state_dict() for e in self.engines}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for engine in self.engines:
+            engine.load_state_dict(state.get(f"{engine.monitor}[{engine.prefix}]", {}))
+

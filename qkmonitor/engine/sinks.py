@@ -1,0 +1,135 @@
+"""Where an engine's output goes: scalars, texts, images, histograms, the layout and hparams.
+
+A :class:`Sink` is what the engine writes through; it never needs Lightning.
+:class:`SummaryWriterSink` writes TensorBoard event files through
+``torch.utils.tensorboard.SummaryWriter`` (the plain-loop path); the Lightning callbacks wrap the
+Trainer's loggers the same way (``qkmonitor.callbacks.base``); :class:`MemorySink` keeps
+everything in lists, for tests and notebooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from torch import Tensor
+
+__all__ = ["Sink", "SummaryWriterSink", "MemorySink", "flatten_hparams"]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """The engine's output channel. Images are HWC uint8 arrays."""
+
+    #: whether images, histograms, the layout and hparams can be written (TensorBoard can)
+    draws: bool
+
+    def log_scalars(self, scalars: dict[str, float], step: int) -> None: ...
+
+    def log_text(self, tag: str, text: str, step: int) -> None: ...
+
+    def log_image(self, tag: str, image: np.ndarray, step: int) -> None: ...
+
+    def log_histogram(self, tag: str, values: Tensor, step: int) -> None: ...
+
+    def log_layout(self, layout: dict) -> None: ...
+
+    def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None: ...
+
+
+class SummaryWriterSink:
+    """A ``torch.utils.tensorboard.SummaryWriter`` as a sink.
+
+    Args:
+        writer: the writer; the run directory is ``writer.log_dir``.
+        scalars: also write scalars (False where another logger writes them, as in Lightning).
+    """
+
+    draws = True
+
+    def __init__(self, writer: Any, scalars: bool = True) -> None:
+        self.writer = writer
+        self._scalars = scalars
+
+    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
+        if self._scalars:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, global_step=step)
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, global_step=step)
+
+    def log_image(self, tag: str, image: np.ndarray, step: int) -> None:
+        self.writer.add_image(tag, image, global_step=step, dataformats="HWC")
+
+    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        self.writer.add_histogram(tag, values, global_step=step)
+
+    def log_layout(self, layout: dict) -> None:
+        self.writer.add_custom_scalars(layout)
+
+    def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
+        """One hparams record in the run itself (``SummaryWriter.add_hparams`` would open a new run).
+
+        TensorBoard keeps the first record of a run, so this must come before any other.
+        """
+        from torch.utils.tensorboard.summary import hparams
+
+        experiment, start, end = hparams(flatten_hparams(params), metrics)
+        file_writer = self.writer._get_file_writer()
+        for summary in (experiment, start, end):
+            file_writer.add_summary(summary)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+
+class MemorySink:
+    """Keeps everything written, in lists: ``scalars`` holds ``(tag, value, step)``."""
+
+    draws = True
+
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, float, int]] = []
+        self.texts: list[tuple[str, str, int]] = []
+        self.images: list[tuple[str, np.ndarray, int]] = []
+        self.histograms: list[tuple[str, Tensor, int]] = []
+        self.layouts: list[dict] = []
+        self.hparams: list[tuple[dict, dict]] = []
+
+    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
+        self.scalars.extend((tag, value, step) for tag, value in scalars.items())
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        self.texts.append((tag, text, step))
+
+    def log_image(self, tag: str, image: np.ndarray, step: int) -> None:
+        self.images.append((tag, image, step))
+
+    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        self.histograms.append((tag, values, step))
+
+    def log_layout(self, layout: dict) -> None:
+        self.layouts.append(layout)
+
+    def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
+        self.hparams.append((flatten_hparams(params), dict(metrics)))
+
+
+def flatten_hparams(params: dict[str, Any], parent: str = "") -> dict[str, Any]:
+    """Nested dicts as ``a/b`` keys; values TensorBoard cannot show (None, lists, ...) as text."""
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{parent}/{key}" if parent else str(key)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        if isinstance(value, dict):
+            flat.update(flatten_hparams(value, name))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        elif isinstance(value, Tensor) and value.numel() == 1:
+            flat[name] = value.item()
+        else:
+            flat[name] = str(value)
+    return flat

@@ -1,0 +1,224 @@
+"""The probe protocol: how a monitor measures the forwards of one attention layer, and stops.
+
+A *probe* is owned by one monitor, for one layer, for one probe window (a training step or a
+validation batch). ``layer.open_probe(request)`` installs what the layer needs to see its forwards
+(a registered observer on qkmonitor's own attention, a forward pre-hook on
+``nn.MultiheadAttention``, a per-module route into the Hugging Face attention function) and records
+exactly that; :meth:`Probe.close` removes exactly that and returns what was measured. Closing is
+idempotent, so monitors close in ``finally``, on exceptions and on teardown without bookkeeping.
+
+Every forward of the module while the probe is open reaches :meth:`Probe.observe` as an
+:class:`AttentionCall`; the probe keeps one entry per call (weight sharing, per-sequence loops and
+``generate()`` are all measured, never only the last call). Several probes on one module are
+independent: each observes every forward, and none can close another.
+
+A metric problem never stops training: a call whose statistics cannot be computed is counted in
+:attr:`ProbeResult.failures` with the reason, and the monitor warns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from qkmonitor.kernels import AttentionStats, attention
+
+__all__ = ["ProbeRequest", "ProbeResult", "Probe", "AttentionCall", "KernelCall", "ObserverSet"]
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """What a monitor wants from one layer during one probe window.
+
+    Attributes:
+        stats: the per-row attention statistics of every call (:class:`AttentionStats`).
+        sink_tokens: with ``stats``, also the attention mass on the first this-many keys (0: off).
+        probs_slice: ``(sequences, rows)``: also the explicit attention probabilities of the first
+            ``sequences`` sequences and ``rows`` query rows (all keys), ``(S, H, R, M)`` float32.
+    """
+
+    stats: bool = True
+    sink_tokens: int = 0
+    probs_slice: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stats, bool):
+            raise ValueError(f"Expected `stats` to be a bool, got {self.stats!r}")
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"Expected `sink_tokens` to be an int >= 0, got {self.sink_tokens!r}")
+        if self.probs_slice is not None and not (
+            isinstance(self.probs_slice, tuple) and len(self.probs_slice) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.probs_slice)
+        ):
+            raise ValueError(f"Expected `probs_slice` to be (sequences, rows) positive ints or None, "
+                             f"got {self.probs_slice!r}")
+
+
+@runtime_checkable
+class AttentionCall(Protocol):
+    """One forward of an attention module, as a probe sees it."""
+
+    def stats(self, sink_tokens: int = 0) -> AttentionStats:
+        """Per-row statistics of the call, every field (B, H, N) float32."""
+        ...
+
+    def probs(self, sequences: int, rows: int) -> Tensor:
+        """(S, H, R, M) attention probabilities of the first sequences and query rows, float32."""
+        ...
+
+
+@dataclass
+class ProbeResult:
+    """What one probe measured: one entry per observed call.
+
+    Attributes:
+        stats: the statistics of each call (empty unless requested).
+        probs: the probability slice of each call (empty unless requested).
+        calls: forwards observed.
+        failures: reasons of the calls whose measurement failed (they are in no list above).
+    """
+
+    stats: list[AttentionStats] = field(default_factory=list)
+    probs: list[Tensor] = field(default_factory=list)
+    calls: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class Probe:
+    """An open probe on one layer; :meth:`close` removes what opening installed.
+
+    Args:
+        name: the layer's name, for messages.
+        request: what to measure.
+        remove: undoes what opening installed; called once, by the first :meth:`close`.
+    """
+
+    def __init__(self, name: str, request: ProbeRequest, remove: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self.request = request
+        self._remove = remove
+        self._result = ProbeResult()
+        self.closed = False
+
+    def observe(self, call: AttentionCall) -> None:
+        """Measure one forward (called by what opening installed, under ``no_grad``)."""
+        if self.closed:
+            return
+        self._result.calls += 1
+        try:
+            with torch.no_grad():
+                stats = call.stats(self.request.sink_tokens) if self.request.stats else None
+                probs = call.probs(*self.request.probs_slice) if self.request.probs_slice else None
+        except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+            self._result.failures.append(f"{type(err).__name__}: {err}")
+            return
+        if stats is not None:
+            self._result.stats.append(stats)
+        if probs is not None:
+            self._result.probs.append(probs)
+
+    def close(self) -> ProbeResult:
+        """Remove what opening installed (once) and return the measurements; idempotent."""
+        if not self.closed:
+            self.closed = True
+            remove, self._remove = self._remove, None
+            if remove is not None:
+                remove()
+        return self._result
+
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Probe({self.name!r}, {'closed' if self.closed else 'open'}, calls={self._result.calls})"
+
+
+class ObserverSet:
+    """The observers registered on one module, for modules that call probes themselves.
+
+    ``add(observer, sink_tokens)`` returns a function that removes exactly that observer. A module
+    holds one ``ObserverSet`` and, in its forward, asks :meth:`sink_tokens` how many sink keys to
+    measure and hands each call to :meth:`notify`.
+    """
+
+    def __init__(self) -> None:
+        self._observers: dict[int, tuple[Callable[[AttentionCall], None], int]] = {}
+        self._next = 0
+
+    def add(self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0) -> Callable[[], None]:
+        key, self._next = self._next, self._next + 1
+        self._observers[key] = (observer, sink_tokens)
+
+        def remove() -> None:
+            self._observers.pop(key, None)
+
+        return remove
+
+    def __bool__(self) -> bool:
+        return bool(self._observers)
+
+    def __len__(self) -> int:
+        return len(self._observers)
+
+    def sink_tokens(self) -> int:
+        """The most sink keys any observer asked for."""
+        return max((sink for _, sink in self._observers.values()), default=0)
+
+    def notify(self, call: AttentionCall) -> None:
+        for observer, _ in list(self._observers.values()):
+            observer(call)
+
+
+class KernelCall:
+    """A call described by its queries and keys, causal flag and key padding: the kernel's cases.
+
+    Args:
+        q: (B, H, N, D) queries as the layer scores them (after projections, norms, RoPE; a
+            per-row temperature may be folded in).
+        k: (B, H_kv, M, D) keys.
+        scale: the factor on ``q·k``.
+        causal: bottom-right aligned causal mask (row i attends keys j <= i + M - N).
+        key_padding_mask: (B, M) bool, True where a key may be attended.
+        stats: statistics the forward already computed, and ``stats_sink`` the sink keys in them.
+    """
+
+    def __init__(self, q: Tensor, k: Tensor, *, scale: float, causal: bool = False,
+                 key_padding_mask: Tensor | None = None, stats: AttentionStats | None = None,
+                 stats_sink: int = 0) -> None:
+        self.q, self.k = q.detach(), k.detach()
+        self.scale, self.causal, self.key_padding_mask = scale, causal, key_padding_mask
+        self._stats = {stats_sink: stats} if stats is not None else {}
+
+    def stats(self, sink_tokens: int = 0) -> AttentionStats:
+        cached = self._stats.get(sink_tokens)
+        if cached is None and sink_tokens == 0 and self._stats:  # any sink count holds the rest
+            cached = next(iter(self._stats.values()))
+        if cached is None:
+            # float32 or better: the kernel would accumulate low-precision inputs in float32
+            # anyway, and this side pass must not depend on an enclosing autocast
+            with torch.autocast(self.q.device.type, enabled=False):
+                _, cached = attention(self.q, self.k, self.k, causal=self.causal,
+                                      key_padding_mask=self.key_padding_mask, scale=self.scale,
+                                      return_stats=True, sink_tokens=sink_tokens)
+            self._stats[sink_tokens] = cached
+        return cached
+
+    def probs(self, sequences: int, rows: int) -> Tensor:
+        from qkmonitor.functional import attention_probs
+
+        q = self.q[:sequences, :, :rows]
+        n, m = self.q.shape[2], self.k.shape[2]
+        bias = None
+        if self.causal:  # rows [:R] of the full N x M matrix keep the bottom-right offset
+            allowed = torch.ones(q.shape[2], m, dtype=torch.bool, device=q.device).tril(diagonal=m - n)
+            bias = torch.zeros(q.shape[2], m, device=q.device).masked_fill(~allowed, -math.inf)
+        pad = None if self.key_padding_mask is None else self.key_padding_mask[:sequences]
+        return attention_probs(q, self.k[:sequences], scale=self.scale, key_padding_mask=pad, bias=bias)
