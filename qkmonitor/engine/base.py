@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -156,6 +156,10 @@ class MonitorEngine:
         self.prefix = check_prefix(log_key_prefix)
         self.alert_action = alert_action
         self.on_alert = on_alert
+        if not (layers is None or callable(layers) or isinstance(layers, (nn.Module, AttentionLayer))
+                or (isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)))):
+            raise ValueError(f"Expected `layers` to be a module, an AttentionLayer, a list of them or a function of "
+                             f"the model, got {type(layers).__name__}")
         self.layer_spec = layers
         rules = list(self.default_rules if alerts is None else alerts)
         self._check_rules(rules)
@@ -188,7 +192,7 @@ class MonitorEngine:
             if unknown:
                 raise ValueError(
                     f"Alert rule {rule.name!r} watches {', '.join(map(repr, unknown))}, which "
-                    f"{type(self).__name__} does not log; it logs {', '.join(self.metric_names)}"
+                    f"{self.monitor} does not log; it logs {', '.join(self.metric_names)}"
                 )
 
     def thresholds(self) -> dict[str, float | int | str]:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qkmonitor.adapters import AttentionLayer, QKWeights
-from qkmonitor.callbacks.qk_spectrum import full_tensor, spectrum_of_layers
+from qkmonitor.spectrum import full_tensor, spectrum_of_layers
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def test_spectrum_of_dtensor_weights_equals_that_of_the_full_weights(one_process
         def qk_weights(self):
             return QKWeights(self.q, self.k, 4, 2, 0.5)
 
-    sharded = spectrum_of_layers([Fixed(sharded_q, sharded_k)])
-    plain = spectrum_of_layers([Fixed(w_q, w_k)])
+    sharded = spectrum_of_layers([Fixed(sharded_q, sharded_k).qk_weights()]).metrics
+    plain = spectrum_of_layers([Fixed(w_q, w_k).qk_weights()]).metrics
     for name, values in plain.items():
         torch.testing.assert_close(sharded[name][0], values[0], equal_nan=True)

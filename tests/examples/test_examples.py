@@ -19,7 +19,7 @@ def load(name: str):
 
 
 def test_every_example_has_a_test():
-    tested = {"own_encoder", "hf_llama", "rank_collapse", "entropy_vs_length", "bundled_tasks"}
+    tested = {"own_encoder", "hf_llama", "rank_collapse", "entropy_vs_length", "bundled_tasks", "plain_pytorch_loop"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} <= tested
 
 
@@ -61,3 +61,74 @@ def test_bundled_tasks_example_runs_every_task_with_the_monitors(tmp_path, capsy
     out = capsys.readouterr().out
     assert out.count("qkmonitor summary (spectrum at step 10, entropy at step 0") == 6
     assert {p.name for p in tmp_path.iterdir()} == set(codes)
+
+
+def run_tags(run_dir) -> dict[str, object]:
+    """What a run shows in TensorBoard: qkmonitor's scalar, image and histogram tags, the layout,
+    the hparams keys, and every scalar's series."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    own = lambda names: sorted(t for t in names if t.startswith("qkmonitor/"))  # noqa: E731
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    return {
+        "scalars": own(tags["scalars"]), "images": own(tags["images"]), "histograms": own(tags["histograms"]),
+        "layout": acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0],
+        "thresholds": sorted(k for k in hparams if k.startswith("qkmonitor/")),
+        "series": {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in own(tags["scalars"])},
+    }
+
+
+def test_plain_pytorch_loop_logs_the_same_tags_and_dashboards_as_the_lightning_callbacks(tmp_path):
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.tensorboard import SummaryWriter
+
+    from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+
+    example = load("plain_pytorch_loop")
+    steps, every = 6, 2
+
+    model, tokens, targets = example.build()
+    writer = SummaryWriter(str(tmp_path / "plain"))
+    example.train(model, tokens, targets, steps, writer, every_n_steps=every)
+    writer.close()
+
+    class Task(pl.LightningModule):  # the same model, data, order and optimizer under Lightning
+        def __init__(self):
+            super().__init__()
+            self.model, _, _ = example.build()
+
+        def training_step(self, batch, batch_idx):
+            logits = self.model(batch[0])
+            return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten(), ignore_index=-100)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(tokens, targets), batch_size=64)
+
+    callbacks = [QKSpectrumMonitor(every_n_steps=every), AttentionEntropyMonitor(every_n_steps=every),
+                 EffectiveRankMonitor(every_n_steps=every, max_probe_tokens=32)]
+    pl.Trainer(default_root_dir=tmp_path, max_steps=steps, callbacks=callbacks, enable_progress_bar=False,
+               logger=TensorBoardLogger(tmp_path, "lightning", 0), enable_model_summary=False,
+               enable_checkpointing=False).fit(Task())
+
+    plain, lightning = run_tags(tmp_path / "plain"), run_tags(tmp_path / "lightning" / "version_0")
+    for key in ("scalars", "images", "histograms", "layout", "thresholds"):
+        assert plain[key] == lightning[key], key
+    assert len(plain["scalars"]) > 50 and plain["images"] and plain["histograms"]
+    # the same numbers at the steps both read the same weights and batches (0, 2, 4; the
+    # Lightning spectrum also reads the final weights at step 6)
+    for tag, series in plain["series"].items():
+        other = dict(lightning["series"][tag])
+        for step, value in series:
+            assert other[step] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (tag, step)

@@ -1,0 +1,157 @@
+"""Failure paths: a step that raises, a keyboard interrupt, a forward that raises inside a probe.
+
+Whatever a monitor installs on a model (observers on qkmonitor's attention, pre-hooks on
+nn.MultiheadAttention, block hooks, a Hugging Face module's config view and route) must be gone
+after every one of them, and a later clean ``fit`` must work as if nothing had happened.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from qkmonitor.adapters import find_attention_layers
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.models import DecoderLM, TransformerConfig
+
+VOCAB, SEQ = 16, 8
+
+
+class Encoder(nn.Module):
+    """A user's own model: torch's nn.TransformerEncoder over token embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def tiny_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    return model
+
+
+MODELS = {
+    "bundled": lambda: DecoderLM(TransformerConfig(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2,
+                                                   max_seq_len=SEQ)),
+    "torch-mha": Encoder,
+    "hf-llama": tiny_llama,
+}
+
+
+class Task(pl.LightningModule):
+    """Next-token prediction on random tokens; ``fail_at`` raises inside that step's forward."""
+
+    def __init__(self, model: nn.Module, fail_at: int | None = None, error: type[BaseException] = RuntimeError):
+        super().__init__()
+        self.model, self.fail_at, self.error = model, fail_at, error
+
+    def forward(self, tokens):
+        out = self.model(tokens)
+        return out.logits if hasattr(out, "logits") else out
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch[0])  # the probed forward runs, then the step fails
+        if self.global_step == self.fail_at:
+            raise self.error("the user's step failed")
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[0][:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        tokens = torch.randint(VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(tokens), batch_size=4)
+
+
+def monitors():
+    return [QKSpectrumMonitor(every_n_steps=2), AttentionEntropyMonitor(every_n_steps=2),
+            EffectiveRankMonitor(every_n_steps=2, max_probe_tokens=4)]
+
+
+def trainer(tmp_path, callbacks, steps=4):
+    return pl.Trainer(default_root_dir=tmp_path, max_steps=steps, callbacks=callbacks, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+
+
+def installed(model: nn.Module) -> list[str]:
+    """Everything a probe could have left on the model, named; empty when clean."""
+    left = []
+    for name, module in model.named_modules():
+        if module._forward_pre_hooks or module._forward_hooks:
+            left.append(f"hooks on {name!r}")
+        if getattr(module, "probing", False):
+            left.append(f"observers on {name!r}")
+        if "_qkmonitor_route" in module.__dict__:
+            left.append(f"route on {name!r}")
+        config = module.__dict__.get("config")
+        if config is not None and "_qkmonitor_original_attn_implementation" in config.__dict__:
+            left.append(f"probe config on {name!r}")
+    return left
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_a_step_that_raises_mid_probe_leaves_nothing_and_a_clean_fit_follows(tmp_path, kind):
+    torch.manual_seed(0)
+    task = Task(MODELS[kind](), fail_at=2)
+    configs = [m.__dict__.get("config") for m in task.modules()]
+    with pytest.raises(RuntimeError, match="the user's step failed"):
+        trainer(tmp_path, monitors()).fit(task)
+    assert installed(task) == []
+    assert [m.__dict__.get("config") for m in task.modules()] == configs  # the model's own config objects
+
+    task.fail_at = None
+    clean = monitors()
+    trainer(tmp_path, clean).fit(task)
+    assert installed(task) == []
+    entropy = clean[1].latest["entropy_norm"]
+    assert clean[1].latest_step == 2 and all(torch.isfinite(heads).all() for heads in entropy)
+
+
+def test_keyboard_interrupt_mid_probe_leaves_nothing(tmp_path):
+    task = Task(MODELS["bundled"](), fail_at=2, error=KeyboardInterrupt)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown after on_exception
+            trainer(tmp_path, monitors()).fit(task)
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl+C during shutdown
+    assert installed(task) == []
+
+
+def test_teardown_closes_a_window_left_open(tmp_path):
+    """A probe window opened by hand (or by a hook whose batch never ended) closes at teardown."""
+    task = Task(MODELS["torch-mha"]())
+    monitor = AttentionEntropyMonitor(every_n_steps=1)
+    fit = trainer(tmp_path, [monitor], steps=1)
+    fit.fit(task)
+    assert monitor.engine.open(10)
+    assert installed(task) != []
+    monitor.teardown(fit, task, "fit")
+    assert installed(task) == [] and not monitor.engine.probing
+
+
+def test_a_forward_that_raises_inside_a_probe_leaves_nothing_once_closed():
+    model = MODELS["torch-mha"]()
+    probes = [layer.open_probe() for layer in find_attention_layers(model)]
+    with pytest.raises(IndexError):
+        model(torch.full((2, SEQ), VOCAB))  # out of the embedding's range: fails before attention
+    with pytest.raises(AssertionError):  # torch's own check, after the probe's pre-hook
+        model.encoder(torch.randn(2, SEQ, 7))  # wrong width: fails inside the probed module's call
+    results = [probe.close() for probe in probes]
+    assert installed(model) == []
+    assert [r.calls for r in results] == [1, 0]  # the first layer saw the call; measuring it failed
+    assert len(results[0].failures) == 1 and not results[0].stats
