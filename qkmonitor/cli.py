@@ -258,7 +258,8 @@ def _summary(monitors: list, final: dict[str, float], log_dir: str) -> str:
     counts = {name: n for m in monitors for name, n in m.tracker.counts.items()}
     alerts = ", ".join(f"{name}: {n}" for name, n in counts.items()) or "none"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
-    steps = ", ".join(f"{type(m).__name__} at step {m.latest_step}" for m in monitors)
+    short = {"QKSpectrumMonitor": "spectrum", "AttentionEntropyMonitor": "entropy", "EffectiveRankMonitor": "rank"}
+    steps = ", ".join(f"{short.get(m.engine.monitor, m.engine.monitor)} at step {m.latest_step}" for m in monitors)
     return "\n".join([
         f"\nqkmonitor summary ({steps}; {log_dir})",
         line(header), line(["-" * w for w in widths]), *map(line, rows),
