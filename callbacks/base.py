@@ -124,15 +124,25 @@ class AttentionMonitor(Callback):
     # -- Lightning hooks ----------------------------------------------------------------------
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.engine.bind(pl_module, default_every_n_steps=trainer.log_every_n_steps)
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # here, not in `setup`: a model built in `configure_model` exists now, the strategy has
+        # put it on its device, and Lightning has not yet written its own hparams record
+        self._bind(trainer, pl_module)
         monitors = [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
-        if monitors and monitors[-1] is self:  # every monitor is bound now: one header for the run
+        if monitors[-1] is self:  # every monitor is bound now: one header for the run
             check_tag_collisions([m.engine for m in monitors])
             self._write_header(trainer, pl_module, monitors)
         if not trainer.loggers and self is monitors[0]:
             rank_zero_warn("qkmonitor: the Trainer has no logger; metrics are kept in each monitor's `.latest` "
                            "and alerts still fire, but nothing is written.")
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.engine.layers:  # `trainer.validate(...)` without a fit
+            self._bind(trainer, pl_module)
+
+    def _bind(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.engine.bind(pl_module, default_every_n_steps=trainer.log_every_n_steps)
 
     def _write_header(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                       monitors: list[AttentionMonitor]) -> None:

@@ -44,7 +44,8 @@ class MetricSpec:
         undefined: when the value is NaN by definition (documented, never reported as broken).
         meaning: one line for the docs.
         optional: logged only when a monitor option asks for it.
-        summary: shown in ``qkmonitor train``'s closing table.
+        summary: the columns of ``qkmonitor train``'s closing table: aggregates over heads among
+            ``"mean"``, ``"min"``, ``"max"`` (none: not shown).
     """
 
     name: str
@@ -58,7 +59,7 @@ class MetricSpec:
     heatmap: tuple[float, float] | None = None
     undefined: str = ""
     optional: bool = False
-    summary: bool = False
+    summary: tuple[str, ...] = ()
 
     @property
     def worst_band(self) -> str | None:
@@ -73,7 +74,7 @@ _ZERO = "W_QK^h = 0 (e.g. a zero-initialised W_Q): 0/0"
 CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kappa", SPECTRUM, True, "ratio", (0.0, 1.0), "high", "QK spectrum",
                "sigma_1 / sum_i sigma_i of W_QK^h: 1 = one direction dominates the query-key form",
-               heatmap=(0.0, 1.0), undefined=_ZERO, summary=True),
+               heatmap=(0.0, 1.0), undefined=_ZERO, summary=("mean", "max")),
     MetricSpec("kappa_eig", SPECTRUM, True, "ratio", (0.0, 1.0), "high", "QK spectrum",
                "|lambda|_max / sum_i |lambda_i| over the eigenvalues of W_QK^h",
                undefined=f"{_SQUARE}; {_ZERO}"),
@@ -85,19 +86,19 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                undefined=_SQUARE),
     MetricSpec("qk_erank", SPECTRUM, True, "directions", (1.0, _INF), "low", "QK spectrum",
                "effective rank exp(-sum p_i log p_i), p_i = sigma_i / sum_j sigma_j, of W_QK^h",
-               undefined=_ZERO, summary=True),
+               undefined=_ZERO, summary=("mean",)),
     MetricSpec("qk_spectral_norm", SPECTRUM, True, "logit/unit^2", (0.0, _INF), "high", "QK spectrum",
                "sigma_1 * scale: how sharp the head's logits can get (Zhai et al. 2023, sigmaReparam)"),
     MetricSpec("entropy", ENTROPY, True, "nats", (0.0, _INF), "low", "attention entropy",
                "mean over rows of H_i = -sum_j p_ij log p_ij over the keys row i may attend"),
     MetricSpec("entropy_norm", ENTROPY, True, "fraction of log n_i", (0.0, 1.0), "low", "attention entropy",
                "mean over rows with n_i > 1 of H_i / log n_i: 1 = uniform, 0 = one-hot",
-               heatmap=(0.0, 1.0), summary=True),
+               heatmap=(0.0, 1.0), summary=("mean", "min")),
     MetricSpec("max_prob", ENTROPY, True, "probability", (0.0, 1.0), "high", "attention entropy",
                "mean over rows of max_j p_ij", heatmap=(0.0, 1.0)),
     MetricSpec("max_logit", ENTROPY, True, "logit", (-_INF, _INF), "high", "attention entropy",
                "largest pre-softmax score max_ij s_ij (after scaling) of the probe step",
-               summary=True),
+               summary=("max",)),
     MetricSpec("sink_mass", ENTROPY, True, "probability", (0.0, 1.0), "high", "attention entropy",
                "mean attention mass on the first k keys (attention sinks), with sink_tokens=k",
                optional=True),
@@ -105,9 +106,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "effective rank of each sequence's block output X (n x d), mean over probe sequences"),
     MetricSpec("hidden_collapse", RANK, False, "ratio", (0.0, 1.0), "low", "effective rank",
                "||X - 1 mean(X)^T||_F / ||X||_F: -> 0 under rank collapse (Dong et al. 2021)",
-               summary=True),
+               summary=("mean",)),
     MetricSpec("attn_erank", RANK, True, "directions", (1.0, _INF), "low", "effective rank",
-               "effective rank of the head's attention matrix A on the probe slice", summary=True),
+               "effective rank of the head's attention matrix A on the probe slice", summary=("mean",)),
     MetricSpec("attn_erank_norm", RANK, True, "ratio", (0.0, 1.0), "low", "effective rank",
                "attn_erank / min(rows, keys) of the probe slice"),
     MetricSpec("attn_entropy_norm", RANK, True, "fraction of log n_i", (0.0, 1.0), "low", "effective rank",

@@ -210,7 +210,7 @@ def _train(args: argparse.Namespace) -> int:
         EffectiveRankMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
     ]
     trainer = pl.Trainer(
-        max_steps=args.steps, accelerator="cpu", devices=1, logger=logger, callbacks=monitors,
+        max_steps=args.steps, accelerator="cpu", devices=1, logger=logger, callbacks=list(monitors),
         log_every_n_steps=args.every_n_steps, val_check_interval=min(250, args.steps),
         check_val_every_n_epoch=None, enable_progress_bar=not args.no_progress_bar,
         enable_model_summary=False, num_sanity_val_steps=0,
@@ -223,17 +223,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def summary_columns() -> list[tuple[str, str, str]]:
-    """(monitor, metric, over heads) columns of the summary table, from the metric catalogue: the
-    mean over heads of each summary metric, and its worst head where one end is worse."""
+    """(monitor, metric, over heads) columns of the summary table, from the metric catalogue."""
     from qkmonitor.catalogue import CATALOGUE
 
-    columns = []
-    for spec in CATALOGUE:
-        if spec.summary:
-            columns.append((spec.monitor, spec.name, "mean"))
-            if spec.per_head and spec.worst_band:
-                columns.append((spec.monitor, spec.name, spec.worst_band))
-    return columns
+    return [(spec.monitor, spec.name, agg) for spec in CATALOGUE for agg in spec.summary]
 
 
 def _summary(monitors: list, final: dict[str, float], log_dir: str) -> str:

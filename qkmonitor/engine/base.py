@@ -160,6 +160,8 @@ class MonitorEngine:
                 or (isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)))):
             raise ValueError(f"Expected `layers` to be a module, an AttentionLayer, a list of them or a function of "
                              f"the model, got {type(layers).__name__}")
+        if isinstance(layers, Iterable) and not isinstance(layers, (nn.Module, AttentionLayer)) and not callable(layers):
+            layers = list(layers)  # a generator is read once, here
         self.layer_spec = layers
         rules = list(self.default_rules if alerts is None else alerts)
         self._check_rules(rules)
@@ -206,16 +208,15 @@ class MonitorEngine:
         return params
 
     def selection(self) -> str:
-        """The layer selection, as it goes into a checkpoint's state key."""
-        if self.layers:
-            return ",".join(layer.name or type(layer.module).__name__ for layer in self.layers)
+        """The layer selection as the constructor got it, in words that are the same in every
+        process (it goes into a checkpoint's state key, read before the model is searched)."""
         spec = self.layer_spec
         if spec is None:
             return "auto"
         if callable(spec) and not isinstance(spec, nn.Module):
             return getattr(spec, "__qualname__", repr(spec))
-        items = [spec] if isinstance(spec, (nn.Module, AttentionLayer)) else list(spec)
-        return ",".join(f"{type(item).__name__}@{id(item):x}" for item in items)
+        items = [spec] if isinstance(spec, (nn.Module, AttentionLayer)) else spec
+        return ",".join(item.name if isinstance(item, AttentionLayer) else type(item).__name__ for item in items)
 
     # -- binding to a model --------------------------------------------------------------------
 

@@ -155,3 +155,32 @@ def test_a_forward_that_raises_inside_a_probe_leaves_nothing_once_closed():
     assert installed(model) == []
     assert [r.calls for r in results] == [1, 0]  # the first layer saw the call; measuring it failed
     assert len(results[0].failures) == 1 and not results[0].stats
+
+
+class BuiltLate(Task):
+    """A model created on the meta device and materialized in `configure_model` (how large models
+    are built for FSDP): at `setup` it has no weights, and none of its attention exists yet."""
+
+    def __init__(self):
+        super().__init__(nn.Identity())
+
+    def configure_model(self):
+        if isinstance(self.model, nn.Identity):
+            with torch.device("meta"):  # learned positions: RoPE's tables are buffers meta would leave empty
+                model = DecoderLM(TransformerConfig(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2,
+                                                    max_seq_len=SEQ, positional="learned"))
+            model.to_empty(device="cpu")
+            for module in model.modules():  # meta tensors have no values: initialise them
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+            self.model = model
+
+
+def test_a_model_built_in_configure_model_is_found_and_measured_where_it_lives(tmp_path):
+    monitors_ = monitors()
+    trainer(tmp_path, monitors_, steps=3).fit(BuiltLate())
+    spectrum, entropy, rank = monitors_
+    assert len(spectrum.layers) == 2 and spectrum.latest_step == 2
+    assert all(torch.isfinite(heads).all() for heads in entropy.latest["entropy_norm"])
+    assert all(torch.isfinite(heads).all() for heads in rank.latest["hidden_collapse"])
+    assert {str(agg.device) for agg in entropy.engine._aggregators} == {"cpu"}  # where the statistics were

@@ -13,8 +13,8 @@ from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
 class CountingProbes(AttentionEntropyMonitor):
     """Records every forward of a probed layer, and whether validation was running then."""
 
-    def setup(self, trainer, pl_module, stage):
-        super().setup(trainer, pl_module, stage)
+    def on_fit_start(self, trainer, pl_module):
+        super().on_fit_start(trainer, pl_module)
         self.probed_forwards = []
         self.layers[0].module.register_forward_hook(
             lambda m, a, o: self.probed_forwards.append(trainer.validating) if m.probing else None)
