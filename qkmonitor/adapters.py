@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkmonitor.probes import KernelCall, Probe, ProbeRequest
+from qkmonitor.probes import KernelCall, Probe, ProbeRequest, full_precision
 
 __all__ = [
     "QKWeights",
@@ -182,7 +182,7 @@ class MultiheadAttentionLayer(AttentionLayer):
             names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
                      "average_attn_weights", "is_causal")
             try:
-                with torch.no_grad():
+                with torch.no_grad(), full_precision():  # float32 or better under autocast too
                     call = self._call_of(dict(zip(names, args)) | kwargs)
             except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
                 call = _FailedCall(err)

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import AttentionLayer, QKWeights, _FailedCall
-from qkmonitor.probes import ObserverSet, Probe
+from qkmonitor.probes import ObserverSet, Probe, full_precision
 
 __all__ = [
     "PROBE_IMPLEMENTATION",
@@ -400,7 +400,7 @@ class _Call:
 
         if self.allowed is None and self.bias is None and self.window is None and self.softcap is None:
             try:
-                with torch.autocast(self.q.device.type, enabled=False):
+                with full_precision():
                     return attention(self.q, self.k, self.k, causal=self.causal, key_padding_mask=self.padding,
                                      scale=self.scale, return_stats=True, sink_tokens=sink_tokens)[1]
             except ValueError:  # a shape or dtype the kernel does not take: the explicit path below

@@ -19,7 +19,8 @@ A metric problem never stops training: a call whose statistics cannot be compute
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -28,7 +29,18 @@ from torch import Tensor
 
 from qkmonitor.kernels import AttentionStats, attention
 
-__all__ = ["ProbeRequest", "ProbeResult", "Probe", "AttentionCall", "KernelCall", "ObserverSet"]
+__all__ = ["ProbeRequest", "ProbeResult", "Probe", "AttentionCall", "KernelCall", "ObserverSet", "full_precision"]
+
+
+@contextmanager
+def full_precision() -> Iterator[None]:
+    """Autocast off (CPU, and CUDA where present): side computations keep the float32 or float64
+    they ask for, whatever mixed-precision region the model's forward runs in."""
+    with ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if device == "cpu" or torch.cuda.is_available():
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 @dataclass(frozen=True)
@@ -111,7 +123,7 @@ class Probe:
             return
         self._result.calls += 1
         try:
-            with torch.no_grad():
+            with torch.no_grad(), full_precision():
                 stats = call.stats(self.request.sink_tokens) if self.request.stats else None
                 probs = call.probs(*self.request.probs_slice) if self.request.probs_slice else None
         except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
@@ -202,9 +214,8 @@ class KernelCall:
         if cached is None and sink_tokens == 0 and self._stats:  # any sink count holds the rest
             cached = next(iter(self._stats.values()))
         if cached is None:
-            # float32 or better: the kernel would accumulate low-precision inputs in float32
-            # anyway, and this side pass must not depend on an enclosing autocast
-            with torch.autocast(self.q.device.type, enabled=False):
+            # the kernel accumulates in float32 whatever the inputs; no enclosing autocast applies
+            with full_precision():
                 _, cached = attention(self.q, self.k, self.k, causal=self.causal,
                                       key_padding_mask=self.key_padding_mask, scale=self.scale,
                                       return_stats=True, sink_tokens=sink_tokens)
