@@ -11,25 +11,44 @@ bundled models, and it does so only inside the command that needs them.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 
 __all__ = ["main", "build_parser"]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+def _number(text: str, kind: type, what: str, ok) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, "a positive integer", lambda v: v >= 1)
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
+    return _number(text, float, "a positive number", lambda v: v > 0 and math.isfinite(v))
+
+
+def _non_negative_float(text: str) -> float:
+    return _number(text, float, "a number >= 0", lambda v: v >= 0 and math.isfinite(v))
+
+
+def _fraction(text: str) -> float:
+    return _number(text, float, "a number between 0 and 1", lambda v: 0 < v < 1)
+
+
+def _any_int(text: str) -> int:
+    return _number(text, int, "an integer", lambda v: True)
 
 
 #: Per-task defaults of the shared options: each task learns with ``qkmonitor train --task X``
@@ -52,8 +71,20 @@ TASKS = tuple(TASK_DEFAULTS)
 _PER_TASK = "default: per task, see below"
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+#: The bundled models' position encodings (``qkmonitor.models.POSITIONAL``; a test keeps them equal).
+POSITIONAL = ("none", "learned", "sinusoidal", "rope", "rope_interleaved", "rope_2d", "rope_3d")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default once: appended unless the help text already speaks of it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = (None, False, argparse.SUPPRESS)
+        if "default" in text or action.default in quiet or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _defaults_table() -> str:
@@ -65,7 +96,9 @@ def _defaults_table() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qkmonitor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="qkmonitor", description="Watch attention while a transformer trains: train a bundled model with the "
+        "monitors on (qkmonitor train), or read a run back (qkmonitor report).")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train", help="train a bundled model on an example task with the monitors on",
@@ -78,39 +111,44 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--layers", type=_positive_int, **per_task,
                        help=f"transformer blocks; encoder-decoder: each side ({_PER_TASK})")
     train.add_argument("--heads", type=_positive_int, **per_task, help=f"query heads per layer ({_PER_TASK})")
-    train.add_argument("--kv-heads", type=_positive_int, default=None, help="key/value heads (GQA); default = heads")
+    train.add_argument("--kv-heads", type=_positive_int, default=None,
+                       help="key/value heads for grouped-query attention; must divide --heads (default: as many as "
+                       "--heads)")
     train.add_argument("--batch-size", type=_positive_int, **per_task, help=f"examples per training batch ({_PER_TASK})")
     train.add_argument("--lr", type=_positive_float, **per_task, help=f"peak AdamW learning rate ({_PER_TASK})")
     train.add_argument("--lr-decay", choices=["constant", "cosine"], **per_task,
                        help=f"after warmup: keep the peak rate, or cosine to a tenth of it at the end ({_PER_TASK})")
     train.add_argument("--weight-decay", type=_non_negative_float, **per_task,
                        help=f"AdamW weight decay on matrices ({_PER_TASK})")
-    train.add_argument("--positional", **per_task, help=f"position encoding of the model ({_PER_TASK})")
+    train.add_argument("--positional", choices=POSITIONAL, **per_task,
+                       help=f"position encoding of the model ({_PER_TASK})")
     train.add_argument("--pairs", type=_positive_int, default=6, help="recall: key-value pairs per sequence")
     train.add_argument("--modulus", type=_positive_int, default=23, help="modular: the modulus p")
-    train.add_argument("--train-fraction", type=float, default=0.6, help="modular: share of the p^2 pairs trained on")
+    train.add_argument("--train-fraction", type=_fraction, default=0.6, help="modular: share of the p^2 pairs trained on")
     train.add_argument("--length", type=_positive_int, default=10, help="copy/reverse: longest source string")
     train.add_argument("--grid-size", type=_positive_int, default=8, help="grid: rows = columns of the grid")
     train.add_argument("--chars", type=_positive_int, default=1_000_000,
                        help="charlm: characters read from the standard library's .py files")
     train.add_argument("--seq-len", type=_positive_int, default=128, help="charlm: context length")
-    train.add_argument("--every-n-steps", type=_positive_int, default=25, help="monitor probe interval")
-    train.add_argument("--per-head", action="store_true", help="also log every head")
+    train.add_argument("--every-n-steps", type=_positive_int, default=25,
+                       help="the monitors probe every this many optimizer steps")
+    train.add_argument("--per-head", action=argparse.BooleanOptionalAction, default=True,
+                       help="log every head's value too (the heatmaps of `qkmonitor report` need them)")
+    train.add_argument("--precision", choices=PRECISIONS, default="32-true",
+                       help="Lightning precision; the mixed modes autocast on CPU as on CUDA")
+    train.add_argument("--accelerator", default="auto",
+                       help="Lightning accelerator: auto (a GPU where there is one), cpu, cuda, ...")
     train.add_argument("--log-dir", default="runs", help="TensorBoard root directory")
-    train.add_argument("--name", default=None, help="run name under the log dir (default: the task)")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--no-progress-bar", action="store_true", help="hide Lightning's progress bar")
+    train.add_argument("--name", default=None, help="run name under the log dir (default: the task's name)")
+    train.add_argument("--seed", type=_any_int, default=0, help="seed of the data and the initialization")
+    train.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
+                       help="save the last weights under the run's checkpoints/ folder")
+    train.add_argument("--progress-bar", action=argparse.BooleanOptionalAction, default=True,
+                       help="show the training progress (step N/total, loss, accuracy)")
     from qkmonitor.report import add_report_parser
 
     add_report_parser(commands)
     return parser
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -192,7 +230,33 @@ _BUILDERS = {"recall": _build_recall, "copy": _build_seq2seq, "reverse": _build_
 
 
 def _train(args: argparse.Namespace) -> int:
+    with _quiet_lightning():
+        return _run_training(args)
+
+
+@contextlib.contextmanager
+def _quiet_lightning():
+    """The terminal of ``qkmonitor train`` shows the progress, alerts, the summary and where things
+    went: Lightning's info lines (tips, device report) are turned down while it runs, and one known
+    deprecation warning from torch's pytree, which Lightning triggers, is filtered by its message."""
+    import lightning.pytorch  # noqa: F401 -- its import sets its loggers' levels: set ours after it
+
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _run_training(args: argparse.Namespace) -> int:
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
@@ -209,17 +273,69 @@ def _train(args: argparse.Namespace) -> int:
         AttentionEntropyMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
         EffectiveRankMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
     ]
-    trainer = pl.Trainer(
-        max_steps=args.steps, accelerator="cpu", devices=1, logger=logger, callbacks=list(monitors),
-        log_every_n_steps=args.every_n_steps, val_check_interval=min(250, args.steps),
-        check_val_every_n_epoch=None, enable_progress_bar=not args.no_progress_bar,
-        enable_model_summary=False, num_sanity_val_steps=0,
-    )
+    checkpoint = ModelCheckpoint(save_last=False) if args.checkpoint else None
+    callbacks = [*monitors, *([checkpoint] if checkpoint else []), *([_StepProgress()] if args.progress_bar else [])]
+    try:
+        trainer = pl.Trainer(
+            max_steps=args.steps, accelerator=args.accelerator, devices=1, precision=args.precision, logger=logger,
+            callbacks=callbacks, log_every_n_steps=args.every_n_steps, val_check_interval=min(250, args.steps),
+            check_val_every_n_epoch=None, enable_progress_bar=args.progress_bar, enable_model_summary=False,
+            num_sanity_val_steps=0, enable_checkpointing=args.checkpoint,
+        )
+    except (ValueError, RuntimeError) as err:  # e.g. an accelerator this machine does not have
+        print(f"qkmonitor train: {err}", file=sys.stderr)
+        return 2
     trainer.fit(task, datamodule=data)
     final = trainer.validate(task, datamodule=data, verbose=False)[0]
     print(_summary(monitors, final, logger.log_dir))
+    if checkpoint is not None and checkpoint.best_model_path:
+        print(f"checkpoint: {checkpoint.best_model_path}")
+    else:
+        print("checkpoint: none (--no-checkpoint)")
     print(f"\nTo see the dashboards:\n  tensorboard --logdir {args.log_dir}")
     return 0
+
+
+def _step_progress_class():
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+    class StepProgress(TQDMProgressBar):
+        """Lightning's progress bar counted in optimizer steps of the whole run (``step N/total``)
+        with the task's loss and accuracy; no epoch counter and no logger version."""
+
+        @property
+        def train_description(self) -> str:
+            return "step"
+
+        def init_validation_tqdm(self):
+            return Tqdm(disable=True)  # the validation scores come in the summary
+
+        def on_train_epoch_start(self, trainer, *_):
+            if trainer.current_epoch == 0:
+                self.train_progress_bar.reset(total=trainer.max_steps)
+                self.train_progress_bar.set_description("step")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            bar = self.train_progress_bar
+            if bar is not None and not bar.disable:
+                bar.n = trainer.global_step
+                bar.set_postfix(self.get_metrics(trainer, pl_module))
+                bar.refresh()
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            pass  # one bar for the whole run
+
+        def get_metrics(self, trainer, pl_module):
+            metrics = super().get_metrics(trainer, pl_module)
+            metrics.pop("v_num", None)
+            return {k.removeprefix("train_"): v for k, v in metrics.items() if k.startswith("train_")}
+
+    return StepProgress
+
+
+def _StepProgress():  # noqa: N802 -- a factory: Lightning is imported only when training
+    return _step_progress_class()()
 
 
 def summary_columns() -> list[tuple[str, str, str]]:

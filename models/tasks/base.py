@@ -91,7 +91,7 @@ class TaskModule(pl.LightningModule):
         scored = targets != IGNORE_INDEX
         acc = (logits.argmax(-1)[scored] == targets[scored]).float().mean()
         self.log(f"{stage}_loss", loss, prog_bar=True)
-        self.log(f"{stage}_acc", acc, prog_bar=stage == "val")
+        self.log(f"{stage}_acc", acc, prog_bar=True)
         return loss
 
     def configure_optimizers(self):

@@ -142,7 +142,7 @@ class VisionClassificationTask(TaskModule):
         logits = self(patches)  # (B, C)
         loss = F.cross_entropy(logits, labels)
         self.log(f"{stage}_loss", loss, prog_bar=True)
-        self.log(f"{stage}_acc", (logits.argmax(-1) == labels).float().mean(), prog_bar=stage == "val")
+        self.log(f"{stage}_acc", (logits.argmax(-1) == labels).float().mean(), prog_bar=True)
         return loss
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

@@ -68,3 +68,53 @@ def test_default_run_learns_associative_recall(tmp_path, capsys):
     assert main(["train", "--log-dir", str(tmp_path), "--no-progress-bar"]) == 0
     accuracy = float(re.search(r"val_acc ([0-9.]+)", capsys.readouterr().out).group(1))
     assert accuracy >= 0.99
+
+
+def test_the_terminal_shows_progress_summary_checkpoint_and_tensorboard_and_no_warnings(tmp_path):
+    """What a newcomer sees: the CLI in a subprocess, as they would run it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "qkmonitor.cli", "train", "--steps", "20", "--every-n-steps", "10",
+         "--log-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == ""  # no warnings, no tips, no device report
+    out = result.stdout.replace("\r", "\n")
+    assert re.search(r"^step: +100%\|.*\| 20/20 .*loss=[0-9.]+, acc=[0-9.]+", out, re.M)
+    for noise in ("Epoch", "v_num", "Tip", "GPU available", "Warning", "Validation"):
+        assert noise not in out, noise
+    tail = out[out.index("qkmonitor summary"):].splitlines()
+    assert tail[-4].startswith("checkpoint: ") and tail[-4].endswith(".ckpt")
+    assert (tmp_path / "runs" / "recall" / "version_0" / "checkpoints").is_dir()
+    assert tail[-2:] == ["To see the dashboards:", f"  tensorboard --logdir {tmp_path / 'runs'}"]
+
+
+def test_help_shows_each_default_once_explains_every_option_and_lists_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    options = re.findall(r"^  (--[a-z-]+)", text, re.M)
+    assert len(options) > 20
+    blocks = re.split(r"\n(?=  --)", text[text.index("  --task"):text.index("per-task defaults")])
+    for block in blocks:
+        assert block.count("default") <= 1, block  # each default shown once
+        assert len(block.split(None, 2)) > 2, block  # every option has help text
+    assert "{none,learned,sinusoidal,rope,rope_interleaved,rope_2d,rope_3d}" in text
+    assert "{32-true,bf16-mixed,16-mixed}" in text and "``" not in text
+
+
+def test_bad_values_are_reported_in_plain_words(capsys):
+    for argv, message in ((["--steps", "abc"], "argument --steps: expected a positive integer, got 'abc'"),
+                          (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
+                          (["--lr", "-1"], "argument --lr: expected a positive number, got '-1'"),
+                          (["--train-fraction", "2"], "expected a number between 0 and 1, got '2'")):
+        with pytest.raises(SystemExit):
+            main(["train", *argv])
+        assert message in capsys.readouterr().err
+
+
+def test_the_positional_choices_are_the_models():
+    from qkmonitor.cli import POSITIONAL
+    from qkmonitor.models.config import POSITIONAL as MODELS_POSITIONAL
+
+    assert POSITIONAL == MODELS_POSITIONAL
