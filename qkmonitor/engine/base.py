@@ -289,7 +289,7 @@ class MonitorEngine:
                 sink.log_scalars(scalars, step)
             drawing = [sink for sink in sinks if sink.draws]
             if drawing and not validation:
-                visuals = {**self._heatmaps(values), **(images or {})}
+                visuals = {**self._heatmaps(values, step), **(images or {})}
                 for sink in drawing:
                     for tag, image in visuals.items():
                         sink.log_image(tag, image, step)
@@ -316,9 +316,10 @@ class MonitorEngine:
                         out[head_tag(prefix, name, layer, head)] = value
         return out
 
-    def _heatmaps(self, values: Values) -> dict[str, np.ndarray]:
+    def _heatmaps(self, values: Values, step: int) -> dict[str, np.ndarray]:
         return {
-            f"{self.prefix}/heatmap/{spec.name}": heatmap_image(grid_of(values[spec.name]), *spec.heatmap)
+            f"{self.prefix}/heatmap/{spec.name}": heatmap_image(grid_of(values[spec.name]), *spec.heatmap,
+                                                                title=f"{spec.name} at step {step}")
             for spec in self.specs if spec.heatmap is not None and spec.name in values
         }
 
@@ -456,7 +457,7 @@ class ActivationEngine(MonitorEngine):
         results = self.close_probes()
         self._report_missing(host, results)
         with torch.no_grad():
-            values, extra = self._measure(results)
+            values, extra = self._measure(results, step)
         self.record(host, values, step, validation=validation, **extra)
 
     def _report_missing(self, host: Host, results: list[ProbeResult]) -> None:
@@ -470,6 +471,7 @@ class ActivationEngine(MonitorEngine):
                                f"no statistics for layer {layer.name!r} in {len(result.failures)} call(s) "
                                f"({reason}); they are left out. This warning is shown once per layer.")
 
-    def _measure(self, results: list[ProbeResult]) -> tuple[Values, dict[str, Any]]:
-        """Values from the closed probes' results (one per layer), plus extra ``record`` arguments."""
+    def _measure(self, results: list[ProbeResult], step: int) -> tuple[Values, dict[str, Any]]:
+        """Values from the closed probes' results (one per layer, of the window at ``step``), plus
+        extra ``record`` arguments."""
         raise NotImplementedError

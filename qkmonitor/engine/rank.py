@@ -129,7 +129,7 @@ class EffectiveRank(ActivationEngine):
 
         return hook
 
-    def _measure(self, results: list[ProbeResult]) -> tuple[Values, dict[str, Any]]:
+    def _measure(self, results: list[ProbeResult], step: int) -> tuple[Values, dict[str, Any]]:
         values: Values = {m: [] for m in self.metric_names}
         images: dict[str, np.ndarray] = {}
         hidden, self._hidden = self._hidden, {}
@@ -152,7 +152,8 @@ class EffectiveRank(ActivationEngine):
                 self._update(self._head_means[i]["attn_entropy_norm"], _mean_rows(norm, n > 1), keep)
             if result.probs:
                 for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
-                    images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = attention_image(probs)
+                    images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = attention_image(
+                        probs, title=f"layer {i}, head {h}, step {step}, sequence 0")
             for name, aggregate in (*self._layer_means[i].items(), *self._head_means[i].items()):
                 with warnings.catch_warnings():  # compute() on every rank: it is the collective
                     warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")

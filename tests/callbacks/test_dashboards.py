@@ -41,7 +41,8 @@ def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_
             "qkmonitor/attention/layer_01/head_01"} <= images
     assert "qkmonitor/attention/layer_00/head_02" not in images  # pattern_heads=2
     heat = acc.Images("qkmonitor/heatmap/kappa")
-    assert [e.step for e in heat] == [0, 2] and (heat[0].height, heat[0].width) == (2 * 16, 4 * 16)  # layers x heads
+    assert [e.step for e in heat] == [0, 2]
+    assert heat[0].height > heat[0].width / 4  # a readable picture of 2 layers x 4 heads, not a strip
 
     hist = acc.Histograms("qkmonitor/qk_singular_values/layer_01")
     assert hist[-1].histogram_value.num == 4 * 8  # every singular value of 4 heads with d_k = 8
@@ -84,14 +85,23 @@ def test_non_tensorboard_logger_gets_scalars_and_one_message_about_images(tmp_pa
     assert "qkmonitor/kappa/layer_00" in header and "qkmonitor/entropy_norm_max/layer_01" in header
 
 
-def test_heatmap_colours_follow_the_values_and_nan_is_grey():
-    img = heatmap_image(torch.tensor([[0.0, 1.0], [float("nan"), 0.5]]), 0.0, 1.0, cell=2)
-    assert img.shape == (4, 4, 3) and img.dtype == np.uint8
-    low, high, nan = img[0, 0], img[0, 2], img[2, 0]
-    assert tuple(nan) == (128, 128, 128)
-    assert low.sum() < high.sum()  # dark for 0, bright for 1
-    pattern = attention_image(torch.eye(4), size=8)
-    assert pattern.shape == (8, 8, 3) and tuple(pattern[0, 0]) != tuple(pattern[0, 7])
+def test_heatmap_colours_follow_the_values_nan_is_grey_and_the_frame_has_labels_and_a_colour_bar():
+    from qkmonitor.dashboards import _Canvas
+
+    img = heatmap_image(torch.tensor([[0.0, 1.0], [float("nan"), 0.5]]), 0.0, 1.0, cell=40, annotate=False)
+    assert img.dtype == np.uint8 and img.ndim == 3
+    top, left = _Canvas.MARGIN_TOP, _Canvas.MARGIN_LEFT
+    cell = lambda i, j: img[top + 40 * i + 20, left + 40 * j + 20]  # noqa: E731  (a cell's centre)
+    assert tuple(cell(1, 0)) == (128, 128, 128)
+    assert cell(0, 0).sum() < cell(0, 1).sum()  # dark for 0, bright for 1
+    bar = img[top + 5 : top + 75, left + 2 * 40 + 15]  # the colour bar: bright on top, dark below
+    assert bar[0].sum() > bar[-1].sum()
+    frame = img[:, :left]  # the left margin holds text (the layer label and indices): dark pixels
+    assert (frame.sum(-1) < 200).any()
+    annotated = heatmap_image(torch.tensor([[0.25]]), 0.0, 1.0, cell=40)
+    assert not np.array_equal(annotated, heatmap_image(torch.tensor([[0.25]]), 0.0, 1.0, cell=40, annotate=False))
+    pattern = attention_image(torch.eye(4), size=40, title="layer 0, head 1, step 3")
+    assert tuple(pattern[top + 5, left + 5]) != tuple(pattern[top + 5, left + 35])
 
 
 def test_layout_lists_margin_charts_only_for_per_head_metrics():
