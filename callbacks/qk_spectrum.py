@@ -2,34 +2,28 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
-from qkmonitor.adapters import AttentionLayer
 from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.functional import qk_singular_values, qk_spectrum_metrics
+from qkmonitor.spectrum import SPECTRUM_METRICS, full_parameters, spectrum_of_layers
 
 from .base import AttentionMonitor
 
 __all__ = ["QKSpectrumMonitor"]
-
-#: The metrics this monitor logs, in the order of the docs.
-SPECTRUM_METRICS = ("kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm")
 
 
 class QKSpectrumMonitor(AttentionMonitor):
     r"""Log the spectrum of ``W_QK^h = W_Q^h (W_K^g)^T`` for every head of every attention layer.
 
     Reads weights only (no forward pass): every ``every_n_steps`` optimizer steps, and once
-    before the first step, all heads of all layers go through one batched QR + ``d_k x d_k`` SVD
-    and eigen-decomposition (:mod:`qkmonitor.functional`). Per head:
+    before the first step, layer by layer, the heads of a layer go through batched Gram products
+    and one ``d_k x d_k`` symmetric and one general eigenproblem each (:mod:`qkmonitor.spectrum`).
+    Per head:
 
     .. math::
 
@@ -81,10 +75,10 @@ class QKSpectrumMonitor(AttentionMonitor):
 
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, list[Tensor]]:
         # Under FSDP every rank holds a shard: gather the full weights (read-only) for the probe.
-        with _full_parameters(getattr(trainer.strategy, "model", None)):
-            values = spectrum_of_layers(self.layers, keep_singular_values=True)
-        self._singular_values = values.pop("singular_values")
-        return values
+        with full_parameters(getattr(trainer.strategy, "model", None)):
+            spectra = spectrum_of_layers([layer.qk_weights() for layer in self.layers])
+        self._singular_values = spectra.singular_values
+        return spectra.metrics
 
     def _draws_visuals(self) -> bool:
         return True
@@ -97,54 +91,3 @@ class QKSpectrumMonitor(AttentionMonitor):
             if finite.numel():
                 out[f"{self.prefix}/qk_singular_values/layer_{i:02d}"] = finite
         return out
-
-
-def _full_parameters(model: nn.Module | None):
-    """A context in which FSDP (v1) parameters are unsharded; a no-op for anything else."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return nullcontext()
-    if model is not None and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True)
-    return nullcontext()
-
-
-def full_tensor(weight: Tensor) -> Tensor:
-    """The whole tensor behind a sharded parameter (FSDP2 / DTensor), else the tensor itself."""
-    weight = weight.detach()
-    to_full = getattr(weight, "full_tensor", None)  # torch.distributed.tensor.DTensor
-    return to_full() if callable(to_full) else weight
-
-
-def spectrum_of_layers(layers: list[AttentionLayer], keep_singular_values: bool = False) -> dict[str, list[Tensor]]:
-    """The spectrum metrics of each layer; layers of the same shape go through one batched call.
-
-    Returns:
-        metric -> one (num_heads,) tensor per layer, in the order of ``layers``; with
-        ``keep_singular_values`` also ``"singular_values"`` -> one (num_heads, d_k) per layer.
-    """
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    weights = [layer.qk_weights() for layer in layers]
-    for i, w in enumerate(weights):
-        key = (tuple(w.w_q.shape), tuple(w.w_k.shape), w.num_heads, w.num_kv_heads, w.w_q.device)
-        groups[key].append(i)
-    per_layer: list[dict[str, Tensor]] = [{} for _ in layers]
-    for (_, _, num_heads, num_kv_heads, _), members in groups.items():
-        w_q = torch.stack([full_tensor(weights[i].w_q) for i in members])  # (G, H*d_k, d)
-        w_k = torch.stack([full_tensor(weights[i].w_k) for i in members])
-        scale = torch.tensor([weights[i].scale for i in members], dtype=torch.float64)
-        try:
-            metrics = qk_spectrum_metrics(w_q, w_k, num_heads, num_kv_heads, scale.to(w_q.device))
-            if keep_singular_values:
-                metrics["singular_values"] = qk_singular_values(w_q, w_k, num_heads, num_kv_heads)
-        except torch.linalg.LinAlgError as err:  # a decomposition that did not converge
-            rank_zero_warn(f"QKSpectrumMonitor: {err}; the affected layers are logged as NaN.")
-            nan = torch.full((len(members), num_heads), float("nan"))
-            metrics = {name: nan for name in SPECTRUM_METRICS}
-            metrics["singular_values"] = nan[..., None]
-        names = (*SPECTRUM_METRICS, "singular_values") if keep_singular_values else SPECTRUM_METRICS
-        for j, i in enumerate(members):
-            per_layer[i] = {name: metrics[name][j] for name in names}
-    names = (*SPECTRUM_METRICS, "singular_values") if keep_singular_values else SPECTRUM_METRICS
-    return {name: [values[name] for values in per_layer] for name in names}
