@@ -362,14 +362,19 @@ def _eigenvalues(cross: Tensor) -> Tensor:
     return eigenvalues.gather(-1, order)
 
 
+#: Below this many ``n³`` units of work a batch of n x n problems is solved on one thread: starting
+#: threads would cost more than it saves (64 heads of d_k = 128 are 1.3e8).
+_THREADED_WORK = 2**24
+
+
 def _on_threads(solve: Callable[[Tensor], Tensor], batch: Tensor) -> Tensor:
-    """``solve(batch)`` with the batch split over torch's intra-op thread count.
+    """``solve(batch)`` with a large CPU batch split over torch's intra-op thread count.
 
     torch runs a CPU batch of LAPACK problems one matrix after another on one core; it releases
     the GIL inside, so chunks solved from several Python threads run on several cores.
     """
     workers = min(torch.get_num_threads(), batch.shape[0])
-    if workers < 2:
+    if workers < 2 or batch.shape[0] * batch.shape[-1] ** 3 < _THREADED_WORK:
         return solve(batch)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return torch.cat(list(pool.map(solve, batch.tensor_split(workers))))

@@ -329,7 +329,8 @@ def test_layers_are_never_stacked(dtype):
     assert 0 < spy.largest <= 64 * 48  # stacking the query weights alone would make 8 * 64 * 48
 
 
-def test_threaded_solvers_give_the_single_threaded_result():
+def test_threaded_solvers_give_the_single_threaded_result(monkeypatch):
+    monkeypatch.setattr("qkmonitor.spectrum._THREADED_WORK", 0)  # thread even these small batches
     w_q, w_k = (w.float() for w in make_weights("random", 8, 2, 32, 4, seed=11))
     threads = torch.get_num_threads()
     try:
