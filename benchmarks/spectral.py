@@ -1,30 +1,51 @@
-"""QR + d_k x d_k SVD against dense per-head d x d SVD, for the singular values of W_QK.
+"""The spectrum of W_QK three ways: dense d x d SVD, Householder QR, and the Gram route.
 
-The fast path (:func:`qkmonitor.functional.qk_singular_values`) factors each head's
-``W_Q^h = Q_1 R_1`` and ``W_K^g = Q_2 R_2`` and takes ``svdvals(R_1 R_2^T)``: O(H·d·d_k²). The
-naive path forms ``W_QK^h = W_Q^h (W_K^g)^T`` (d x d) and takes its full SVD: O(H·d³).
+- dense: form each head's ``W_QK^h = W_Q^h (W_K^g)^T`` (d x d) and take its full SVD, O(H·d³);
+- QR (:func:`qkmonitor.functional.qk_singular_values`): ``W_Q^h = Q_1 R_1``, ``W_K^g = Q_2 R_2``,
+  ``svdvals(R_1 R_2^T)``, all layers stacked into one batched call;
+- Gram (:func:`qkmonitor.spectrum.spectrum_of_layers`): per layer, batched ``W_Q^T W_Q``,
+  ``W_K^T W_K``, ``W_K^T W_Q`` products, then one d_k x d_k eigenproblem per head for σ and one
+  for λ; layers one at a time.
 
-Both run in the same process, one after the other, on the same random weights, and the script
-prints the times, their ratio and the largest relative difference of the top d_k singular values.
-A dense SVD of a 4096 x 4096 matrix takes tens of seconds on a laptop CPU, so ``--dense-heads``
-times the dense path on that many heads and scales the time to all heads (the heads are
-independent and equally sized, so the cost is linear in their number); the output says so.
+Part 1 (the configurations of issue 2) times singular values only: dense vs QR vs Gram, with the
+largest difference of the top d_k singular values from the dense float64 SVD, relative to σ_1.
+A dense SVD of a 4096 x 4096 matrix takes tens of seconds, so ``--dense-heads`` times the dense
+path on that many heads and scales to all heads (they are independent and equally sized).
+
+Part 2 (issue 9) is a whole QKSpectrumMonitor probe of a 70B-shaped model (80 layers, d = 8192,
+64 query / 8 key-value heads, d_k = 128): every metric plus the histogram's singular values. The
+old path is what the callback did before: stack all layers of one shape, then
+``qk_spectrum_metrics`` (QR + SVD + eigenvalues) and ``qk_singular_values`` (QR + SVD again). The
+new path is ``spectrum_of_layers``. Both are timed on ``--layers`` layers and scaled to 80 (layers
+are independent and equally sized; the old path's stacking only grows with them). Accuracy is
+measured on one layer against float64: the QR route run in float64 for σ and ``W_K^T W_Q``'s
+eigenvalues in float64 (both checked against dense float64 in tests/core/test_functional.py).
 
 Usage::
 
-    python benchmarks/spectral.py            # both configurations of issue 2
-    python benchmarks/spectral.py --quick    # smaller shapes, a few seconds
+    python benchmarks/spectral.py             # both parts
+    python benchmarks/spectral.py --quick     # smaller shapes, a few seconds
+    python benchmarks/spectral.py --part 2    # the 70B probe only
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from qkmonitor.functional import qk_singular_values
+from qkmonitor.adapters import QKWeights
+from qkmonitor.functional import (
+    effective_rank,
+    qk_eigenvalues,
+    qk_singular_values,
+    qk_spectrum_metrics,
+    spectral_concentration,
+)
+from qkmonitor.spectrum import spectrum_of_layers
 
 
 @dataclass
@@ -45,9 +66,13 @@ QUICK = [
     Case("(a-quick) 4 layers, d=256, 4 heads", layers=4, d=256, heads=4, kv_heads=4, d_k=64),
     Case("(b-quick) 1 layer, d=1024, 8 q / 2 kv heads", layers=1, d=1024, heads=8, kv_heads=2, d_k=128),
 ]
+LLAMA_70B = Case("(c) 70B-shaped: 80 layers, d=8192, 64 q / 8 kv heads, d_k=128", layers=80, d=8192, heads=64,
+                 kv_heads=8, d_k=128)
+LLAMA_70B_QUICK = Case("(c-quick) 80 layers, d=1024, 16 q / 4 kv heads, d_k=64", layers=80, d=1024, heads=16,
+                       kv_heads=4, d_k=64)
 
 
-def best_of(fn, repeats: int) -> float:
+def best_of(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -56,53 +81,124 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
-def dense_singular_values(w_q: torch.Tensor, w_k: torch.Tensor, case: Case, layer: int, head: int) -> torch.Tensor:
-    """Top d_k singular values of the explicitly formed d x d W_QK of one head."""
+def random_layers(case: Case, layers: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(w_q, w_k) per layer, float32, entries of variance 1/d (a standard initialisation)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(case.heads * case.d_k, case.d, generator=gen) / case.d**0.5,
+             torch.randn(case.kv_heads * case.d_k, case.d, generator=gen) / case.d**0.5) for _ in range(layers)]
+
+
+def qk_weights(case: Case, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[QKWeights]:
+    return [QKWeights(w_q, w_k, case.heads, case.kv_heads, case.d_k**-0.5) for w_q, w_k in layers]
+
+
+# -- part 1: singular values, dense vs QR vs Gram -------------------------------------------------
+
+
+def dense_singular_values(w_q: torch.Tensor, w_k: torch.Tensor, case: Case, head: int) -> torch.Tensor:
+    """Top d_k singular values of the explicitly formed d x d W_QK of one head, in float64."""
     g = head // (case.heads // case.kv_heads)
-    wq_h = w_q[layer, head * case.d_k:(head + 1) * case.d_k].T  # (d, d_k)
-    wk_g = w_k[layer, g * case.d_k:(g + 1) * case.d_k].T
+    wq_h = w_q[head * case.d_k:(head + 1) * case.d_k].double().T  # (d, d_k)
+    wk_g = w_k[g * case.d_k:(g + 1) * case.d_k].double().T
     return torch.linalg.svdvals(wq_h @ wk_g.T)[: case.d_k]
 
 
-def run(case: Case, dense_heads: int, repeats: int) -> None:
-    gen = torch.Generator().manual_seed(0)
-    w_q = torch.randn(case.layers, case.heads * case.d_k, case.d, generator=gen) / case.d**0.5
-    w_k = torch.randn(case.layers, case.kv_heads * case.d_k, case.d, generator=gen) / case.d**0.5
+def part_one(case: Case, dense_heads: int, repeats: int) -> None:
+    layers = random_layers(case, case.layers)
+    stacked_q, stacked_k = torch.stack([q for q, _ in layers]), torch.stack([k for _, k in layers])
+    weights = qk_weights(case, layers)
+    qr_out = qk_singular_values(stacked_q, stacked_k, case.heads, case.kv_heads)  # warm-up, and the result
+    t_qr = best_of(lambda: qk_singular_values(stacked_q, stacked_k, case.heads, case.kv_heads), repeats)
+    gram_out = spectrum_of_layers(weights).singular_values
+    t_gram = best_of(lambda: spectrum_of_layers(weights), repeats)
+
     total_heads = case.layers * case.heads
-
-    fast_out = qk_singular_values(w_q, w_k, case.heads, case.kv_heads)  # warm-up, and the result
-    t_fast = best_of(lambda: qk_singular_values(w_q, w_k, case.heads, case.kv_heads), repeats)
-
     cells = [(layer, head) for layer in range(case.layers) for head in range(case.heads)]
     timed = cells if dense_heads <= 0 else cells[: min(dense_heads, total_heads)]
-    worst_rel = 0.0
+    worst_qr = worst_gram = 0.0
     start = time.perf_counter()
     for layer, head in timed:
-        dense = dense_singular_values(w_q, w_k, case, layer, head)
-        rel = ((dense - fast_out[layer, head]).abs().max() / dense[0]).item()
-        worst_rel = max(worst_rel, rel)
+        dense = dense_singular_values(*layers[layer], case, head)
+        worst_qr = max(worst_qr, ((dense - qr_out[layer, head]).abs().max() / dense[0]).item())
+        worst_gram = max(worst_gram, ((dense - gram_out[layer][head]).abs().max() / dense[0]).item())
     t_dense = (time.perf_counter() - start) * total_heads / len(timed)
 
     scaled = "" if len(timed) == total_heads else f" (timed on {len(timed)} of {total_heads} heads, scaled)"
-    print(f"{case.name}")
-    print(f"  fast  QR + {case.d_k}x{case.d_k} SVD, all {total_heads} heads in one call: {t_fast * 1e3:10.1f} ms")
-    print(f"  dense {case.d}x{case.d} SVD per head{scaled}: {t_dense * 1e3:10.1f} ms")
-    print(f"  speed-up {t_dense / t_fast:8.1f}x   max relative difference of sigma: {worst_rel:.2e}")
+    print(case.name)
+    print(f"  dense {case.d}x{case.d} float64 SVD per head{scaled}: {t_dense * 1e3:10.1f} ms")
+    print(f"  QR  + {case.d_k}x{case.d_k} SVD, all layers stacked, sigma only:   {t_qr * 1e3:10.1f} ms"
+          f"   speed-up {t_dense / t_qr:7.1f}x   max |dsigma| / sigma_1 vs dense: {worst_qr:.1e}")
+    print(f"  Gram, layer by layer, every metric + sigma:        {t_gram * 1e3:10.1f} ms"
+          f"   speed-up {t_dense / t_gram:7.1f}x   max |dsigma| / sigma_1 vs dense: {worst_gram:.1e}")
+
+
+# -- part 2: a whole probe of a 70B-shaped model -------------------------------------------------
+
+
+def old_probe(case: Case, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The callback's former path: stack the layers of one shape, metrics, then the SVD again."""
+    w_q, w_k = torch.stack([q for q, _ in layers]), torch.stack([k for _, k in layers])
+    scale = torch.full((len(layers),), case.d_k**-0.5, dtype=torch.float64)
+    metrics = qk_spectrum_metrics(w_q, w_k, case.heads, case.kv_heads, scale)
+    metrics["singular_values"] = qk_singular_values(w_q, w_k, case.heads, case.kv_heads)
+    return metrics
+
+
+def part_two(case: Case, timed_layers: int, repeats: int) -> None:
+    layers = random_layers(case, timed_layers)
+    weights = qk_weights(case, layers)
+    print(case.name)
+    t_old = best_of(lambda: old_probe(case, layers), repeats) / timed_layers
+    t_new = best_of(lambda: spectrum_of_layers(weights), repeats) / timed_layers
+    print(f"  timed on {timed_layers} layer(s), best of {repeats}, scaled to {case.layers} layers")
+    print(f"  {'':34s}{'per layer':>12s}{f'{case.layers} layers':>12s}")
+    print(f"  {'old: stacked QR metrics + 2nd SVD':34s}{t_old:11.3f}s{t_old * case.layers:11.1f}s")
+    print(f"  {'new: Gram, layer by layer':34s}{t_new:11.3f}s{t_new * case.layers:11.1f}s"
+          f"   speed-up {t_old / t_new:.1f}x")
+    accuracy(case, *layers[0])
+
+
+def accuracy(case: Case, w_q: torch.Tensor, w_k: torch.Tensor) -> None:
+    """Both paths on one layer against float64 (the QR route in float64, λ of W_K^T W_Q in float64)."""
+    sigma = qk_singular_values(w_q.double(), w_k.double(), case.heads, case.kv_heads)  # (H, d_k)
+    lam = qk_eigenvalues(w_q.double(), w_k.double(), case.heads, case.kv_heads)
+    reference = {"sigma": sigma, "kappa": spectral_concentration(sigma), "qk_erank": effective_rank(sigma),
+                 "kappa_eig": spectral_concentration(lam)}
+    d_k, group = case.d_k, torch.arange(case.heads) // (case.heads // case.kv_heads)
+    scale = (torch.linalg.matrix_norm(w_q.double().view(case.heads, d_k, -1), ord=2)
+             * torch.linalg.matrix_norm(w_k.double().view(case.kv_heads, d_k, -1), ord=2)[group])  # S per head
+    old = old_probe(case, [(w_q, w_k)])
+    new = spectrum_of_layers(qk_weights(case, [(w_q, w_k)]))
+    paths = {"old (float32 QR)": {"sigma": old["singular_values"][0], **{m: old[m][0] for m in reference if m != "sigma"}},
+             "new (float32 Gram)": {"sigma": new.singular_values[0], **{m: new.metrics[m][0] for m in reference if m != "sigma"}}}
+    print(f"  accuracy on one layer against float64 (S = ||W_Q^h|| ||W_K^g||, max over {case.heads} heads):")
+    print(f"  {'':20s}{'max|dsigma|/S':>15s}{'sigma_1 rel':>13s}{'|dkappa|':>11s}{'|derank|':>11s}{'|dkappa_eig|':>14s}")
+    for name, got in paths.items():
+        d_sigma = ((got["sigma"].double() - sigma).abs().amax(-1) / scale).max().item()
+        d_top = ((got["sigma"][:, 0].double() - sigma[:, 0]).abs() / sigma[:, 0]).max().item()
+        diffs = [(got[m].double() - reference[m]).abs().max().item() for m in ("kappa", "qk_erank", "kappa_eig")]
+        print(f"  {name:20s}{d_sigma:15.1e}{d_top:13.1e}" + "".join(f"{v:11.1e}" for v in diffs[:2])
+              + f"{diffs[2]:14.1e}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
+    parser.add_argument("--part", type=int, choices=(1, 2), default=None, help="run one part only")
     parser.add_argument("--dense-heads", type=int, default=4,
-                        help="heads to time the dense path on (0 = all); the time is scaled to all heads")
-    parser.add_argument("--repeats", type=int, default=3, help="fast-path repeats (best time kept)")
+                        help="part 1: heads to time the dense path on (0 = all); the time is scaled to all heads")
+    parser.add_argument("--layers", type=int, default=2, help="part 2: layers to time, scaled to 80")
+    parser.add_argument("--repeats", type=int, default=2, help="repeats per timing (best time kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, CPU")
-    for case in QUICK if args.quick else CASES:
-        run(case, args.dense_heads, args.repeats)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 weights, CPU")
+    if args.part in (None, 1):
+        for case in QUICK if args.quick else CASES:
+            part_one(case, args.dense_heads, args.repeats)
+    if args.part in (None, 2):
+        part_two(LLAMA_70B_QUICK if args.quick else LLAMA_70B, args.layers, args.repeats)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ the orthonormal factors leave the singular values alone, so ``σ(W_QK^h) = σ(R_
 ``(W_K^g)^T W_Q^h`` (``AB`` and ``BA`` share their non-zero eigenvalues).
 
 Every function accepts any leading batch dimensions, so a whole model's heads (layers stacked on
-a leading axis) go through in one call. Inputs of any floating dtype are computed in float32, or
+a leading axis) go through in one call. The monitors use :mod:`qkmonitor.spectrum` instead, which
+goes layer by layer (no stacked copy of the model) through Gram matrices, several times faster at
+scale; the QR route here is the backward-stable reference. Inputs of any floating dtype are computed in float32, or
 in float64 when they are float64. A head whose weights hold NaN or Inf gets NaN values rather
 than an error.
 """

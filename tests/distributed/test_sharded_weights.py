@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qkmonitor.adapters import AttentionLayer, QKWeights
-from qkmonitor.spectrum import full_tensor, spectrum_of_layers
+from qkmonitor.adapters import QKWeights
+from qkmonitor.spectrum import full_parameters, full_tensor, spectrum_of_layers
 
 
 @pytest.fixture
@@ -28,15 +28,16 @@ def test_spectrum_of_dtensor_weights_equals_that_of_the_full_weights(one_process
     sharded_q, sharded_k = distribute_tensor(w_q, mesh, [Shard(0)]), distribute_tensor(w_k, mesh, [Shard(0)])
     assert type(sharded_q).__name__ == "DTensor" and torch.equal(full_tensor(sharded_q), w_q)
 
-    class Fixed(AttentionLayer):
-        def __init__(self, q, k):
-            super().__init__("fixed", nn.Identity())
-            self.q, self.k = q, k
+    sharded = spectrum_of_layers([QKWeights(sharded_q, sharded_k, 4, 2, 0.5), QKWeights(w_q, w_k, 4, 2, 0.5)])
+    plain = spectrum_of_layers([QKWeights(w_q, w_k, 4, 2, 0.5)])
+    for name, values in plain.metrics.items():
+        for layer in range(2):  # a DTensor layer next to a plain one
+            torch.testing.assert_close(sharded.metrics[name][layer], values[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(sharded.singular_values[0], plain.singular_values[0], rtol=0, atol=0)
 
-        def qk_weights(self):
-            return QKWeights(self.q, self.k, 4, 2, 0.5)
 
-    sharded = spectrum_of_layers([Fixed(sharded_q, sharded_k).qk_weights()]).metrics
-    plain = spectrum_of_layers([Fixed(w_q, w_k).qk_weights()]).metrics
-    for name, values in plain.items():
-        torch.testing.assert_close(sharded[name][0], values[0], equal_nan=True)
+def test_full_parameters_is_a_no_op_without_fsdp():
+    model = nn.Linear(4, 4)
+    before = model.weight.detach().clone()
+    with full_parameters(model), full_parameters(None):
+        assert torch.equal(model.weight, before)
