@@ -22,10 +22,12 @@ no row can be fully masked, ``F.scaled_dot_product_attention`` is used instead.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["torch_attention"]
+__all__ = ["autocast_off", "torch_attention"]
 
 DEFAULT_BLOCK_SIZE = 256
 _SDPA_HAS_GQA = torch.__version__ >= "2.5"  # `enable_gqa` appeared in torch 2.5
@@ -104,6 +106,14 @@ def _sdpa(
     )
 
 
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context with autocast disabled for ``device_type`` (a no-op where autocast does not exist):
+    inside, the matmuls run in the dtype the code chose (float32 for the statistics), not bfloat16."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     """Autograd wrapper: blockwise forward with statistics, blockwise FlashAttention-2 backward."""
 
@@ -126,9 +136,11 @@ class _BlockwiseAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, *_stat_grads):
         q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        dq, dk, dv = _backward_blocks(
-            q, k, v, out, lse, dout, key_padding_mask, ctx.causal, ctx.scale, ctx.block_size
-        )
+        # The backward may run under the caller's autocast (loss.backward() inside the context).
+        with autocast_off(q.device.type):
+            dq, dk, dv = _backward_blocks(
+                q, k, v, out, lse, dout, key_padding_mask, ctx.causal, ctx.scale, ctx.block_size
+            )
         return dq, dk, dv, None, None, None, None, None, None
 
 
