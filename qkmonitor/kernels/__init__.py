@@ -83,7 +83,20 @@ def attention(
         ``lse = log Σ_j exp(s_ij)``, ``entropy = −Σ_j p_ij log p_ij`` (nats),
         ``max_prob = max_j p_ij``, ``max_logit = max_j s_ij``, ``attended = |A_i|`` and
         ``sink_mass = Σ_{j<sink_tokens} p_ij``. A fully masked row has ``lse = max_logit = −inf``
-        and ``entropy = max_prob = attended = sink_mass = 0``.
+        and ``entropy = max_prob = attended = sink_mass = 0``. Non-finite scores on allowed keys
+        (DESIGN.md, "Precision and non-finite values"; ``attended`` always counts the allowed
+        keys):
+
+        - a NaN score makes every other statistic of its row NaN (zeros stay reserved for
+          fully masked rows);
+        - otherwise a +inf score gives ``lse = max_logit = +inf`` (exact: the max and the
+          log-sum-exp of a set holding +inf) and NaN ``entropy``, ``max_prob``, ``sink_mass``
+          (the probabilities ``e^{s − lse}`` are ∞/∞, as softmax's are);
+        - a −inf score is probability 0, as in softmax; on the triton backend the row's entropy
+          may then read NaN (see ``_triton``), never a wrong number.
+
+        ``out`` of a NaN or +inf row is non-finite, as softmax makes it; other rows' outputs
+        are unaffected.
 
     Raises:
         ValueError: if a shape, dtype, device or option is not supported (the message names the
