@@ -313,8 +313,11 @@ def attention_stats_from_scores(scores: Tensor, mask: Tensor | None = None, sink
     The explicit counterpart of ``kernels.attention(..., return_stats=True)``, for attention whose
     mask the kernel does not take (arbitrary ``attn_mask``): ``lse_i = log Σ_j e^{s_ij}``,
     ``entropy_i = -Σ_j p_ij log p_ij``, ``max_prob_i``, ``max_logit_i = max_j s_ij``,
-    ``attended_i`` over allowed keys with finite scores. Fully masked rows give
-    ``lse = max_logit = -inf`` and zeros elsewhere, never NaN.
+    ``attended_i`` over the allowed keys: those ``mask`` allows whose score is not ``-inf``.
+    Fully masked rows give ``lse = max_logit = -inf`` and zeros elsewhere. Non-finite scores on
+    allowed keys follow the kernel's contract: a NaN makes the row's statistics NaN; otherwise a
+    ``+inf`` gives ``lse = max_logit = +inf`` and NaN entropy, max_prob and sink mass. (A NaN that
+    a ``-inf`` bias was added to stays NaN: pass ``mask`` to mask it out.)
 
     Args:
         scores: (B, H, N, M) scaled logits; ``-inf`` marks a key that may not be attended.
@@ -322,26 +325,34 @@ def attention_stats_from_scores(scores: Tensor, mask: Tensor | None = None, sink
         sink_tokens: also report the mass on the first ``sink_tokens`` keys.
 
     Returns:
-        AttentionStats with detached float32 (B, H, N) fields.
+        AttentionStats with detached float32 (B, H, N) fields (computed in float64).
     """
     from qkmonitor.kernels import AttentionStats
 
     s = scores.detach().double()
-    allowed = torch.isfinite(s) if mask is None else mask.to(torch.bool).expand_as(s) & torch.isfinite(s)
+    allowed = s != float("-inf")
+    if mask is not None:
+        allowed = allowed & mask.to(torch.bool).expand_as(s)
     s = s.masked_fill(~allowed, float("-inf"))
-    max_logit = s.amax(dim=-1)
+    has_nan = s.isnan().any(dim=-1)
+    has_inf = torch.isposinf(s).any(dim=-1) & ~has_nan
+    broken = has_nan | has_inf
+    s = s.masked_fill(broken[..., None], float("-inf"))  # computed as empty, overwritten below
     lse = torch.logsumexp(s, dim=-1)
-    live = torch.isfinite(lse)
-    p = torch.where(allowed & live[..., None], (s - torch.where(live, lse, 0.0)[..., None]).exp(), 0.0)
+    live = lse != float("-inf")
+    p = torch.where(live[..., None], (s - torch.where(live, lse, 0.0)[..., None]).exp(), 0.0)
     plogp = torch.where(p > 0, p * p.log(), 0.0)
-    sink = p[..., :sink_tokens].sum(-1).float() if sink_tokens > 0 else None
+
+    def mark(x: Tensor, inf_value: float = float("nan")) -> Tensor:
+        return torch.where(has_nan, float("nan"), torch.where(has_inf, inf_value, x)).float()
+
     return AttentionStats(
-        lse=lse.float(),
-        entropy=(0.0 - plogp.sum(-1)).clamp_min(0.0).float(),
-        max_prob=p.amax(dim=-1).float(),
-        max_logit=max_logit.float(),
+        lse=mark(lse, float("inf")),
+        entropy=mark((0.0 - plogp.sum(-1)).clamp_min(0.0)),
+        max_prob=mark(p.amax(dim=-1)),
+        max_logit=mark(s.amax(dim=-1), float("inf")),
         attended=allowed.sum(-1).float(),
-        sink_mass=sink,
+        sink_mass=mark(p[..., :sink_tokens].sum(-1)) if sink_tokens > 0 else None,
     )
 
 
@@ -349,7 +360,8 @@ def masked_softmax(scores: Tensor, dim: int = -1, mask: Tensor | None = None) ->
     r"""Softmax that subtracts the row maximum and gives an all-zero row where nothing is allowed.
 
     ``p_j = e^{x_j - m} / Σ_{k∈A} e^{x_k - m}`` for ``j ∈ A`` (``m`` the maximum over A), 0
-    elsewhere; a row with A empty (all masked or all ``-inf``) is all zeros, never NaN.
+    elsewhere; a row with A empty (all masked or all ``-inf``) is all zeros, never NaN. A row with
+    a NaN or ``+inf`` score in A is all NaN (softmax itself would give a partly NaN row).
     float16/bfloat16 are computed in float32 and cast back.
 
     Args:
@@ -365,11 +377,13 @@ def masked_softmax(scores: Tensor, dim: int = -1, mask: Tensor | None = None) ->
     work = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
     if mask is not None:
         work = work.masked_fill(~mask.to(torch.bool), float("-inf"))
-    row_max = work.amax(dim=dim, keepdim=True)
-    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)  # empty row: exp(-inf - 0) = 0
+    row_max = work.amax(dim=dim, keepdim=True)  # NaN if a NaN is allowed, +inf if a +inf is
+    broken = row_max.isnan() | torch.isposinf(row_max)
+    row_max = row_max.masked_fill(~torch.isfinite(row_max), 0.0)  # empty row: exp(-inf - 0) = 0
     e = (work - row_max).exp()
     total = e.sum(dim=dim, keepdim=True)
-    return (e / torch.where(total > 0, total, torch.ones_like(total))).to(scores.dtype)
+    p = e / torch.where(total > 0, total, torch.ones_like(total))
+    return p.masked_fill(broken, float("nan")).to(scores.dtype)
 
 
 def attention_probs(

@@ -13,7 +13,10 @@ allowed keys (fully masked rows are left out of everything):
     \mathrm{max\_logit}_h = \max_i \max_j s_{ij},
 
 with ``R_h`` the rows counted and ``R'_h`` those with more than one key. ``sink_mass`` is the mean
-mass on the first ``k`` keys, when the kernel was asked for it.
+mass on the first ``k`` keys, when the kernel was asked for it. A row with NaN statistics (its
+scores held a NaN) is not skipped: it makes its head's values NaN until the next reset, so that
+a numerical failure shows as NaN rather than as a mean over the rows that survived; a +inf score
+gives that head ``max_logit = +inf`` and NaN means.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class AttentionStatistics(_PerHeadMetric):
             self.sink_rows += live.sum(dim=(0, 2)).double()
 
     def compute(self) -> dict[str, Tensor]:
-        """Per-head (H,) float64 values; NaN where no row contributed."""
+        """Per-head (H,) float64 values; NaN where no row contributed or a row was NaN."""
         out = {
             "entropy": self.entropy_sum / self.rows,
             "entropy_norm": self.entropy_norm_sum / self.norm_rows,

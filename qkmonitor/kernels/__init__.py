@@ -10,6 +10,11 @@ kernel"). Backends:
 - ``"torch"``: exact online computation over key blocks in PyTorch (``_torch.py``), any device.
 - ``"auto"``: triton for CUDA tensors when triton is installed, torch otherwise.
 
+Under autocast (``torch.autocast`` for the tensors' device, as Lightning's ``"bf16-mixed"`` and
+``"16-mixed"`` precision use it) the inputs are cast as ``F.scaled_dot_product_attention`` casts
+them, to the autocast dtype, and the kernels then run with autocast off: the output comes back in
+the autocast dtype, and the statistics are still accumulated and returned in float32.
+
 Triton is imported only when the triton backend runs, so this package imports without it.
 """
 
@@ -23,7 +28,7 @@ from numbers import Real
 import torch
 
 from qkmonitor.kernels._stats import AttentionStats, attended_keys
-from qkmonitor.kernels._torch import torch_attention
+from qkmonitor.kernels._torch import autocast_off, torch_attention
 
 __all__ = ["AttentionStats", "attention"]
 
@@ -72,12 +77,26 @@ def attention(
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Returns:
-        ``out`` of shape (B, H, N, D) in q's dtype; with ``return_stats``, ``(out, stats)`` where
+        ``out`` of shape (B, H, N, D) in q's dtype (under autocast: in the autocast dtype, as
+        ``F.scaled_dot_product_attention`` returns it); with ``return_stats``, ``(out, stats)`` where
         ``stats`` holds detached float32 (B, H, N) tensors (see :class:`AttentionStats`):
         ``lse = log Σ_j exp(s_ij)``, ``entropy = −Σ_j p_ij log p_ij`` (nats),
         ``max_prob = max_j p_ij``, ``max_logit = max_j s_ij``, ``attended = |A_i|`` and
         ``sink_mass = Σ_{j<sink_tokens} p_ij``. A fully masked row has ``lse = max_logit = −inf``
-        and ``entropy = max_prob = attended = sink_mass = 0``.
+        and ``entropy = max_prob = attended = sink_mass = 0``. Non-finite scores on allowed keys
+        (DESIGN.md, "Precision and non-finite values"; ``attended`` always counts the allowed
+        keys):
+
+        - a NaN score makes every other statistic of its row NaN (zeros stay reserved for
+          fully masked rows);
+        - otherwise a +inf score gives ``lse = max_logit = +inf`` (exact: the max and the
+          log-sum-exp of a set holding +inf) and NaN ``entropy``, ``max_prob``, ``sink_mass``
+          (the probabilities ``e^{s − lse}`` are ∞/∞, as softmax's are);
+        - a −inf score is probability 0, as in softmax; on the triton backend the row's entropy
+          may then read NaN (see ``_triton``), never a wrong number.
+
+        ``out`` of a NaN or +inf row is non-finite, as softmax makes it; other rows' outputs
+        are unaffected.
 
     Raises:
         ValueError: if a shape, dtype, device or option is not supported (the message names the
@@ -90,6 +109,7 @@ def attention(
         out, stats = attention(q, k, v, causal=True, return_stats=True)
         stats.entropy  # (B, H, N) nats per query row
     """
+    q, k, v = _autocast_inputs(q, k, v)
     _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_tokens)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
@@ -101,16 +121,17 @@ def attention(
         run = triton_attention
     else:
         run = torch_attention
-    out, raw = run(
-        q,
-        k,
-        v,
-        causal=bool(causal),
-        key_padding_mask=key_padding_mask,
-        scale=scale,
-        return_stats=bool(return_stats),
-        sink_tokens=int(sink_tokens),
-    )
+    with autocast_off(q.device.type):  # the kernels pick their own precision (float32 sums)
+        out, raw = run(
+            q,
+            k,
+            v,
+            causal=bool(causal),
+            key_padding_mask=key_padding_mask,
+            scale=scale,
+            return_stats=bool(return_stats),
+            sink_tokens=int(sink_tokens),
+        )
     if not return_stats:
         return out
     lse, entropy, max_prob, max_logit, sink_mass = raw
@@ -133,6 +154,29 @@ def attention(
         sink_mass=sink_mass,
     )
     return out, stats
+
+
+def _autocast_inputs(q, k, v):
+    """Cast q, k, v to the autocast dtype when autocast is on for their device, as autocast casts
+    the inputs of ``F.scaled_dot_product_attention`` (float64 and non-float tensors are left
+    alone, as autocast leaves them). The cast is differentiable: gradients reach the inputs in
+    their own dtype."""
+    if not isinstance(q, torch.Tensor):
+        return q, k, v
+    device_type = q.device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(
+        device_type
+    ):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(x):
+        eligible = (
+            isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+        )
+        return x.to(dtype) if eligible else x
+
+    return cast(q), cast(k), cast(v)
 
 
 def _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_tokens) -> None:

@@ -11,7 +11,9 @@ may attend (key padding and the causal rule decide ``A_i``) and probabilities
 - ``sink_mass_i = Σ_{j∈A_i, j<sink_tokens} p_ij``.
 
 A row with ``A_i`` empty (all its keys padded, or causal with N > M) has ``lse = max_logit = −inf``
-and ``entropy = max_prob = sink_mass = attended = 0``; no statistic is ever NaN.
+and ``entropy = max_prob = sink_mass = attended = 0``. A row whose allowed scores hold a NaN has
+NaN statistics (``attended`` still counts its keys); a +inf score gives ``lse = max_logit = +inf``
+and NaN for the probability statistics (``attention``'s docstring has the rules).
 """
 
 from __future__ import annotations
@@ -28,15 +30,19 @@ class AttentionStats:
     """Detached float32 statistics of each query row, every field of shape (B, H, N).
 
     Attributes:
-        lse: ``log Σ_j exp(s_ij)`` over the allowed keys; ``−inf`` for a fully masked row.
-        entropy: ``−Σ_j p_ij log p_ij`` in nats, in ``[0, log attended]``; 0 for a fully masked row.
-        max_prob: ``max_j p_ij`` in ``[1/attended, 1]``; 0 for a fully masked row.
+        lse: ``log Σ_j exp(s_ij)`` over the allowed keys; ``−inf`` for a fully masked row, NaN
+            for a row with a NaN score, ``+inf`` for one with a +inf score.
+        entropy: ``−Σ_j p_ij log p_ij`` in nats, in ``[0, log attended]``; 0 for a fully masked row,
+            NaN for a row with a NaN or +inf score.
+        max_prob: ``max_j p_ij`` in ``[1/attended, 1]``; 0 for a fully masked row, NaN for a row
+            with a NaN or +inf score.
         max_logit: ``max_j s_ij``, the largest scaled score (after ``scale``); ``−inf`` for a fully
-            masked row.
+            masked row, NaN for a row with a NaN score, ``+inf`` for one with a +inf score.
         attended: number of keys the row may attend (key padding and the causal rule applied), as
             float32 holding exact integers, so that ``entropy / attended.log()`` needs no cast.
         sink_mass: ``Σ_{j < sink_tokens} p_ij``, the mass on the first ``sink_tokens`` keys, or
-            ``None`` when ``sink_tokens == 0``; 0 for a fully masked row.
+            ``None`` when ``sink_tokens == 0``; 0 for a fully masked row, NaN for a row with a NaN
+            or +inf score.
     """
 
     lse: torch.Tensor

@@ -9,6 +9,11 @@ rescaled by ``α = e^{m − m'}``, and ``u`` also absorbs the shift:
 
     out = acc / l,   lse = m + log l,   H = log l − u / l,   max_prob = 1 / l,   max_logit = m.
 
+The shift is ``m`` clamped to ±FLT_MAX, so that a row with no key yet (m = −inf) and an infinite
+score (m = +inf) raise no ``−inf − (−inf)`` or ``∞ − ∞``. Then ``l`` tells each row's state at the
+end: 0 no key (fully masked), NaN a NaN score, +inf a +inf score, finite otherwise; the statistics
+follow ``attention``'s contract for each.
+
 Backward (FlashAttention-2, recomputing each block): with ``p = e^{s − lse}``,
 ``δ_i = Σ_d dO_id O_id`` and ``dS = p ⊙ (dO vᵀ − δ)``, ``dV = pᵀ dO``, ``dQ = scale · dS k``,
 ``dK = scale · dSᵀ q``. Grouped-query heads are handled by viewing q as (B, H_kv, G, N, D) and
@@ -22,10 +27,12 @@ no row can be fully masked, ``F.scaled_dot_product_attention`` is used instead.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["torch_attention"]
+__all__ = ["autocast_off", "torch_attention"]
 
 DEFAULT_BLOCK_SIZE = 256
 _SDPA_HAS_GQA = torch.__version__ >= "2.5"  # `enable_gqa` appeared in torch 2.5
@@ -104,6 +111,14 @@ def _sdpa(
     )
 
 
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context with autocast disabled for ``device_type`` (a no-op where autocast does not exist):
+    inside, the matmuls run in the dtype the code chose (float32 for the statistics), not bfloat16."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     """Autograd wrapper: blockwise forward with statistics, blockwise FlashAttention-2 backward."""
 
@@ -126,9 +141,11 @@ class _BlockwiseAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, *_stat_grads):
         q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        dq, dk, dv = _backward_blocks(
-            q, k, v, out, lse, dout, key_padding_mask, ctx.causal, ctx.scale, ctx.block_size
-        )
+        # The backward may run under the caller's autocast (loss.backward() inside the context).
+        with autocast_off(q.device.type):
+            dq, dk, dv = _backward_blocks(
+                q, k, v, out, lse, dout, key_padding_mask, ctx.causal, ctx.scale, ctx.block_size
+            )
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -182,7 +199,8 @@ def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats
     u = torch.zeros_like(l) if stats else None
     sink = torch.zeros_like(l) if stats and sink_tokens > 0 else None
     rows = torch.arange(n, device=q.device)
-    lowest = torch.finfo(cd).min
+    largest = torch.finfo(cd).max
+    lowest = -largest
     for start in range(0, m_keys, block_size):
         stop = min(start + block_size, m_keys)
         r0 = _first_row(start, diag, causal)  # causal: rows above r0 see none of these keys
@@ -196,7 +214,9 @@ def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats
             s.masked_fill_(~allowed, _NEG_INF)
         m_old, l_old = m[..., r0:], l[..., r0:]
         m_new = torch.maximum(m_old, s.amax(dim=-1))
-        m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with no key yet
+        # A finite shift: −inf (no key yet) would give −inf − (−inf), and +inf (an infinite score)
+        # ∞ − ∞; clamped, masked keys stay at e^{−inf} = 0 and an infinite score makes l = +inf.
+        m_safe = m_new.clamp(-largest, largest)
         s -= m_safe[..., None]  # s − m', −inf where masked
         p = torch.exp(s)
         alpha = torch.exp(m_old - m_safe)
@@ -211,20 +231,27 @@ def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats
         l[..., r0:] = alpha * l_old + p.sum(dim=-1)
         acc[..., r0:, :] = alpha[..., None] * acc[..., r0:, :] + p @ v_blk
         m[..., r0:] = m_new
-    full = l > 0
-    l_safe = torch.where(full, l, 1.0)
+    # l = 0: no key (fully masked row); l = NaN: a NaN score; l = +inf: a +inf score; else finite.
+    empty = l == 0
+    l_safe = torch.where(empty, 1.0, l)
     out = (acc / l_safe[..., None]).reshape(batch, heads, n, v.shape[-1])
-    lse = torch.where(full, m + torch.log(l_safe), _NEG_INF)
+    lse = torch.where(empty, _NEG_INF, m + torch.log(l_safe))  # NaN and +inf rows: NaN, +inf
 
     def finish(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(batch, heads, n).to(torch.float32)
 
     if not stats:
         return out, finish(lse), None, None, None, None
-    entropy = torch.where(full, (torch.log(l_safe) - u / l_safe).clamp(min=0.0), 0.0)
-    max_prob = torch.where(full, 1.0 / l_safe, 0.0)
-    sink_mass = None if sink is None else finish(torch.where(full, sink / l_safe, 0.0))
-    return out, finish(lse), finish(entropy), finish(max_prob), finish(m), sink_mass
+    healthy = l < float("inf")  # False for NaN and +inf rows; True for empty rows
+
+    def row_stat(value: torch.Tensor, empty_value: float) -> torch.Tensor:
+        return torch.where(healthy, torch.where(empty, empty_value, value), float("nan"))
+
+    entropy = row_stat((torch.log(l_safe) - u / l_safe).clamp(min=0.0), 0.0)
+    max_prob = row_stat(1.0 / l_safe, 0.0)
+    sink_mass = None if sink is None else finish(row_stat(sink / l_safe, 0.0))
+    max_logit = torch.where(l.isnan(), float("nan"), m)  # −inf on empty rows, +inf on +inf rows
+    return out, finish(lse), finish(entropy), finish(max_prob), finish(max_logit), sink_mass
 
 
 def _backward_blocks(q, k, v, out, lse, dout, key_padding_mask, causal, scale, block_size):

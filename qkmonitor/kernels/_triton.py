@@ -13,10 +13,19 @@ natural units (``ln 2`` converts):
 
 The sink sum is not carried through the loop: after it, the first S keys are scored again and
 summed with the final ``m`` (usually one extra block; a third running sum made the loop spill
-registers on sm_90). Masked scores are −inf; a row whose keys are all masked keeps ``m = −inf``
-and ``l = 0`` and is finished as out = 0, lse = max_logit = −inf, entropy = max_prob = 0. ``0·(−inf)`` never arises:
-exponents use ``m`` replaced by 0 while it is −inf, and masked entries of ``p·(t − m)`` are selected
-away. The statistics only add work on values the softmax already has (one multiply-add per score).
+registers on sm_90). Masked scores are −inf; a row whose keys are all masked keeps ``m = −inf`` and ``l = 0`` and is
+finished as out = 0, lse = max_logit = −inf, entropy = max_prob = 0. Exponents are taken against
+``m`` clamped to ±FLT_MAX, so ``−inf − (−inf)`` and ``∞ − ∞`` never arise, and masked entries of
+``p·(t − m)`` are selected away (in tiles without masks they are not: see below).
+
+Non-finite scores on allowed keys (the contract of ``attention``): a NaN score makes ``l`` NaN (a
+NaN ``p`` enters the sum, and NaN stays NaN under rescaling), so the epilogue reads the row's
+state from ``l`` alone: ``l = 0`` no key, ``l`` NaN a NaN score, ``l = +inf`` a +inf score
+(``2^{∞ − FLT_MAX}``), finite otherwise. The running max cannot tell: the GPU's ``max.f32``
+returns the non-NaN operand, so ``m`` skips NaN scores there (the interpreter's numpy propagates
+them). A −inf score on an allowed key is probability 0 for out, lse and max_prob; in a tile
+without masks its ``p·(t − m) = 0·(−inf)`` makes the row's entropy NaN (a select per score in the
+hot loop would avoid it, for inputs that already hold ±inf), never a wrong finite number.
 
 Backward (Dao, "FlashAttention-2", 2023, Algorithm 2, split in two kernels so that nothing needs
 atomics): with ``p = 2^{t − lse2}`` (``lse2 = +inf`` on fully masked rows so p = 0 there),
@@ -57,6 +66,7 @@ __all__ = ["triton_attention"]
 _INTERPRETED = bool(knobs.runtime.interpret)  # how the kernels below were decorated
 _LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _MAX_GRID_Y = 65535
 
 
@@ -205,10 +215,10 @@ def _fwd_inner(
             keep = tl.load(pad_base + cols * stride_pn, mask=cols < n_ctx_k, other=0) != 0
             t = tl.where(keep[None, :], t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(t, 1))
-        if MASKED or HAS_PAD:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key of the row seen yet
-        else:
-            m_use = m_new
+        # A finite shift: m = −inf (no key of the row seen yet) would give −inf − (−inf), and
+        # m = +inf (an infinite score) ∞ − ∞; clamped, masked keys keep 2^{−inf} = 0 and an
+        # infinite score makes l = +inf, which the epilogue reads.
+        m_use = tl.clamp(m_new, -_FLT_MAX, _FLT_MAX)
         t = t - m_use[:, None]
         p = tl.math.exp2(t)
         alpha = tl.math.exp2(m_i - m_use)
@@ -268,7 +278,7 @@ def _fwd_sink(
     data-dependent branch, pushes the main loop past the register file (ptxas spills on sm_90).
     """
     diag = n_ctx_k - n_ctx_q
-    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)  # rows with no key: every p is 0 below
+    m_use = tl.clamp(m_i, -_FLT_MAX, _FLT_MAX)  # a finite shift, as in the main loop
     n_sink = tl.minimum(sink_tokens, n_ctx_k)
     total = tl.zeros_like(m_i)
     for start_n in tl.range(0, n_sink, BLOCK_N, num_stages=1):  # usually one block: no pipeline
@@ -377,8 +387,9 @@ def _attn_fwd(
         HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_PAD, STATS, DOT_PRECISION,
     )  # fmt: skip
 
-    valid = l_i > 0.0
-    l_safe = tl.where(valid, l_i, 1.0)
+    # l = 0: no key (fully masked row); l = NaN: a NaN score; l = +inf: a +inf score.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     _store_tile(
         o_base,
@@ -396,21 +407,32 @@ def _attn_fwd(
     row_ptr = pid_bh.to(tl.int64) * n_ctx_q + offs_m
     row_ok = offs_m < n_ctx_q
     log2_l = tl.math.log2(l_safe)
-    tl.store(Lse2 + row_ptr, tl.where(valid, m_i + log2_l, float("inf")), mask=row_ok)
+    lse2 = m_i + log2_l  # NaN on a NaN row, +inf on a +inf row
+    tl.store(Lse2 + row_ptr, tl.where(empty, float("inf"), lse2), mask=row_ok)
     if STATS:
+        healthy = l_i < float("inf")  # False on NaN and +inf rows, True on empty rows
         inv_l = 1.0 / l_safe
-        entropy = tl.maximum(_LN2 * (log2_l - u_i * inv_l), 0.0)
-        tl.store(Lse + row_ptr, tl.where(valid, _LN2 * (m_i + log2_l), float("-inf")), mask=row_ok)
-        tl.store(Ent + row_ptr, tl.where(valid, entropy, 0.0), mask=row_ok)
-        tl.store(MaxP + row_ptr, tl.where(valid, inv_l, 0.0), mask=row_ok)
-        tl.store(MaxL + row_ptr, tl.where(valid, _LN2 * m_i, float("-inf")), mask=row_ok)
+        # NaN-propagating: the GPU's max otherwise returns the non-NaN operand
+        entropy = tl.maximum(_LN2 * (log2_l - u_i * inv_l), 0.0, propagate_nan=tl.PropagateNan.ALL)
+        # m ignores NaN scores on the GPU (max.f32 drops NaN): a NaN row's l says it instead
+        max_logit = tl.where(l_i != l_i, float("nan"), _LN2 * m_i)  # noqa: PLR0124 (NaN test)
+        tl.store(Lse + row_ptr, tl.where(empty, float("-inf"), _LN2 * lse2), mask=row_ok)
+        tl.store(Ent + row_ptr, _row_stat(entropy, healthy, empty), mask=row_ok)
+        tl.store(MaxP + row_ptr, _row_stat(inv_l, healthy, empty), mask=row_ok)
+        tl.store(MaxL + row_ptr, max_logit, mask=row_ok)
         if SINK:
             sink_i = _fwd_sink(
                 q, m_i, k_base, pad_base, stride_kn, stride_kd, stride_pn,
                 offs_m, offs_n, offs_d, n_ctx_q, n_ctx_k, qk_scale, sink_tokens,
                 HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_PAD, DOT_PRECISION,
             )  # fmt: skip
-            tl.store(Sink + row_ptr, tl.where(valid, sink_i * inv_l, 0.0), mask=row_ok)
+            tl.store(Sink + row_ptr, _row_stat(sink_i * inv_l, healthy, empty), mask=row_ok)
+
+
+@triton.jit
+def _row_stat(value, healthy, empty):
+    """A probability statistic of each row: 0 on rows with no key, NaN on NaN and +inf rows."""
+    return tl.where(healthy, tl.where(empty, 0.0, value), float("nan"))
 
 
 # --------------------------------------------------------------------------------------------------

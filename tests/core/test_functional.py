@@ -169,6 +169,54 @@ def test_attention_entropy_of_single_key_rows_is_nan_when_normalized():
     assert QF.attention_entropy(probs, mask=mask)[0].item() == 0.0
 
 
+def _scores_with_every_row_kind():
+    """(1, 1, 6, 5) float32 scores and a mask: healthy, NaN, +inf, fully masked, NaN under the mask,
+    −inf on an allowed key."""
+    gen = torch.Generator().manual_seed(9)
+    s = torch.randn(1, 1, 6, 5, generator=gen)
+    mask = torch.ones(1, 1, 6, 5, dtype=torch.bool)
+    s[0, 0, 0, 4] = -math.inf  # row 0: healthy; key 4 masked by its score
+    s[0, 0, 1, 2] = math.nan  # row 1: a NaN score
+    s[0, 0, 2, 3] = math.inf  # row 2: a +inf score
+    mask[0, 0, 3] = False  # row 3: fully masked
+    s[0, 0, 4, 1], mask[0, 0, 4, 1] = math.nan, False  # row 4: the NaN is on a masked key
+    mask[0, 0, 5, 0], s[0, 0, 5, 2] = False, -math.inf  # row 5: masked by mask and by score
+    return s, mask
+
+
+def test_attention_stats_from_scores_marks_nonfinite_rows():
+    s, mask = _scores_with_every_row_kind()
+    stats = QF.attention_stats_from_scores(s, mask=mask, sink_tokens=2)
+    nan, inf = math.nan, math.inf
+    for row in (0, 4, 5):  # healthy rows by the formula, over the finite allowed scores
+        keep = mask[0, 0, row] & torch.isfinite(s[0, 0, row])
+        x = s[0, 0, row].double()[keep]
+        p = x.softmax(-1)
+        expected = {
+            "lse": torch.logsumexp(x, -1), "entropy": -(p * p.log()).sum(), "max_prob": p.max(),
+            "max_logit": x.max(), "attended": keep.sum().double(),  # −inf is masking here
+            "sink_mass": torch.where(keep[:2], s[0, 0, row, :2].double() - torch.logsumexp(x, -1), -inf).exp().sum(),
+        }  # fmt: skip
+        for name, value in expected.items():
+            assert_close(getattr(stats, name)[0, 0, row].double(), value, atol=1e-6, rtol=1e-6)
+    broken = {  # rows 1 (NaN), 2 (+inf) and 3 (no key)
+        "lse": [nan, inf, -inf], "entropy": [nan, nan, 0.0], "max_prob": [nan, nan, 0.0],
+        "max_logit": [nan, inf, -inf], "attended": [5.0, 5.0, 0.0], "sink_mass": [nan, nan, 0.0],
+    }  # fmt: skip
+    for name, values in broken.items():
+        assert_close(getattr(stats, name)[0, 0, 1:4], torch.tensor(values), equal_nan=True)
+
+
+def test_masked_softmax_gives_nan_rows_for_nan_and_posinf_scores():
+    s, mask = _scores_with_every_row_kind()
+    p = QF.masked_softmax(s, mask=mask)
+    assert p[0, 0, 1:3].isnan().all()  # NaN and +inf rows: every entry NaN, not a partial row
+    assert (p[0, 0, 3] == 0).all()  # the fully masked row: zeros
+    for row in (0, 4, 5):
+        expected = s[0, 0, row].masked_fill(~mask[0, 0, row], -math.inf).softmax(-1)
+        assert_close(p[0, 0, row], expected)
+
+
 @pytest.mark.parametrize(
     ("w_q_shape", "w_k_shape", "heads", "kv_heads", "match"),
     [

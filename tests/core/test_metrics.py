@@ -41,3 +41,27 @@ def test_head_mean_passes_nan_on_leaves_out_unkept_samples_and_gives_nan_for_emp
     assert math.isnan(out[2].item())  # no sample kept
     with pytest.raises(ValueError, match="`num_heads`"):
         HeadMean(num_heads=0)
+
+
+def test_attention_statistics_carry_nan_rows_to_nan_heads():
+    """A NaN row (a NaN score) is not a masked row: its head's means turn NaN, other heads not."""
+    nan, inf = math.nan, math.inf
+    rows = {"entropy": [[0.5, nan], [0.4, 0.2]], "attended": [[3, 3], [3, 3]],
+            "max_prob": [[0.6, nan], [0.5, 0.7]], "max_logit": [[1.0, nan], [2.0, 3.0]]}  # fmt: skip
+
+    def t(values):  # (1, H, N)
+        return torch.tensor(values, dtype=torch.float32)[None]
+
+    metric = AttentionStatistics(num_heads=2)
+    metric.update(AttentionStats(lse=t(rows["max_logit"]), sink_mass=t([[0.1, nan], [0.2, 0.3]]),
+                                 **{k: t(v) for k, v in rows.items()}))  # fmt: skip
+    out = metric.compute()
+    for name in ("entropy", "entropy_norm", "max_prob", "max_logit", "sink_mass"):
+        assert out[name][0].isnan(), name
+        assert torch.isfinite(out[name][1]), name
+    assert out["entropy"][1].item() == pytest.approx(0.3)
+    # A +inf score: max_logit +inf, the probability statistics NaN.
+    metric = AttentionStatistics(num_heads=1)
+    metric.update(stats([[nan, 0.3]], [[2, 2]], [[nan, 0.8]], [[inf, 1.0]]))
+    out = metric.compute()
+    assert out["max_logit"].item() == inf and out["entropy"].isnan() and out["max_prob"].isnan()
