@@ -127,9 +127,14 @@ def test_images_dashboard_shows_the_heatmaps_and_attention_patterns(browser, ten
     text = browser.evaluate(PAGE_TEXT)
     shot = browser.screenshot(screenshot_dir / "images.png")
     assert loaded(cards), f"images not shown (screenshot: {shot}): {cards}"
+    import torch
+
+    from qkmonitor.dashboards import heatmap_image
+
+    height, width = heatmap_image(torch.zeros(2, 4), 0.0, 1.0).shape[:2]  # 2 layers x 4 heads, framed
     for card in cards:
         if card["tag"] in HEATMAPS:
-            assert card["width"] == 2 * card["height"]  # 4 heads across, 2 layers down
+            assert (card["width"], card["height"]) == (width, height)
     assert {c["tag"] for c in cards if c["tag"].startswith("qkmonitor/attention/")} == {
         f"qkmonitor/attention/layer_{layer:02d}/head_{head:02d}" for layer in range(2) for head in range(2)}
     for tag in HEATMAPS:
