@@ -16,7 +16,8 @@ Three families are recognised by structure, not by class name:
 
 Activation statistics: these modules pick their attention function at every forward with
 ``ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)``
-(older releases differ: :mod:`qkmonitor._hf_compat` says how, from 4.48 on) and call it with ``(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs)``
+(older releases differ: :mod:`qkmonitor._hf_compat` says how, from 4.48 on) and call it with
+``(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs)``
 — queries and keys after RoPE and the cache, the model's own mask. While a layer is probed its
 module alone sees a shallow copy of the model config whose ``_attn_implementation`` names
 ``"qkmonitor_probe"``, a function registered through ``transformers.AttentionInterface`` that

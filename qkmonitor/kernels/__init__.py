@@ -17,6 +17,7 @@ builds of torch bring triton; a CPU-only install gets the interpreter with ``qkm
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import math
@@ -33,8 +34,8 @@ from qkmonitor.kernels._torch import torch_attention
 __all__ = ["AttentionStats", "attention"]
 
 BACKENDS = ("auto", "triton", "torch")
-#: The oldest triton the kernels run on (``triton.knobs``); the CPU interpreter of 3.4 - 3.8
-#: fails under numpy 2.4, hence ``triton>=3.9`` in the ``triton`` extra.
+#: The oldest triton the kernels run on (``triton.knobs``). On CPU, the interpreter of 3.4 - 3.8
+#: needs numpy < 2.4; 3.9 runs under numpy 2.4.
 TRITON_MIN_VERSION = (3, 4)
 TRITON_MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -221,12 +222,15 @@ def _choose_backend(backend: str, q: torch.Tensor) -> bool:
     triton_ok = q.dtype in _FLOAT_DTYPES and q.shape[-1] <= TRITON_MAX_HEAD_DIM
     if backend == "torch":
         return False
-    missing = _triton_missing()
     if backend == "auto":
-        if q.is_cuda and triton_ok and missing:
+        if not (q.is_cuda and triton_ok):
+            return False
+        missing = _triton_missing()
+        if missing:
             warnings.warn(f"qkmonitor: the fused Triton kernel is not used: {missing}; "
                           "attention runs on the torch backend", RuntimeWarning, stacklevel=3)
-        return q.is_cuda and triton_ok and not missing
+        return not missing
+    missing = _triton_missing()
     if missing:
         raise ValueError(f"`backend='triton'` cannot run: {missing}; use backend='torch'")
     if q.dtype not in _FLOAT_DTYPES:
@@ -248,10 +252,12 @@ def _choose_backend(backend: str, q: torch.Tensor) -> bool:
     return True
 
 
+@functools.cache
 def _triton_missing() -> str:
     """Why the triton backend cannot run here (no triton, or one older than 3.4), or ``""``.
 
-    Reads the installed version without importing triton (the interpreter flag is read at import).
+    Reads the installed version without importing triton (the interpreter flag is read at import);
+    once per process, as the installed packages do not change under it.
     """
     if importlib.util.find_spec("triton") is None:
         return ("the `triton` package is not installed (CUDA builds of torch bring it; on a CPU-only "

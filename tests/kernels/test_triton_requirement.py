@@ -23,6 +23,14 @@ def cuda_like(q: torch.Tensor) -> SimpleNamespace:
     return SimpleNamespace(dtype=q.dtype, shape=q.shape, is_cuda=True, device=torch.device("cuda"))
 
 
+@pytest.fixture(autouse=True)
+def fresh_answer():
+    """`_triton_missing` is asked once per process; each test installs its own triton."""
+    kernels._triton_missing.cache_clear()
+    yield
+    kernels._triton_missing.cache_clear()
+
+
 @pytest.fixture
 def no_triton(monkeypatch):
     find_spec = importlib.util.find_spec
