@@ -230,9 +230,6 @@ def _choose_backend(backend: str, q: torch.Tensor) -> bool:
             warnings.warn(f"qkmonitor: the fused Triton kernel is not used: {missing}; "
                           "attention runs on the torch backend", RuntimeWarning, stacklevel=3)
         return not missing
-    missing = _triton_missing()
-    if missing:
-        raise ValueError(f"`backend='triton'` cannot run: {missing}; use backend='torch'")
     if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(
             f"Expected float16, bfloat16 or float32 inputs for `backend='triton'`, got {q.dtype}"
@@ -249,6 +246,9 @@ def _choose_backend(backend: str, q: torch.Tensor) -> bool:
         )
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"`backend='triton'` runs on CUDA tensors, got {q.device.type} tensors")
+    missing = _triton_missing()  # last: the input's own problems are named whatever is installed
+    if missing:
+        raise ValueError(f"`backend='triton'` cannot run: {missing}; use backend='torch'")
     return True
 
 
