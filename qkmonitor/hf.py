@@ -108,8 +108,8 @@ class HFAttentionLayer(CapturingAttentionLayer):
             self._stats, self._probs = None, None
             _detach(self)
             return
-        if not self.supports_stats:
-            super().set_probe(enabled)
+        if not self.supports_stats:  # it warned, naming the layer, the transformers version and why
+            return  # pop_stats() gives None; the forward is left alone
         _attach(self)
 
 

@@ -387,10 +387,17 @@ def test_a_subclass_computing_attention_itself_warns_instead_of_silently_giving_
     model = build("llama")
     model.model.layers[1].self_attn.__class__ = _OwnAttention
     layers = find_attention_layers(model)
+    ids, mask = batch(True)
     assert layers[0].supports_stats
-    with pytest.warns(RuntimeWarning, match=r"no attention statistics for 'model\.layers\.1\.self_attn' "
-                                            rf"\(transformers {transformers.__version__}: _OwnAttention computes"):
+    warning = (r"no attention statistics for 'model\.layers\.1\.self_attn' "
+               rf"\(transformers {transformers.__version__}: _OwnAttention computes")
+    with pytest.warns(RuntimeWarning, match=warning):
         assert not layers[1].supports_stats
+    before = logits_of(model, ids, mask)
+    with pytest.warns(RuntimeWarning, match=warning):  # probing goes on for the other layers
+        after, stats, _ = probed(layers, lambda: logits_of(model, ids, mask))
+    assert torch.equal(before, after)
+    assert stats[0] is not None and stats[1] is None
 
 
 def test_a_subclass_calling_super_forward_is_still_probed():
