@@ -2,18 +2,14 @@
 
 :mod:`qkmonitor.hf` measures a Hugging Face attention module by routing its attention call through a
 function registered under a name of its own, then handing the call to the implementation the model
-was using. That needs three things from ``transformers``, and each changed over the releases
-(read from each release's own source):
+was using. The registry and the lookup changed over the releases (read from each release's source):
 
-=================  ==============================================  =====================================
-transformers       ``ALL_ATTENTION_FUNCTIONS`` (registry)            how a module picks its function
-=================  ==============================================  =====================================
-4.48 – 4.50        a plain ``dict`` in ``modeling_utils``          ``eager_attention_forward`` when
-                                                                   ``config._attn_implementation`` is
-                                                                   ``"eager"``, else the registry's entry
-4.51 – 5.0         ``AttentionInterface`` (``register``)           the same
-5.1 and later      ``AttentionInterface.get_interface``            ``get_interface(name, eager default)``
-=================  ==============================================  =====================================
+- 4.48 – 4.50: ``ALL_ATTENTION_FUNCTIONS`` is a plain ``dict`` in ``modeling_utils``; a module runs
+  ``eager_attention_forward`` when ``config._attn_implementation`` is ``"eager"``, else
+  ``ALL_ATTENTION_FUNCTIONS[name]``.
+- 4.51 – 5.0: the registry is an ``AttentionInterface`` (``AttentionInterface.register``); the
+  lookup is the same.
+- 5.1 and later: ``ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)``.
 
 Which modules dispatch at all: the LLaMA family and GPT-2 from 4.48; BERT only from 5.0 (before,
 ``BertSelfAttention`` and ``BertSdpaSelfAttention`` compute attention inside the module, so there is
@@ -22,7 +18,7 @@ What a call leaves implicit, made explicit here so that the statistics describe 
 model computes:
 
 - GPT-2's own ``eager_attention_forward`` (and ``_upcast_and_reordered_attn``) apply the module's
-  causal buffer ``module.bias`` on top of the mask they are given, up to 5.2; until 4.53 the mask
+  causal buffer ``module.bias`` on top of the mask they are given, up to 5.2; before 4.53 the mask
   GPT-2 builds for eager attention holds only the padding.
 - GPT-2 passes ``scaling`` only from 5.4. Without it SDPA and FlashAttention scale by
   ``1/sqrt(head_dim)``, whatever ``scale_attn_weights`` or ``scale_attn_by_inverse_layer_idx`` say,
