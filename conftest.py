@@ -12,6 +12,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
-    import triton  # noqa: F401
+    import triton
 except ImportError:  # without triton the doctest collector must not import the Triton backend
     collect_ignore = ["qkmonitor/kernels/_triton.py"]
+else:
+    if not hasattr(triton, "knobs"):  # triton < 3.4 (CUDA torch < 2.8): the backend cannot import
+        collect_ignore = ["qkmonitor/kernels/_triton.py"]

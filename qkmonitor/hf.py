@@ -16,7 +16,8 @@ Three families are recognised by structure, not by class name:
 
 Activation statistics: these modules pick their attention function at every forward with
 ``ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)``
-and call it with ``(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs)``
+(older releases differ: :mod:`qkmonitor._hf_compat` says how, from 4.48 on) and call it with
+``(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs)``
 — queries and keys after RoPE and the cache, the model's own mask. While a layer is probed its
 module alone sees a shallow copy of the model config whose ``_attn_implementation`` names
 ``"qkmonitor_probe"``, a function registered through ``transformers.AttentionInterface`` that
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +56,7 @@ from numbers import Real
 import torch
 from torch import Tensor, nn
 
+from qkmonitor import _hf_compat
 from qkmonitor.adapters import AttentionLayer, QKWeights, _FailedCall
 from qkmonitor.probes import ObserverSet, Probe, full_precision
 
@@ -97,8 +98,14 @@ class HFAttentionLayer(AttentionLayer):
 
     @property
     def supports_stats(self) -> bool:
-        return _dispatch_table(self.module) is not None and hasattr(getattr(self.module, "config", None),
-                                                                    "_attn_implementation")
+        if not _hf_compat.dispatches(self.module):  # e.g. BERT before transformers 5.0
+            _warn(self.name, _hf_compat.why_no_dispatch(self.module))
+            return False
+        if not hasattr(getattr(self.module, "config", None), "_attn_implementation"):
+            _warn(self.name, f"transformers {_hf_compat.transformers_version()}: {type(self.module).__name__} "
+                             "has no `config._attn_implementation` to route its attention call by")
+            return False
+        return True
 
     def _install(self, probe: Probe) -> Callable[[], None]:
         module = self.module
@@ -241,21 +248,15 @@ def _is_bert(module: nn.Module) -> bool:
 
 def _dispatch_table(module: nn.Module):
     """The ``ALL_ATTENTION_FUNCTIONS`` the module's own source file dispatches through, or None."""
-    source = sys.modules.get(type(module).__module__)
-    table = getattr(source, "ALL_ATTENTION_FUNCTIONS", None)
-    return table if callable(getattr(table, "get_interface", None)) else None
+    return _hf_compat.dispatch_table(module)  # a dict before transformers 4.51
 
 
 def _eager_default(module: nn.Module):
-    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    return _hf_compat.eager_default(module)
 
 
 def _register() -> None:
-    try:
-        from transformers import AttentionInterface
-    except ImportError:  # older layouts
-        from transformers.modeling_utils import AttentionInterface
-    AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
+    _hf_compat.register(PROBE_IMPLEMENTATION, _probe_attention)
 
 
 def _route_module(layer: HFAttentionLayer) -> Callable[[], None] | None:
@@ -287,10 +288,12 @@ def _route_gpt2_upcast(layer: HFAttentionLayer) -> Callable[[], None]:
     module = layer.module
     own = type(module)._upcast_and_reordered_attn.__get__(module)
 
-    def upcast_and_reordered_attn(query, key, value, attention_mask=None):
-        _capture(module, query, key, attention_mask, {"scaling": getattr(module, "scaling", None)},
-                 original="eager")
-        return own(query, key, value, attention_mask)
+    def upcast_and_reordered_attn(query, key, value, attention_mask=None, *args, **kwargs):
+        mask, seen = _hf_compat.as_applied(module, query, key, attention_mask,
+                                           {"scaling": getattr(module, "scaling", None)}, "eager",
+                                           eager=type(module)._upcast_and_reordered_attn)
+        _capture(module, query, key, mask, seen, original="eager")
+        return own(query, key, value, attention_mask, *args, **kwargs)  # head_mask before 5.0
 
     module.__dict__["_upcast_and_reordered_attn"] = upcast_and_reordered_attn
 
@@ -304,9 +307,9 @@ def _probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
                      attention_mask, *args, **kwargs):
     """The registered attention function: measure on the side, then run the model's own."""
     original = getattr(module.config, _ORIGINAL_KEY, None)
-    _capture(module, query, key, attention_mask, kwargs, original=original)
-    table = _dispatch_table(module)
-    attend = table.get_interface(original, _eager_default(module))
+    mask, seen = _hf_compat.as_applied(module, query, key, attention_mask, kwargs, original)
+    _capture(module, query, key, mask, seen, original=original)
+    attend = _hf_compat.attention_function(_dispatch_table(module), original, _eager_default(module))
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
 
 

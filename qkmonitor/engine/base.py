@@ -394,6 +394,7 @@ class ActivationEngine(MonitorEngine):
         super().__init__(**kwargs)
         self._probes: list[Probe] = []
         self._window: tuple[int, bool] | None = None
+        self._measurable: list[bool] = []
 
     @property
     def probing(self) -> bool:
@@ -401,12 +402,16 @@ class ActivationEngine(MonitorEngine):
         return self._window is not None
 
     def _prepare(self, model: nn.Module) -> None:
-        unsupported = [layer.name for layer in self.layers if not layer.supports_stats]
-        if unsupported:
+        self._measurable = [layer.supports_stats for layer in self.layers]
+        unsupported = [layer.name for layer, ok in zip(self.layers, self._measurable) if not ok]
+        if len(unsupported) == len(self.layers):
             raise ValueError(
                 f"{type(self).__name__}: layers {unsupported} give no attention statistics; pass `layers=` with "
                 "AttentionLayer adapters that implement `open_probe`"
             )
+        if unsupported:  # the adapters said why; the others are measured, these stay NaN
+            warnings.warn(f"{type(self).__name__}: layers {unsupported} give no attention statistics here; their "
+                          "activation metrics are logged as NaN.", RuntimeWarning, stacklevel=2)
 
     def _request(self) -> ProbeRequest:
         return ProbeRequest()
@@ -417,8 +422,8 @@ class ActivationEngine(MonitorEngine):
         self._window = (step, validation)
         try:
             request = self._request()
-            for layer in self.layers:
-                self._probes.append(layer.open_probe(request))
+            for layer, measurable in zip(self.layers, self._measurable):
+                self._probes.append(layer.open_probe(request) if measurable else Probe(layer.name, request))
             self._open_extra()
         except BaseException:
             self.abort()
@@ -461,8 +466,8 @@ class ActivationEngine(MonitorEngine):
         self.record(host, values, step, validation=validation, **extra)
 
     def _report_missing(self, host: Host, results: list[ProbeResult]) -> None:
-        for layer, result in zip(self.layers, results):
-            if result.calls == 0:
+        for layer, result, measurable in zip(self.layers, results, self._measurable):
+            if result.calls == 0 and measurable:
                 self.warn_once(host, f"missing:{layer.name}",
                                f"layer {layer.name!r} did not run in the probed forward; its values are NaN. "
                                "This warning is shown once per layer.")

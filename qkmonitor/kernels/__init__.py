@@ -8,21 +8,27 @@ kernel"). Backends:
 - ``"triton"``: fused FlashAttention-2 style kernels (``_triton.py``), forward and backward; CUDA
   tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was imported.
 - ``"torch"``: exact online computation over key blocks in PyTorch (``_torch.py``), any device.
-- ``"auto"``: triton for CUDA tensors when triton is installed, torch otherwise.
+- ``"auto"``: triton for CUDA tensors when triton >= 3.4 is installed, torch otherwise (with a
+  warning when CUDA tensors meet a triton that is missing or too old).
 
 Under autocast (``torch.autocast`` for the tensors' device, as Lightning's ``"bf16-mixed"`` and
 ``"16-mixed"`` precision use it) the inputs are cast as ``F.scaled_dot_product_attention`` casts
 them, to the autocast dtype, and the kernels then run with autocast off: the output comes back in
 the autocast dtype, and the statistics are still accumulated and returned in float32.
 
-Triton is imported only when the triton backend runs, so this package imports without it.
+Triton is imported only when the triton backend runs, so this package imports without it. CUDA
+builds of torch bring triton; a CPU-only install gets the interpreter with ``qkmonitor[triton]``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
 import math
 import os
+import re
+import warnings
 from numbers import Real
 
 import torch
@@ -33,6 +39,9 @@ from qkmonitor.kernels._torch import autocast_off, torch_attention
 __all__ = ["AttentionStats", "attention"]
 
 BACKENDS = ("auto", "triton", "torch")
+#: The oldest triton the kernels run on (``triton.knobs``). On CPU, the interpreter of 3.4 - 3.8
+#: needs numpy < 2.4; 3.9 runs under numpy 2.4.
+TRITON_MIN_VERSION = (3, 4)
 TRITON_MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TORCH_DTYPES = _FLOAT_DTYPES + (torch.float64,)
@@ -258,9 +267,13 @@ def _choose_backend(backend: str, q: torch.Tensor) -> bool:
     if backend == "torch":
         return False
     if backend == "auto":
-        return q.is_cuda and triton_ok and importlib.util.find_spec("triton") is not None
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("`backend='triton'` needs the `triton` package; use backend='torch'")
+        if not (q.is_cuda and triton_ok):
+            return False
+        missing = _triton_missing()
+        if missing:
+            warnings.warn(f"qkmonitor: the fused Triton kernel is not used: {missing}; "
+                          "attention runs on the torch backend", RuntimeWarning, stacklevel=3)
+        return not missing
     if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(
             f"Expected float16, bfloat16 or float32 inputs for `backend='triton'`, got {q.dtype}"
@@ -277,7 +290,32 @@ def _choose_backend(backend: str, q: torch.Tensor) -> bool:
         )
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"`backend='triton'` runs on CUDA tensors, got {q.device.type} tensors")
+    missing = _triton_missing()  # last: the input's own problems are named whatever is installed
+    if missing:
+        raise ValueError(f"`backend='triton'` cannot run: {missing}; use backend='torch'")
     return True
+
+
+@functools.cache
+def _triton_missing() -> str:
+    """Why the triton backend cannot run here (no triton, or one older than 3.4), or ``""``.
+
+    Reads the installed version without importing triton (the interpreter flag is read at import);
+    once per process, as the installed packages do not change under it.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return ("the `triton` package is not installed (CUDA builds of torch bring it; on a CPU-only "
+                "machine `pip install 'qkmonitor[triton]'` gives the interpreter)")
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:  # a differently named build (e.g. pytorch-triton)
+        return ""
+    numbers = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+    if numbers < TRITON_MIN_VERSION:
+        need = ".".join(map(str, TRITON_MIN_VERSION))
+        return (f"triton {version} is installed and the kernels need triton >= {need} "
+                f"(`triton.knobs`; CUDA builds of torch >= 2.8 bring it)")
+    return ""
 
 
 def _interpreter_requested() -> bool:

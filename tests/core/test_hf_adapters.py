@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import Logger
+from packaging.version import Version
 from torch import nn
 from torch.testing import assert_close
 
@@ -29,6 +30,11 @@ from qkmonitor.functional import qk_singular_values, spectral_concentration
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 40, 7
+TRANSFORMERS = Version(transformers.__version__)
+# BertSelfAttention calls its attention through ALL_ATTENTION_FUNCTIONS from 5.0; before, nothing to route
+BERT_DISPATCHES = TRANSFORMERS >= Version("5.0")
+NEEDS_BERT_DISPATCH = pytest.mark.skipif(
+    not BERT_DISPATCHES, reason=f"BERT attention dispatches from transformers 5.0, this is {TRANSFORMERS}")
 
 
 def llama_config(**kw):
@@ -52,6 +58,8 @@ FAMILIES = {
     "gpt2": (gpt2_config, "GPT2LMHeadModel", "transformer.h.{}.attn", "transformers.gpt2"),
     "bert": (bert_config, "BertModel", "encoder.layer.{}.attention.self", "transformers.bert"),
 }
+# the families whose attention statistics this transformers gives
+WITH_STATS = ["llama", "gpt2", pytest.param("bert", marks=NEEDS_BERT_DISPATCH)]
 
 
 def build(family: str, attn: str = "sdpa", seed: int = 0, **config_kw) -> nn.Module:
@@ -105,7 +113,7 @@ def dense_kappa(w_q_heads: list[torch.Tensor], w_k_heads: list[torch.Tensor], nu
 # --- discovery and weights ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WITH_STATS)
 def test_layers_are_found_in_order_with_their_kind(family):
     model = build(family)
     found = find_attention_layers(model)
@@ -151,12 +159,21 @@ def test_gpt2_conv1d_is_read_transposed_and_the_scale_follows_the_config(inverse
         assert_close(w.w_k, conv[:, 32:64].T, rtol=0, atol=0)
         assert (w.num_heads, w.num_kv_heads) == (4, 4)
         expected = 1 / math.sqrt(8) / (i + 1 if inverse_layer_idx else 1)
-        assert w.scale == pytest.approx(expected) and w.scale == pytest.approx(block.attn.scaling)
+        assert w.scale == pytest.approx(expected)
         # W_Q^h is the Conv1D's own column block, no transposition involved
         heads = [conv[:, h * 8:(h + 1) * 8] for h in range(4)]
         keys = [conv[:, 32 + h * 8:32 + (h + 1) * 8] for h in range(4)]
         kappa = spectral_concentration(qk_singular_values(w.w_q, w.w_k, 4, 4))
         assert_close(kappa.double(), dense_kappa(heads, keys, 4), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(TRANSFORMERS < Version("5.4"), reason=f"GPT2Attention.scaling exists from transformers 5.4, "
+                    f"this is {TRANSFORMERS}")
+@pytest.mark.parametrize("inverse_layer_idx", [False, True])
+def test_gpt2_scale_is_the_modules_own_scaling(inverse_layer_idx):
+    model = build("gpt2", scale_attn_by_inverse_layer_idx=inverse_layer_idx)
+    for layer, block in zip(find_attention_layers(model), model.transformer.h):
+        assert layer.qk_weights().scale == pytest.approx(block.attn.scaling)
 
 
 def test_bert_weights_are_query_and_key():
@@ -198,7 +215,7 @@ def assert_stats_match_eager_weights(stats, probs, attentions, probs_slice, dead
 
 @pytest.mark.parametrize("padded", [True, False], ids=["padding", "no_mask"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WITH_STATS)
 def test_probed_statistics_equal_the_eager_attention_weights(family, attn, padded):
     model = build(family, attn)
     ids, mask = batch(padded)
@@ -237,7 +254,8 @@ def test_a_custom_4d_mask_with_a_bias_goes_through_explicit_scores():
 def test_gemma2_softcap_and_sliding_window_go_through_explicit_scores():
     config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
-                                       attn_logit_softcapping=2.0, query_pre_attn_scalar=16, pad_token_id=0)
+                                       attn_logit_softcapping=2.0, query_pre_attn_scalar=16, pad_token_id=0,
+                                       use_cache=False)  # 4.48: a HybridCache shorter than the input fails
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM._from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -301,7 +319,7 @@ def test_two_monitors_probing_one_module_both_get_statistics_and_the_config_come
 
 
 def test_a_metric_failure_is_recorded_and_leaves_the_forward_alone(monkeypatch):
-    model = build("bert")
+    model = build("llama")
     ids, mask = batch(True)
     layers = find_attention_layers(model)
     before = logits_of(model, ids, mask)
@@ -333,6 +351,87 @@ def test_flash_attention_calls_apply_padding_causality_and_the_sliding_window():
     entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
     assert_close(stats.entropy.double(), entropy, rtol=1e-5, atol=1e-6)
     assert_close(stats.attended.double(), allowed.expand(2, 4, 6, 6).sum(-1).double(), rtol=0, atol=0)
+
+
+# --- transformers versions (qkmonitor._hf_compat) ----------------------------------------------
+
+
+@pytest.mark.skipif(BERT_DISPATCHES, reason=f"transformers {TRANSFORMERS}: BERT attention dispatches (from 5.0)")
+def test_bert_before_transformers_5_warns_which_layer_has_no_statistics_and_why():
+    layers = find_attention_layers(build("bert"))
+    for layer in layers:
+        with pytest.warns(RuntimeWarning) as record:
+            assert not layer.supports_stats
+        message = str(record[0].message)
+        assert f"no attention statistics for {layer.name!r}" in message
+        assert f"transformers {transformers.__version__}: {type(layer.module).__name__}" in message
+        assert "without calling a function from `ALL_ATTENTION_FUNCTIONS`" in message
+        assert layer.qk_weights().num_heads == 4  # the weight metrics still work
+
+
+class _OwnAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+    """A user's subclass that computes attention itself (here: none at all), in its own module."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.o_proj(hidden_states), None
+
+
+class _WrappedAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+    """A user's subclass, in its own module, that keeps the dispatch through ``super().forward``."""
+
+    def forward(self, *args, **kwargs):
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(*args, **kwargs)
+
+
+def test_a_subclass_computing_attention_itself_warns_instead_of_silently_giving_nothing():
+    model = build("llama")
+    model.model.layers[1].self_attn.__class__ = _OwnAttention
+    layers = find_attention_layers(model)
+    ids, mask = batch(True)
+    assert layers[0].supports_stats
+    warning = (r"no attention statistics for 'model\.layers\.1\.self_attn' "
+               rf"\(transformers {transformers.__version__}: _OwnAttention computes")
+    with pytest.warns(RuntimeWarning, match=warning):
+        assert not layers[1].supports_stats
+    before = logits_of(model, ids, mask)
+    from qkmonitor.engine import AttentionEntropy, Monitoring
+
+    with pytest.warns(RuntimeWarning, match=warning):  # the monitor measures the other layers
+        monitoring = Monitoring(model, [AttentionEntropy(every_n_steps=1)])
+    with monitoring.step(0):
+        after = logits_of(model, ids, mask)
+    assert torch.equal(before, after)
+    entropy = monitoring.engines[0].latest["entropy"]
+    assert torch.isfinite(entropy[0]).all() and torch.isnan(entropy[1]).all()
+
+
+def test_a_subclass_calling_super_forward_is_still_probed():
+    model = build("llama")
+    for block in model.model.layers:
+        block.self_attn.__class__ = _WrappedAttention
+    ids, mask = batch(True)
+    layers = find_attention_layers(model)
+    assert all(layer.supports_stats for layer in layers)
+    before = logits_of(model, ids, mask)
+    after, stats, _ = probed(layers, lambda: logits_of(model, ids, mask))
+    assert torch.equal(before, after)
+    attentions = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    for st, a in zip(stats, attentions, strict=True):
+        entropy = -(a.double() * a.double().clamp_min(1e-300).log()).sum(-1)
+        assert_close(st.entropy.double(), entropy, rtol=1e-5, atol=2e-6)
+    assert all(block.self_attn.calls == 2 for block in model.model.layers)
+
+
+def test_a_call_without_scaling_is_measured_at_the_scale_sdpa_applies():
+    # GPT-2 before 5.4 passes no `scaling`: SDPA then scales by 1/sqrt(head_dim) whatever the
+    # config says, while GPT-2's own eager function follows scale_attn_by_inverse_layer_idx
+    attn = build("gpt2", scale_attn_by_inverse_layer_idx=True).transformer.h[1].attn
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 4, 3, 8, generator=g)
+    assert hf._hf_compat.as_applied(attn, q, k, None, {}, "sdpa")[1]["scaling"] == pytest.approx(8**-0.5)
+    assert hf._hf_compat.as_applied(attn, q, k, None, {"scaling": 0.25}, "sdpa")[1]["scaling"] == 0.25
+    assert "scaling" not in hf._hf_compat.as_applied(attn, q, k, None, {}, "eager")[1]
 
 
 # --- wiring ------------------------------------------------------------------------------------
