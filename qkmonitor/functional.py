@@ -1,6 +1,6 @@
 r"""Spectral and entropy metrics of attention, as pure tensor functions.
 
-Conventions (DESIGN.md, "Metric definitions"): weights are in ``nn.Linear`` layout
+Conventions (docs/architecture.md, "Metric definitions"): weights are in ``nn.Linear`` layout
 ``(out_features, in_features)``. For head ``h`` with head dim ``d_k``,
 
 .. math::

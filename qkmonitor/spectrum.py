@@ -1,6 +1,6 @@
 r"""The spectrum of every head's ``W_QK`` for a whole model, one layer at a time, from Gram matrices.
 
-Conventions are those of :mod:`qkmonitor.functional` (DESIGN.md, "Metric definitions"): for head
+Conventions are those of :mod:`qkmonitor.functional` (docs/architecture.md, "Metric definitions"): for head
 ``h`` of key/value group ``g``, ``W_Q^h`` is d x d_k, ``W_K^g`` is d' x d_k and
 ``W_QK^h = W_Q^h (W_K^g)^T``. Per layer, three batched products over the long dimension d are the
 only O(d) work:

@@ -2,8 +2,8 @@
 
 ``attention(q, k, v, ...)`` computes ``softmax(scale · q kᵀ) v`` without forming the N×M attention
 matrix and, on request, statistics of each row's attention distribution (entropy, max probability,
-max logit, log-sum-exp, attended keys, sink mass) from the same pass (DESIGN.md, "Attention
-kernel"). Backends:
+max logit, log-sum-exp, attended keys, sink mass) from the same pass (docs/architecture.md, "The
+kernel and its statistics"). Backends:
 
 - ``"triton"``: fused FlashAttention-2 style kernels (``_triton.py``), forward and backward; CUDA
   tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was imported.
@@ -93,7 +93,7 @@ def attention(
         ``max_prob = max_j p_ij``, ``max_logit = max_j s_ij``, ``attended = |A_i|`` and
         ``sink_mass = Σ_{j<sink_tokens} p_ij``. A fully masked row has ``lse = max_logit = −inf``
         and ``entropy = max_prob = attended = sink_mass = 0``. Non-finite scores on allowed keys
-        (DESIGN.md, "Precision and non-finite values"; ``attended`` always counts the allowed
+        (docs/architecture.md, "Precision and non-finite values"; ``attended`` always counts the allowed
         keys):
 
         - a NaN score makes every other statistic of its row NaN (zeros stay reserved for

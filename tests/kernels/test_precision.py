@@ -1,4 +1,4 @@
-"""Mixed precision and non-finite scores (DESIGN.md, "Precision and non-finite values").
+"""Mixed precision and non-finite scores (docs/architecture.md, "Precision and non-finite values").
 
 Under ``torch.autocast`` the kernels take the autocast dtype as ``F.scaled_dot_product_attention``
 does and still accumulate the statistics in float32. A row whose allowed scores hold a NaN gives
