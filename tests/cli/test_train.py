@@ -38,6 +38,17 @@ def test_short_run_writes_logs_and_prints_summary(tmp_path, capsys):
             "qkmonitor/alerts/kappa", "qkmonitor/entropy_norm/layer_02/head_01", "qkmonitor/hidden_collapse/layer_02",
             "train_loss", "val_acc"} <= tags
 
+    # one hparams record: the task's hyper-parameters and the monitors' thresholds (HPARAMS tab)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(tmp_path / "runs" / "recall" / "version_0"))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["lr"].number_value == 3e-3 and hparams["config/n_layers"].number_value == 3
+    assert hparams["qkmonitor/alert_kappa/threshold"].number_value > 0
+
     # and read it back: `qkmonitor report`
     assert main(["report", str(tmp_path / "runs" / "recall" / "version_0"), "--out", str(tmp_path / "report")]) == 0
     report = capsys.readouterr().out
