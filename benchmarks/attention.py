@@ -29,11 +29,14 @@ Usage::
     python benchmarks/attention.py --quick            # small N, a few seconds on CPU
     python benchmarks/attention.py --device cpu       # N up to 16k on CPU
     python benchmarks/attention.py --device cuda      # the Triton table on a GPU
+    python benchmarks/attention.py --device cuda --causal true --repeats 5 --json out.json
+    python benchmarks/attention.py --device cuda --dry-run   # the GPU table's layout, no GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -213,7 +216,7 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
 
 def run_cpu(args) -> None:
     lengths = args.lengths or ([256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192, 16384])
-    d, heads, batch = args.head_dim or 64, args.heads or 2, args.batch or 1
+    d, heads, batch = (args.head_dim or [64])[0], args.heads or 2, args.batch or 1
     repeats = args.repeats or 3
     _malloc_mode(precise=False)
     warm = make_inputs(batch, heads, 128, d, torch.float32, "cpu", grad=False)
@@ -268,33 +271,55 @@ def flash_sdpa(q, k, v, causal):
         return sdpa(q, k, v, causal)
 
 
-def run_cuda(args) -> None:
+def run_cuda(args) -> list[dict]:
+    """The GPU table; returns its rows as dicts (``--json``). With ``--dry-run`` nothing touches
+    CUDA: every time is NaN, so that argument handling and the tables can be checked anywhere."""
     lengths = args.lengths or ([1024, 2048] if args.quick else [1024, 2048, 4096, 8192, 16384])
-    head_dims = [args.head_dim] if args.head_dim else ([64] if args.quick else [64, 128])
+    head_dims = args.head_dim or ([64] if args.quick else [64, 128])
+    causal_values = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
     repeats = args.repeats or (10 if args.quick else 30)
+    device_name = "dry run" if args.dry_run else torch.cuda.get_device_name()
     print(
-        f"{torch.cuda.get_device_name()}, bfloat16, B·N = {args.tokens} tokens, H·D = 2048. "
+        f"{device_name}, bfloat16, B·N = {args.tokens} tokens, H·D = 2048. "
         "TFLOP/s (higher is better); ratios are ours / SDPA-flash throughput (≥ 1: ours faster); "
         "stats cost = extra time of the statistics over the same Triton kernel without them."
     )
     header = ["N", "D", "causal", "pass", "sdpa-flash", "triton", "triton+stats", "ratio",
               "ratio+stats", "stats cost", "mem flash", "mem triton+stats"]  # fmt: skip
-    rows = []
+    rows, results = [], []
+    start = time.perf_counter()
     for d in head_dims:
         for n in lengths:
-            for causal in (False, True):
-                rows += _cuda_rows(args, n, d, causal, repeats)
-                torch.cuda.empty_cache()
+            for causal in causal_values:
+                if args.budget_s and time.perf_counter() - start > args.budget_s:
+                    print(
+                        f"  skipped N={n} D={d} causal={causal}: over --budget-s", file=sys.stderr
+                    )
+                    continue
+                for result in _cuda_results(args, n, d, causal, repeats):
+                    results.append(result)
+                    rows.append(_cuda_row(result))
+                if not args.dry_run:
+                    torch.cuda.empty_cache()
     print_table(header, rows)
+    return results
 
 
-def _cuda_rows(args, n, d, causal, repeats) -> list[list[str]]:
+def _cuda_results(args, n, d, causal, repeats) -> list[dict]:
+    """Times (seconds) and peak memory of SDPA-flash, Triton and Triton with statistics, forward
+    and forward+backward, at one (N, D, causal)."""
     batch, heads = max(1, args.tokens // n), 2048 // d
     flops_fwd = 4 * batch * heads * n * n * d * (0.5 if causal else 1.0)
+    shape = {"n": n, "d": d, "causal": causal, "batch": batch, "heads": heads}
+    if args.dry_run:
+        nan = math.nan
+        return [{**shape, "pass": name, "flops": flops_fwd * factor, "t_flash": nan,
+                 "t_triton": nan, "t_stats": nan, "mem_flash": None, "mem_stats": None}
+                for name, factor in (("fwd", 1.0), ("fwd+bwd", 3.5))]  # fmt: skip
     q, k, v = make_inputs(batch, heads, n, d, torch.bfloat16, "cuda", grad=True)
     dout = torch.randn_like(q)
     contenders = (flash_sdpa, ours("triton", False), ours("triton", True))
-    rows = []
+    results = []
     for name in ("fwd", "fwd+bwd"):
         if name == "fwd":
             calls = [_no_grad_call(fn, q, k, v, causal) for fn in contenders]
@@ -305,14 +330,22 @@ def _cuda_rows(args, n, d, causal, repeats) -> list[list[str]]:
         t_flash, t_ours, t_stats = (cuda_time(call, repeats) for call in calls)
         m_flash, m_stats = cuda_peak_bytes(calls[0]), cuda_peak_bytes(calls[2])
         print(f"  done N={n} D={d} causal={causal} {name}", file=sys.stderr, flush=True)
-        rows.append([
-            str(n), str(d), str(causal), name,
-            f"{flops / t_flash / 1e12:.1f}", f"{flops / t_ours / 1e12:.1f}",
-            f"{flops / t_stats / 1e12:.1f}", f"{t_flash / t_ours:.2f}",
-            f"{t_flash / t_stats:.2f}", f"{(t_stats / t_ours - 1) * 100:+.1f}%",
-            fmt_bytes(m_flash), fmt_bytes(m_stats),
-        ])  # fmt: skip
-    return rows
+        results.append({**shape, "pass": name, "flops": flops, "t_flash": t_flash,
+                        "t_triton": t_ours, "t_stats": t_stats, "mem_flash": m_flash,
+                        "mem_stats": m_stats})  # fmt: skip
+    return results
+
+
+def _cuda_row(r: dict) -> list[str]:
+    def tflops(t):
+        return f"{r['flops'] / t / 1e12:.1f}"
+
+    return [
+        str(r["n"]), str(r["d"]), str(r["causal"]), r["pass"], tflops(r["t_flash"]),
+        tflops(r["t_triton"]), tflops(r["t_stats"]), f"{r['t_flash'] / r['t_triton']:.2f}",
+        f"{r['t_flash'] / r['t_stats']:.2f}", f"{(r['t_stats'] / r['t_triton'] - 1) * 100:+.1f}%",
+        fmt_bytes(r["mem_flash"]), fmt_bytes(r["mem_stats"]),
+    ]  # fmt: skip
 
 
 def _no_grad_call(fn, q, k, v, causal):
@@ -328,7 +361,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--quick", action="store_true", help="small N, few repeats")
     parser.add_argument("--lengths", type=int, nargs="+", help="sequence lengths N (= M)")
-    parser.add_argument("--head-dim", type=int, help="D (GPU default: 64 and 128; CPU: 64)")
+    parser.add_argument(
+        "--head-dim", type=int, nargs="+", help="D, one or more (GPU default: 64 128; CPU: 64)"
+    )
+    parser.add_argument(
+        "--causal", choices=["both", "true", "false"], default="both", help="GPU: which masks"
+    )
     parser.add_argument("--heads", type=int, help="H on CPU (default 2)")
     parser.add_argument("--batch", type=int, help="B on CPU (default 1)")
     parser.add_argument("--tokens", type=int, default=16384, help="B·N on GPU (default 16384)")
@@ -338,17 +376,31 @@ def main(argv: list[str] | None = None) -> None:
         "--max-explicit-gib", type=float, default=8.0,
         help="skip explicit attention on CPU when its matrices would exceed this (default 8)",
     )  # fmt: skip
+    parser.add_argument("--json", type=Path, help="GPU: also write the rows to this file")
+    parser.add_argument(
+        "--budget-s", type=float, help="GPU: measure no new shape after this many seconds"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="GPU table without a GPU: parse, lay out, print NaN times (checks the script)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         parser.error("--device cuda: no CUDA device")
+    if args.dry_run and device != "cuda":
+        parser.error("--dry-run lays out the GPU table: use it with --device cuda")
     if device == "cuda":
-        run_cuda(args)
+        results = run_cuda(args)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
     else:
+        if len(args.head_dim or []) > 1:
+            parser.error("--head-dim: the CPU table takes one head dim")
         run_cpu(args)
 
 

@@ -44,7 +44,7 @@ bulk of the work. The causal mask is bottom-right aligned: query i attends key j
 loads. Each tile's first row is added to its base pointer in int64 (``row · stride`` can pass
 2^31 in long strided layouts); offsets inside a tile stay int32. On CUDA the tile sizes are
 autotuned per (bucketed N, M, head dim, causal, statistics) among those that fit the GPU's shared
-memory; under the interpreter (``TRITON_INTERPRET=1``) one small configuration is used, and bfloat16 is
+memory and build without register spills on it (``_configs``); under the interpreter (``TRITON_INTERPRET=1``) one small configuration is used, and bfloat16 is
 computed in float32 because the interpreter's bfloat16 arithmetic is wrong.
 
 Reference: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
@@ -935,22 +935,35 @@ def _attn_bwd_dq(
 _INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
-def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in shapes
-    ]
+def _configs(shapes: list[tuple]) -> list[triton.Config]:
+    """Tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages, max_block_d, sm80_spills)``.
+
+    ``max_block_d`` is the largest padded head dim the tile is kept for, and ``sm80_spills`` the
+    head dims at which it spills on compute capability 8.x only (``mma.sync`` holds its operand
+    tiles in registers, where sm_90's ``wgmma`` reads them from shared memory): ``_prune`` drops
+    the tile there. Both come from building every kept tile through the real compiler
+    (``scripts/compile_kernels.py``, run by ``tests/kernels/test_triton_compile.py``): none may
+    spill a register, on sm_90 or sm_80.
+    """
+    configs = []
+    for bm, bn, warps, stages, max_block_d, sm80_spills in shapes:
+        config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+        config.max_block_d, config.sm80_spills = max_block_d, frozenset(sm80_spills)
+        configs.append(config)
+    return configs
 
 
 def _smem_bytes(kernel: str, config: triton.Config, block_d: int, elem_bytes: int) -> int:
     """Upper estimate of a configuration's shared memory: the tiles kept for the whole program
-    plus ``num_stages`` buffers of each tile the pipelined loop streams (measured sm_90 kernels
-    use at most this)."""
-    bm, bn, stages = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_stages
+    plus ``num_stages`` buffers (at least two: one-stage builds still double-buffer) of each tile
+    the pipelined loop streams; dK/dV adds its cross-warp reduction over the key block. Compiled
+    sm_90 and sm_80 kernels use at most this (``scripts/compile_kernels.py`` checks it)."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    stages = max(config.num_stages, 2)
     if kernel == "fwd":  # q resident; k, v streamed
         return (bm + 2 * bn * stages) * block_d * elem_bytes
     if kernel == "dkdv":  # k, v resident; q, dO and float32 lse2, δ streamed
-        return (2 * bn + 2 * bm * stages) * block_d * elem_bytes + 8 * bm * stages
+        return (2 * bn + 2 * bm * stages) * block_d * elem_bytes + 8 * bm * stages + 4 * bn
     return (2 * bm + 2 * bn * stages) * block_d * elem_bytes  # dq: q, dO resident; k, v streamed
 
 
@@ -970,12 +983,20 @@ def _smem_limit(x) -> int | None:
     return _SMEM_LIMITS[index]
 
 
-def _prune(configs, named_args, kernel=None, smem_limit=None, **kwargs):
-    """Drop tiles that cannot fit (large head dims, or, for ``kernel``, the GPU's shared memory at
-    the operands' element size) or exceed a short sequence; sequences of at most 128 get one
-    mid-sized tile without benchmarking (tuning would cost more than it wins, and every new shape
-    would pay it). ``kernel`` ("fwd", "dkdv", "dq") is bound per autotuned kernel; ``smem_limit``
-    defaults to the device's."""
+def _capability_major(x) -> int | None:
+    """The compute capability's major version of the tensor's GPU (None off CUDA)."""
+    if not (isinstance(x, torch.Tensor) and x.is_cuda):
+        return None
+    return torch.cuda.get_device_capability(x.device)[0]
+
+
+def _prune(configs, named_args, kernel=None, smem_limit=None, capability=None, **kwargs):
+    """Drop tiles that cannot fit (large head dims, tiles that spill registers at this head dim or
+    on this GPU generation, or, for ``kernel``, the GPU's shared memory at the operands' element
+    size) or exceed a short sequence; sequences of at most 128 get one mid-sized tile without
+    benchmarking (tuning would cost more than it wins, and every new shape would pay it).
+    ``kernel`` ("fwd", "dkdv", "dq") is bound per autotuned kernel; ``smem_limit`` and
+    ``capability`` (the compute capability's major version) default to the device's."""
     block_d = kwargs["BLOCK_D"]
     n_q, n_k = named_args["N_Q_BUCKET"], named_args["N_K_BUCKET"]
     budget = 128 * 128 if block_d <= 64 else 128 * 64 if block_d <= 128 else 64 * 64
@@ -983,6 +1004,13 @@ def _prune(configs, named_args, kernel=None, smem_limit=None, **kwargs):
     elem_bytes = q.element_size() if isinstance(q, torch.Tensor) else 2
     if smem_limit is None:
         smem_limit = _smem_limit(q)
+    if capability is None:
+        capability = _capability_major(q)
+
+    def spills(c):
+        return block_d > getattr(c, "max_block_d", 256) or (
+            capability == 8 and block_d in getattr(c, "sm80_spills", ())
+        )
 
     def area(c):
         return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
@@ -998,6 +1026,7 @@ def _prune(configs, named_args, kernel=None, smem_limit=None, **kwargs):
         c
         for c in configs
         if area(c) <= budget
+        and not spills(c)
         and max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * block_d <= 128 * 128
         and c.kwargs["BLOCK_M"] <= max(n_q, 16)
         and c.kwargs["BLOCK_N"] <= max(n_k, 16)
@@ -1012,33 +1041,41 @@ def _prune(configs, named_args, kernel=None, smem_limit=None, **kwargs):
 
 _TINY_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)
 _KEY = ["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "CAUSAL", "GROUPS"]
+# (BLOCK_M, BLOCK_N, warps, stages, max_block_d, head dims that spill on sm_8x). With BLOCK_D = 128
+# a thread of a 4-warp tile holds too much of the float32 accumulators (and, backward, of p and
+# dp) once the tile reaches 64×64: ptxas spilled hundreds of bytes to kilobytes on sm_90; 8 warps
+# halve each thread's share.
 _FWD_CONFIGS = _configs(
     [
-        (128, 64, 4, 3),
-        (128, 64, 8, 3),
-        (128, 128, 8, 3),
-        (128, 32, 4, 4),
-        (64, 64, 4, 3),
-        (64, 32, 4, 4),
-        (32, 32, 4, 2),
+        (128, 64, 8, 3, 128, (128,)),
+        (128, 128, 8, 3, 64, (64,)),
+        (128, 32, 8, 3, 128, (64,)),
+        (64, 64, 8, 3, 128, ()),
+        (128, 32, 4, 4, 64, ()),
+        (64, 64, 4, 3, 64, ()),
+        (64, 32, 4, 4, 128, ()),
+        (32, 32, 4, 2, 128, ()),
     ]
 )
 _DKDV_CONFIGS = _configs(  # BLOCK_N keys per program, BLOCK_M queries per inner step
     [
-        (64, 128, 8, 3),
-        (32, 128, 4, 3),
-        (64, 64, 4, 3),
-        (32, 64, 4, 3),
-        (16, 64, 4, 2),
+        (64, 128, 8, 3, 64, (64,)),
+        (32, 128, 8, 3, 128, (128,)),
+        (32, 64, 8, 3, 128, ()),
+        (64, 64, 4, 3, 64, (64,)),
+        (32, 64, 4, 3, 64, (64,)),
+        (16, 64, 4, 2, 128, (64,)),
     ]
 )
 _DQ_CONFIGS = _configs(
     [
-        (128, 64, 8, 3),
-        (128, 32, 4, 3),
-        (64, 64, 4, 3),
-        (64, 32, 4, 3),
-        (32, 32, 4, 2),
+        (128, 64, 8, 3, 128, (128,)),
+        (128, 32, 8, 3, 128, ()),
+        (64, 64, 8, 3, 128, ()),
+        (128, 32, 4, 3, 64, (64,)),
+        (64, 64, 4, 3, 64, (64,)),
+        (64, 32, 4, 3, 128, ()),
+        (32, 32, 4, 2, 128, ()),
     ]
 )
 

@@ -60,3 +60,21 @@ def test_prune_keeps_tiles_within_shared_memory(kernel, n, block_d, dtype):
     assert kept
     for config in kept:
         assert _triton._smem_bytes(kernel, config, block_d, q.element_size()) <= limit
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNEL_CONFIGS))
+@pytest.mark.parametrize("block_d", [64, 128])
+def test_prune_drops_tiles_that_spill_at_this_head_dim(kernel, block_d):
+    """Tiles carry where they spill (measured by scripts/compile_kernels.py): above their
+    ``max_block_d`` everywhere, and at ``sm80_spills`` head dims on compute capability 8.x."""
+    named_args = {"N_Q_BUCKET": 4096, "N_K_BUCKET": 4096}
+    configs = KERNEL_CONFIGS[kernel]
+    for capability in (8, 9):
+        kept = _triton._prune(configs, named_args, capability=capability, BLOCK_D=block_d)
+        for config in kept:
+            assert block_d <= config.max_block_d
+            assert capability != 8 or block_d not in config.sm80_spills
+    on_sm90 = _triton._prune(configs, named_args, capability=9, BLOCK_D=block_d)
+    on_sm80 = _triton._prune(configs, named_args, capability=8, BLOCK_D=block_d)
+    spilling_on_sm80 = [c for c in on_sm90 if block_d in c.sm80_spills]
+    assert len(on_sm80) == len(on_sm90) - len(spilling_on_sm80)

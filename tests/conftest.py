@@ -1,0 +1,110 @@
+"""Shared by every test folder: the float64 attention reference, and the ``gpu`` marker's skip.
+
+``reference_attention`` is what the kernel tests (``tests/kernels``, and ``tests/gpu`` on CUDA)
+trust. Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is visible; run
+them with ``pytest -m gpu`` on a GPU machine (``scripts/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Naive float64 attention, every (B, H, N) statistic, from the full (B, H, N, M) matrix."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    max_prob: torch.Tensor
+    max_logit: torch.Tensor
+    attended: torch.Tensor
+    sink_mass: torch.Tensor
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    sink_tokens: int = 0,
+) -> Reference:
+    """Attention by the definition, in float64, forming P explicitly.
+
+    ``allowed[b, h, i, j]`` = key_padding_mask[b, j] and (not causal or j ≤ i + M − N);
+    ``p_ij = exp(s_ij) / Σ_{allowed} exp(s_ij')`` with ``s = scale · q kᵀ``; a row with nothing
+    allowed has p = 0, out = 0, lse = max_logit = −inf. Non-finite scores on allowed keys follow
+    the kernel's contract: a NaN makes every statistic of the row NaN; otherwise a +inf makes
+    ``lse = max_logit = +inf`` and entropy, max_prob, sink_mass NaN; a −inf is probability 0. The
+    output of such a NaN/+inf row is NaN here (the kernels may give anything non-finite there).
+    Differentiable in q, k, v (its gradient is the reference for the kernels' backward).
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    batch, heads, n, d = q.shape
+    m = k.shape[2]
+    groups = heads // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    s = scale * q @ k.transpose(-1, -2)  # (B, H, N, M)
+    allowed = torch.ones(batch, heads, n, m, dtype=torch.bool, device=q.device)
+    if causal:
+        rows = torch.arange(n, device=q.device)[:, None]
+        cols = torch.arange(m, device=q.device)[None, :]
+        allowed = allowed & (cols <= rows + (m - n))
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        has_nan = (s.isnan() & allowed).any(dim=-1)  # (B, H, N)
+        has_inf = (torch.isposinf(s) & allowed).any(dim=-1) & ~has_nan
+    broken = has_nan | has_inf
+    # The healthy rows by the formula; broken rows are computed on zeros and overwritten below.
+    s = torch.where(broken[..., None], 0.0, s).masked_fill(~allowed, -math.inf)
+    row_max = s.amax(dim=-1, keepdim=True) if m > 0 else s.new_full((batch, heads, n, 1), -math.inf)
+    shift = torch.where(torch.isinf(row_max), 0.0, row_max).detach()  # any shift is exact
+    e = torch.exp(s - shift)
+    z = e.sum(dim=-1, keepdim=True)
+    has_keys = z > 0
+    p = torch.where(has_keys, e / torch.where(has_keys, z, 1.0), 0.0)
+    out = torch.where(broken[..., None], math.nan, p @ v)
+    with torch.no_grad():
+        plogp = torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0)
+        lse = torch.where(has_keys, shift + torch.log(torch.where(has_keys, z, 1.0)), -math.inf)
+        lse, row_max = lse.squeeze(-1), row_max.squeeze(-1)
+        max_prob = p.amax(dim=-1) if m > 0 else torch.zeros_like(lse)
+
+        def nan_where_broken(x):
+            return torch.where(broken, math.nan, x)
+
+        return Reference(
+            out=out,
+            lse=torch.where(has_inf, math.inf, nan_where_broken(lse)),
+            entropy=nan_where_broken(-plogp.sum(dim=-1)),
+            max_prob=nan_where_broken(max_prob),
+            max_logit=torch.where(has_inf, math.inf, nan_where_broken(row_max)),
+            attended=allowed.sum(dim=-1).double(),
+            sink_mass=nan_where_broken(p[..., :sink_tokens].sum(dim=-1)),
+        )
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """:func:`reference_attention`, for test modules (conftest is not importable from them)."""
+    return reference_attention
