@@ -167,6 +167,8 @@ class MonitorEngine:
         self._check_rules(rules)
         self.tracker = AlertTracker(rules)
         self.layers: list[AttentionLayer] = []
+        #: Indices of the layers with QK-norm (rules with ``skip_qk_norm`` leave them out).
+        self.qk_norm_layers: frozenset[int] = frozenset()
         #: The last probe's values: metric -> one (num_heads,) float CPU tensor per layer.
         self.latest: Values = {}
         self.latest_step: int | None = None
@@ -230,6 +232,7 @@ class MonitorEngine:
         if self.every_n_steps is None:
             self.every_n_steps = max(1, int(default_every_n_steps))
         self.layers = find_attention_layers(model, self.layer_spec)
+        self.qk_norm_layers = frozenset(i for i, layer in enumerate(self.layers) if layer.qk_weights().qk_norm)
         self._prepare(model)
 
     def _prepare(self, model: nn.Module) -> None:
@@ -278,7 +281,8 @@ class MonitorEngine:
             self.latest_validation = values
         else:
             self.latest, self.latest_step = values, step
-            alerts = self.tracker.update(values, step, [layer.name for layer in self.layers])
+            alerts = self.tracker.update(values, step, [layer.name for layer in self.layers],
+                                         qk_norm_layers=self.qk_norm_layers)
         scalars = self.scalars(values, prefix)
         if not validation:
             scalars.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
