@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkmonitor.alerts import Alert, AlertRule
+from qkmonitor.alerts import DEFAULT_RULES, SPECTRAL_GROWTH_RULE, Alert, AlertRule
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 from qkmonitor.models import DecoderLM, TransformerConfig
 from qkmonitor.models.tasks import PythonSourceDataModule, make_recall_batch
@@ -72,6 +72,7 @@ FINAL_WINDOW, SMOOTH_WINDOW = 20, 10
 MIN_LEAD = 20  # steps an alert must come before the loss separates
 #: bumped when what a run records changes; a cached run of another version is trained again
 RECORD_VERSION = 1
+MONITORS = ("QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor")
 
 
 @dataclass(frozen=True)
@@ -344,7 +345,7 @@ def summary(scored: list[Scored]) -> dict[str, Any]:
         hits = [s for s in failed if s.first_alert is not None]
         leads = [s.lead for s in failed if s.lead is not None]
         healthy = [s for s in runs if s.status == "healthy"]
-        rules = sorted({a["rule"] for s in runs for a in s.record.alerts})
+        rules = [r.name for r in DEFAULT_RULES]
         return {
             "runs": len(runs), "failed": len(failed), "healthy": len(healthy),
             "slow": sum(s.status == "slow" for s in runs), "between": sum(s.status == "between" for s in runs),
@@ -361,12 +362,32 @@ def summary(scored: list[Scored]) -> dict[str, Any]:
 
 
 def _rule_stats(runs: list[Scored], rule: str) -> dict[str, Any]:
-    fired = [s for s in runs if any(a["rule"] == rule for a in s.record.alerts)]
+    """How one rule did on its own: runs it fired on, failed runs it flagged in time, false alarms."""
+    def first(s: Scored) -> int | None:
+        return min((a["step"] for a in s.record.alerts if a["rule"] == rule), default=None)
+
+    fired = [s for s in runs if first(s) is not None]
+    failed = [s for s in runs if s.status == "failed"]
+    in_time = [s for s in failed if first(s) is not None and s.separation is not None
+               and s.separation - first(s) >= MIN_LEAD]
     not_failed = [s for s in runs if s.status != "failed"]
     return {"runs_fired": len(fired), "failed_fired": sum(s.status == "failed" for s in fired),
+            "failed_in_time": len(in_time), "failed": len(failed),
             "false_alarms": sum(s.status != "failed" for s in fired),
             "false_alarm_rate": sum(s.status != "failed" for s in fired) / len(not_failed) if not_failed else math.nan,
             "healthy_fired": sum(s.status == "healthy" for s in fired)}
+
+
+def opt_in_stats(records: list[RunRecord], rule: AlertRule, monitor: str) -> dict[str, Any]:
+    """A rule that is not a default, replayed alone on the recorded runs."""
+    saved = [r.alerts for r in records]
+    try:
+        for r in records:
+            r.alerts = replay(r, {m: [rule] if m == monitor else [] for m in MONITORS})
+        return _rule_stats(score(records), rule.name)
+    finally:
+        for r, alerts in zip(records, saved):
+            r.alerts = alerts
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -429,14 +450,16 @@ def tables(scored: list[Scored], stats: dict[str, Any]) -> str:
         lines.append(f"| {spec.task.name} | {'on' if spec.qk_norm else 'off'} | {spec.lr:g} | {spec.seed} | "
                      f"{s.record.final_loss:.3f} | {s.record.max_logit:.3g} | {s.status} | {_fmt(s.separation)} | "
                      f"{_fmt(s.first_alert)} | {_fmt(s.lead)} | {', '.join(rules) or '—'} |")
-    lines += ["", "| rule | runs fired | of them failed | false alarms (runs) | false-alarm rate | healthy runs fired |",
-              "|---|---|---|---|---|---|"]
-    for rule, r in stats["all"]["per_rule"].items():
-        lines.append(f"| `{rule}` | {r['runs_fired']} | {r['failed_fired']} | {r['false_alarms']} | "
-                     f"{r['false_alarm_rate']:.0%} | {r['healthy_fired']} |")
+    lines += ["", "| rule | runs fired | failed runs flagged (>= 20 steps ahead) | false alarms (runs not failed) | "
+              "false-alarm rate | healthy runs fired |", "|---|---|---|---|---|---|"]
+    rows = {**stats["all"]["per_rule"], **{f"{k} (opt-in)": v for k, v in stats.get("opt_in", {}).items()}}
+    for rule, r in rows.items():
+        lines.append(f"| `{rule}` | {r['runs_fired']} | {r['failed_fired']}/{r['failed']} "
+                     f"({r['failed_in_time']}) | {r['false_alarms']} | {r['false_alarm_rate']:.0%} | "
+                     f"{r['healthy_fired']} |")
     lines += ["", "| task | runs | failed | healthy | recall | precision | in time (lead >= 20) | min lead | "
               "median lead | healthy runs alerted |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, b in stats.items():
+    for name, b in ((k, v) for k, v in stats.items() if k != "opt_in"):
         lines.append(f"| {name} | {b['runs']} | {b['failed']} | {b['healthy']} | {_fmt(b['recall'])} | "
                      f"{_fmt(b['precision'])} | {b['in_time']}/{b['failed']} | {_fmt(b['min_lead'])} | "
                      f"{_fmt(b['median_lead'])} | {b['healthy_alerted']} |")
@@ -510,6 +533,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise RuntimeError(f"{record.spec.key}: the replay fired {again}, the live run {live}")
     scored = score(ordered)
     stats = summary(scored)
+    stats["opt_in"] = {SPECTRAL_GROWTH_RULE.name: opt_in_stats(ordered, SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor")}
     suffix = "_quick" if args.quick else ""
     draw(scored, args.out / f"instability{suffix}.png")
     settings = {"tasks": {n: dataclasses.asdict(TASKS[n]) for n in args.tasks}, "lrs": args.lrs, "seeds": args.seeds,

@@ -206,6 +206,8 @@ class MonitorEngine:
             key = f"{self.prefix}/alert_{rule.name}"
             params.update({f"{key}/threshold": rule.threshold, f"{key}/patience": rule.patience,
                            f"{key}/margin": rule.margin})
+            if rule.growth is not None:
+                params.update({f"{key}/growth": rule.growth, f"{key}/window": rule.window or 0})
         params[f"{self.prefix}/{self.monitor}/every_n_steps"] = self.every_n_steps or 0
         return params
 

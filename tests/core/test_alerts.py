@@ -40,10 +40,10 @@ def test_a_level_rule_fires_once_and_again_only_after_recovering_past_the_margin
     assert tracker.counts == {"level": 2}
 
 
-def test_a_trend_is_measured_from_the_oldest_value_of_the_window():
+def test_a_trend_is_measured_from_the_newest_value_at_least_a_window_old():
     tracker = AlertTracker([TREND])
-    # head 0: 1, 2, 3, then 12 at step 30: x12 over the window [0, 30) -> fires at 30 (12 >= 4 x 1)
-    # head 1: 4, 6, 9, then 14 at step 30: 14 < 4 x 4, and at 40: 20 < 4 x 6 -> never
+    # head 0: 1, 2, 3, then 12 at step 30: x12 since step 0, 30 steps back -> fires at 30
+    # head 1: 4, 6, 9, then 14 at step 30: 14 < 4 x 4, and at 40: 20 < 4 x 6 (step 10) -> never
     fired = feed(tracker, {0: [1.0, 4.0], 10: [2.0, 6.0], 20: [3.0, 9.0], 30: [12.0, 14.0], 40: [13.0, 20.0]})
     assert [(a.head, a.step) for a in fired] == [(0, 30)]
     alert = fired[0]
@@ -54,7 +54,8 @@ def test_a_trend_is_measured_from_the_oldest_value_of_the_window():
 
 def test_a_window_forgets_values_older_than_it():
     tracker = AlertTracker([TREND])
-    # 1 at step 0, then 4.5 from step 10 on: at 40 the window [10, 40) starts at 4.5, so 18 is x4 of it
+    # 1 at step 0, then 4.5 from step 10 on: at 40 the reference is step 10 (17 < 4 x 4.5), at 50
+    # step 20 (18 = 4 x 4.5); the 1 of step 0 no longer counts
     fired = feed(tracker, {0: [1.0], 10: [4.5], 20: [4.5], 30: [4.5], 40: [17.0], 50: [18.0]})
     assert [a.step for a in fired] == [50]
     assert fired[0].reference == 4.5 and fired[0].reference_step == 20
@@ -73,20 +74,28 @@ def test_no_reference_no_trend_and_non_positive_references_do_not_count():
     tracker = AlertTracker([TREND])
     assert feed(tracker, {0: [100.0]}) == []  # nothing to grow from at the first probe
     tracker = AlertTracker([TREND])
-    assert feed(tracker, {0: [-1.0], 10: [50.0]}) == []  # a ratio to a negative value means nothing
+    assert feed(tracker, {0: [-1.0], 30: [50.0]}) == []  # a ratio to a negative value means nothing
 
 
 def test_nan_values_neither_fire_nor_enter_the_history():
     tracker = AlertTracker([TREND])
-    fired = feed(tracker, {0: [math.nan], 10: [2.0], 20: [math.nan], 30: [9.0]})
-    assert [(a.step, a.reference_step) for a in fired] == [(30, 10)]
+    fired = feed(tracker, {0: [math.nan], 10: [2.0], 20: [math.nan], 30: [9.0], 40: [9.0]})
+    # at 30 nothing is 30 steps old (step 0 was NaN); at 40 step 10 is: 9 >= 4 x 2
+    assert [(a.step, a.reference_step) for a in fired] == [(40, 10)]
+
+
+def test_growth_is_a_rate_so_the_probe_interval_does_not_matter():
+    rule = TREND.replace(window=20)  # x4 per 20 steps
+    # probes 50 steps apart: x40 in 50 steps is 40 ** (20 / 50) = x4.37 per 20 steps; x30 is x3.90
+    assert [a.step for a in feed(AlertTracker([rule]), {0: [1.0], 50: [40.0]})] == [50]
+    assert feed(AlertTracker([rule]), {0: [1.0], 50: [30.0]}) == []
 
 
 def test_patience_counts_consecutive_probes_where_level_and_trend_hold():
     tracker = AlertTracker([TREND.replace(patience=2)])
-    fired = feed(tracker, {0: [1.0], 10: [5.0], 20: [3.0], 30: [20.0], 40: [25.0]})
-    # 10: 5 >= 4 x 1 (streak 1); 20: 3 < 5 (streak 0); 30: 20 >= 4 x 1 (1); 40: 25 >= 4 x 3 (2) -> fires
-    assert [a.step for a in fired] == [40]
+    fired = feed(tracker, {0: [1.0], 10: [1.0], 20: [1.0], 30: [20.0], 40: [3.0], 50: [30.0], 60: [200.0]})
+    # 30: 20 >= 4 x 1 (streak 1); 40: 3 is below the level (0); 50: 30 >= 4 x 1 (1); 60: 200 >= 4 x 20 (2)
+    assert [a.step for a in fired] == [60]
 
 
 def test_grace_steps_hold_firing_but_not_the_streak():
@@ -107,7 +116,7 @@ def test_joint_condition_with_its_own_trend():
         fired += tracker.update({"entropy_norm": [torch.tensor([entropy])], "max_logit": [torch.tensor([logit])]},
                                 step, ["a"])
     # a sharp head with steady logits (0-20) is quiet; at 30 logits grew but the head is not sharp;
-    # at 40 both hold (40 >= 3 x 12, the oldest of [20, 40))
+    # at 40 both hold (40 >= 3 x 12, the value of step 20)
     assert [(a.step, a.also_values) for a in fired] == [(40, (40.0,))]
     assert "max_logit = 40" in fired[0].message()
 
@@ -122,11 +131,11 @@ def test_skip_qk_norm_leaves_those_layers_out():
 
 def test_history_and_streaks_survive_a_resume():
     first = AlertTracker([TREND.replace(patience=2)])
-    feed(first, {0: [1.0], 10: [5.0]})  # streak 1 at step 10, reference 1 at step 0
+    feed(first, {0: [1.0], 30: [5.0]})  # streak 1 at step 30 (5 >= 4 x 1)
     second = AlertTracker([TREND.replace(patience=2)])
     second.load_state_dict(first.state_dict())
-    fired = feed(second, {20: [6.0]})
-    assert [(a.step, a.reference, a.reference_step) for a in fired] == [(20, 1.0, 0)]
+    fired = feed(second, {60: [25.0]})  # 25 >= 4 x 5, the value of step 30 kept in the history
+    assert [(a.step, a.reference, a.reference_step) for a in fired] == [(60, 5.0, 30)]
 
 
 @pytest.mark.parametrize("field, value", [
@@ -149,7 +158,7 @@ def test_messages_state_the_trend_the_remedy_and_the_evidence():
     tracker = AlertTracker([LOGIT_GROWTH_RULE])
     logit = LOGIT_GROWTH_RULE.threshold
     growth, window = LOGIT_GROWTH_RULE.growth, LOGIT_GROWTH_RULE.window
-    series = {0: [logit / growth / 2], window: [logit * 2]}  # x4 growth of the window, past the level
+    series = {0: [logit / growth / 2], window: [logit * 2]}  # x(4 growth) in one window, past the level
     fired = feed(tracker, series, metric="max_logit")
     assert len(fired) == 1
     text = fired[0].message(lr=0.03)
@@ -163,3 +172,18 @@ def test_every_default_rule_carries_evidence_and_the_kappa_rule_is_a_trend_that_
     assert KAPPA_RULE.growth is not None and KAPPA_RULE.skip_qk_norm
     # a sharp head alone is not collapse: the entropy rule also needs the logits to grow
     assert any(c.metric == "max_logit" and c.growth is not None for c in ENTROPY_COLLAPSE_RULE.also)
+
+
+def test_engines_know_their_qk_norm_layers_and_the_kappa_rule_skips_them():
+    from qkmonitor.engine import Monitoring, PlainHost, QKSpectrum
+    from qkmonitor.models import DecoderLM, TransformerConfig
+
+    fired = []
+    engine = QKSpectrum(on_alert=lambda owner, alert: fired.append(alert))
+    Monitoring(DecoderLM(TransformerConfig(qk_norm=True)), [engine])
+    assert engine.qk_norm_layers == frozenset({0, 1})
+    # kappa x3 in 30 steps would fire anywhere else
+    for step, kappa in ((0, 0.1), (30, 0.3)):
+        engine.record(PlainHost(), {"kappa": [torch.full((4,), kappa)] * 2}, step)
+    assert fired == []
+
