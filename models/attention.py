@@ -132,10 +132,12 @@ class MultiHeadAttention(nn.Module):
         """``W_Q``, ``W_K`` and the logit scale at the training length.
 
         With RoPE this is the position-0 bilinear form ``W_Q W_K^T``; with QK-norm the per-head
-        normalization sits between the projections and the product and is not included.
+        normalization sits between the projections and the product and is not included (the
+        result says ``qk_norm=True``).
         """
         scale = float(self.scale_policy(torch.tensor(float(self.train_len)))) * self.logit_factor
-        return QKWeights(self.q_proj.weight, self.k_proj.weight, self.n_heads, self.n_kv_heads, scale)
+        return QKWeights(self.q_proj.weight, self.k_proj.weight, self.n_heads, self.n_kv_heads, scale,
+                         qk_norm=self.q_norm is not None)
 
 
 def _make_rope(config: TransformerConfig) -> nn.Module | None:

@@ -41,6 +41,8 @@ class QKWeights:
         num_heads: query heads H.
         num_kv_heads: key/value heads; divides H (GQA/MQA when smaller).
         scale: the factor the layer multiplies ``q·k`` by before the softmax.
+        qk_norm: the layer normalizes q and k per head after the projections (QK-norm), so
+            ``W_QK`` does not bound its logits; alert rules with ``skip_qk_norm`` leave it out.
     """
 
     w_q: Tensor
@@ -48,6 +50,7 @@ class QKWeights:
     num_heads: int
     num_kv_heads: int
     scale: float
+    qk_norm: bool = False
 
 
 @runtime_checkable

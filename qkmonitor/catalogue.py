@@ -112,7 +112,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("attn_erank_norm", RANK, True, "ratio", (0.0, 1.0), "low", "effective rank",
                "attn_erank / min(rows, keys) of the probe slice"),
     MetricSpec("attn_entropy_norm", RANK, True, "fraction of log n_i", (0.0, 1.0), "low", "effective rank",
-               "entropy_norm of the same probe slice (the malignant_collapse rule pairs it with attn_erank_norm)"),
+               "entropy_norm of the same probe slice (the malignant_collapse rule pairs it with attn_erank)"),
 )
 
 _BY_NAME = {spec.name: spec for spec in CATALOGUE}

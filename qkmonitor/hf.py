@@ -6,7 +6,7 @@ Three families are recognised by structure, not by class name:
   ``k_proj`` ``nn.Linear`` with the head counts on the module or its ``config``
   (``num_attention_heads``, ``num_key_value_heads`` for GQA/MQA, ``head_dim``); the scale is
   ``module.scaling``, else ``1/sqrt(head_dim)``. With RoPE, W_QK is the position-0 bilinear form;
-  a QK-norm (``q_norm``/``k_norm``, e.g. Qwen3) is not part of it.
+  a QK-norm (``q_norm``/``k_norm``, e.g. Qwen3) is not part of it (``QKWeights.qk_norm`` says so).
 - **GPT-2** (``GPT2Attention``): a ``c_attn`` ``Conv1D`` whose weight is ``(in, 3·embed)`` —
   transposed compared to ``nn.Linear`` — split into q, k, v (cross-attention: ``q_attn`` and a
   ``(in, 2·embed)`` ``c_attn``); the scale is ``1/sqrt(head_dim)`` when ``scale_attn_weights``,
@@ -136,7 +136,8 @@ class LlamaAttentionLayer(HFAttentionLayer):
         m = self.module
         heads, kv_heads, head_dim = _llama_shape(m)
         scale = m.scaling if _is_number(getattr(m, "scaling", None)) else head_dim**-0.5
-        return QKWeights(m.q_proj.weight, m.k_proj.weight, heads, kv_heads, float(scale))
+        qk_norm = isinstance(getattr(m, "q_norm", None), nn.Module) and isinstance(getattr(m, "k_norm", None), nn.Module)
+        return QKWeights(m.q_proj.weight, m.k_proj.weight, heads, kv_heads, float(scale), qk_norm=qk_norm)
 
 
 class GPT2AttentionLayer(HFAttentionLayer):

@@ -167,6 +167,8 @@ class MonitorEngine:
         self._check_rules(rules)
         self.tracker = AlertTracker(rules)
         self.layers: list[AttentionLayer] = []
+        #: Indices of the layers with QK-norm (rules with ``skip_qk_norm`` leave them out).
+        self.qk_norm_layers: frozenset[int] = frozenset()
         #: The last probe's values: metric -> one (num_heads,) float CPU tensor per layer.
         self.latest: Values = {}
         self.latest_step: int | None = None
@@ -204,6 +206,8 @@ class MonitorEngine:
             key = f"{self.prefix}/alert_{rule.name}"
             params.update({f"{key}/threshold": rule.threshold, f"{key}/patience": rule.patience,
                            f"{key}/margin": rule.margin})
+            if rule.growth is not None:
+                params.update({f"{key}/growth": rule.growth, f"{key}/window": rule.window or 0})
         params[f"{self.prefix}/{self.monitor}/every_n_steps"] = self.every_n_steps or 0
         return params
 
@@ -230,6 +234,7 @@ class MonitorEngine:
         if self.every_n_steps is None:
             self.every_n_steps = max(1, int(default_every_n_steps))
         self.layers = find_attention_layers(model, self.layer_spec)
+        self.qk_norm_layers = frozenset(i for i, layer in enumerate(self.layers) if layer.qk_weights().qk_norm)
         self._prepare(model)
 
     def _prepare(self, model: nn.Module) -> None:
@@ -278,7 +283,8 @@ class MonitorEngine:
             self.latest_validation = values
         else:
             self.latest, self.latest_step = values, step
-            alerts = self.tracker.update(values, step, [layer.name for layer in self.layers])
+            alerts = self.tracker.update(values, step, [layer.name for layer in self.layers],
+                                         qk_norm_layers=self.qk_norm_layers)
         scalars = self.scalars(values, prefix)
         if not validation:
             scalars.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])

@@ -14,7 +14,7 @@ from torch import nn
 
 from qkmonitor.adapters import find_attention_layers
 from qkmonitor.probes import ProbeRequest
-from qkmonitor.alerts import EntropyCollapseWarning
+from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE, EntropyCollapseWarning
 from qkmonitor.callbacks import AttentionEntropyMonitor
 from qkmonitor.models.positional import apply_rotary_pos_emb
 
@@ -154,14 +154,31 @@ def test_entropy_monitor_on_a_user_transformer_encoder(tmp_path, scalars_of):
     assert not any(m._forward_pre_hooks for m in model.modules())  # nothing left behind
 
 
-@pytest.mark.parametrize(("q_scale", "collapses"), [(30.0, True), (0.1, False)])
-def test_sharply_scaled_queries_raise_entropy_collapse_and_soft_ones_do_not(tmp_path, make_task, q_scale, collapses):
+class GrowQueries(pl.Callback):
+    """Multiplies every query projection by ``factor`` before each training batch: logits grow
+    geometrically, as in attention-logit growth."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        with torch.no_grad():
+            for block in pl_module.model.blocks:
+                block.attn.q_proj.weight.mul_(self.factor)
+
+
+@pytest.mark.parametrize(("q_scale", "growth", "collapses"), [(30.0, 1.0, False), (0.1, 1.0, False), (30.0, 1.05, True)])
+def test_entropy_collapse_needs_sharp_heads_whose_logits_keep_growing(tmp_path, make_task, q_scale, growth, collapses):
+    # 30x queries make every head near one-hot; at lr 0 with steady weights that is a sharp head,
+    # not a collapse in progress (the rule also needs max_logit growing x2 per 30 steps). Queries
+    # growing 5 % a step grow the logits x4.3 per 30 steps: the rule fires at the first probe 30
+    # steps after another (probes every 10 steps: at step 30).
     task, data = make_task(lr=0.0)
     with torch.no_grad():
         for block in task.model.blocks:
             block.attn.q_proj.weight.mul_(q_scale)
-    monitor = AttentionEntropyMonitor(every_n_steps=1)
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=False, callbacks=[monitor],
+    monitor = AttentionEntropyMonitor(every_n_steps=10)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=31, logger=False, callbacks=[GrowQueries(growth), monitor],
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          limit_val_batches=0)
     with warnings.catch_warnings(record=True) as caught:
@@ -170,7 +187,10 @@ def test_sharply_scaled_queries_raise_entropy_collapse_and_soft_ones_do_not(tmp_
     fired = [w for w in caught if issubclass(w.category, EntropyCollapseWarning)]
     assert bool(fired) == collapses
     worst = min(heads.min().item() for heads in monitor.latest["entropy_norm"])
-    assert (worst <= 0.1) == collapses
+    assert (worst <= ENTROPY_COLLAPSE_RULE.threshold) == (q_scale > 1)  # sharp either way
+    if collapses:
+        message = str(fired[0].message)
+        assert "at step 30" in message and "max_logit = " in message and "Evidence:" in message
 
 
 def test_layers_without_statistics_are_an_error_that_says_so(tmp_path, make_task):

@@ -90,7 +90,7 @@ def test_every_alert_rule_field_is_checked_by_name(field, value):
 
 
 def test_a_rule_for_a_metric_the_monitor_does_not_log_lists_the_ones_it_does():
-    with pytest.raises(ValueError, match=r"'entropy_norm', which QKSpectrumMonitor does not log; it logs kappa, kappa_eig"):
+    with pytest.raises(ValueError, match=r"'entropy_norm', 'max_logit', which QKSpectrumMonitor does not log; it logs kappa, kappa_eig"):
         QKSpectrumMonitor(alerts=[ENTROPY_COLLAPSE_RULE])
     with pytest.raises(ValueError, match="'kapa'"):
         QKSpectrumMonitor(alerts=[KAPPA_RULE.replace(metric="kapa")])

@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.dashboards import LayoutSection, attention_image, custom_scalars_layout, heatmap_image
 
@@ -63,7 +64,8 @@ def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_
 
     # one hparams record (TensorBoard shows a run's first) with the model's and the rules' values
     hparams = hparams_of(acc)
-    assert hparams["qkmonitor/alert_kappa/threshold"] == 0.8
+    assert hparams["qkmonitor/alert_kappa/threshold"] == KAPPA_RULE.threshold
+    assert hparams["qkmonitor/alert_kappa/growth"] == KAPPA_RULE.growth
     assert hparams["qkmonitor/alert_rank_collapse/threshold"] == 1e-3
     assert hparams["config/d_model"] == 32 and hparams["lr"] == 3e-3  # the model's hyper-parameters
 

@@ -17,6 +17,8 @@ from qkmonitor import OverLocalizationWarning
 from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.callbacks import QKSpectrumMonitor
 
+#: kappa as a level (the default rule is a trend, which a constant kappa never fires): the old rule
+LEVEL_KAPPA = KAPPA_RULE.replace(threshold=0.8, growth=None, window=None, patience=2, skip_qk_norm=False)
 METRICS = ("kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm")
 WORST = {"kappa": "max", "kappa_eig": "max", "qk_erank": "min", "qk_spectral_norm": "max"}
 
@@ -185,7 +187,7 @@ def make_rank_one(task) -> None:
 def test_kappa_alert_fires_once_per_head_after_patience(tmp_path, make_task, scalars_of):
     task, data = make_task(lr=0.0)
     make_rank_one(task)
-    monitor = QKSpectrumMonitor(every_n_steps=1, alerts=[KAPPA_RULE.replace(patience=3)])
+    monitor = QKSpectrumMonitor(every_n_steps=1, alerts=[LEVEL_KAPPA.replace(patience=3)])
     with pytest.warns(OverLocalizationWarning) as record:
         trainer_for(tmp_path, monitor, max_steps=5).fit(task, datamodule=data)
     alerts = [w for w in record if issubclass(w.category, OverLocalizationWarning)]
@@ -201,13 +203,14 @@ def test_kappa_alert_fires_once_per_head_after_patience(tmp_path, make_task, sca
 def test_alert_action_stop_ends_training_and_raise_raises(tmp_path, make_task):
     task, data = make_task(lr=0.0)
     make_rank_one(task)
-    trainer = trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=1, alert_action="stop"), max_steps=10)
+    trainer = trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=1, alert_action="stop", alerts=[LEVEL_KAPPA]),
+                          max_steps=10)
     with pytest.warns(OverLocalizationWarning):
         trainer.fit(task, datamodule=data)
     assert trainer.global_step < 10
     with pytest.raises(OverLocalizationWarning, match="kappa = 1"):
-        trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=1, alert_action="raise"), max_steps=10).fit(
-            task, datamodule=data)
+        trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=1, alert_action="raise", alerts=[LEVEL_KAPPA]),
+                    max_steps=10).fit(task, datamodule=data)
 
 
 def test_without_tensorboard_scalars_still_reach_csv_logger(tmp_path, make_task):
@@ -235,7 +238,7 @@ def test_resume_keeps_alert_state_and_does_not_repeat_alerts_or_steps(tmp_path, 
     task, data = make_task(lr=0.0)
     make_rank_one(task)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=3)
-    first = QKSpectrumMonitor(every_n_steps=1)
+    first = QKSpectrumMonitor(every_n_steps=1, alerts=[LEVEL_KAPPA])
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=TensorBoardLogger(tmp_path, "run", 0),
                          callbacks=[first, checkpoint], enable_progress_bar=False, enable_model_summary=False,
                          log_every_n_steps=1, limit_val_batches=0)
@@ -243,7 +246,7 @@ def test_resume_keeps_alert_state_and_does_not_repeat_alerts_or_steps(tmp_path, 
         trainer.fit(task, datamodule=data)
     assert first.tracker.counts["kappa"] == 8
 
-    second = QKSpectrumMonitor(every_n_steps=1)
+    second = QKSpectrumMonitor(every_n_steps=1, alerts=[LEVEL_KAPPA])
     resumed = pl.Trainer(default_root_dir=tmp_path, max_steps=6, logger=TensorBoardLogger(tmp_path, "run", 1),
                          callbacks=[second, ModelCheckpoint(dirpath=tmp_path / "ckpt2")],
                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
@@ -255,3 +258,34 @@ def test_resume_keeps_alert_state_and_does_not_repeat_alerts_or_steps(tmp_path, 
     assert second.tracker.counts["kappa"] == 8  # restored, not refired
     steps = [s for s, _ in scalars_of(tmp_path / "run" / "version_1")["qkmonitor/kappa/layer_00"]]
     assert steps == [4, 5, 6]  # no second probe of step 3, no step 0
+
+
+def test_on_alert_gets_the_trainer_and_can_lower_the_learning_rate(tmp_path, make_task):
+    # what the README suggests wiring up: halve the peak learning rate once per step that alerts.
+    # The task's LambdaLR scheduler recomputes lr = base_lr * factor(step) every step, so the base
+    # rate is what must change, and the optimizer's current rate with it.
+    task, data = make_task(lr=1e-3)
+    make_rank_one(task)  # kappa ~ 1 from the start: the level rule fires at step 0 on all 8 heads
+    calls: list[tuple[object, str, int]] = []
+
+    def halve_lr(trainer: pl.Trainer, alert) -> None:
+        calls.append((trainer, alert.rule.name, alert.step))
+        if [step for _, _, step in calls].count(alert.step) > 1:
+            return  # once per step, however many heads fired
+        for config in trainer.lr_scheduler_configs:
+            config.scheduler.base_lrs = [lr / 2 for lr in config.scheduler.base_lrs]
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] /= 2
+
+    trainer = trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=1, alerts=[LEVEL_KAPPA.replace(patience=1)],
+                                                      on_alert=halve_lr), max_steps=4)
+    with pytest.warns(OverLocalizationWarning):
+        trainer.fit(task, datamodule=data)
+    assert {id(owner) for owner, _, _ in calls} == {id(trainer)}
+    alert_steps = sorted({step for _, _, step in calls})
+    assert [name for _, name, _ in calls] == ["kappa"] * len(calls) and len(calls) == 8 * len(alert_steps)
+    # warmup_steps=0 in the tiny task: the rate is the base rate, halved once per alerting step
+    expected = 1e-3 / 2 ** len(alert_steps)
+    assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(expected)] * 2
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(expected)

@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor import QKMonitorWarning
+from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
@@ -60,7 +61,8 @@ def runs(tmp_path_factory):
     train(root, "plain", [QKSpectrumMonitor(every_n_steps=1, per_head=True),
                           AttentionEntropyMonitor(every_n_steps=1, per_head=True),
                           EffectiveRankMonitor(every_n_steps=2)])
-    alerts = train(root, "alerting", [QKSpectrumMonitor(every_n_steps=1, per_head=True),
+    level_kappa = KAPPA_RULE.replace(threshold=0.8, growth=None, window=None)  # kappa = 1 throughout: a level fires
+    alerts = train(root, "alerting", [QKSpectrumMonitor(every_n_steps=1, per_head=True, alerts=[level_kappa]),
                                       AttentionEntropyMonitor(every_n_steps=1)], lr=0.0, rank_one=True)
     return {"plain": root / "plain" / "version_0", "alerting": root / "alerting" / "version_0",
             "alert_messages": alerts}

@@ -1,0 +1,549 @@
+"""Does qkmonitor warn in time? A learning-rate sweep with and without QK-norm, alerts scored.
+
+The attention-logit-growth instability of Dehghani et al. 2023 (ViT-22B) and Wortsman et al. 2023
+("Small-scale proxies for large-scale Transformer training instabilities", arXiv 2309.14322,
+Figure 1), reproduced at CPU scale on two bundled tasks: a character-level LM on the Python
+standard library's source (``charlm``) and multi-query associative recall (``recall``, a task
+solved by sharp induction heads). Each run trains the bundled decoder with AdamW in a plain loop
+with all three monitors on (:class:`qkmonitor.engine.Monitoring`, probe every 10 steps) and their
+**default alert rules**, so the alerts are the ones a user would see.
+
+Per run it records the training loss of every step, every probe's values (every metric, layer and
+head) and every alert (rule, layer, head, step). The summary then says:
+
+- **final loss**: the mean training loss over the last 20 steps (every batch is freshly drawn, so
+  the training loss is a held-out estimate);
+- **failed**: final loss >= 1.2 x the best final loss of the task's sweep *and* a learning rate
+  above the best one of its variant (QK-norm off or on, by the mean over seeds). Runs below their
+  variant's best rate that end that high are *slow*, not unstable, and are reported apart;
+- **healthy**: final loss within 10 % of the task's best; these must fire no alert at all;
+- **separation**: the first step from which the run's loss (mean over the last 10 steps) stays
+  above 1.1 x the best run's (same task and seed, lowest final loss, same steps) until the end;
+- **recall** = failed runs with an alert / failed runs; **precision** = failed runs with an alert
+  / runs with an alert; **lead** = separation step - first alert step (the requirement: >= 20).
+
+Trajectories are cached (``--cache``, one JSON per run), so that changed rules can be evaluated
+against the recorded runs without training again (``--replay``): the recorded values go through
+the same engines and rules (``MonitorEngine.record``) as in training. A fresh run checks that the
+replay gives exactly the alerts the live run fired.
+
+Outputs: ``docs/instability.png`` (final loss against learning rate for both variants with the
+alerted runs marked, and the largest attention logit of each run), ``docs/instability.json``
+(per-run results and the summary), and markdown tables on stdout (the README's "Does it warn in
+time?" section).
+
+Usage::
+
+    python benchmarks/instability.py            # 2 tasks x 5 rates x QK-norm off/on x 2 seeds (~10 min)
+    python benchmarks/instability.py --quick    # charlm and recall, 3 rates, 1 seed, shorter (~2 min)
+    python benchmarks/instability.py --replay   # re-score the cached runs with the current rules
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qkmonitor.alerts import DEFAULT_RULES, SPECTRAL_GROWTH_RULE, Alert, AlertRule
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.models.tasks import PythonSourceDataModule, make_recall_batch
+from qkmonitor.models.tasks.base import IGNORE_INDEX, lr_factor
+
+ROOT = Path(__file__).resolve().parents[1]
+EVERY = 10  # probe interval (steps) of every monitor
+FAIL_RATIO, HEALTHY_RATIO, SEPARATION_RATIO = 1.2, 1.1, 1.1
+FINAL_WINDOW, SMOOTH_WINDOW = 20, 10
+MIN_LEAD = 20  # steps an alert must come before the loss separates
+#: bumped when what a run records changes; a cached run of another version is trained again
+RECORD_VERSION = 1
+MONITORS = ("QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor")
+
+
+@dataclass(frozen=True)
+class TaskSetup:
+    """A task of the sweep: the model, the data and the training length."""
+
+    name: str
+    steps: int
+    batch_size: int
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 64  # charlm: context; recall: set by the pairs
+    pairs: int = 8  # recall: key-value pairs (and queries) per sequence
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 if self.name == "charlm" else 8 * self.pairs
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.seq_len if self.name == "charlm" else 3 * self.pairs
+
+
+TASKS = {
+    "charlm": TaskSetup("charlm", steps=250, batch_size=16),
+    "recall": TaskSetup("recall", steps=300, batch_size=64),
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the sweep."""
+
+    task: TaskSetup
+    lr: float
+    qk_norm: bool
+    seed: int
+    warmup: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.task.name}-lr{self.lr:g}-qk{int(self.qk_norm)}-s{self.seed}-w{self.warmup}-n{self.task.steps}"
+
+    def config(self) -> TransformerConfig:
+        t = self.task
+        return TransformerConfig(vocab_size=t.vocab_size, d_model=t.d_model, n_layers=t.n_layers, n_heads=t.n_heads,
+                                 max_seq_len=t.max_seq_len, qk_norm=self.qk_norm, attention_backend="torch")
+
+
+@dataclass
+class RunRecord:
+    """What one run recorded. ``probes``: step -> metric -> one list of head values per layer."""
+
+    spec: RunSpec
+    losses: list[float]
+    probes: dict[int, dict[str, list[list[float]]]]
+    live_alerts: list[dict[str, Any]]
+    seconds: float
+    alerts: list[dict[str, Any]] = field(default_factory=list)  # from the replay (the scored ones)
+
+    @property
+    def final_loss(self) -> float:
+        tail = [x for x in self.losses[-FINAL_WINDOW:] if math.isfinite(x)]
+        return statistics.fmean(tail) if len(tail) == FINAL_WINDOW else math.inf
+
+    @property
+    def max_logit(self) -> float:
+        """The largest attention logit of any probe, layer and head over the run."""
+        values = [v for p in self.probes.values() for layer in p.get("max_logit", []) for v in layer
+                  if math.isfinite(v)]
+        return max(values, default=math.nan)
+
+    def smoothed(self) -> list[float]:
+        """The loss averaged over the last ``SMOOTH_WINDOW`` steps (fewer at the start)."""
+        out, total = [], 0.0
+        for i, x in enumerate(self.losses):
+            total += x if math.isfinite(x) else 1e9
+            if i >= SMOOTH_WINDOW:
+                total -= self.losses[i - SMOOTH_WINDOW] if math.isfinite(self.losses[i - SMOOTH_WINDOW]) else 1e9
+            out.append(total / min(i + 1, SMOOTH_WINDOW))
+        return out
+
+
+# -- one run -------------------------------------------------------------------------------------
+
+
+def _engines(on_alert=None, rules: dict[str, list[AlertRule]] | None = None) -> list:
+    """The three monitors' engines; ``rules``: monitor name -> its rules (default: the defaults)."""
+    rules = rules or {}
+    return [QKSpectrum(on_alert=on_alert, alerts=rules.get("QKSpectrumMonitor")),
+            AttentionEntropy(on_alert=on_alert, alerts=rules.get("AttentionEntropyMonitor")),
+            EffectiveRank(max_probe_tokens=32, on_alert=on_alert, alerts=rules.get("EffectiveRankMonitor"))]
+
+
+def _alert_row(alert: Alert) -> dict[str, Any]:
+    return {"rule": alert.rule.name, "layer": alert.layer, "head": alert.head if alert.rule.per_head else None,
+            "step": alert.step, "value": alert.value, "message": alert.message()}
+
+
+_TEXT: dict[int, torch.Tensor] = {}
+
+
+def _charlm_text(seq_len: int) -> torch.Tensor:
+    if seq_len not in _TEXT:
+        data = PythonSourceDataModule(max_chars=400_000, seq_len=seq_len, seed=0)
+        data.setup()
+        _TEXT[seq_len] = data.train_text
+    return _TEXT[seq_len]
+
+
+def _batches(spec: RunSpec):
+    """Fresh (tokens, targets) batches of the task, drawn from the run's seed."""
+    t, gen = spec.task, torch.Generator().manual_seed(10_000 + spec.seed)
+    if t.name == "charlm":
+        text = _charlm_text(t.seq_len)
+        while True:
+            starts = torch.randint(len(text) - t.seq_len - 1, (t.batch_size,), generator=gen)
+            window = text[starts[:, None] + torch.arange(t.seq_len + 1)]
+            yield window[:, :-1], window[:, 1:]
+    else:
+        while True:
+            yield make_recall_batch(t.batch_size, t.pairs, t.pairs, 4 * t.pairs, 4 * t.pairs, gen)
+
+
+def train_run(spec: RunSpec) -> RunRecord:
+    """Train one run with the monitors and their default rules; record losses, probes and alerts."""
+    torch.set_num_threads(1)  # one process per core: threads only fight each other on a shared machine
+    torch.manual_seed(spec.seed)
+    model = DecoderLM(spec.config())
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
+                                  lr=spec.lr, betas=(0.9, 0.98))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, spec.warmup))
+    fired: list[Alert] = []
+    engines = _engines(on_alert=lambda owner, alert: fired.append(alert))
+    monitoring = Monitoring(model, engines, optimizer=optimizer, every_n_steps=EVERY)
+    losses: list[float] = []
+    probes: dict[int, dict[str, list[list[float]]]] = {}
+    batches = _batches(spec)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the alerts are collected by on_alert; non-finite values are recorded
+        for step in range(spec.task.steps):
+            tokens, targets = next(batches)
+            with monitoring.step(step):
+                logits = model(tokens)
+                loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            schedule.step()
+            losses.append(float(loss))
+            for engine in engines:
+                if engine.latest_step == step:
+                    probes.setdefault(step, {}).update(
+                        {name: [layer.tolist() for layer in grid] for name, grid in engine.latest.items()})
+    return RunRecord(spec, losses, probes, [_alert_row(a) for a in fired], time.perf_counter() - start)
+
+
+def replay(record: RunRecord, rules: dict[str, list[AlertRule]] | None = None) -> list[dict[str, Any]]:
+    """The alerts the rules fire on the recorded values, through the engines' own path
+    (``MonitorEngine.record``: tracker, actions, ``on_alert``); no training, no measuring.
+
+    Args:
+        rules: monitor name (``"QKSpectrumMonitor"``, ...) -> the rules to try instead of its
+            defaults, e.g. to evaluate a rule of your own on the recorded sweep.
+    """
+    fired: list[Alert] = []
+    engines = _engines(on_alert=lambda owner, alert: fired.append(alert), rules=rules)
+    monitoring = Monitoring(DecoderLM(record.spec.config()), engines, every_n_steps=EVERY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in sorted(record.probes):
+            for engine in engines:
+                values = {m: [torch.tensor(layer) for layer in grid] for m, grid in record.probes[step].items()
+                          if m in engine.metric_names}
+                if values:
+                    engine.record(monitoring.host, values, step)
+    return [_alert_row(a) for a in fired]
+
+
+# -- the cache -----------------------------------------------------------------------------------
+
+
+def _save(record: RunRecord, cache: Path) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    data = {"version": RECORD_VERSION, "spec": {**dataclasses.asdict(record.spec), "task": dataclasses.asdict(record.spec.task)},
+            "losses": record.losses, "probes": {str(k): v for k, v in record.probes.items()},
+            "live_alerts": record.live_alerts, "seconds": record.seconds}
+    (cache / f"{record.spec.key}.json").write_text(json.dumps(data))
+
+
+def _load(spec: RunSpec, cache: Path) -> RunRecord | None:
+    path = cache / f"{spec.key}.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("version") != RECORD_VERSION or data["spec"]["task"] != dataclasses.asdict(spec.task):
+        return None
+    probes = {int(k): v for k, v in data["probes"].items()}
+    return RunRecord(spec, data["losses"], probes, data["live_alerts"], data["seconds"])
+
+
+# -- scoring -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Scored:
+    """A run with its verdicts."""
+
+    record: RunRecord
+    status: str  # "failed", "healthy", "slow" or "between"
+    separation: int | None
+    first_alert: int | None
+
+    @property
+    def lead(self) -> int | None:
+        if self.separation is None or self.first_alert is None:
+            return None
+        return self.separation - self.first_alert
+
+
+def separation_step(run: RunRecord, best: RunRecord) -> int | None:
+    """The first step from which ``run``'s smoothed loss stays above ``SEPARATION_RATIO`` x ``best``'s."""
+    mine, ref = run.smoothed(), best.smoothed()
+    above = [a > SEPARATION_RATIO * b for a, b in zip(mine, ref)]
+    if not above or not above[-1]:
+        return None
+    step = len(above)
+    while step > 0 and above[step - 1]:
+        step -= 1
+    return step
+
+
+def score(records: list[RunRecord]) -> list[Scored]:
+    """Verdicts for every run (see the module docstring for the definitions)."""
+    out = []
+    for task in sorted({r.spec.task.name for r in records}):
+        runs = [r for r in records if r.spec.task.name == task]
+        best = min(runs, key=lambda r: r.final_loss)
+        best_lr = {}
+        for qk in (False, True):
+            variant = [r for r in runs if r.spec.qk_norm == qk]
+            by_lr = {}
+            for r in variant:
+                by_lr.setdefault(r.spec.lr, []).append(r.final_loss)
+            best_lr[qk] = min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr])) if by_lr else math.inf
+        for r in runs:
+            ratio = r.final_loss / best.final_loss
+            if ratio <= HEALTHY_RATIO:
+                status = "healthy"
+            elif ratio >= FAIL_RATIO:
+                status = "failed" if r.spec.lr > best_lr[r.spec.qk_norm] else "slow"
+            else:
+                status = "between"
+            same_seed = [b for b in runs if b.spec.seed == r.spec.seed]
+            reference = min(same_seed, key=lambda b: b.final_loss)
+            first = min((a["step"] for a in r.alerts), default=None)
+            out.append(Scored(r, status, separation_step(r, reference), first))
+    return out
+
+
+def summary(scored: list[Scored]) -> dict[str, Any]:
+    """Recall, precision, lead times and false alarms, per task and over all."""
+    def block(runs: list[Scored]) -> dict[str, Any]:
+        failed = [s for s in runs if s.status == "failed"]
+        alerted = [s for s in runs if s.first_alert is not None]
+        hits = [s for s in failed if s.first_alert is not None]
+        leads = [s.lead for s in failed if s.lead is not None]
+        healthy = [s for s in runs if s.status == "healthy"]
+        rules = [r.name for r in DEFAULT_RULES]
+        return {
+            "runs": len(runs), "failed": len(failed), "healthy": len(healthy),
+            "slow": sum(s.status == "slow" for s in runs), "between": sum(s.status == "between" for s in runs),
+            "recall": len(hits) / len(failed) if failed else math.nan,
+            "precision": len(hits) / len(alerted) if alerted else math.nan,
+            "min_lead": min(leads, default=None), "median_lead": statistics.median(leads) if leads else None,
+            "in_time": sum(s.lead is not None and s.lead >= MIN_LEAD for s in failed),
+            "healthy_alerted": sum(s.first_alert is not None for s in healthy),
+            "false_alarm_runs": len(alerted) - len(hits),
+            "per_rule": {rule: _rule_stats(runs, rule) for rule in rules},
+        }
+    tasks = sorted({s.record.spec.task.name for s in scored})
+    return {"all": block(scored), **{t: block([s for s in scored if s.record.spec.task.name == t]) for t in tasks}}
+
+
+def _rule_stats(runs: list[Scored], rule: str) -> dict[str, Any]:
+    """How one rule did on its own: runs it fired on, failed runs it flagged in time, false alarms."""
+    def first(s: Scored) -> int | None:
+        return min((a["step"] for a in s.record.alerts if a["rule"] == rule), default=None)
+
+    fired = [s for s in runs if first(s) is not None]
+    failed = [s for s in runs if s.status == "failed"]
+    in_time = [s for s in failed if first(s) is not None and s.separation is not None
+               and s.separation - first(s) >= MIN_LEAD]
+    not_failed = [s for s in runs if s.status != "failed"]
+    return {"runs_fired": len(fired), "failed_fired": sum(s.status == "failed" for s in fired),
+            "failed_in_time": len(in_time), "failed": len(failed),
+            "false_alarms": sum(s.status != "failed" for s in fired),
+            "false_alarm_rate": sum(s.status != "failed" for s in fired) / len(not_failed) if not_failed else math.nan,
+            "healthy_fired": sum(s.status == "healthy" for s in fired)}
+
+
+def opt_in_stats(records: list[RunRecord], rule: AlertRule, monitor: str) -> dict[str, Any]:
+    """A rule that is not a default, replayed alone on the recorded runs."""
+    saved = [r.alerts for r in records]
+    try:
+        for r in records:
+            r.alerts = replay(r, {m: [rule] if m == monitor else [] for m in MONITORS})
+        return _rule_stats(score(records), rule.name)
+    finally:
+        for r, alerts in zip(records, saved):
+            r.alerts = alerts
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def draw(scored: list[Scored], path: Path) -> None:
+    """Final loss and largest attention logit against the learning rate, per task (Agg canvas)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    tasks = sorted({s.record.spec.task.name for s in scored})
+    figure = Figure(figsize=(10, 3.4 * len(tasks)), dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(tasks), 2, squeeze=False)
+    colors = {False: "tab:red", True: "tab:blue"}
+    for row, task in enumerate(tasks):
+        runs = [s for s in scored if s.record.spec.task.name == task]
+        best = min(s.record.final_loss for s in runs)
+        loss_ax, logit_ax = axes[row]
+        for qk in (False, True):
+            variant = sorted((s for s in runs if s.record.spec.qk_norm == qk), key=lambda s: s.record.spec.lr)
+            lrs = sorted({s.record.spec.lr for s in variant})
+            label = "QK-norm" if qk else "no QK-norm"
+            for ax, value in ((loss_ax, lambda s: s.record.final_loss), (logit_ax, lambda s: s.record.max_logit)):
+                mean = [statistics.fmean(value(s) for s in variant if s.record.spec.lr == lr) for lr in lrs]
+                ax.plot(lrs, mean, "-", color=colors[qk], alpha=0.6, label=label)
+                quiet = [s for s in variant if s.first_alert is None]
+                loud = [s for s in variant if s.first_alert is not None]
+                ax.scatter([s.record.spec.lr for s in quiet], [value(s) for s in quiet], facecolors="none",
+                           edgecolors=colors[qk], s=28, zorder=3)
+                ax.scatter([s.record.spec.lr for s in loud], [value(s) for s in loud], color=colors[qk], marker="X",
+                           s=60, zorder=4)
+        loss_ax.axhline(FAIL_RATIO * best, color="grey", ls="--", lw=0.8)
+        loss_ax.axhline(HEALTHY_RATIO * best, color="grey", ls=":", lw=0.8)
+        loss_ax.set(xscale="log", xlabel="peak learning rate", ylabel="final loss (nats)",
+                    title=f"{task}: final loss (X = an alert fired; -- failed, ·· healthy bound)")
+        logit_ax.set(xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit",
+                     title=f"{task}: largest attention logit over training")
+        loss_ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return "—" if math.isnan(value) else f"{value:.2f}"
+    return str(value)
+
+
+def tables(scored: list[Scored], stats: dict[str, Any]) -> str:
+    """Markdown: per-run lead times, per-rule false alarms, the summary."""
+    lines = ["| task | QK-norm | lr | seed | final loss | max logit | status | separates at | first alert | lead | rules |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in sorted(scored, key=lambda s: (s.record.spec.task.name, s.record.spec.qk_norm, s.record.spec.lr,
+                                           s.record.spec.seed)):
+        spec = s.record.spec
+        rules = sorted({a["rule"] for a in s.record.alerts})
+        lines.append(f"| {spec.task.name} | {'on' if spec.qk_norm else 'off'} | {spec.lr:g} | {spec.seed} | "
+                     f"{s.record.final_loss:.3f} | {s.record.max_logit:.3g} | {s.status} | {_fmt(s.separation)} | "
+                     f"{_fmt(s.first_alert)} | {_fmt(s.lead)} | {', '.join(rules) or '—'} |")
+    lines += ["", "| rule | runs fired | failed runs flagged (>= 20 steps ahead) | false alarms (runs not failed) | "
+              "false-alarm rate | healthy runs fired |", "|---|---|---|---|---|---|"]
+    rows = {**stats["all"]["per_rule"], **{f"{k} (opt-in)": v for k, v in stats.get("opt_in", {}).items()}}
+    for rule, r in rows.items():
+        lines.append(f"| `{rule}` | {r['runs_fired']} | {r['failed_fired']}/{r['failed']} "
+                     f"({r['failed_in_time']}) | {r['false_alarms']} | {r['false_alarm_rate']:.0%} | "
+                     f"{r['healthy_fired']} |")
+    lines += ["", "| task | runs | failed | healthy | recall | precision | in time (lead >= 20) | min lead | "
+              "median lead | healthy runs alerted |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, b in ((k, v) for k, v in stats.items() if k != "opt_in"):
+        lines.append(f"| {name} | {b['runs']} | {b['failed']} | {b['healthy']} | {_fmt(b['recall'])} | "
+                     f"{_fmt(b['precision'])} | {b['in_time']}/{b['failed']} | {_fmt(b['min_lead'])} | "
+                     f"{_fmt(b['median_lead'])} | {b['healthy_alerted']} |")
+    return "\n".join(lines)
+
+
+def write_json(scored: list[Scored], stats: dict[str, Any], path: Path, settings: dict[str, Any]) -> None:
+    runs = [{"task": s.record.spec.task.name, "lr": s.record.spec.lr, "qk_norm": s.record.spec.qk_norm,
+             "seed": s.record.spec.seed, "final_loss": s.record.final_loss, "max_logit": s.record.max_logit,
+             "status": s.status, "separation": s.separation, "first_alert": s.first_alert, "lead": s.lead,
+             "alerts": [{k: a[k] for k in ("rule", "layer", "head", "step", "value")} for a in s.record.alerts]}
+            for s in scored]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings, "summary": stats, "runs": runs}, indent=1) + "\n")
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def sweep(args: argparse.Namespace) -> list[RunSpec]:
+    specs = []
+    for name in args.tasks:
+        task = TASKS[name]
+        if args.quick:
+            task = dataclasses.replace(task, steps=int(task.steps * 0.6))
+        specs += [RunSpec(task, lr, qk, seed, args.warmup) for seed in args.seeds for qk in (False, True)
+                  for lr in args.lrs]
+    return specs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rates, 1 seed, 60 %% of the steps")
+    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=sorted(TASKS))
+    parser.add_argument("--lrs", type=float, nargs="+", default=None, help="peak learning rates")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None)
+    parser.add_argument("--warmup", type=int, default=50, help="linear warmup steps, then the peak rate")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
+    parser.add_argument("--cache", type=Path, default=ROOT / "runs" / "instability", help="recorded runs")
+    parser.add_argument("--replay", action="store_true", help="train nothing: score the cached runs only")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the figure and the JSON go")
+    args = parser.parse_args(argv)
+    if args.lrs is None:
+        args.lrs = [1e-3, 1e-2, 1e-1] if args.quick else [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
+    if args.seeds is None:
+        args.seeds = [0] if args.quick else [0, 1]
+    start = time.perf_counter()
+    specs = sweep(args)
+    records = {s.key: _load(s, args.cache) for s in specs}
+    missing = [s for s in specs if records[s.key] is None]
+    if missing and args.replay:
+        sys.exit(f"--replay: {len(missing)} run(s) not in {args.cache}, e.g. {missing[0].key}; run without --replay")
+    fresh = set()
+    if missing:
+        print(f"training {len(missing)} run(s) with {args.jobs} job(s); {len(specs) - len(missing)} cached", flush=True)
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
+            for record in pool.map(train_run, missing):
+                _save(record, args.cache)
+                records[record.spec.key] = record
+                fresh.add(record.spec.key)
+                print(f"  {record.spec.key}: final loss {record.final_loss:.3f}, max logit {record.max_logit:.3g}, "
+                      f"{len(record.live_alerts)} alert(s), {record.seconds:.0f} s", flush=True)
+    ordered = [records[s.key] for s in specs]
+    for record in ordered:
+        record.alerts = replay(record)
+        if record.spec.key in fresh:
+            live = [(a["rule"], a["layer"], a["head"], a["step"]) for a in record.live_alerts]
+            again = [(a["rule"], a["layer"], a["head"], a["step"]) for a in record.alerts]
+            if live != again:
+                raise RuntimeError(f"{record.spec.key}: the replay fired {again}, the live run {live}")
+    scored = score(ordered)
+    stats = summary(scored)
+    stats["opt_in"] = {SPECTRAL_GROWTH_RULE.name: opt_in_stats(ordered, SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor")}
+    suffix = "_quick" if args.quick else ""
+    draw(scored, args.out / f"instability{suffix}.png")
+    settings = {"tasks": {n: dataclasses.asdict(TASKS[n]) for n in args.tasks}, "lrs": args.lrs, "seeds": args.seeds,
+                "warmup": args.warmup, "every_n_steps": EVERY, "quick": args.quick}
+    write_json(scored, stats, args.out / f"instability{suffix}.json", settings)
+    print(tables(scored, stats))
+    print(f"\n{len(specs)} runs ({len(fresh)} trained now) in {time.perf_counter() - start:.0f} s; "
+          f"figure {args.out / f'instability{suffix}.png'}")
+    return stats
+
+
+if __name__ == "__main__":
+    main()
