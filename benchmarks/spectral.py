@@ -31,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,11 +74,16 @@ LLAMA_70B_QUICK = Case("(c-quick) 80 layers, d=1024, 16 q / 4 kv heads, d_k=64",
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:
+    return best_of_with_cpu(fn, repeats)[0]
+
+
+def best_of_with_cpu(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Best (wall, CPU) seconds: the CPU time of all threads tells a loaded machine from a slow path."""
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, time.process_time() - start_cpu))
     return min(times)
 
 
@@ -148,13 +154,15 @@ def part_two(case: Case, timed_layers: int, repeats: int) -> None:
     layers = random_layers(case, timed_layers)
     weights = qk_weights(case, layers)
     print(case.name)
-    t_old = best_of(lambda: old_probe(case, layers), repeats) / timed_layers
-    t_new = best_of(lambda: spectrum_of_layers(weights), repeats) / timed_layers
-    print(f"  timed on {timed_layers} layer(s), best of {repeats}, scaled to {case.layers} layers")
-    print(f"  {'':34s}{'per layer':>12s}{f'{case.layers} layers':>12s}")
-    print(f"  {'old: stacked QR metrics + 2nd SVD':34s}{t_old:11.3f}s{t_old * case.layers:11.1f}s")
+    t_old, cpu_old = (t / timed_layers for t in best_of_with_cpu(lambda: old_probe(case, layers), repeats))
+    t_new, cpu_new = (t / timed_layers for t in best_of_with_cpu(lambda: spectrum_of_layers(weights), repeats))
+    print(f"  timed on {timed_layers} layer(s), best of {repeats}, scaled to {case.layers} layers "
+          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    print(f"  {'':34s}{'per layer':>12s}{f'{case.layers} layers':>12s}{'CPU time':>12s}")
+    print(f"  {'old: stacked QR metrics + 2nd SVD':34s}{t_old:11.3f}s{t_old * case.layers:11.1f}s"
+          f"{cpu_old * case.layers:11.1f}s")
     print(f"  {'new: Gram, layer by layer':34s}{t_new:11.3f}s{t_new * case.layers:11.1f}s"
-          f"   speed-up {t_old / t_new:.1f}x")
+          f"{cpu_new * case.layers:11.1f}s   speed-up {t_old / t_new:.1f}x")
     accuracy(case, *layers[0])
 
 

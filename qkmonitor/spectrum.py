@@ -332,7 +332,7 @@ def _singular_values(gram_q: Tensor, gram_k: Tensor, group: Tensor, rounding: fl
     return torch.where(noise, 0.0, squared).sqrt()
 
 
-def _largest_eigenvalue(gram: Tensor, steps: int = 16) -> Tensor:
+def _largest_eigenvalue(gram: Tensor, steps: int = 8) -> Tensor:
     """(B,) λ_max of each PSD matrix from below: power iteration from the largest diagonal's axis.
 
     The Rayleigh quotient starts at ``max_i G_ii >= λ_max / n`` and never decreases.
