@@ -4,9 +4,12 @@ The attention-logit-growth instability of Dehghani et al. 2023 (ViT-22B) and Wor
 ("Small-scale proxies for large-scale Transformer training instabilities", arXiv 2309.14322,
 Figure 1), reproduced at CPU scale on two bundled tasks: a character-level LM on the Python
 standard library's source (``charlm``) and multi-query associative recall (``recall``, a task
-solved by sharp induction heads). Each run trains the bundled decoder with AdamW in a plain loop
-with all three monitors on (:class:`qkmonitor.engine.Monitoring`, probe every 10 steps) and their
-**default alert rules**, so the alerts are the ones a user would see.
+solved by sharp induction heads). Each run trains the bundled decoder (d_model 64, 2 layers, 4
+heads; char-LM: context 64, batch 16, 250 steps; recall: 8 pairs, batch 64, 300 steps) with AdamW
+(betas 0.9/0.98, weight decay 0.1 on matrices; linear warmup over 50 steps, then the peak rate) in a
+plain loop with all three monitors on (:class:`qkmonitor.engine.Monitoring`, probe every 10 steps)
+and their **default alert rules**, so the alerts are the ones a user would see. One process per
+core (``--jobs``), one thread each.
 
 Per run it records the training loss of every step, every probe's values (every metric, layer and
 head) and every alert (rule, layer, head, step). The summary then says:
@@ -30,13 +33,13 @@ replay gives exactly the alerts the live run fired.
 Outputs: ``docs/instability.png`` (final loss against learning rate for both variants with the
 alerted runs marked, and the largest attention logit of each run), ``docs/instability.json``
 (per-run results and the summary), and markdown tables on stdout (the README's "Does it warn in
-time?" section).
+time?" section). ``--quick`` writes its figure and JSON next to the cache instead.
 
 Usage::
 
-    python benchmarks/instability.py            # 2 tasks x 5 rates x QK-norm off/on x 2 seeds (~10 min)
-    python benchmarks/instability.py --quick    # charlm and recall, 3 rates, 1 seed, shorter (~2 min)
-    python benchmarks/instability.py --replay   # re-score the cached runs with the current rules
+    python benchmarks/instability.py            # 2 tasks x 5 rates x QK-norm off/on x 2 seeds (5-11 min)
+    python benchmarks/instability.py --quick    # both tasks, 3 rates, 1 seed, 60 % of the steps (~2.5 min)
+    python benchmarks/instability.py --replay   # re-score the cached runs with the current rules (seconds)
 """
 
 from __future__ import annotations
@@ -500,7 +503,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
     parser.add_argument("--cache", type=Path, default=ROOT / "runs" / "instability", help="recorded runs")
     parser.add_argument("--replay", action="store_true", help="train nothing: score the cached runs only")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the figure and the JSON go")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the figure and the JSON go (default: docs/, or the cache with --quick)")
     args = parser.parse_args(argv)
     if args.lrs is None:
         args.lrs = [1e-3, 1e-2, 1e-1] if args.quick else [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
@@ -535,6 +539,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stats = summary(scored)
     stats["opt_in"] = {SPECTRAL_GROWTH_RULE.name: opt_in_stats(ordered, SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor")}
     suffix = "_quick" if args.quick else ""
+    if args.out is None:
+        args.out = args.cache if args.quick else ROOT / "docs"
     draw(scored, args.out / f"instability{suffix}.png")
     settings = {"tasks": {n: dataclasses.asdict(TASKS[n]) for n in args.tasks}, "lrs": args.lrs, "seeds": args.seeds,
                 "warmup": args.warmup, "every_n_steps": EVERY, "quick": args.quick}

@@ -44,8 +44,10 @@ class AttentionEntropyMonitor(ActivationMonitor):
     - ``{prefix}/{metric}/layer_LL/head_HH`` with ``per_head=True``.
     - ``{prefix}/alerts/entropy_collapse``, ``{prefix}/alerts/logit_growth``.
 
-    Default alerts: ``entropy_norm <= 0.1`` (:data:`~qkmonitor.alerts.ENTROPY_COLLAPSE_RULE`) and
-    ``max_logit >= 50`` (:data:`~qkmonitor.alerts.LOGIT_GROWTH_RULE`), 2 probes in a row.
+    Default alerts (calibrated on ``benchmarks/instability.py``): ``max_logit >= 20`` growing x8 per
+    20 steps (:data:`~qkmonitor.alerts.LOGIT_GROWTH_RULE`), and ``entropy_norm <= 0.05`` while
+    ``max_logit`` grows x2 per 30 steps (:data:`~qkmonitor.alerts.ENTROPY_COLLAPSE_RULE`: a sharp head
+    with steady logits does not fire).
 
     Args (keyword-only): those of :class:`~qkmonitor.callbacks.QKSpectrumMonitor`, and
         sink_tokens: also log ``sink_mass`` on the first this-many keys (0: off).

@@ -45,8 +45,8 @@ class EffectiveRankMonitor(ActivationMonitor):
     for the first ``pattern_heads`` heads.
 
     Default alerts: ``hidden_collapse <= 1e-3`` (rank collapse) and ``attn_entropy_norm <= 0.1``
-    together with ``attn_erank_norm <= 0.2`` (malignant collapse: sparse *and* low rank; sparse,
-    identity-like attention is benign and does not fire).
+    together with ``attn_erank <= 1.5`` (malignant collapse: sparse *and* low rank; sparse,
+    identity-like attention is benign and does not fire), each for 2 probes in a row.
 
     Args:
         max_probe_sequences: sequences of the batch measured.

@@ -43,8 +43,9 @@ class QKSpectrumMonitor(AttentionMonitor):
     - ``{prefix}/{metric}/layer_LL/head_HH`` for each of the above with ``per_head=True``.
     - ``{prefix}/alerts/kappa`` — how many ``kappa`` alerts have fired.
 
-    Default alert: ``kappa >= 0.8`` for 2 consecutive probes, recovering below 0.75
-    (:data:`qkmonitor.alerts.KAPPA_RULE`), raising :class:`qkmonitor.OverLocalizationWarning`.
+    Default alert: ``kappa >= 0.2`` growing x2.5 per 30 steps, recovering below 0.15, on layers
+    without QK-norm (:data:`qkmonitor.alerts.KAPPA_RULE`, calibrated on
+    ``benchmarks/instability.py``), raising :class:`qkmonitor.OverLocalizationWarning`.
 
     Args (keyword-only; see :class:`~qkmonitor.engine.base.MonitorEngine`):
         every_n_steps: probe every this many optimizer steps (default: the Trainer's

@@ -316,7 +316,7 @@ ENTROPY_COLLAPSE_RULE = AlertRule(
     meaning="the head's attention is near one-hot and still sharpening (logits growing): entropy collapse "
     "under logit growth. A sharp head with steady logits (previous-token, induction) is not flagged",
     advice=_REMEDY,
-    also=(Condition("max_logit", 0.0, above=True, growth=2.0, window=30),),
+    also=(Condition("max_logit", 10.0, above=True, growth=2.0, window=30),),
     evidence=f"in {_SWEEP}, heads of runs that ended within 10 % of the best loss went down to entropy_norm "
     "0.049 (recall) and 0.063 (char-LM, lr 0.01) with logits growing less than x2 per 30 steps, and did not "
     "fire (entropy_norm <= 0.1 alone flagged the char-LM at lr 0.01); the char-LM that failed at lr 0.03 "
@@ -354,11 +354,11 @@ MALIGNANT_COLLAPSE_RULE = AlertRule(
     "queries attend the same few keys (sparse and low-rank, the malignant kind; sparse but "
     "identity-like attention is benign — Qi et al. 2025)",
     advice=_REMEDY,
-    also=(Condition("attn_erank", 2.0, above=False, margin=0.5),),
-    evidence=f"in {_SWEEP}, induction heads of healthy recall runs came down to attn_erank 4.2 (0.15 of the "
-    "probe) and fired under the former bound attn_erank_norm <= 0.2; a bound in directions (<= 2) keeps "
-    "them quiet and means rank about one at any probe size. It came after the loss had separated in the "
-    "runs that failed: it confirms rather than warns",
+    also=(Condition("attn_erank", 1.5, above=False, margin=0.5),),
+    evidence=f"in {_SWEEP}, sparse heads (attn_entropy_norm <= 0.1) of runs that ended within 10 % of the best "
+    "loss had attn_erank down to 3.1 (recall at lr 0.01, which fired under the former bound attn_erank_norm "
+    "<= 0.2) and, for one probe, 1.8 (recall at lr 0.03); a bound in directions (about one) means the same at "
+    "any probe size. It fired only after the loss had separated: it confirms rather than warns",
 )
 
 #: An opt-in rule on Zhai et al.'s sigmaReparam quantity (not a default: on the sweep it flagged
@@ -382,6 +382,15 @@ SPECTRAL_GROWTH_RULE = AlertRule(
 )
 
 
+def _trend_text(value: float, reference: tuple[int, float], step: int) -> str:
+    ref_step, ref = reference
+    if not ref > 0 or not value > 0:
+        return ""
+    ratio = value / ref
+    factor = f"×{ratio:.3g}" if ratio >= 1 else f"÷{1 / ratio:.3g}"
+    return f"{factor} over the last {step - ref_step} steps ({ref:.4g} at step {ref_step})"
+
+
 #: Every default rule, in the order of the README's table.
 DEFAULT_RULES = (KAPPA_RULE, LOGIT_GROWTH_RULE, ENTROPY_COLLAPSE_RULE, MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE)
 
@@ -398,6 +407,7 @@ class Alert:
         step: the probe's step.
         reference: for a trend rule, the value the growth was measured from, at ``reference_step``.
         also_values: the values of the rule's ``also`` conditions at ``step``, in order.
+        also_references: for conditions with a trend, the ``(step, value)`` it was measured from.
     """
 
     rule: AlertRule
@@ -409,6 +419,7 @@ class Alert:
     reference: float | None = None
     reference_step: int | None = None
     also_values: tuple[float, ...] = ()
+    also_references: tuple[tuple[int, float] | None, ...] = ()
 
     @property
     def ratio(self) -> float | None:
@@ -419,10 +430,9 @@ class Alert:
 
     def trend(self) -> str:
         """The measured trend in words, e.g. ``"×12.6 over the last 30 steps (5.57 at step 0)"``."""
-        if self.ratio is None or self.reference_step is None:
+        if self.reference is None or self.reference_step is None:
             return ""
-        factor = f"×{self.ratio:.3g}" if self.ratio >= 1 else f"÷{1 / self.ratio:.3g}"
-        return f"{factor} over the last {self.step - self.reference_step} steps ({self.reference:.4g} at step {self.reference_step})"
+        return _trend_text(self.value, (self.reference_step, self.reference), self.step)
 
     def message(self, lr: float | None = None) -> str:
         """The user-facing sentence: where, what value and trend, which threshold, when, what to
@@ -433,7 +443,10 @@ class Alert:
         lr_text = f", learning rate {lr:.3g}" if lr is not None else ""
         trend = self.trend()
         measured = f"{self.rule.metric} = {self.value:.4g}" + (f", {trend}" if trend else "")
-        measured += "".join(f", {c.metric} = {v:.4g}" for c, v in zip(self.rule.also, self.also_values))
+        references = self.also_references or (None,) * len(self.also_values)
+        for condition, value, reference in zip(self.rule.also, self.also_values, references):
+            trend = _trend_text(value, reference, self.step) if reference is not None else ""
+            measured += f", {condition.metric} = {value:.4g}" + (f", {trend}" if trend else "")
         evidence = f" Evidence: {self.rule.evidence}." if self.rule.evidence else ""
         return (
             f"[qkmonitor:{self.rule.name}] {where}: {measured} (threshold {self.rule.describe()}, "
@@ -525,7 +538,8 @@ class AlertTracker:
             self._streak.pop(key, None)
             own = references[0]
             return Alert(rule, layer, "", head, cell[0], step, reference=None if own is None else own[1],
-                         reference_step=None if own is None else own[0], also_values=tuple(cell[1:]))
+                         reference_step=None if own is None else own[0], also_values=tuple(cell[1:]),
+                         also_references=tuple(references[1:]))
         if streak:
             self._streak[key] = streak
         else:
