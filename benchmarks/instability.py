@@ -60,13 +60,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.models.tasks import PythonSourceDataModule, make_recall_batch
+from qkmonitor.models.tasks.base import IGNORE_INDEX, lr_factor
 from torch import nn
 
 from qkmonitor.alerts import DEFAULT_RULES, SPECTRAL_GROWTH_RULE, Alert, AlertRule
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
-from qkmonitor.models import DecoderLM, TransformerConfig
-from qkmonitor.models.tasks import PythonSourceDataModule, make_recall_batch
-from qkmonitor.models.tasks.base import IGNORE_INDEX, lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY = 10  # probe interval (steps) of every monitor
@@ -453,15 +453,15 @@ def tables(scored: list[Scored], stats: dict[str, Any]) -> str:
         lines.append(f"| {spec.task.name} | {'on' if spec.qk_norm else 'off'} | {spec.lr:g} | {spec.seed} | "
                      f"{s.record.final_loss:.3f} | {s.record.max_logit:.3g} | {s.status} | {_fmt(s.separation)} | "
                      f"{_fmt(s.first_alert)} | {_fmt(s.lead)} | {', '.join(rules) or '—'} |")
-    lines += ["", "| rule | runs fired | failed runs flagged (>= 20 steps ahead) | false alarms (runs not failed) | "
-              "false-alarm rate | healthy runs fired |", "|---|---|---|---|---|---|"]
+    lines += ["", ("| rule | runs fired | failed runs flagged (>= 20 steps ahead) | false alarms (runs not failed) | "
+                   "false-alarm rate | healthy runs fired |"), "|---|---|---|---|---|---|"]
     rows = {**stats["all"]["per_rule"], **{f"{k} (opt-in)": v for k, v in stats.get("opt_in", {}).items()}}
     for rule, r in rows.items():
         lines.append(f"| `{rule}` | {r['runs_fired']} | {r['failed_fired']}/{r['failed']} "
                      f"({r['failed_in_time']}) | {r['false_alarms']} | {r['false_alarm_rate']:.0%} | "
                      f"{r['healthy_fired']} |")
-    lines += ["", "| task | runs | failed | healthy | recall | precision | in time (lead >= 20) | min lead | "
-              "median lead | healthy runs alerted |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", ("| task | runs | failed | healthy | recall | precision | in time (lead >= 20) | min lead | "
+                   "median lead | healthy runs alerted |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for name, b in ((k, v) for k, v in stats.items() if k != "opt_in"):
         lines.append(f"| {name} | {b['runs']} | {b['failed']} | {b['healthy']} | {_fmt(b['recall'])} | "
                      f"{_fmt(b['precision'])} | {b['in_time']}/{b['failed']} | {_fmt(b['min_lead'])} | "

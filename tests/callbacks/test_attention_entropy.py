@@ -10,13 +10,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from qkmonitor.callbacks import AttentionEntropyMonitor
+from qkmonitor.models.positional import apply_rotary_pos_emb
 from torch import nn
 
 from qkmonitor.adapters import find_attention_layers
-from qkmonitor.probes import ProbeRequest
 from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE, EntropyCollapseWarning
-from qkmonitor.callbacks import AttentionEntropyMonitor
-from qkmonitor.models.positional import apply_rotary_pos_emb
+from qkmonitor.probes import ProbeRequest
 
 
 def explicit_probs(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

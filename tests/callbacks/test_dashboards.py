@@ -9,13 +9,18 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.dashboards import LayoutSection, attention_image, custom_scalars_layout, heatmap_image
+from qkmonitor.dashboards import (
+    LayoutSection,
+    attention_image,
+    custom_scalars_layout,
+    heatmap_image,
+)
 
 
 def all_monitors(**kwargs):

@@ -12,13 +12,13 @@ import warnings
 
 import pytest
 import torch
+from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.models.tasks import make_recall_batch
+from qkmonitor.models.tasks.base import IGNORE_INDEX, lr_factor
 from torch import nn
 
 from qkmonitor.alerts import Alert
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
-from qkmonitor.models import DecoderLM, TransformerConfig
-from qkmonitor.models.tasks import make_recall_batch
-from qkmonitor.models.tasks.base import IGNORE_INDEX, lr_factor
 
 PAIRS, STEPS, WARMUP, LR, EVERY = 4, 150, 20, 0.1, 10
 
@@ -75,7 +75,7 @@ def test_the_unstable_run_is_flagged_before_its_loss_separates_and_its_qk_norm_t
     stable_losses, stable_alerts = train(qk_norm=True)
 
     # the instability is real: the run without QK-norm ends far behind its twin
-    final = lambda losses: sum(losses[-20:]) / 20  # noqa: E731
+    final = lambda losses: sum(losses[-20:]) / 20
     assert final(unstable_losses) >= 1.2 * final(stable_losses)
     separation = separation_step(unstable_losses, stable_losses)
     assert separation is not None

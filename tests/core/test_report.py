@@ -13,14 +13,14 @@ import matplotlib.image
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.models import TransformerConfig
+from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor import QKMonitorWarning
 from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.models import TransformerConfig
-from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
 from qkmonitor.report import add_report_parser, build_report, main_report, run_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
