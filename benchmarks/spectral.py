@@ -16,8 +16,9 @@ Part 2 (issue 9) is a whole QKSpectrumMonitor probe of a 70B-shaped model (80 la
 64 query / 8 key-value heads, d_k = 128): every metric plus the histogram's singular values. The
 old path is what the callback did before: stack all layers of one shape, then
 ``qk_spectrum_metrics`` (QR + SVD + eigenvalues) and ``qk_singular_values`` (QR + SVD again). The
-new path is ``spectrum_of_layers``. Both are timed on ``--layers`` layers and scaled to 80 (layers
-are independent and equally sized; the old path's stacking only grows with them). Accuracy is
+new path is ``spectrum_of_layers`` (runs of heads on torch's threads, see its module docstring).
+Both are timed on ``--layers`` layers and scaled to 80 (layers are independent and equally sized;
+the old path's stacking only grows with them). Accuracy is
 measured on one layer against float64: the QR route run in float64 for σ and ``W_K^T W_Q``'s
 eigenvalues in float64 (both checked against dense float64 in tests/core/test_functional.py).
 
@@ -195,7 +196,7 @@ def main() -> None:
     parser.add_argument("--part", type=int, choices=(1, 2), default=None, help="run one part only")
     parser.add_argument("--dense-heads", type=int, default=4,
                         help="part 1: heads to time the dense path on (0 = all); the time is scaled to all heads")
-    parser.add_argument("--layers", type=int, default=2, help="part 2: layers to time, scaled to 80")
+    parser.add_argument("--layers", type=int, default=4, help="part 2: layers to time, scaled to 80")
     parser.add_argument("--repeats", type=int, default=2, help="repeats per timing (best time kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()

@@ -10,9 +10,10 @@ only O(d) work:
     G_Q^h = W_Q^{h\top} W_Q^h, \qquad G_K^g = W_K^{g\top} W_K^g, \qquad
     C^h = W_K^{g\top} W_Q^h \qquad (\text{each } d_k \times d_k).
 
-``G_Q`` is one batched matmul over the heads, ``C`` one matmul per key/value group (the group's
-query heads side by side against its one ``W_K^g``), ``G_K`` one over the key heads. Everything
-else is on d_k x d_k matrices, in float64:
+``G_Q`` and ``G_K`` are batched matmuls over the heads (three quarters of a full product: the
+block below the diagonal is the one above it, transposed), ``C`` one matmul per key/value group
+(the group's query heads side by side against its one ``W_K^g``). Everything else is on
+d_k x d_k matrices, in float64:
 
 - **singular values** (one symmetric eigenproblem per head, the only "SVD"): with a factor
   ``F`` of ``G_K^g = F^T F`` (Cholesky; an eigendecomposition where ``W_K^g`` is rank-deficient),
@@ -21,9 +22,18 @@ else is on d_k x d_k matrices, in float64:
 - **eigenvalues**: the non-zero eigenvalues of ``W_QK^h`` (d x d) are those of ``C^h``
   (``XY`` and ``YX`` share them), so one ``d_k x d_k`` non-symmetric eigenproblem per head.
 
-Cost per layer: ``2 H d_k² d`` multiply-adds in BLAS (``G_Q`` and ``C``) plus ``H_kv d_k² d'``,
-then ``O(H d_k³)``. Householder QR of the same heads does about as many flops at a fraction of the
-speed, and the former callback path ran its SVD twice; see ``benchmarks/spectral.py``.
+Cost per layer: ``1.75 H d_k² d`` multiply-adds in BLAS (``G_Q`` and ``C``) plus
+``0.75 H_kv d_k² d'``, then ``O(H d_k³)``. Householder QR of the same heads does about as many
+flops at a fraction of the speed, and the former callback path ran its SVD twice; see
+``benchmarks/spectral.py``.
+
+Threads. torch solves a batch of small LAPACK problems one after another on one core, and a
+70B layer's 64 non-symmetric eigenproblems take about as long as its products. So a large layer on
+CPU is split into runs of heads (whole key/value groups where there are enough), two per torch
+thread, and each run — products and solvers — is computed single-threaded on a Python thread of
+its own (torch releases the GIL); torch's intra-op thread count is 1 meanwhile and restored after.
+The split changes no formula: each head's numbers are those of the single-threaded computation
+(tested).
 
 Precision. The products run in float32 on CPU for weights of any dtype up to float32 (bf16/fp16
 weights convert exactly), and in float64 for float64 weights, on accelerators (where TF32 would
@@ -164,24 +174,40 @@ def qk_head_spectra(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int 
     with torch.no_grad():
         wq, wk, group = _split_heads(w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads)
         q_rows, k_rows = wq.mT, wk.mT  # (H, d_k, d), (H_kv, d_k, d'): views of the weights' rows
-        gram_q = q_rows @ q_rows.mT  # (H, d_k, d_k)
-        gram_k = k_rows @ k_rows.mT  # (H_kv, d_k, d_k)
-        square = w_q.shape[-1] == w_k.shape[-1]
-        cross = _cross_products(q_rows, k_rows) if square else None  # (H, d_k, d_k): (C^h)^T
-        group = group.cpu()
-        finite_k = _finite(gram_k)
-        finite = _finite(gram_q) & finite_k[group]  # (H,)
-        if cross is not None:
-            finite &= _finite(cross)
         rounding = torch.finfo(dtype).eps / 2 * math.sqrt(max(w_q.shape[-1], w_k.shape[-1]))  # ε
-        singular_values = _singular_values(_small(gram_q, finite), _small(gram_k, finite_k), group, rounding)
-        singular_values[~finite] = float("nan")
-        eigenvalues = None
-        if cross is not None:
-            eigenvalues = _eigenvalues(torch.where(finite[:, None, None], cross.cpu(), 0.0))
-            eigenvalues[singular_values[:, 0] == 0] = 0.0  # |λ| <= σ_1: zero to working precision
-            eigenvalues[~finite] = complex(float("nan"), float("nan"))
+        square = w_q.shape[-1] == w_k.shape[-1]
+        chunks = _head_chunks(q_rows, k_rows.shape[-1], group.cpu())
+        solve = lambda heads: _spectra_of_heads(q_rows[heads], k_rows, group[heads], rounding, square)  # noqa: E731
+        parts = _on_threads(solve, chunks)
+    singular_values = torch.cat([sv for sv, _ in parts])
+    eigenvalues = torch.cat([eig for _, eig in parts]) if square else None
     return HeadSpectra(singular_values, eigenvalues)
+
+
+def _spectra_of_heads(
+    q_rows: Tensor, k_rows: Tensor, group: Tensor, rounding: float, square: bool
+) -> tuple[Tensor, Tensor | None]:
+    """(σ, λ) of some heads: ``q_rows`` (h, d_k, d) of heads whose key heads are ``k_rows[group]``.
+
+    The heads of one key/value group are consecutive, so the key heads used are a range.
+    """
+    first, last = int(group[0]), int(group[-1]) + 1
+    k_rows, group = k_rows[first:last], (group - first).cpu()
+    gram_q = _gram(q_rows)  # (h, d_k, d_k)
+    gram_k = _gram(k_rows)  # (h_kv, d_k, d_k)
+    cross = _cross_products(q_rows, k_rows, group) if square else None  # (h, d_k, d_k): (C^h)^T
+    finite_k = _finite(gram_k)
+    finite = _finite(gram_q) & finite_k[group]  # (h,)
+    if cross is not None:
+        finite &= _finite(cross)
+    singular_values = _singular_values(_small(gram_q, finite), _small(gram_k, finite_k), group, rounding)
+    singular_values[~finite] = float("nan")
+    eigenvalues = None
+    if cross is not None:
+        eigenvalues = _eigenvalues(torch.where(finite[:, None, None], cross.cpu(), 0.0))
+        eigenvalues[singular_values[:, 0] == 0] = 0.0  # |λ| <= σ_1: zero to working precision
+        eigenvalues[~finite] = complex(float("nan"), float("nan"))
+    return singular_values, eigenvalues
 
 
 def spectrum_of_layers(weights: Sequence[QKWeights]) -> LayerSpectra:
@@ -300,12 +326,31 @@ def _cpu_float32_matmul_is_ieee() -> bool:
     return True  # older torch: float32 matmuls on CPU are IEEE
 
 
-def _cross_products(q_rows: Tensor, k_rows: Tensor) -> Tensor:
-    """(H, d_k, d_k): ``W_Q^hT W_K^g = (C^h)^T`` for every head, one matmul per key/value group."""
-    num_heads, d_k, d = q_rows.shape
-    num_kv_heads = k_rows.shape[0]
-    grouped = q_rows.reshape(num_kv_heads, (num_heads // num_kv_heads) * d_k, d)  # a group's heads, stacked rows
-    return (grouped @ k_rows.mT).reshape(num_heads, d_k, d_k)
+def _gram(rows: Tensor) -> Tensor:
+    """(B, n, n): ``X X^T`` of each (n, L) matrix, computing the block below the diagonal once.
+
+    With ``X = [A; B]`` split in half by rows, ``A X^T`` gives the top half and ``B B^T`` the
+    bottom-right block; the bottom-left is the top-right transposed: 3/4 of a full product.
+    """
+    half = rows.shape[-2] // 2
+    if half < 32:  # small blocks: one product is faster
+        return rows @ rows.mT
+    top = rows[..., :half, :] @ rows.mT  # (B, half, n)
+    bottom = torch.cat([top[..., half:].mT, rows[..., half:, :] @ rows[..., half:, :].mT], dim=-1)
+    return torch.cat([top, bottom], dim=-2)
+
+
+def _cross_products(q_rows: Tensor, k_rows: Tensor, group: Tensor) -> Tensor:
+    """(h, d_k, d_k): ``W_Q^hT W_K^g = (C^h)^T`` for every head, one matmul per key/value group."""
+    heads, d_k, d = q_rows.shape
+    if heads == k_rows.shape[0]:  # one head per key head (here): a batched matmul
+        return q_rows @ k_rows.mT
+    out, start = [], 0
+    for g, count in enumerate(torch.bincount(group, minlength=k_rows.shape[0]).tolist()):
+        grouped = q_rows[start:start + count].reshape(count * d_k, d)  # the group's heads, stacked rows
+        out.append((grouped @ k_rows[g].mT).reshape(count, d_k, d_k))
+        start += count
+    return torch.cat(out)
 
 
 def _finite(batch: Tensor) -> Tensor:
@@ -326,7 +371,7 @@ def _singular_values(gram_q: Tensor, gram_k: Tensor, group: Tensor, rounding: fl
     """
     factor = _gram_factor(gram_k).index_select(0, group)  # (H, d_k, d_k)
     # F G F^T is symmetric positive semi-definite by construction, so a symmetric solver applies.
-    squared = _on_threads(torch.linalg.eigvalsh, factor @ gram_q @ factor.mT).flip(-1)  # descending
+    squared = torch.linalg.eigvalsh(factor @ gram_q @ factor.mT).flip(-1)  # descending
     scale_squared = _largest_eigenvalue(gram_q) * _largest_eigenvalue(gram_k).index_select(0, group)  # S²
     noise = squared <= 3 * rounding * scale_squared[:, None]
     return torch.where(noise, 0.0, squared).sqrt()
@@ -357,24 +402,51 @@ def _gram_factor(gram: Tensor) -> Tensor:
 
 def _eigenvalues(cross: Tensor) -> Tensor:
     """(H, d_k) eigenvalues of each matrix by descending modulus (those of its transpose too)."""
-    eigenvalues = _on_threads(torch.linalg.eigvals, cross)
+    eigenvalues = torch.linalg.eigvals(cross)
     order = eigenvalues.abs().argsort(dim=-1, descending=True)
     return eigenvalues.gather(-1, order)
 
 
-#: Below this many ``n³`` units of work a batch of n x n problems is solved on one thread: starting
-#: threads would cost more than it saves (64 heads of d_k = 128 are 1.3e8).
-_THREADED_WORK = 2**24
+#: Below this many multiply-adds (``h d_k² (d + d_k)`` per layer) the heads are one chunk on the
+#: caller's thread: handing work to threads would cost more than it saves. GPT-2 small's layer
+#: (12 heads, d_k = 64, d = 768) is 3.8e7; a 70B layer (64 heads, d_k = 128, d = 8192) 8.7e9.
+_THREADED_WORK = 2**28
 
 
-def _on_threads(solve: Callable[[Tensor], Tensor], batch: Tensor) -> Tensor:
-    """``solve(batch)`` with a large CPU batch split over torch's intra-op thread count.
+def _head_chunks(q_rows: Tensor, d_kv: int, group: Tensor) -> list[slice]:
+    """Consecutive ranges of heads to solve apart: two per thread for a large CPU layer, else one.
 
-    torch runs a CPU batch of LAPACK problems one matrix after another on one core; it releases
-    the GIL inside, so chunks solved from several Python threads run on several cores.
+    A range ends at a key/value group boundary where there are enough groups, so each group's
+    cross products stay one matmul.
     """
-    workers = min(torch.get_num_threads(), batch.shape[0])
-    if workers < 2 or batch.shape[0] * batch.shape[-1] ** 3 < _THREADED_WORK:
-        return solve(batch)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return torch.cat(list(pool.map(solve, batch.tensor_split(workers))))
+    heads, d_k, d = q_rows.shape
+    threads = torch.get_num_threads()
+    work = heads * d_k**2 * (max(d, d_kv) + d_k)
+    if threads < 2 or heads < 2 or work < _THREADED_WORK:
+        return [slice(0, heads)]
+    count = min(2 * threads, heads)
+    groups = int(group[-1]) + 1
+    if groups >= count:  # whole groups per chunk
+        starts = [int((group == g).nonzero()[0]) for g in (i * groups // count for i in range(count))]
+    else:
+        starts = [i * heads // count for i in range(count)]
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], heads])]
+
+
+def _on_threads(solve: Callable[[slice], tuple], chunks: list[slice]) -> list[tuple]:
+    """``[solve(c) for c in chunks]``, on ``torch.get_num_threads()`` Python threads when several.
+
+    Each chunk runs single-threaded inside (matmuls and LAPACK alike): torch solves a batch of small
+    LAPACK problems one after another on one core, and chunks on separate threads (torch releases
+    the GIL) keep every core busy through the products and the solvers alike. torch's intra-op
+    thread count is process-wide, so it is 1 while the chunks run and restored after.
+    """
+    if len(chunks) == 1:
+        return [solve(chunks[0])]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(solve, chunks))
+    finally:
+        torch.set_num_threads(threads)

@@ -18,6 +18,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkmonitor.adapters import QKWeights
+from qkmonitor import spectrum
 from qkmonitor.spectrum import SPECTRUM_METRICS, qk_head_spectra, spectrum_of_layers
 
 FLOAT32_U = 2.0**-24
@@ -127,15 +128,16 @@ def make_weights(kind: str, num_heads: int, num_kv_heads: int, d: int, d_k: int,
 
 
 KINDS = ["random", "ill-conditioned", "low-rank"]
-LAYOUTS = [(4, 4), (8, 2)]  # MHA, GQA
+# (heads, kv heads, d, d_k): MHA, GQA, and heads wide enough (d_k >= 64) for the Gram by halves
+LAYOUTS = [(4, 4, 64, 16), (8, 2, 64, 16), (2, 1, 96, 64)]
+LAYOUT_IDS = ["mha", "gqa", "mqa-wide"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_singular_and_eigenvalues_within_the_stated_bound(kind, layout, dtype):
-    num_heads, num_kv_heads = layout
-    d, d_k = 64, 16
+    num_heads, num_kv_heads, d, d_k = layout
     w_q, w_k = (w.to(dtype) for w in make_weights(kind, num_heads, num_kv_heads, d, d_k, seed=0))
     u = FLOAT64_U if dtype == torch.float64 else FLOAT32_U
     eps = u * math.sqrt(d)
@@ -166,10 +168,10 @@ def test_low_rank_heads_have_exact_zeros_and_rank_one_heads_kappa_one(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_metrics_match_naive_float64_within_propagated_bounds(layout, dtype):
-    num_heads, num_kv_heads = layout
-    d, d_k, scale = 64, 16, 0.25
+    num_heads, num_kv_heads, d, d_k = layout
+    scale = 0.25
     layers = [tuple(w.to(dtype) for w in make_weights("random", num_heads, num_kv_heads, d, d_k, seed=s))
               for s in (2, 3)]
     spectra = spectrum_of_layers([QKWeights(w_q, w_k, num_heads, num_kv_heads, scale) for w_q, w_k in layers])
@@ -329,19 +331,61 @@ def test_layers_are_never_stacked(dtype):
     assert 0 < spy.largest <= 64 * 48  # stacking the query weights alone would make 8 * 64 * 48
 
 
-def test_threaded_solvers_give_the_single_threaded_result(monkeypatch):
-    monkeypatch.setattr("qkmonitor.spectrum._THREADED_WORK", 0)  # thread even these small batches
-    w_q, w_k = (w.float() for w in make_weights("random", 8, 2, 32, 4, seed=11))
-    threads = torch.get_num_threads()
+@pytest.mark.parametrize(("heads", "kv_heads", "threads"), [(8, 2, 3), (12, 6, 2), (6, 6, 2), (6, 1, 2)],
+                         ids=["groups-split", "whole-groups", "mha", "mqa"])
+@pytest.mark.parametrize("square", [True, False], ids=["square", "kdim"])
+def test_threaded_runs_of_heads_give_the_single_threaded_result(monkeypatch, heads, kv_heads, threads, square):
+    monkeypatch.setattr("qkmonitor.spectrum._THREADED_WORK", 0)  # thread even these small layers
+    w_q, w_k = (w.float() for w in make_weights("random", heads, kv_heads, 32, 4, seed=11))
+    if not square:
+        w_k = w_k[:, :24].contiguous()
+    w_q[4 * (heads - 1):] = float("nan")  # a broken head in the last run
+    spy = []
+    monkeypatch.setattr("qkmonitor.spectrum._spectra_of_heads",
+                        lambda q, *rest, real=spectrum._spectra_of_heads: spy.append(q.shape[0]) or real(q, *rest))
+    before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        serial = qk_head_spectra(w_q, w_k, 8, 2)
-        torch.set_num_threads(3)
-        threaded = qk_head_spectra(w_q, w_k, 8, 2)
-    finally:
+        serial = qk_head_spectra(w_q, w_k, heads, kv_heads)
+        assert spy == [heads]
         torch.set_num_threads(threads)
-    assert_close(threaded.singular_values, serial.singular_values, rtol=0, atol=0)
-    assert_close(threaded.eigenvalues, serial.eigenvalues, rtol=0, atol=0)
+        spy.clear()
+        threaded = qk_head_spectra(w_q, w_k, heads, kv_heads)
+        assert len(spy) == min(2 * threads, heads) and sum(spy) == heads  # two runs per thread
+        assert torch.get_num_threads() == threads  # restored
+    finally:
+        torch.set_num_threads(before)
+    assert_close(threaded.singular_values, serial.singular_values, rtol=0, atol=0, equal_nan=True)
+    if square:
+        assert_close(threaded.eigenvalues, serial.eigenvalues, rtol=0, atol=0, equal_nan=True)
+    else:
+        assert threaded.eigenvalues is None
+    assert threaded.singular_values[-1].isnan().all() and not threaded.singular_values[:-1].isnan().any()
+
+
+def test_a_failing_run_of_heads_restores_the_thread_count(monkeypatch):
+    """A solver raising on one worker thread propagates, and torch's thread count is restored."""
+    monkeypatch.setattr("qkmonitor.spectrum._THREADED_WORK", 0)
+    calls = []
+
+    def eigvals(batch, real=torch.linalg.eigvals):
+        calls.append(torch.get_num_threads())  # each run computes single-threaded
+        if len(calls) == 2:
+            raise torch.linalg.LinAlgError("did not converge")
+        return real(batch)
+
+    monkeypatch.setattr(torch.linalg, "eigvals", eigvals)
+    w_q, w_k = (w.float() for w in make_weights("random", 8, 2, 32, 4, seed=13))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.warns(RuntimeWarning, match="layer 0.*did not converge"):
+            spectra = spectrum_of_layers([QKWeights(w_q, w_k, 8, 2, 1.0)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert set(calls) == {1} and len(calls) >= 2
+    assert spectra.metrics["kappa"][0].isnan().all()  # the layer is NaN, not half of it
 
 
 def test_reduced_precision_float32_matmuls_switch_the_products_to_float64():
