@@ -1,16 +1,25 @@
 """Training steps per second with the monitors on, against none, on a bundled model.
 
-Three configurations run interleaved, several rounds each, so machine noise hits them alike: no
-monitor; all three monitors at ``every_n_steps=50`` (the aim is <= 2 % steady-state overhead); all
-three at every step. Each batch is timed from one ``on_train_batch_end`` to the next (on CUDA the
-device is synchronized there), so a step's time holds everything the monitors do in it. Printed
-per configuration (medians over rounds):
+Four configurations run interleaved, several rounds each, so machine noise hits them alike: no
+monitor; all three monitors at ``every_n_steps=50`` with their defaults (visuals at every 10th
+probe); the same with visuals at every probe (to measure what drawing costs); all three at every
+step. Each batch is timed from its start to the next one's (on CUDA the device is synchronized
+there), so a batch's time holds every callback's work at its start and end. Printed per
+configuration (medians over rounds):
 
-- **steady state**: steps/s over batches 1..N-1 and the overhead against no monitor. Batch 0 is
-  left out of every configuration: it carries first-call costs with or without monitors;
-- **per probe window** (in-run, so run-to-run noise cancels): the median time of the batches a
-  monitor touched (the activation probes' and the spectrum's) minus the median of the others,
-  and that cost spread over ``every_n_steps`` plain steps;
+- **steady state, between runs**: steps/s over batches 1..N-1 and the overhead against the
+  no-monitor run. Batch 0 is left out everywhere: it carries first-call costs with or without
+  monitors. On a shared or virtual CPU the plain step time drifts by several percent from one run
+  to the next, more than the monitors cost at ``every_n_steps=50``; hence the in-run figures:
+- **per probe window, in-run**: the time the batches a monitor works in (the activation probes'
+  and the spectrum's) take beyond the median untouched batch *of the same run*, less what the
+  same batches take beyond the median in the no-monitor run (Lightning's own periodic logging
+  lands on them too), per window;
+- **hooks, untouched**: the monitors' own hook time on the batches they do not probe, per batch
+  (timed directly around the hooks);
+- **in-run overhead**: window cost spread over ``every_n_steps`` untouched batches, plus the hooks;
+  for the defaults, also the visuals' extra cost (the visuals configuration's window cost minus the
+  default one's) spread over ``visuals_every_n_probes`` windows — the figure a long run pays;
 - **one-time**: the monitors' setup (binding, the layout and hparams header: from the Trainer's
   ``setup`` to the first batch, against no monitor) and the extra time of the first window.
 
@@ -58,12 +67,20 @@ from qkmonitor.models.tasks import (
     PythonSourceDataModule,
 )
 
-CONFIGS = {"no monitor": None, "all monitors, every 50 steps": 50, "all monitors, every step": 1}
+VISUALS_EVERY = 10  # the monitors' default visuals_every_n_probes
+#: name -> (every_n_steps, visuals_every_n_probes), or None for no monitor
+CONFIGS = {"no monitor": None, "all monitors, every 50 steps": (50, VISUALS_EVERY),
+           "every 50 steps, visuals every probe": (50, 1), "all monitors, every step": (1, VISUALS_EVERY)}
+DEFAULTS = "all monitors, every 50 steps"
+VISUALS = "every 50 steps, visuals every probe"
 
 
 class Clock(pl.Callback):
-    """Times from ``setup`` to the first batch, and between consecutive batch ends. Put it first
-    in the callback list, so that its ``setup`` comes before every other callback's."""
+    """Times from ``setup`` to the first batch, and each batch from its start to the next one's.
+
+    Put it first in the callback list: its hooks then run before every other callback's, so a
+    batch's time holds every callback's work at its start and at its end (the monitors open probes
+    in ``on_train_batch_start`` and measure in ``on_train_batch_end``)."""
 
     def __init__(self) -> None:
         self.marks: list[float] = []
@@ -73,12 +90,12 @@ class Clock(pl.Callback):
         self.setup_at = time.perf_counter()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        _synchronize(pl_module)
+        self.marks.append(time.perf_counter())
         if batch_idx == 0:
-            _synchronize(pl_module)
-            self.first_batch_at = time.perf_counter()
-            self.marks.append(self.first_batch_at)
+            self.first_batch_at = self.marks[-1]
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_end(self, trainer, pl_module):
         _synchronize(pl_module)
         self.marks.append(time.perf_counter())
 
@@ -99,14 +116,36 @@ def _synchronize(pl_module) -> None:
         torch.cuda.synchronize(device)
 
 
-def monitors(every: int | None) -> list[pl.Callback]:
-    if every is None:
+def monitors(config: tuple[int, int] | None) -> list[pl.Callback]:
+    if config is None:
         return []
+    every, visuals = config
     return [
-        QKSpectrumMonitor(every_n_steps=every),
-        AttentionEntropyMonitor(every_n_steps=every),
-        EffectiveRankMonitor(every_n_steps=every),
+        QKSpectrumMonitor(every_n_steps=every, visuals_every_n_probes=visuals),
+        AttentionEntropyMonitor(every_n_steps=every, visuals_every_n_probes=visuals),
+        EffectiveRankMonitor(every_n_steps=every, visuals_every_n_probes=visuals),
     ]
+
+
+class HookTimer:
+    """Seconds each batch spends in the monitors' ``on_train_batch_start`` / ``_end`` hooks."""
+
+    def __init__(self, callbacks: list[pl.Callback]) -> None:
+        self.seconds: dict[int, float] = {}
+        for callback in callbacks:
+            for hook in ("on_train_batch_start", "on_train_batch_end"):
+                setattr(callback, hook, self._timed(getattr(callback, hook)))
+
+    def _timed(self, hook):
+        def timed(trainer, pl_module, *args):
+            start = time.perf_counter()
+            try:
+                return hook(trainer, pl_module, *args)
+            finally:
+                batch_idx = args[-1]
+                self.seconds[batch_idx] = self.seconds.get(batch_idx, 0.0) + time.perf_counter() - start
+
+        return timed
 
 
 def task_and_data(model: str, steps: int) -> tuple[pl.LightningModule, pl.LightningDataModule]:
@@ -122,14 +161,15 @@ def task_and_data(model: str, steps: int) -> tuple[pl.LightningModule, pl.Lightn
     return CharLMTask(config, warmup_steps=10), data
 
 
-def run(args, every: int | None, log_root: str, steps: int | None = None) -> Clock:
+def run(args, config: tuple[int, int] | None, log_root: str, steps: int | None = None) -> Clock:
     steps = args.steps if steps is None else steps
     pl.seed_everything(0, verbose=False)
     task, data = task_and_data(args.model, steps)
-    timer = Clock()
+    timer, callbacks = Clock(), monitors(config)
+    timer.hooks = HookTimer(callbacks)
     trainer = pl.Trainer(max_steps=steps, accelerator=args.device, devices=1,
                          precision=args.precision, logger=TensorBoardLogger(log_root),
-                         callbacks=[timer, *monitors(every)], enable_progress_bar=False,
+                         callbacks=[timer, *callbacks], enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                          log_every_n_steps=50)  # fmt: skip
     trainer.fit(task, datamodule=data)
@@ -142,10 +182,33 @@ def touched(batch: int, every: int) -> bool:
     return batch % every == 0 or (batch + 1) % every == 0
 
 
+def window_cost(clock: Clock, base: Clock, every: int) -> float:
+    """Seconds per probe window, in-run: what the touched batches take beyond the run's median
+    untouched batch, less the same for the no-monitor run at the same batches."""
+    def excess(c: Clock) -> dict[int, float]:
+        steps = c.steps
+        plain = statistics.median(s for i, s in enumerate(steps) if i and not touched(i, every))
+        return {i: s - plain for i, s in enumerate(steps) if i and touched(i, every)}
+
+    ours, theirs = excess(clock), excess(base)
+    windows = len(ours) / 2 or 1  # a window: one activation probe and one spectrum probe
+    return sum(ours[i] - theirs.get(i, 0.0) for i in ours) / windows
+
+
+def untouched_step(clock: Clock, every: int) -> float:
+    return statistics.median(s for i, s in enumerate(clock.steps) if i and not touched(i, every))
+
+
+def hooks_untouched(clock: Clock, every: int) -> float:
+    """Seconds per untouched batch in the monitors' hooks (median)."""
+    values = [s for i, s in clock.hooks.seconds.items() if i and not touched(i, every)]
+    return statistics.median(values) if values else 0.0
+
+
 def measure(args) -> dict[str, dict[str, float]]:
-    """Per configuration: steady steps/s, overhead, per-window cost, its spread, setup and first
-    window (medians over rounds). With ``--dry-run`` the model and data are built (so that the
-    configuration is checked) but nothing trains, and every figure is NaN."""
+    """Per configuration: steady steps/s, overhead between runs, in-run window cost and overhead,
+    setup and first window (medians over rounds). With ``--dry-run`` the model and data are built
+    (so that the configuration is checked) but nothing trains, and every figure is NaN."""
     if args.dry_run:
         task, data = task_and_data(args.model, args.steps)
         data.setup("fit")
@@ -154,32 +217,60 @@ def measure(args) -> dict[str, dict[str, float]]:
     clocks: dict[str, list[Clock]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as log_root:
         if args.warmup_steps:  # first-call costs (Triton autotuning, compiles) out of the rounds
-            run(args, 1, log_root, steps=args.warmup_steps)
+            run(args, (1, 1), log_root, steps=args.warmup_steps)
         for _ in range(args.rounds):
-            for name, every in CONFIGS.items():
-                clocks[name].append(run(args, every, log_root))
+            for name, config in CONFIGS.items():
+                clocks[name].append(run(args, config, log_root))
     base = clocks["no monitor"]
     plain_step = statistics.median(s for c in base for s in c.steps[1:])
     figures: dict[str, dict[str, float]] = {}
-    for name, every in CONFIGS.items():
+    for name, config in CONFIGS.items():
         rounds = clocks[name]
         out = {"steps_per_s": (args.steps - 1) / statistics.median(c.steady for c in rounds),
                "overhead": statistics.median(c.steady / b.steady - 1 for c, b in zip(rounds, base))}
-        if every is not None:
+        if config is not None:
+            every = config[0]
             out["setup_s"] = statistics.median(c.first_batch_at - c.setup_at for c in rounds) - statistics.median(
                 b.first_batch_at - b.setup_at for b in base)
             out["first_window_s"] = statistics.median(c.steps[0] for c in rounds) - statistics.median(
                 b.steps[0] for b in base)
-        if every is not None and every > 1:
-            window = statistics.median(
-                statistics.median(s for i, s in enumerate(c.steps) if i and touched(i, every))
-                - statistics.median(s for i, s in enumerate(c.steps) if i and not touched(i, every))
-                for c in rounds)
-            out["window_s"] = window
-            out["spread"] = 2 * window / (every * plain_step)  # two touched batches per window
+            out["hooks_s"] = statistics.median(hooks_untouched(c, every) for c in rounds)
+        if config is not None and config[0] > 1:
+            every = config[0]
+            out["window_s"] = statistics.median(window_cost(c, b, every) for c, b in zip(rounds, base))
+            out["in_run"] = statistics.median(
+                (window_cost(c, b, every) / every + hooks_untouched(c, every)) / untouched_step(c, every)
+                for c, b in zip(rounds, base))
         figures[name] = out
+    defaults, visuals = figures[DEFAULTS], figures[VISUALS]
+    defaults["visuals_s"] = visuals["window_s"] - defaults["window_s"]
+    every = CONFIGS[DEFAULTS][0]
+    defaults["long_run"] = defaults["in_run"] + defaults["visuals_s"] / (VISUALS_EVERY * every) / statistics.median(
+        untouched_step(c, every) for c in clocks[DEFAULTS])
     figures["no monitor"]["plain_step_s"] = plain_step
     return figures
+
+
+def report(figures: dict[str, dict[str, float]]) -> None:
+    print(f"  {'configuration':36s} {'steps/s':>8s} {'between':>8s} {'window':>9s} {'hooks':>8s} {'in-run':>7s} "
+          f"{'setup':>7s} {'1st window':>10s}")
+    for name, f in figures.items():
+        line = f"  {name:36s} {f['steps_per_s']:8.1f} {100 * f.get('overhead', math.nan):+7.1f}%"
+        if "window_s" in f:
+            line += f" {1e3 * f['window_s']:7.1f}ms"
+        elif "setup_s" in f:
+            line += f" {'(all)':>9s}"
+        if "hooks_s" in f:
+            line += f" {1e3 * f['hooks_s']:6.2f}ms"
+            line += f" {100 * f['in_run']:+6.2f}%" if "in_run" in f else f" {'':>7s}"
+            line += f" {1e3 * f['setup_s']:5.0f}ms {1e3 * f['first_window_s']:8.0f}ms"
+        print(line)
+    d = figures[DEFAULTS]
+    if "long_run" in d:
+        print(f"  defaults over a long run: {1e3 * d['window_s']:.1f} ms a window + visuals {1e3 * d['visuals_s']:.1f} ms "
+              f"every {VISUALS_EVERY} windows + hooks => {100 * d['long_run']:+.2f}% of the plain step")
+    print("  between: steady time against the no-monitor run; window: a probe window's cost, in-run; hooks: the "
+          "monitors' hooks on an untouched batch; in-run: both over the run's own untouched batches")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,19 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"torch {torch.__version__}, {where}, model {args.model}, precision {args.precision}, "
           f"{args.steps} steps x {args.rounds} rounds")  # fmt: skip
-    print(f"  {'configuration':30s} {'steady steps/s':>14s} {'overhead':>9s} {'per window':>11s} {'spread':>8s} "
-          f"{'setup':>8s} {'first window':>13s}")
-    for name, f in figures.items():
-        line = f"  {name:30s} {f['steps_per_s']:14.1f} {100 * f.get('overhead', math.nan):+8.1f}%"
-        if "window_s" in f:
-            line += f" {1e3 * f['window_s']:9.1f}ms {100 * f['spread']:+7.2f}%"
-        elif "setup_s" in f:
-            line += f" {'(all)':>11s} {'':>8s}"
-        if "setup_s" in f:
-            line += f" {1e3 * f['setup_s']:6.0f}ms {1e3 * f['first_window_s']:11.0f}ms"
-        print(line)
-    print("  overhead: steady-state time against no monitor (batches 1..N-1); per window: a touched batch minus an "
-          "untouched one, in-run; spread: that over every_n_steps plain steps")
+    report(figures)
     if args.json:
         rates = {name: f["steps_per_s"] for name, f in figures.items()}
         args.json.write_text(json.dumps({"model": args.model, "precision": args.precision,

@@ -40,7 +40,8 @@ class AttentionEntropyMonitor(ActivationMonitor):
     - ``{prefix}/sink_mass/layer_LL`` (+ ``_min``, ``_max``) with ``sink_tokens=k`` > 0: the mean
       attention mass on the first k keys ("attention sinks"), from qkmonitor's own attention and
       ``nn.MultiheadAttention`` (NaN for adapters that cannot measure it).
-    - ``{prefix}/heatmap/entropy_norm``, ``{prefix}/heatmap/max_prob`` — layer x head images.
+    - ``{prefix}/heatmap/entropy_norm``, ``{prefix}/heatmap/max_prob`` — layer x head images (at
+      every ``visuals_every_n_probes``-th probe).
     - ``{prefix}/{metric}/layer_LL/head_HH`` with ``per_head=True``.
     - ``{prefix}/alerts/entropy_collapse``, ``{prefix}/alerts/logit_growth``.
 
@@ -71,10 +72,12 @@ class AttentionEntropyMonitor(ActivationMonitor):
         alert_action: str = "warn",
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
+        visuals_every_n_probes: int = 10,
         probe_validation: bool = False,
         sink_tokens: int = 0,
     ) -> None:
         engine = AttentionEntropy(every_n_steps=every_n_steps, per_head=per_head, log_key_prefix=log_key_prefix,
                                   alerts=alerts, alert_action=alert_action, on_alert=on_alert, layers=layers,
+                                  visuals_every_n_probes=visuals_every_n_probes,
                                   sink_tokens=sink_tokens)
         super().__init__(engine, probe_validation=probe_validation)

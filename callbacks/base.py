@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -27,16 +28,26 @@ __all__ = ["AttentionMonitor", "ActivationMonitor", "LightningHost", "LoggerSink
 
 class LoggerSink:
     """A Lightning logger as an engine sink: scalars through ``log_metrics``; texts, images,
-    histograms, the layout and hparams through its TensorBoard ``SummaryWriter`` when it has one."""
+    histograms, the layout and hparams through its TensorBoard ``SummaryWriter`` when it has one.
+
+    A ``TensorBoardLogger`` without a prefix gets the scalars through its writer too, one event a
+    probe (``log_metrics`` writes an event per tag; see :class:`SummaryWriterSink`) — the same tags
+    and values in the same run.
+    """
 
     def __init__(self, logger: Any) -> None:
         self.logger = logger
         experiment = getattr(logger, "experiment", None)
         self._writer = SummaryWriterSink(experiment, scalars=False) if hasattr(experiment, "add_image") else None
         self.draws = self._writer is not None
+        direct = self.draws and isinstance(logger, TensorBoardLogger) and not getattr(logger, "_prefix", "")
+        self._scalar_writer = SummaryWriterSink(experiment) if direct else None
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
-        self.logger.log_metrics(scalars, step=step)
+        if self._scalar_writer is not None:
+            self._scalar_writer.log_scalars(scalars, step)
+        else:
+            self.logger.log_metrics(scalars, step=step)
 
     def __getattr__(self, name: str) -> Any:  # log_text, log_image, ... go to the writer
         if name.startswith("log_") and self.__dict__.get("_writer") is not None:
@@ -84,6 +95,9 @@ class AttentionMonitor(Callback):
     def __init__(self, engine: MonitorEngine) -> None:
         self.engine = engine
         self._headers: set[str] = set()
+        # Lightning reads `state_key` at every hook call of every callback (its profiler names
+        # the hook with it); prefix and selection are fixed at construction, so build it once
+        self._state_key = self._generate_state_key(prefix=engine.prefix, layers=engine.selection())
 
     # -- the engine's state, read where users and tests look for it ---------------------------
 
@@ -119,7 +133,7 @@ class AttentionMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(prefix=self.engine.prefix, layers=self.engine.selection())
+        return self._state_key
 
     # -- Lightning hooks ----------------------------------------------------------------------
 

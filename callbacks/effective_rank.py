@@ -42,7 +42,7 @@ class EffectiveRankMonitor(ActivationMonitor):
     ``_min`` and ``_max`` over heads), per head with ``per_head=True``,
     ``{prefix}/alerts/rank_collapse``, ``{prefix}/alerts/malignant_collapse``, and (TensorBoard
     only) images ``{prefix}/attention/layer_LL/head_HH`` of the first probe sequence's attention
-    for the first ``pattern_heads`` heads.
+    for the first ``pattern_heads`` heads, at every ``visuals_every_n_probes``-th probe.
 
     Default alerts: ``hidden_collapse <= 1e-3`` (rank collapse) and ``attn_entropy_norm <= 0.1``
     together with ``attn_erank <= 1.5`` (malignant collapse: sparse *and* low rank; sparse,
@@ -74,6 +74,7 @@ class EffectiveRankMonitor(ActivationMonitor):
         alert_action: str = "warn",
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
+        visuals_every_n_probes: int = 10,
         probe_validation: bool = False,
         max_probe_sequences: int = 4,
         max_probe_tokens: int = 128,
@@ -82,6 +83,7 @@ class EffectiveRankMonitor(ActivationMonitor):
     ) -> None:
         engine = EffectiveRank(every_n_steps=every_n_steps, per_head=per_head, log_key_prefix=log_key_prefix,
                                alerts=alerts, alert_action=alert_action, on_alert=on_alert, layers=layers,
+                               visuals_every_n_probes=visuals_every_n_probes,
                                max_probe_sequences=max_probe_sequences, max_probe_tokens=max_probe_tokens,
                                blocks=blocks, pattern_heads=pattern_heads)
         super().__init__(engine, probe_validation=probe_validation)

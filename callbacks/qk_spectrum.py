@@ -21,8 +21,8 @@ class QKSpectrumMonitor(AttentionMonitor):
     r"""Log the spectrum of ``W_QK^h = W_Q^h (W_K^g)^T`` for every head of every attention layer.
 
     Reads weights only (no forward pass): every ``every_n_steps`` optimizer steps, and once
-    before the first step, all heads of all layers go through one batched QR + ``d_k x d_k`` SVD
-    and eigen-decomposition (:mod:`qkmonitor.functional`). Per head:
+    before the first step, layer by layer, each head's ``d_k x d_k`` Gram matrices give its
+    singular values and eigenvalues (:mod:`qkmonitor.spectrum`). Per head:
 
     .. math::
 
@@ -39,7 +39,8 @@ class QKSpectrumMonitor(AttentionMonitor):
       ``kappa_eig``, ``eig_mean`` and ``eig_var`` (mean and variance of the eigenvalues of
       ``W_K^T W_Q``, Bao et al. 2024), ``qk_erank`` and ``qk_spectral_norm``.
     - ``{prefix}/heatmap/kappa`` — a layer x head image; ``{prefix}/qk_singular_values/layer_LL`` —
-      a histogram of the layer's singular values (TensorBoard loggers only).
+      a histogram of the layer's singular values (TensorBoard loggers only; at every
+      ``visuals_every_n_probes``-th probe).
     - ``{prefix}/{metric}/layer_LL/head_HH`` for each of the above with ``per_head=True``.
     - ``{prefix}/alerts/kappa`` — how many ``kappa`` alerts have fired.
 
@@ -57,6 +58,8 @@ class QKSpectrumMonitor(AttentionMonitor):
         alert_action: ``"warn"``, ``"stop"`` or ``"raise"``.
         on_alert: ``on_alert(trainer, alert)`` for every alert that fires.
         layers: which attention layers (one module, a list, or a function of the model).
+        visuals_every_n_probes: heatmaps, attention images and histograms at every this many
+            probes, from the first (default 10; 0: never); scalars and alerts at every probe.
 
     Example::
 
@@ -78,9 +81,11 @@ class QKSpectrumMonitor(AttentionMonitor):
         alert_action: str = "warn",
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
+        visuals_every_n_probes: int = 10,
     ) -> None:
         super().__init__(QKSpectrum(every_n_steps=every_n_steps, per_head=per_head, log_key_prefix=log_key_prefix,
-                                    alerts=alerts, alert_action=alert_action, on_alert=on_alert, layers=layers))
+                                    alerts=alerts, alert_action=alert_action, on_alert=on_alert, layers=layers,
+                                    visuals_every_n_probes=visuals_every_n_probes))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

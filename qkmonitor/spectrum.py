@@ -213,8 +213,10 @@ def _spectra_of_heads(
 def spectrum_of_layers(weights: Sequence[QKWeights]) -> LayerSpectra:
     r"""The QK-spectrum metrics of many layers, computed and released one layer at a time.
 
-    Layers are never stacked into one tensor (at 70B scale that would copy the whole model); the
-    heads of one layer are batched. A sharded weight (DTensor, FSDP2) is gathered for its layer
+    Large layers are never stacked into one tensor (at 70B scale that would copy the whole model);
+    the heads of one layer are batched. Consecutive small layers of one shape (together at most
+    ``_RUN_ELEMENTS`` query-weight entries, 4 MiB of float32) are solved as one batch of heads:
+    per-call overheads, not arithmetic, are what small layers cost. A sharded weight (DTensor, FSDP2) is gathered for its layer
     only. Per head, one symmetric eigenproblem gives the singular values behind ``kappa``,
     ``qk_erank``, ``qk_spectral_norm`` and ``singular_values``, and one eigenproblem the
     eigenvalues (:func:`qk_head_spectra`).
@@ -240,12 +242,12 @@ def spectrum_of_layers(weights: Sequence[QKWeights]) -> LayerSpectra:
         ([tensor([0.7500])], [tensor([1.5000])])
     """
     spectra = LayerSpectra()
-    for index, layer in enumerate(weights):
-        metrics, singular_values, undefined = _layer_metrics(index, layer)
-        spectra.singular_values.append(singular_values.float())
-        for name in SPECTRUM_METRICS:
-            spectra.metrics[name].append(metrics[name].float())
-            spectra.undefined[name].append(undefined[name])
+    for run in _runs(weights):
+        for metrics, singular_values, undefined in _run_metrics(run):
+            spectra.singular_values.append(singular_values.float())
+            for name in SPECTRUM_METRICS:
+                spectra.metrics[name].append(metrics[name].float())
+                spectra.undefined[name].append(undefined[name])
     return spectra
 
 
@@ -278,20 +280,74 @@ def full_tensor(weight: Tensor) -> Tensor:
 # -- one layer ----------------------------------------------------------------------------------
 
 
-def _layer_metrics(index: int, layer: QKWeights) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
-    """(metric -> (H,) float64, (H, d_k) singular values, metric -> (H,) undefined mask) of one layer."""
+#: Consecutive layers of one shape are solved together up to this many query-weight entries.
+_RUN_ELEMENTS = 2**20
+
+
+def _runs(weights: Sequence[QKWeights]) -> list[list[tuple[int, QKWeights]]]:
+    """Consecutive (index, layer) runs to solve as one batch of heads: small plain tensors of one
+    shape, dtype and device (a DTensor is gathered on its own)."""
+    runs: list[list[tuple[int, QKWeights]]] = []
+    size = 0
+    for index, layer in enumerate(weights):
+        kind = _run_kind(layer)
+        previous = runs[-1][-1][1] if runs else None
+        if kind is not None and previous is not None and _run_kind(previous) == kind \
+                and size + layer.w_q.numel() <= _RUN_ELEMENTS:
+            runs[-1].append((index, layer))
+            size += layer.w_q.numel()
+        else:
+            runs.append([(index, layer)])
+            size = layer.w_q.numel()
+    return runs
+
+
+def _run_kind(layer: QKWeights) -> tuple | None:
+    w_q, w_k = layer.w_q, layer.w_k
+    if not isinstance(layer.num_heads, int) or callable(getattr(w_q, "full_tensor", None)) \
+            or callable(getattr(w_k, "full_tensor", None)) or w_q.numel() > _RUN_ELEMENTS:
+        return None
+    return (w_q.shape, w_k.shape, w_q.dtype, w_k.dtype, w_q.device, layer.num_heads, layer.num_kv_heads)
+
+
+def _run_metrics(run: list[tuple[int, QKWeights]]) -> list[tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]]:
+    """Per layer of a run: (metric -> (H,) float64, (H, d_k) singular values, metric -> (H,)
+    undefined mask)."""
+    square = run[0][1].w_q.shape[-1] == run[0][1].w_k.shape[-1]
+    if len(run) > 1:
+        layers = [layer for _, layer in run]
+        heads, kv_heads = layers[0].num_heads, layers[0].num_kv_heads or layers[0].num_heads
+        try:
+            spectra = qk_head_spectra(torch.cat([layer.w_q for layer in layers]),
+                                      torch.cat([layer.w_k for layer in layers]), heads * len(layers),
+                                      kv_heads * len(layers))
+        except torch.linalg.LinAlgError:  # solve the layers one by one, to name the failing one
+            return [one for item in run for one in _run_metrics([item])]
+        scale = torch.cat([_head_scale(layer.scale, heads) for layer in layers])
+        metrics, sv, undefined = _metrics(spectra, scale, square)
+        return [({n: v[i * heads:(i + 1) * heads] for n, v in metrics.items()}, sv[i * heads:(i + 1) * heads],
+                 {n: v[i * heads:(i + 1) * heads] for n, v in undefined.items()}) for i in range(len(layers))]
+    index, layer = run[0]
     num_heads = layer.num_heads
-    d_k = layer.w_q.shape[0] // num_heads if isinstance(num_heads, int) and num_heads > 0 else 0
-    square = layer.w_q.shape[-1] == layer.w_k.shape[-1]
     try:
         spectra = qk_head_spectra(full_tensor(layer.w_q), full_tensor(layer.w_k), num_heads, layer.num_kv_heads)
     except torch.linalg.LinAlgError as err:  # an eigen-solver that did not converge
         warnings.warn(f"QK spectrum of layer {index}: {err}; the layer's metrics are NaN.", RuntimeWarning,
-                      stacklevel=3)
+                      stacklevel=4)
+        d_k = layer.w_q.shape[0] // num_heads
         nan = torch.full((num_heads, d_k), float("nan"), dtype=torch.float64)
         spectra = HeadSpectra(nan, nan.to(torch.complex128) if square else None)
+    return [_metrics(spectra, _head_scale(layer.scale, num_heads), square)]
+
+
+def _head_scale(scale: float | Tensor, num_heads: int) -> Tensor:
+    return torch.as_tensor(scale, dtype=torch.float64).detach().cpu().expand(num_heads)
+
+
+def _metrics(spectra: HeadSpectra, scale: Tensor, square: bool) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
+    """The metrics of some heads from their spectra; ``scale`` (heads,)."""
     sv, eig = spectra
-    scale = torch.as_tensor(layer.scale, dtype=torch.float64).detach().cpu()
+    num_heads = sv.shape[0]
     metrics = {"kappa": spectral_concentration(sv), "qk_erank": effective_rank(sv), "qk_spectral_norm": sv[:, 0] * scale}
     if eig is not None:
         eig = eig.to(torch.complex128)
@@ -377,16 +433,16 @@ def _singular_values(gram_q: Tensor, gram_k: Tensor, group: Tensor, rounding: fl
     return torch.where(noise, 0.0, squared).sqrt()
 
 
-def _largest_eigenvalue(gram: Tensor, steps: int = 8) -> Tensor:
+def _largest_eigenvalue(gram: Tensor, steps: int = 4) -> Tensor:
     """(B,) λ_max of each PSD matrix from below: power iteration from the largest diagonal's axis.
 
-    The Rayleigh quotient starts at ``max_i G_ii >= λ_max / n`` and never decreases.
+    The Rayleigh quotient starts at ``max_i G_ii >= λ_max / n`` and never decreases; it only sets
+    the floor below which values are rounding noise, so a few steps do.
     """
     start = gram.diagonal(dim1=-2, dim2=-1).argmax(dim=-1)
     vector = torch.nn.functional.one_hot(start, gram.shape[-1]).to(gram.dtype)[..., None]  # (B, n, 1)
     for _ in range(steps):
-        vector = gram @ vector
-        vector = vector / vector.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(gram.dtype).tiny)
+        vector = torch.nn.functional.normalize(gram @ vector, dim=-2)  # a zero G stays zero
     return (vector.mT @ gram @ vector)[..., 0, 0]
 
 

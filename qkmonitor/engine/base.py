@@ -124,6 +124,11 @@ class MonitorEngine:
             the Trainer under Lightning), e.g. to lower the learning rate or save a checkpoint.
         layers: which attention layers: ``None`` finds them all; one module or AttentionLayer,
             a list of them, or a function ``model -> list``.
+        visuals_every_n_probes: draw the visuals (layer x head heatmaps, attention images,
+            singular-value histograms) at every this many probes, starting with the first (step
+            0); ``0`` never. Scalars and alerts come at every probe. Drawing and encoding an
+            image takes milliseconds, more than measuring a small model, so the default (10)
+            keeps them to a tenth of the probes: at ``every_n_steps=50``, one set every 500 steps.
     """
 
     #: the catalogue's name of the monitor whose metrics this engine computes
@@ -140,8 +145,12 @@ class MonitorEngine:
         alert_action: str = "warn",
         on_alert: Callable[[Any, Alert], None] | None = None,
         layers: LayerSpec | nn.Module | AttentionLayer | None = None,
+        visuals_every_n_probes: int = 10,
     ) -> None:
         _check_optional_positive_int("every_n_steps", every_n_steps)
+        if isinstance(visuals_every_n_probes, bool) or not isinstance(visuals_every_n_probes, int) \
+                or visuals_every_n_probes < 0:
+            raise ValueError(f"Expected `visuals_every_n_probes` to be an int >= 0, got {visuals_every_n_probes!r}")
         _check_bool("per_head", per_head)
         if alert_action not in ALERT_ACTIONS:
             raise ValueError(f"Expected `alert_action` to be one of {ALERT_ACTIONS}, got {alert_action!r}")
@@ -152,6 +161,7 @@ class MonitorEngine:
         if alerts is not None and (isinstance(alerts, (str, bytes)) or not isinstance(alerts, Sequence)):
             raise ValueError(f"Expected `alerts` to be a list of AlertRule or None, got {type(alerts).__name__}")
         self.every_n_steps = every_n_steps
+        self.visuals_every_n_probes = visuals_every_n_probes
         self.per_head = per_head
         self.prefix = check_prefix(log_key_prefix)
         self.alert_action = alert_action
@@ -245,6 +255,12 @@ class MonitorEngine:
         # step, and only the first of them probes
         return self.every_n_steps is not None and step % self.every_n_steps == 0 and step != self.latest_step
 
+    def draws_visuals(self, step: int) -> bool:
+        """Whether the probe at ``step`` draws the visuals: every ``visuals_every_n_probes``-th
+        probe, counting the one at step 0."""
+        every = self.every_n_steps or 1
+        return self.visuals_every_n_probes > 0 and (step // every) % self.visuals_every_n_probes == 0
+
     # -- the probe window (weights engines ignore it) -------------------------------------------
 
     def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
@@ -294,7 +310,7 @@ class MonitorEngine:
             for sink in sinks:
                 sink.log_scalars(scalars, step)
             drawing = [sink for sink in sinks if sink.draws]
-            if drawing and not validation:
+            if drawing and not validation and self.draws_visuals(step):
                 visuals = {**self._heatmaps(values, step), **(images or {})}
                 for sink in drawing:
                     for tag, image in visuals.items():
@@ -468,7 +484,7 @@ class ActivationEngine(MonitorEngine):
         results = self.close_probes()
         self._report_missing(host, results)
         with torch.no_grad():
-            values, extra = self._measure(results, step)
+            values, extra = self._measure(results, step, visuals=not validation and self.draws_visuals(step))
         self.record(host, values, step, validation=validation, **extra)
 
     def _report_missing(self, host: Host, results: list[ProbeResult]) -> None:
@@ -482,7 +498,7 @@ class ActivationEngine(MonitorEngine):
                                f"no statistics for layer {layer.name!r} in {len(result.failures)} call(s) "
                                f"({reason}); they are left out. This warning is shown once per layer.")
 
-    def _measure(self, results: list[ProbeResult], step: int) -> tuple[Values, dict[str, Any]]:
+    def _measure(self, results: list[ProbeResult], step: int, *, visuals: bool) -> tuple[Values, dict[str, Any]]:
         """Values from the closed probes' results (one per layer, of the window at ``step``), plus
-        extra ``record`` arguments."""
+        extra ``record`` arguments; images only where ``visuals``."""
         raise NotImplementedError

@@ -63,7 +63,7 @@ class AttentionEntropy(ActivationEngine):
         # created on the CPU; each update moves them to where the statistics are
         self._aggregators = [AttentionStatistics(layer.qk_weights().num_heads) for layer in self.layers]
 
-    def _measure(self, results: list[ProbeResult], step: int) -> tuple[Values, dict[str, Any]]:
+    def _measure(self, results: list[ProbeResult], step: int, *, visuals: bool) -> tuple[Values, dict[str, Any]]:
         values: Values = {name: [] for name in self.metric_names}
         for aggregator, result in zip(self._aggregators, results):
             for stats in result.stats:

@@ -129,7 +129,7 @@ class EffectiveRank(ActivationEngine):
 
         return hook
 
-    def _measure(self, results: list[ProbeResult], step: int) -> tuple[Values, dict[str, Any]]:
+    def _measure(self, results: list[ProbeResult], step: int, *, visuals: bool) -> tuple[Values, dict[str, Any]]:
         values: Values = {m: [] for m in self.metric_names}
         images: dict[str, np.ndarray] = {}
         hidden, self._hidden = self._hidden, {}
@@ -150,7 +150,7 @@ class EffectiveRank(ActivationEngine):
                 norm = stats.entropy[:s, :, :r].double() / n.clamp_min(2).log()
                 keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
                 self._update(self._head_means[i]["attn_entropy_norm"], _mean_rows(norm, n > 1), keep)
-            if result.probs:
+            if result.probs and visuals:
                 for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
                     images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = attention_image(
                         probs, title=f"layer {i}, head {h}, step {step}, sequence 0")

@@ -10,9 +10,11 @@ everything in lists, for tests and notebooks.
 from __future__ import annotations
 
 import dataclasses
+import io
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch import Tensor
 
 __all__ = ["Sink", "SummaryWriterSink", "MemorySink", "flatten_hparams"]
@@ -41,6 +43,12 @@ class Sink(Protocol):
 class SummaryWriterSink:
     """A ``torch.utils.tensorboard.SummaryWriter`` as a sink.
 
+    A probe's scalars go into one event (``add_scalar`` writes an event per tag, each through the
+    writer's bounded queue: 90 tags took 4.6 ms, one event 0.1 ms), and images are PNGs encoded
+    at zlib level 1 (``add_image`` converts to float and back and compresses at level 6: 3.7 ms
+    against 1.8 ms for a 250 x 300 image). TensorBoard reads both as ``add_scalar`` and
+    ``add_image`` would have written them.
+
     Args:
         writer: the writer; the run directory is ``writer.log_dir``.
         scalars: also write scalars (False where another logger writes them, as in Lightning).
@@ -53,15 +61,24 @@ class SummaryWriterSink:
         self._scalars = scalars
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
-        if self._scalars:
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, global_step=step)
+        if self._scalars and scalars:
+            values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]
+            self.writer._get_file_writer().add_summary(Summary(value=values), step)
 
     def log_text(self, tag: str, text: str, step: int) -> None:
         self.writer.add_text(tag, text, global_step=step)
 
     def log_image(self, tag: str, image: np.ndarray, step: int) -> None:
-        self.writer.add_image(tag, image, global_step=step, dataformats="HWC")
+        """``image``: (H, W, 3) uint8."""
+        from PIL import Image
+
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+            raise ValueError(f"Expected `image` to be an (H, W, 3) uint8 array, got {image.dtype} {image.shape}")
+        png = io.BytesIO()
+        Image.fromarray(image).save(png, format="PNG", compress_level=1)
+        encoded = Summary.Image(height=image.shape[0], width=image.shape[1], colorspace=3,
+                                encoded_image_string=png.getvalue())
+        self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=encoded)]), step)
 
     def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
         self.writer.add_histogram(tag, values, global_step=step)

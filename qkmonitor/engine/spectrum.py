@@ -47,8 +47,8 @@ class QKSpectrum(MonitorEngine):
             return
         with torch.no_grad(), full_parameters(full_model):
             spectra = spectrum_of_layers([layer.qk_weights() for layer in self.layers])
-        self.record(host, spectra.metrics, step, undefined=spectra.undefined,
-                    histograms=self._histograms(spectra.singular_values))
+        histograms = self._histograms(spectra.singular_values) if self.draws_visuals(step) else {}
+        self.record(host, spectra.metrics, step, undefined=spectra.undefined, histograms=histograms)
 
     def _histograms(self, singular_values: list[Tensor]) -> dict[str, Tensor]:
         out = {}

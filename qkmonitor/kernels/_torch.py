@@ -21,8 +21,12 @@ broadcasting each key/value block over G, so the repeated keys and values are ne
 most one block's broadcast, O(G·block·D), inside a matmul). With ``causal``, query rows that see
 none of a key block's keys are skipped, which halves the work.
 
-Memory is O(B·H·N·block_size) in both directions instead of O(B·H·N·M). Without statistics and when
-no row can be fully masked, ``F.scaled_dot_product_attention`` is used instead.
+Memory is O(B·H·N·block_size) in both directions instead of O(B·H·N·M). Where no row can be fully
+masked, ``F.scaled_dot_product_attention`` gives the output instead: without statistics, alone;
+with statistics and a gradient to take, SDPA gives the output and its gradient while the blockwise
+forward runs under ``no_grad`` for the statistics only. A probed training step then computes the
+same output and gradients as an unprobed one, and skips the blockwise backward (several times
+slower than SDPA's on CPU).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ import torch.nn.functional as F
 __all__ = ["autocast_off", "torch_attention"]
 
 DEFAULT_BLOCK_SIZE = 256
+#: With statistics and gradients, SDPA for the output where it is exact (tests turn it off to
+#: exercise the blockwise backward).
+SDPA_FOR_GRADIENTS = True
 _SDPA_HAS_GQA = torch.__version__ >= "2.5"  # `enable_gqa` appeared in torch 2.5
 _NEG_INF = float("-inf")
 
@@ -70,9 +77,17 @@ def torch_attention(
         tensors ``(lse, entropy, max_prob, max_logit, sink_mass)``, ``sink_mass`` None when
         ``sink_tokens == 0``.
     """
-    if not return_stats and _sdpa_is_exact(q, k, causal, key_padding_mask):
-        return _sdpa(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale), None
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if (not return_stats or (needs_grad and SDPA_FOR_GRADIENTS)) and _sdpa_is_exact(q, k, causal, key_padding_mask):
+        out = _sdpa(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        if not return_stats:
+            return out, None
+        with torch.no_grad():
+            _, lse, entropy, max_prob, max_logit, sink = _forward_blocks(
+                q, k, v, key_padding_mask, causal, scale, sink_tokens, True, block_size
+            )
+        return out, (lse, entropy, max_prob, max_logit, sink if sink_tokens > 0 else None)
     out, lse, entropy, max_prob, max_logit, sink = _BlockwiseAttention.apply(
         q, k, v, key_padding_mask, causal, scale, sink_tokens, return_stats, block_size
     )

@@ -14,7 +14,8 @@ from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE, KAPPA_RULE
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.models import DecoderLM, TransformerConfig
 
-COMMON = ["every_n_steps", "per_head", "log_key_prefix", "alerts", "alert_action", "on_alert", "layers"]
+COMMON = ["every_n_steps", "per_head", "log_key_prefix", "alerts", "alert_action", "on_alert", "layers",
+          "visuals_every_n_probes"]
 
 
 @pytest.mark.parametrize("cls, extra", [

@@ -28,15 +28,16 @@ def all_monitors(**kwargs):
             EffectiveRankMonitor(every_n_steps=2, max_probe_tokens=6, pattern_heads=2, **kwargs)]
 
 
-def fit(tmp_path, make_task, logger):
+def fit(tmp_path, make_task, logger, **kwargs):
     task, data = make_task()
-    pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=logger, callbacks=all_monitors(),
+    pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=logger, callbacks=all_monitors(**kwargs),
                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                limit_val_batches=0, log_every_n_steps=1).fit(task, datamodule=data)
 
 
 def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_path, make_task):
-    fit(tmp_path, make_task, TensorBoardLogger(tmp_path, "run", 0))
+    # visuals at every probe here; the default cadence (every 10th) is tests/engine/test_visuals.py's
+    fit(tmp_path, make_task, TensorBoardLogger(tmp_path, "run", 0), visuals_every_n_probes=1)
     run = tmp_path / "run" / "version_0"
     acc = EventAccumulator(str(run), size_guidance={"images": 0, "histograms": 0, "tensors": 0})
     acc.Reload()

@@ -321,14 +321,63 @@ class LargestTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_layers_are_never_stacked(dtype):
-    """Eight layers of one shape: no op makes a tensor larger than one layer's query weight."""
+def test_large_layers_are_never_stacked(dtype, monkeypatch):
+    """Eight layers of one shape, each over the run limit: no op makes a tensor larger than one
+    layer's query weight."""
+    monkeypatch.setattr("qkmonitor.spectrum._RUN_ELEMENTS", 64 * 48 - 1)
     gen = torch.Generator().manual_seed(10)
     layers = [QKWeights(torch.randn(64, 48, generator=gen).to(dtype), torch.randn(32, 48, generator=gen).to(dtype),
                         4, 2, 1.0) for _ in range(8)]
     with LargestTensor() as spy:
         spectrum_of_layers(layers)
     assert 0 < spy.largest <= 64 * 48  # stacking the query weights alone would make 8 * 64 * 48
+
+
+def test_small_layers_solved_together_give_the_layer_by_layer_result(monkeypatch):
+    """Runs of small layers (up to the run limit, one shape) are one batch of heads; the numbers
+    are those of one layer at a time, and a layer of another shape starts a new run."""
+    gen = torch.Generator().manual_seed(14)
+    shapes = [(64, 48, 32)] * 5 + [(32, 48, 32)] * 2  # (q rows, d, k rows)
+    layers = [QKWeights(torch.randn(q, d, generator=gen), torch.randn(k, d, generator=gen), q // 16, k // 16,
+                        0.5 + i) for i, (q, d, k) in enumerate(shapes)]
+    layers[2].w_q[5, 0] = float("nan")  # a broken head in a run breaks only itself
+    monkeypatch.setattr("qkmonitor.spectrum._RUN_ELEMENTS", 3 * 64 * 48)
+    assert [len(run) for run in spectrum._runs(layers)] == [3, 2, 2]
+    together = spectrum_of_layers(layers)
+    monkeypatch.setattr("qkmonitor.spectrum._RUN_ELEMENTS", 0)
+    assert [len(run) for run in spectrum._runs(layers)] == [1] * 7
+    alone = spectrum_of_layers(layers)
+    for name in SPECTRUM_METRICS:
+        for a, b in zip(together.metrics[name], alone.metrics[name]):
+            assert_close(a, b, rtol=1e-6, atol=0, equal_nan=True)
+        assert all(torch.equal(a, b) for a, b in zip(together.undefined[name], alone.undefined[name]))
+    assert together.metrics["kappa"][2].isnan().sum() == 1 and not together.metrics["kappa"][1].isnan().any()
+
+
+def test_a_failing_run_of_small_layers_is_solved_layer_by_layer(monkeypatch):
+    """An eigen-solver failing in a run of layers: the run is solved again one layer at a time,
+    so the warning names the failing layer and only that layer is NaN."""
+    gen = torch.Generator().manual_seed(15)
+    layers = [QKWeights(torch.randn(32, 24, generator=gen), torch.randn(32, 24, generator=gen), 2, 2, 1.0)
+              for _ in range(3)]
+    bad = layers[1].w_q
+
+    def eigvals(batch, real=torch.linalg.eigvals):
+        if batch.shape[0] == 2 * len(layers) or getattr(eigvals, "bad", False):
+            eigvals.bad = False
+            raise torch.linalg.LinAlgError("did not converge")
+        return real(batch)
+
+    def head_spectra(w_q, w_k, *args, real=spectrum.qk_head_spectra):
+        eigvals.bad = w_q.data_ptr() == bad.data_ptr()
+        return real(w_q, w_k, *args)
+
+    monkeypatch.setattr(torch.linalg, "eigvals", eigvals)
+    monkeypatch.setattr(spectrum, "qk_head_spectra", head_spectra)
+    with pytest.warns(RuntimeWarning, match="layer 1: did not converge") as record:
+        spectra = spectrum_of_layers(layers)
+    assert len(record) == 1
+    assert [bool(k.isnan().all()) for k in spectra.metrics["kappa"]] == [False, True, False]
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "threads"), [(8, 2, 3), (12, 6, 2), (6, 6, 2), (6, 1, 2)],

@@ -1,0 +1,92 @@
+"""The visuals' cadence, and what the TensorBoard sink writes, read back with TensorBoard's reader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, MemorySink, Monitoring, QKSpectrum, SummaryWriterSink
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(x, x, x, need_weights=False)[0]
+
+
+def run(engines, steps: int, writer) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    monitoring = Monitoring(model, engines, writer=writer, every_n_steps=1)
+    for step in range(steps):
+        with monitoring.step(step):
+            model(torch.randn(2, 5, 8))
+
+
+def engines(visuals: int) -> list:
+    return [QKSpectrum(visuals_every_n_probes=visuals), AttentionEntropy(visuals_every_n_probes=visuals),
+            EffectiveRank(visuals_every_n_probes=visuals, pattern_heads=1)]
+
+
+@pytest.mark.parametrize("visuals", [1, 3, 0])
+def test_visuals_come_with_every_nth_probe_and_scalars_with_every_probe(visuals):
+    sink = MemorySink()
+    run(engines(visuals), 7, sink)
+    expected = [s for s in range(7) if visuals and s % visuals == 0]
+    image_steps = {tag: sorted({s for t, _, s in sink.images if t == tag}) for tag, _, _ in sink.images}
+    assert set(image_steps) == ({"qkmonitor/heatmap/kappa", "qkmonitor/heatmap/entropy_norm",
+                                 "qkmonitor/heatmap/max_prob", "qkmonitor/attention/layer_00/head_00",
+                                 "qkmonitor/attention/layer_01/head_00"} if visuals else set())
+    assert all(steps == expected for steps in image_steps.values())
+    assert sorted({s for _, _, s in sink.histograms}) == expected
+    assert sorted({s for t, _, s in sink.scalars if t == "qkmonitor/kappa/layer_00"}) == list(range(7))
+    assert sorted({s for t, _, s in sink.scalars if t == "qkmonitor/entropy_norm/layer_01"}) == list(range(7))
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5, "10"])
+def test_visuals_every_n_probes_is_checked(value):
+    with pytest.raises(ValueError, match="`visuals_every_n_probes`"):
+        QKSpectrum(visuals_every_n_probes=value)
+
+
+def test_summary_writer_sink_writes_what_tensorboard_reads_back(tmp_path):
+    """One event for a probe's scalars, PNG images: TensorBoard reads the same tags, values,
+    steps and pixels as ``add_scalar`` / ``add_image`` would give."""
+    writer = SummaryWriter(str(tmp_path))
+    sink = SummaryWriterSink(writer)
+    sink.log_scalars({"a/x": 0.25, "a/y": float("nan"), "b/z": -3.0}, step=4)
+    sink.log_scalars({"a/x": 0.5}, step=5)
+    image = np.random.default_rng(0).integers(0, 256, size=(7, 11, 3), dtype=np.uint8)
+    sink.log_image("pic", image, step=4)
+    writer.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("a/x")] == [(4, 0.25), (5, 0.5)]
+    assert np.isnan(acc.Scalars("a/y")[0].value) and acc.Scalars("b/z")[0].value == -3.0
+    (shown,) = acc.Images("pic")
+    from io import BytesIO
+
+    from PIL import Image
+
+    assert shown.step == 4 and (shown.width, shown.height) == (11, 7)
+    assert np.array_equal(np.asarray(Image.open(BytesIO(shown.encoded_image_string))), image)
+    with pytest.raises(ValueError, match="`image`"):
+        sink.log_image("bad", image.astype(np.float32), step=6)
+
+
+def test_monitors_in_a_real_run_write_images_only_at_visual_probes(tmp_path):
+    writer = SummaryWriter(str(tmp_path))
+    run(engines(2), 5, writer)
+    writer.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "scalars": 0, "histograms": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("qkmonitor/heatmap/kappa")] == [0, 2, 4]
+    assert [e.step for e in acc.Histograms("qkmonitor/qk_singular_values/layer_00")] == [0, 2, 4]
+    assert [e.step for e in acc.Scalars("qkmonitor/kappa/layer_00")] == [0, 1, 2, 3, 4]
