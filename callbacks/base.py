@@ -20,7 +20,13 @@ from typing_extensions import override
 
 from qkmonitor.adapters import AttentionLayer
 from qkmonitor.alerts import AlertTracker
-from qkmonitor.engine import Host, MonitorEngine, SummaryWriterSink, check_tag_collisions, write_run_header
+from qkmonitor.engine import (
+    Host,
+    MonitorEngine,
+    SummaryWriterSink,
+    check_tag_collisions,
+    write_run_header,
+)
 from qkmonitor.engine.base import ActivationEngine, Values
 
 __all__ = ["AttentionMonitor", "ActivationMonitor", "LightningHost", "LoggerSink"]

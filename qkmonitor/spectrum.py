@@ -177,7 +177,7 @@ def qk_head_spectra(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int 
         rounding = torch.finfo(dtype).eps / 2 * math.sqrt(max(w_q.shape[-1], w_k.shape[-1]))  # ε
         square = w_q.shape[-1] == w_k.shape[-1]
         chunks = _head_chunks(q_rows, k_rows.shape[-1], group.cpu())
-        solve = lambda heads: _spectra_of_heads(q_rows[heads], k_rows, group[heads], rounding, square)  # noqa: E731
+        solve = lambda heads: _spectra_of_heads(q_rows[heads], k_rows, group[heads], rounding, square)
         parts = _on_threads(solve, chunks)
     singular_values = torch.cat([sv for sv, _ in parts])
     eigenvalues = torch.cat([eig for _, eig in parts]) if square else None

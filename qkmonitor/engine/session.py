@@ -129,17 +129,40 @@ class Monitoring:
     @contextmanager
     def _window(self, step: int, validation: bool) -> Iterator[None]:
         try:
-            if not validation:
-                for engine in self.engines:
-                    engine.observe_weights(self.host, step)
-            for engine in self.engines:
-                engine.open(step, validation=validation)
+            self.begin(step, validation=validation)
             yield
+            self.end()
+        finally:  # a failed step, or an alert raised by one engine: nothing stays installed
+            self.abort()
+
+    def begin(self, step: int, *, validation: bool = False) -> None:
+        """Open the window of ``step`` (what :meth:`step` does on entry): read the weights (training
+        only) and open the probes on probe steps. For loops whose step is not one block of code
+        (a framework's callbacks); pair it with :meth:`end`, and :meth:`abort` on failure."""
+        self._check_step(step)
+        if not validation:
+            self.observe_weights(step)
+        for engine in self.engines:
+            engine.open(step, validation=validation)
+
+    def observe_weights(self, step: int) -> None:
+        """Measure and log the weights as they are after ``step`` updates, if that is a probe step
+        (once per step: a second call for the same step does nothing)."""
+        for engine in self.engines:
+            engine.observe_weights(self.host, step)
+
+    def end(self) -> None:
+        """Close the window: measure, log and alert; every probe is closed even if logging raises."""
+        try:
             for engine in self.engines:
                 engine.finish(self.host)
-        finally:  # a failed step, or an alert raised by one engine: nothing stays installed
-            for engine in self.engines:
-                engine.abort()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Close every open probe without logging (idempotent)."""
+        for engine in self.engines:
+            engine.abort()
 
     @staticmethod
     def _check_step(step: object) -> None:
@@ -148,8 +171,7 @@ class Monitoring:
 
     def close(self) -> None:
         """Close any open probe and flush the writer."""
-        for engine in self.engines:
-            engine.abort()
+        self.abort()
         for sink in self.host.sinks():
             flush = getattr(sink, "flush", None)
             if callable(flush):

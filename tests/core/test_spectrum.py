@@ -17,8 +17,8 @@ import torch
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qkmonitor.adapters import QKWeights
 from qkmonitor import spectrum
+from qkmonitor.adapters import QKWeights
 from qkmonitor.spectrum import SPECTRUM_METRICS, qk_head_spectra, spectrum_of_layers
 
 FLOAT32_U = 2.0**-24

@@ -9,7 +9,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, MemorySink, Monitoring, QKSpectrum, SummaryWriterSink
+from qkmonitor.engine import (
+    AttentionEntropy,
+    EffectiveRank,
+    MemorySink,
+    Monitoring,
+    QKSpectrum,
+    SummaryWriterSink,
+)
 
 
 class Block(nn.Module):

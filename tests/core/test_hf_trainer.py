@@ -1,0 +1,123 @@
+"""QKMonitorCallback in a real ``transformers.Trainer``: tags and numbers against independent
+references, read back with TensorBoard's own reader; a failing step; a stop alert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import Dataset
+from torch.utils.tensorboard import SummaryWriter
+
+from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
+from qkmonitor.functional import qk_singular_values, spectral_concentration
+from qkmonitor.hf_trainer import QKMonitorCallback
+
+VOCAB, SEQ = 32, 8
+
+
+class Tokens(Dataset):
+    def __init__(self, size: int = 64) -> None:
+        self.data = torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+def tiny_llama(fail_at_call: int | None = None):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    if fail_at_call is not None:
+        calls = {"n": 0}
+
+        def fail(module, args):
+            calls["n"] += 1
+            if calls["n"] == fail_at_call:
+                raise RuntimeError("the user's forward failed")
+
+        model.model.layers[1].register_forward_pre_hook(fail)
+    return model
+
+
+def trainer(tmp_path, model, callback, steps: int = 4):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
+                                          learning_rate=1e-3, logging_steps=2, report_to=[], save_strategy="no",
+                                          use_cpu=True, disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+
+
+def left_on(model) -> list[str]:
+    left = []
+    for name, module in model.named_modules():
+        if module._forward_pre_hooks and name != "model.layers.1":
+            left.append(f"hooks on {name!r}")
+        if "_qkmonitor_route" in module.__dict__:
+            left.append(f"route on {name!r}")
+        config = module.__dict__.get("config")
+        if config is not None and "_qkmonitor_original_attn_implementation" in config.__dict__:
+            left.append(f"probe config on {name!r}")
+    return left
+
+
+def test_a_trainer_run_logs_the_tags_and_numbers_of_the_engines(tmp_path):
+    model = tiny_llama()
+    layer = model.model.layers[0].self_attn
+    expected_kappa = spectral_concentration(qk_singular_values(layer.q_proj.weight.detach().double(),
+                                                               layer.k_proj.weight.detach().double(), 4, 2)).mean()
+    writer = SummaryWriter(str(tmp_path / "run"))
+    with QKMonitorCallback(writer=writer) as monitor:
+        trainer(tmp_path, model, monitor).train()
+    writer.close()
+    assert left_on(model) == []
+    acc = EventAccumulator(str(tmp_path / "run"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    kappa = acc.Scalars("qkmonitor/kappa/layer_00")
+    assert [e.step for e in kappa] == [0, 2, 4]  # every logging_steps, and at initialization
+    assert kappa[0].value == pytest.approx(expected_kappa.item(), rel=1e-5)  # the initial weights
+    entropy = acc.Scalars("qkmonitor/entropy_norm/layer_01")
+    assert [e.step for e in entropy] == [0, 2] and all(0 < e.value <= 1 for e in entropy)
+    assert [e.step for e in acc.Scalars("qkmonitor/hidden_erank/layer_01")] == [0, 2]
+    assert "qkmonitor/heatmap/kappa" in acc.Tags()["images"]
+    assert "custom_scalars__config__" in acc.Tags()["tensors"]
+    hparams = acc.summary_metadata["_hparams_/session_start_info"].plugin_data.content
+    assert b"learning_rate" in hparams and b"qkmonitor/alert_kappa/threshold" in hparams
+
+
+def test_a_step_that_raises_leaves_nothing_once_closed_and_a_clean_run_follows(tmp_path):
+    model = tiny_llama(fail_at_call=3)  # the second step's forward, a probe step with every_n_steps=1
+    engines = [QKSpectrum(), AttentionEntropy(), EffectiveRank(max_probe_tokens=4)]
+    with pytest.raises(RuntimeError, match="the user's forward failed"):
+        with QKMonitorCallback(engines, writer=SummaryWriter(str(tmp_path / "a")), every_n_steps=1) as monitor:
+            trainer(tmp_path, model, monitor).train()
+    assert left_on(model) == []
+
+    with QKMonitorCallback(engines, writer=SummaryWriter(str(tmp_path / "b")), every_n_steps=1) as monitor:
+        trainer(tmp_path, model, monitor, steps=2).train()  # the failing call is behind: a clean run
+    assert left_on(model) == []
+    assert engines[1].latest_step == 1 and all(torch.isfinite(h).all() for h in engines[1].latest["entropy_norm"])
+
+
+def test_a_stop_alert_stops_the_trainer(tmp_path):
+    rule = ENTROPY_COLLAPSE_RULE.replace(threshold=1.0, also=())  # fires at the first probe
+    monitor = QKMonitorCallback([AttentionEntropy(alerts=[rule], alert_action="stop")],
+                                writer=SummaryWriter(str(tmp_path / "run")), every_n_steps=1)
+    with pytest.warns(Warning, match="entropy"):
+        result = trainer(tmp_path, tiny_llama(), monitor, steps=10).train()
+    assert result.global_step == 1
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="`engines`"):
+        QKMonitorCallback([])
+    with pytest.raises(ValueError, match="`every_n_steps`"):
+        QKMonitorCallback(every_n_steps=0)
