@@ -112,6 +112,18 @@ def test_heatmap_colours_follow_the_values_nan_is_grey_and_the_frame_has_labels_
     assert tuple(pattern[top + 5, left + 5]) != tuple(pattern[top + 5, left + 35])
 
 
+def test_the_shared_frame_of_one_shape_carries_nothing_from_one_image_to_the_next():
+    """Images of one shape share a cached frame: each keeps only its own title, numbers and cells."""
+    grid = torch.tensor([[0.1, 0.9], [0.4, 0.6]])
+    first = heatmap_image(grid, title="kappa at step 10")
+    heatmap_image(grid.flip(0) * 5, title="kappa at step 20 with a much longer title")
+    attention_image(torch.eye(2), title="another image, of another kind")
+    assert np.array_equal(heatmap_image(grid, title="kappa at step 10"), first)
+    other = heatmap_image(grid, title="kappa at step 11")
+    assert other.shape == first.shape and not np.array_equal(other, first)  # the title differs
+    assert np.array_equal(other[30:], first[30:])  # below the title, the same picture
+
+
 def test_layout_lists_margin_charts_only_for_per_head_metrics():
     layout = custom_scalars_layout([LayoutSection("p", ("kappa", "hidden_collapse"), 2, ("kappa",))])
     margins = layout["p: QK spectrum, per layer over heads"]
