@@ -1,4 +1,5 @@
-"""Shared by every test folder: the float64 attention reference, and the ``gpu`` marker's skip.
+"""Shared by every test folder: the float64 attention reference, the ``gpu`` marker's skip, and
+``leftovers``: what a probe could have left on a model.
 
 ``reference_attention`` is what the kernel tests (``tests/kernels``, and ``tests/gpu`` on CUDA)
 trust. Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is visible; run
@@ -108,3 +109,25 @@ def reference_attention(
 def reference():
     """:func:`reference_attention`, for test modules (conftest is not importable from them)."""
     return reference_attention
+
+
+def probe_leftovers(model: torch.nn.Module) -> list[str]:
+    """Everything a probe could have left on the model, named; empty when clean."""
+    left = []
+    for name, module in model.named_modules():
+        if module._forward_pre_hooks or module._forward_hooks:
+            left.append(f"hooks on {name!r}")
+        if getattr(module, "probing", False):
+            left.append(f"observers on {name!r}")
+        if "_qkmonitor_route" in module.__dict__:
+            left.append(f"route on {name!r}")
+        config = module.__dict__.get("config")
+        if config is not None and "_qkmonitor_original_attn_implementation" in config.__dict__:
+            left.append(f"probe config on {name!r}")
+    return left
+
+
+@pytest.fixture
+def leftovers():
+    """:func:`probe_leftovers`, for the failure-path tests."""
+    return probe_leftovers

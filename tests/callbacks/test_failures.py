@@ -30,41 +30,25 @@ def trainer(tmp_path, callbacks, steps=4):
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 
 
-def installed(model: nn.Module) -> list[str]:
-    """Everything a probe could have left on the model, named; empty when clean."""
-    left = []
-    for name, module in model.named_modules():
-        if module._forward_pre_hooks or module._forward_hooks:
-            left.append(f"hooks on {name!r}")
-        if getattr(module, "probing", False):
-            left.append(f"observers on {name!r}")
-        if "_qkmonitor_route" in module.__dict__:
-            left.append(f"route on {name!r}")
-        config = module.__dict__.get("config")
-        if config is not None and "_qkmonitor_original_attn_implementation" in config.__dict__:
-            left.append(f"probe config on {name!r}")
-    return left
-
-
 @pytest.mark.parametrize("kind", MODELS)
-def test_a_step_that_raises_mid_probe_leaves_nothing_and_a_clean_fit_follows(tmp_path, kind):
+def test_a_step_that_raises_mid_probe_leaves_nothing_and_a_clean_fit_follows(tmp_path, kind, leftovers):
     torch.manual_seed(0)
     task = Task(MODELS[kind](), fail_at=2)
     configs = [m.__dict__.get("config") for m in task.modules()]
     with pytest.raises(RuntimeError, match="the user's step failed"):
         trainer(tmp_path, monitors()).fit(task)
-    assert installed(task) == []
+    assert leftovers(task) == []
     assert [m.__dict__.get("config") for m in task.modules()] == configs  # the model's own config objects
 
     task.fail_at = None
     clean = monitors()
     trainer(tmp_path, clean).fit(task)
-    assert installed(task) == []
+    assert leftovers(task) == []
     entropy = clean[1].latest["entropy_norm"]
     assert clean[1].latest_step == 2 and all(torch.isfinite(heads).all() for heads in entropy)
 
 
-def test_keyboard_interrupt_mid_probe_leaves_nothing(tmp_path):
+def test_keyboard_interrupt_mid_probe_leaves_nothing(tmp_path, leftovers):
     task = Task(MODELS["bundled"](), fail_at=2, error=KeyboardInterrupt)
     handler = signal.getsignal(signal.SIGINT)
     try:
@@ -72,22 +56,22 @@ def test_keyboard_interrupt_mid_probe_leaves_nothing(tmp_path):
             trainer(tmp_path, monitors()).fit(task)
     finally:
         signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl+C during shutdown
-    assert installed(task) == []
+    assert leftovers(task) == []
 
 
-def test_teardown_closes_a_window_left_open(tmp_path):
+def test_teardown_closes_a_window_left_open(tmp_path, leftovers):
     """A probe window opened by hand (or by a hook whose batch never ended) closes at teardown."""
     task = Task(MODELS["torch-mha"]())
     monitor = AttentionEntropyMonitor(every_n_steps=1)
     fit = trainer(tmp_path, [monitor], steps=1)
     fit.fit(task)
     assert monitor.engine.open(10)
-    assert installed(task) != []
+    assert leftovers(task) != []
     monitor.teardown(fit, task, "fit")
-    assert installed(task) == [] and not monitor.engine.probing
+    assert leftovers(task) == [] and not monitor.engine.probing
 
 
-def test_a_forward_that_raises_inside_a_probe_leaves_nothing_once_closed():
+def test_a_forward_that_raises_inside_a_probe_leaves_nothing_once_closed(leftovers):
     model = MODELS["torch-mha"]()
     probes = [layer.open_probe() for layer in find_attention_layers(model)]
     with pytest.raises(IndexError):
@@ -95,7 +79,7 @@ def test_a_forward_that_raises_inside_a_probe_leaves_nothing_once_closed():
     with pytest.raises(AssertionError):  # torch's own check, after the probe's pre-hook
         model.encoder(torch.randn(2, SEQ, 7))  # wrong width: fails inside the probed module's call
     results = [probe.close() for probe in probes]
-    assert installed(model) == []
+    assert leftovers(model) == []
     assert [r.calls for r in results] == [1, 0]  # the first layer saw the call; measuring it failed
     assert len(results[0].failures) == 1 and not results[0].stats
 

@@ -45,7 +45,7 @@ def tiny_llama(fail_at_call: int | None = None):
             if calls["n"] == fail_at_call:
                 raise RuntimeError("the user's forward failed")
 
-        model.model.layers[1].register_forward_pre_hook(fail)
+        model.user_hook = model.model.layers[1].register_forward_pre_hook(fail)
     return model
 
 
@@ -56,20 +56,7 @@ def trainer(tmp_path, model, callback, steps: int = 4):
     return transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
 
 
-def left_on(model) -> list[str]:
-    left = []
-    for name, module in model.named_modules():
-        if module._forward_pre_hooks and name != "model.layers.1":
-            left.append(f"hooks on {name!r}")
-        if "_qkmonitor_route" in module.__dict__:
-            left.append(f"route on {name!r}")
-        config = module.__dict__.get("config")
-        if config is not None and "_qkmonitor_original_attn_implementation" in config.__dict__:
-            left.append(f"probe config on {name!r}")
-    return left
-
-
-def test_a_trainer_run_logs_the_tags_and_numbers_of_the_engines(tmp_path):
+def test_a_trainer_run_logs_the_tags_and_numbers_of_the_engines(tmp_path, leftovers):
     model = tiny_llama()
     layer = model.model.layers[0].self_attn
     expected_kappa = spectral_concentration(qk_singular_values(layer.q_proj.weight.detach().double(),
@@ -78,7 +65,7 @@ def test_a_trainer_run_logs_the_tags_and_numbers_of_the_engines(tmp_path):
     with QKMonitorCallback(writer=writer) as monitor:
         trainer(tmp_path, model, monitor).train()
     writer.close()
-    assert left_on(model) == []
+    assert leftovers(model) == []
     acc = EventAccumulator(str(tmp_path / "run"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     acc.Reload()
     kappa = acc.Scalars("qkmonitor/kappa/layer_00")
@@ -93,17 +80,18 @@ def test_a_trainer_run_logs_the_tags_and_numbers_of_the_engines(tmp_path):
     assert b"learning_rate" in hparams and b"qkmonitor/alert_kappa/threshold" in hparams
 
 
-def test_a_step_that_raises_leaves_nothing_once_closed_and_a_clean_run_follows(tmp_path):
+def test_a_step_that_raises_leaves_nothing_once_closed_and_a_clean_run_follows(tmp_path, leftovers):
     model = tiny_llama(fail_at_call=3)  # the second step's forward, a probe step with every_n_steps=1
     engines = [QKSpectrum(), AttentionEntropy(), EffectiveRank(max_probe_tokens=4)]
     with pytest.raises(RuntimeError, match="the user's forward failed"):
         with QKMonitorCallback(engines, writer=SummaryWriter(str(tmp_path / "a")), every_n_steps=1) as monitor:
             trainer(tmp_path, model, monitor).train()
-    assert left_on(model) == []
+    model.user_hook.remove()  # the test's own hook; anything else left would be the monitor's
+    assert leftovers(model) == []
 
     with QKMonitorCallback(engines, writer=SummaryWriter(str(tmp_path / "b")), every_n_steps=1) as monitor:
-        trainer(tmp_path, model, monitor, steps=2).train()  # the failing call is behind: a clean run
-    assert left_on(model) == []
+        trainer(tmp_path, model, monitor, steps=2).train()
+    assert leftovers(model) == []
     assert engines[1].latest_step == 1 and all(torch.isfinite(h).all() for h in engines[1].latest["entropy_norm"])
 
 
