@@ -83,6 +83,21 @@ def hparams_of(acc) -> dict:
     return {key: getattr(value, value.WhichOneof("kind")) for key, value in info.hparams.items()}
 
 
+def test_a_tensorboard_logger_with_a_prefix_keeps_it_on_the_monitors_scalars(tmp_path, make_task):
+    """Without a prefix the scalars go straight to the logger's writer, one event a probe; with one,
+    through ``log_metrics``, which prepends it (as for every other metric of the run)."""
+    fit(tmp_path, make_task, TensorBoardLogger(tmp_path, "plain", 0))
+    fit(tmp_path, make_task, TensorBoardLogger(tmp_path, "prefixed", 0, prefix="train"))
+    tags = {}
+    for run in ("plain", "prefixed"):
+        acc = EventAccumulator(str(tmp_path / run / "version_0"), size_guidance={"scalars": 0})
+        acc.Reload()
+        tags[run] = set(acc.Tags()["scalars"])
+    assert "qkmonitor/kappa/layer_00" in tags["plain"]
+    assert "train-qkmonitor/kappa/layer_00" in tags["prefixed"] and "qkmonitor/kappa/layer_00" not in tags["prefixed"]
+    assert {t.removeprefix("train-") for t in tags["prefixed"]} == tags["plain"]
+
+
 def test_non_tensorboard_logger_gets_scalars_and_one_message_about_images(tmp_path, make_task):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
