@@ -85,7 +85,7 @@ def torch_attention(
             return out, None
         with torch.no_grad():
             _, lse, entropy, max_prob, max_logit, sink = _forward_blocks(
-                q, k, v, key_padding_mask, causal, scale, sink_tokens, True, block_size
+                q, k, v, key_padding_mask, causal, scale, sink_tokens, True, block_size, output=False
             )
         return out, (lse, entropy, max_prob, max_logit, sink if sink_tokens > 0 else None)
     out, lse, entropy, max_prob, max_logit, sink = _BlockwiseAttention.apply(
@@ -199,9 +199,9 @@ def _first_row(start: int, diag: int, causal: bool) -> int:
     return max(0, start - diag) if causal else 0
 
 
-def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size):
-    """The online forward; returns out in the compute dtype and float32 (B, H, N) statistics
-    (all None but lse when ``stats`` is False)."""
+def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size, output=True):
+    """The online forward; returns out in the compute dtype (None unless ``output``) and float32
+    (B, H, N) statistics (all None but lse when ``stats`` is False)."""
     batch, heads, n, _ = q.shape
     kv_heads, m_keys = k.shape[1], k.shape[2]
     diag = m_keys - n
@@ -210,7 +210,7 @@ def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats
     row_shape = q_g.shape[:-1]
     m = torch.full(row_shape, _NEG_INF, dtype=cd, device=q.device)
     l = torch.zeros(row_shape, dtype=cd, device=q.device)
-    acc = torch.zeros(row_shape + (v.shape[-1],), dtype=cd, device=q.device)
+    acc = torch.zeros(row_shape + (v.shape[-1],), dtype=cd, device=q.device) if output else None
     u = torch.zeros_like(l) if stats else None
     sink = torch.zeros_like(l) if stats and sink_tokens > 0 else None
     rows = torch.arange(n, device=q.device)
@@ -222,7 +222,6 @@ def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats
         if r0 >= n:
             break
         k_blk = k[:, :, None, start:stop].to(cd)  # (B, H_kv, 1, bn, D)
-        v_blk = v[:, :, None, start:stop].to(cd)
         s = q_g[..., r0:, :] @ k_blk.transpose(-1, -2)  # (B, H_kv, G, N − r0, bn)
         allowed = _allowed(rows[r0:], start, stop, diag, causal, key_padding_mask)
         if allowed is not None:
@@ -244,12 +243,14 @@ def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats
                     -1
                 )
         l[..., r0:] = alpha * l_old + p.sum(dim=-1)
-        acc[..., r0:, :] = alpha[..., None] * acc[..., r0:, :] + p @ v_blk
+        if acc is not None:
+            v_blk = v[:, :, None, start:stop].to(cd)
+            acc[..., r0:, :] = alpha[..., None] * acc[..., r0:, :] + p @ v_blk
         m[..., r0:] = m_new
     # l = 0: no key (fully masked row); l = NaN: a NaN score; l = +inf: a +inf score; else finite.
     empty = l == 0
     l_safe = torch.where(empty, 1.0, l)
-    out = (acc / l_safe[..., None]).reshape(batch, heads, n, v.shape[-1])
+    out = None if acc is None else (acc / l_safe[..., None]).reshape(batch, heads, n, v.shape[-1])
     lse = torch.where(empty, _NEG_INF, m + torch.log(l_safe))  # NaN and +inf rows: NaN, +inf
 
     def finish(x: torch.Tensor) -> torch.Tensor:
