@@ -1,7 +1,7 @@
 """Training steps per second with the monitors on, against none, on a bundled model.
 
 Four configurations run interleaved, several rounds each, so machine noise hits them alike: no
-monitor; all three monitors at ``every_n_steps=50`` with their defaults (visuals at every 10th
+monitor; all three monitors at ``every_n_steps=50`` with their defaults (visuals at every 20th
 probe); the same with visuals at every probe (to measure what drawing costs); all three at every
 step. Each batch is timed from its start to the next one's (on CUDA the device is synchronized
 there), so a batch's time holds every callback's work at its start and end. Printed per
@@ -43,6 +43,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import statistics
@@ -67,7 +68,7 @@ from qkmonitor.models.tasks import (
     PythonSourceDataModule,
 )
 
-VISUALS_EVERY = 10  # the monitors' default visuals_every_n_probes
+VISUALS_EVERY = inspect.signature(QKSpectrumMonitor).parameters["visuals_every_n_probes"].default
 #: name -> (every_n_steps, visuals_every_n_probes), or None for no monitor
 CONFIGS = {"no monitor": None, "all monitors, every 50 steps": (50, VISUALS_EVERY),
            "every 50 steps, visuals every probe": (50, 1), "all monitors, every step": (1, VISUALS_EVERY)}

@@ -72,7 +72,7 @@ class AttentionEntropyMonitor(ActivationMonitor):
         alert_action: str = "warn",
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
-        visuals_every_n_probes: int = 10,
+        visuals_every_n_probes: int = 20,
         probe_validation: bool = False,
         sink_tokens: int = 0,
     ) -> None:

@@ -74,7 +74,7 @@ class EffectiveRankMonitor(ActivationMonitor):
         alert_action: str = "warn",
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
-        visuals_every_n_probes: int = 10,
+        visuals_every_n_probes: int = 20,
         probe_validation: bool = False,
         max_probe_sequences: int = 4,
         max_probe_tokens: int = 128,

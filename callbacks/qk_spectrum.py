@@ -59,7 +59,7 @@ class QKSpectrumMonitor(AttentionMonitor):
         on_alert: ``on_alert(trainer, alert)`` for every alert that fires.
         layers: which attention layers (one module, a list, or a function of the model).
         visuals_every_n_probes: heatmaps, attention images and histograms at every this many
-            probes, from the first (default 10; 0: never); scalars and alerts at every probe.
+            probes, from the first (default 20; 0: never); scalars and alerts at every probe.
 
     Example::
 
@@ -81,7 +81,7 @@ class QKSpectrumMonitor(AttentionMonitor):
         alert_action: str = "warn",
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
-        visuals_every_n_probes: int = 10,
+        visuals_every_n_probes: int = 20,
     ) -> None:
         super().__init__(QKSpectrum(every_n_steps=every_n_steps, per_head=per_head, log_key_prefix=log_key_prefix,
                                     alerts=alerts, alert_action=alert_action, on_alert=on_alert, layers=layers,

@@ -127,8 +127,8 @@ class MonitorEngine:
         visuals_every_n_probes: draw the visuals (layer x head heatmaps, attention images,
             singular-value histograms) at every this many probes, starting with the first (step
             0); ``0`` never. Scalars and alerts come at every probe. Drawing and encoding an
-            image takes milliseconds, more than measuring a small model, so the default (10)
-            keeps them to a tenth of the probes: at ``every_n_steps=50``, one set every 500 steps.
+            image takes milliseconds, more than measuring a small model, so the default (20)
+            keeps them to one probe in twenty: at ``every_n_steps=50``, one set every 1000 steps.
     """
 
     #: the catalogue's name of the monitor whose metrics this engine computes
@@ -145,7 +145,7 @@ class MonitorEngine:
         alert_action: str = "warn",
         on_alert: Callable[[Any, Alert], None] | None = None,
         layers: LayerSpec | nn.Module | AttentionLayer | None = None,
-        visuals_every_n_probes: int = 10,
+        visuals_every_n_probes: int = 20,
     ) -> None:
         _check_optional_positive_int("every_n_steps", every_n_steps)
         if isinstance(visuals_every_n_probes, bool) or not isinstance(visuals_every_n_probes, int) \

@@ -36,7 +36,7 @@ def fit(tmp_path, make_task, logger, **kwargs):
 
 
 def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_path, make_task):
-    # visuals at every probe here; the default cadence (every 10th) is tests/engine/test_visuals.py's
+    # visuals at every probe here; the default cadence (every 20th) is tests/engine/test_visuals.py's
     fit(tmp_path, make_task, TensorBoardLogger(tmp_path, "run", 0), visuals_every_n_probes=1)
     run = tmp_path / "run" / "version_0"
     acc = EventAccumulator(str(run), size_guidance={"images": 0, "histograms": 0, "tensors": 0})
