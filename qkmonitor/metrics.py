@@ -115,12 +115,19 @@ class HeadMean(_PerHeadMetric):
         self.add_state("total", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, values: Tensor, keep: Tensor | None = None) -> None:
-        """``values``: (S, num_heads) samples, or (num_heads,) for one; ``keep``: same shape, bool."""
-        values = values.detach().double().reshape(-1, self.num_heads)
+    def update(self, values: Tensor, keep: Tensor | None = None, columns: slice | None = None) -> None:
+        """``values``: (S, width) samples, or (width,) for one; ``keep``: same shape, bool.
+
+        ``columns``: the slots updated (a range of width ``width``); all of them by default. One
+        metric can so hold several quantities side by side (fewer metrics to update, compute and
+        reset at every probe).
+        """
+        target = slice(0, self.num_heads) if columns is None else columns
+        width = len(range(self.num_heads)[target])
+        values = values.detach().double().reshape(-1, width)
         keep = torch.ones_like(values, dtype=torch.bool) if keep is None else keep.reshape(values.shape)
-        self.total += torch.where(keep, values, 0.0).sum(0)
-        self.count += keep.sum(0).double()
+        self.total[target] += torch.where(keep, values, 0.0).sum(0)
+        self.count[target] += keep.sum(0).double()
 
     def compute(self) -> Tensor:
         return self.total / self.count

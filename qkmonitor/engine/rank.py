@@ -85,8 +85,15 @@ class EffectiveRank(ActivationEngine):
         self.blocks = self._find_blocks(model)
         self._batch_first = [getattr(layer.module, "batch_first", True) for layer in self.layers]
         heads = [layer.qk_weights().num_heads for layer in self.layers]
-        self._head_means = [{m.name: HeadMean(h) for m in self.specs if m.per_head} for h in heads]
-        self._layer_means = [{m.name: HeadMean(1) for m in self.specs if not m.per_head} for _ in heads]
+        # one aggregator per layer, every metric side by side in it: metric -> its columns
+        self._columns = []
+        for h in heads:
+            columns, start = {}, 0
+            for spec in self.specs:
+                width = h if spec.per_head else 1
+                columns[spec.name], start = slice(start, start + width), start + width
+            self._columns.append(columns)
+        self._means = [HeadMean(sum(c.stop - c.start for c in columns.values())) for columns in self._columns]
 
     def _find_blocks(self, model: nn.Module) -> list[nn.Module]:
         if self._blocks_spec is not None:
@@ -136,36 +143,37 @@ class EffectiveRank(ActivationEngine):
         for i, result in enumerate(results):
             for x in hidden.get(i, []):
                 erank, collapse = hidden_state_metrics(x)  # (S,)
-                self._update(self._layer_means[i]["hidden_erank"], erank[:, None])
-                self._update(self._layer_means[i]["hidden_collapse"], collapse[:, None])
+                self._update(i, "hidden_erank", erank[:, None])
+                self._update(i, "hidden_collapse", collapse[:, None])
             for probs in result.probs:  # (S, H, R, M)
                 broken = probs.isnan().flatten(-2).any(-1)  # (S, H): NaN scores, never averaged away
                 rank = effective_rank(torch.linalg.svdvals(torch.nan_to_num(probs.double())))  # (S, H)
                 rank = rank.masked_fill(broken, float("nan"))
-                self._update(self._head_means[i]["attn_erank"], rank)
-                self._update(self._head_means[i]["attn_erank_norm"], rank / min(probs.shape[-2:]))
+                self._update(i, "attn_erank", rank)
+                self._update(i, "attn_erank_norm", rank / min(probs.shape[-2:]))
             for stats in result.stats:
                 s, r = self.max_probe_sequences, self.max_probe_tokens
                 n = stats.attended[:s, :, :r].double()
                 norm = stats.entropy[:s, :, :r].double() / n.clamp_min(2).log()
                 keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
-                self._update(self._head_means[i]["attn_entropy_norm"], _mean_rows(norm, n > 1), keep)
+                self._update(i, "attn_entropy_norm", _mean_rows(norm, n > 1), keep)
             if result.probs and visuals:
                 for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
                     images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = attention_image(
                         probs, title=f"layer {i}, head {h}, step {step}, sequence 0")
-            for name, aggregate in (*self._layer_means[i].items(), *self._head_means[i].items()):
-                with warnings.catch_warnings():  # compute() on every rank: it is the collective
-                    warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
-                    values[name].append(aggregate.compute().reshape(-1).float().cpu())
-                aggregate.reset()
+            with warnings.catch_warnings():  # compute() on every rank: it is the collective
+                warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+                means = self._means[i].compute().float().cpu()
+            self._means[i].reset()
+            for name, columns in self._columns[i].items():
+                values[name].append(means[columns])
         return {name: values[name] for name in self.metric_names}, {"images": images}
 
-    @staticmethod
-    def _update(aggregate: HeadMean, samples: Tensor, keep: Tensor | None = None) -> None:
+    def _update(self, layer: int, name: str, samples: Tensor, keep: Tensor | None = None) -> None:
+        aggregate = self._means[layer]
         if aggregate.device != samples.device:
             aggregate.to(samples.device)
-        aggregate.update(samples, keep)
+        aggregate.update(samples, keep, columns=self._columns[layer][name])
 
 
 def _mean_rows(values: Tensor, keep: Tensor) -> Tensor:

@@ -65,3 +65,21 @@ def test_attention_statistics_carry_nan_rows_to_nan_heads():
     metric.update(stats([[nan, 0.3]], [[2, 2]], [[nan, 0.8]], [[inf, 1.0]]))
     out = metric.compute()
     assert out["max_logit"].item() == inf and out["entropy"].isnan() and out["max_prob"].isnan()
+
+
+def test_head_mean_columns_hold_several_quantities_side_by_side():
+    """Updating column ranges of one HeadMean gives what separate HeadMeans give, slot by slot."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 3, generator=gen), torch.randn(2, 1, generator=gen)
+    keep = torch.rand(5, 3, generator=gen) > 0.3
+    together = HeadMean(4)
+    together.update(a, keep, columns=slice(0, 3))
+    together.update(b, columns=slice(3, 4))
+    together.update(a[:1], columns=slice(0, 3))
+    first, second = HeadMean(3), HeadMean(1)
+    first.update(a, keep)
+    first.update(a[:1])
+    second.update(b)
+    torch.testing.assert_close(together.compute(), torch.cat([first.compute(), second.compute().reshape(1)]))
+    with pytest.raises(RuntimeError):
+        together.update(torch.ones(2, 2), columns=slice(0, 3))  # 2 values for 3 columns
