@@ -433,12 +433,19 @@ def _singular_values(gram_q: Tensor, gram_k: Tensor, group: Tensor, rounding: fl
     return torch.where(noise, 0.0, squared).sqrt()
 
 
+_EXACT_WORK = 2**20
+
+
 def _largest_eigenvalue(gram: Tensor, steps: int = 4) -> Tensor:
     """(B,) λ_max of each PSD matrix from below: power iteration from the largest diagonal's axis.
 
     The Rayleigh quotient starts at ``max_i G_ii >= λ_max / n`` and never decreases; it only sets
-    the floor below which values are rounding noise, so a few steps do.
+    the floor below which values are rounding noise, so a few steps do. Small batches (``B n³`` up
+    to ``_EXACT_WORK``) get the exact value from one symmetric eigensolve instead: a dozen small
+    matmuls cost more than that there.
     """
+    if gram.shape[0] * gram.shape[-1] ** 3 <= _EXACT_WORK:  # small: one LAPACK call is cheaper, and exact
+        return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0.0)
     start = gram.diagonal(dim1=-2, dim2=-1).argmax(dim=-1)
     vector = torch.nn.functional.one_hot(start, gram.shape[-1]).to(gram.dtype)[..., None]  # (B, n, 1)
     for _ in range(steps):

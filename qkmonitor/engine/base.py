@@ -327,14 +327,15 @@ class MonitorEngine:
         for name, grid in values.items():
             per_head = metric(name).per_head
             for layer, heads in enumerate(grid):
-                out[layer_tag(prefix, name, layer)] = heads.mean().item()
+                row = heads.reshape(-1).tolist()  # one read of the tensor; the rest in Python
+                nan = any(math.isnan(v) for v in row)  # a NaN head makes mean and band NaN
+                out[layer_tag(prefix, name, layer)] = math.nan if nan or not row else sum(row) / len(row)
                 if not per_head:
                     continue
-                nan = bool(heads.isnan().any())  # a NaN head makes the band NaN, as it does the mean
-                out[worst_tag(prefix, name, "min", layer)] = math.nan if nan else heads.min().item()
-                out[worst_tag(prefix, name, "max", layer)] = math.nan if nan else heads.max().item()
+                out[worst_tag(prefix, name, "min", layer)] = math.nan if nan or not row else min(row)
+                out[worst_tag(prefix, name, "max", layer)] = math.nan if nan or not row else max(row)
                 if self.per_head:
-                    for head, value in enumerate(heads.tolist()):
+                    for head, value in enumerate(row):
                         out[head_tag(prefix, name, layer, head)] = value
         return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -83,3 +84,20 @@ def test_nan_never_fires_an_alert():
     (engine,) = monitoring.engines
     assert math.isnan(engine.latest["kappa"][0][0].item())
     assert engine.tracker.counts["kappa"] == 2  # the second layer's two heads (kappa >= 0), not the NaN ones
+
+
+def test_scalars_of_infinite_and_nan_heads_are_what_torch_gives():
+    """The layer mean and band are computed from one read of each tensor; with ±inf and NaN heads
+    they agree with torch's mean, min and max (a NaN head makes all three NaN)."""
+    engine = QKSpectrum(per_head=True)
+    layers = [torch.tensor([1.0, float("inf"), 2.0]), torch.tensor([float("inf"), float("-inf"), 0.0]),
+              torch.tensor([float("nan"), 1.0, 3.0]), torch.tensor([0.25, 0.5, 1.0])]
+    out = engine.scalars({"kappa": layers}, "p")
+    for i, heads in enumerate(layers):
+        nan = bool(heads.isnan().any())
+        for kind, expected in (("", heads.mean()), ("_min", heads.min()), ("_max", heads.max())):
+            got = out[f"p/kappa{kind}/layer_{i:02d}"]
+            want = math.nan if nan else expected.item()
+            assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want), (i, kind, got, want)
+        assert [out[f"p/kappa/layer_{i:02d}/head_{h:02d}"] for h in range(3)] == pytest.approx(
+            heads.tolist(), nan_ok=True)
