@@ -6,15 +6,17 @@ before any test module or doctest is collected.
 
 import os
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # One torch thread per test worker: the workers already use every CPU, and idle OpenMP threads
-    # spinning in several workers cost more than they give (measured: user CPU 425 s -> 728 s).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One torch thread per test worker (unless the user set OMP_NUM_THREADS): the workers already use
+# every CPU, and idle OpenMP threads spinning in several workers cost more than they give
+# (measured: user CPU 425 s -> 728 s). Subprocesses the tests start inherit the setting.
+_ONE_THREAD = bool(os.environ.get("PYTEST_XDIST_WORKER")) and "OMP_NUM_THREADS" not in os.environ
+if _ONE_THREAD:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if _ONE_THREAD:
+    torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -318,8 +318,8 @@ def _run_metrics(run: list[tuple[int, QKWeights]]) -> list[tuple[dict[str, Tenso
         layers = [layer for _, layer in run]
         heads, kv_heads = layers[0].num_heads, layers[0].num_kv_heads or layers[0].num_heads
         try:
-            spectra = qk_head_spectra(torch.cat([layer.w_q for layer in layers]),
-                                      torch.cat([layer.w_k for layer in layers]), heads * len(layers),
+            spectra = qk_head_spectra(torch.cat([layer.w_q.detach() for layer in layers]),
+                                      torch.cat([layer.w_k.detach() for layer in layers]), heads * len(layers),
                                       kv_heads * len(layers))
         except torch.linalg.LinAlgError:  # solve the layers one by one, to name the failing one
             return [one for item in run for one in _run_metrics([item])]
