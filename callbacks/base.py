@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from qkmonitor.adapters import AttentionLayer
@@ -79,6 +79,9 @@ class LightningHost(Host):
 
     def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
         rank_zero_warn(message, category=category)
+
+    def info(self, message: str) -> None:
+        rank_zero_info(message)
 
     def stop(self) -> None:
         self.trainer.should_stop = True
@@ -163,6 +166,7 @@ class AttentionMonitor(Callback):
 
     def _bind(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.engine.bind(pl_module, default_every_n_steps=trainer.log_every_n_steps)
+        self.engine.report_discovery(LightningHost(trainer))
 
     def _write_header(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                       monitors: list[AttentionMonitor]) -> None:

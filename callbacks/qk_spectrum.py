@@ -93,8 +93,14 @@ class QKSpectrumMonitor(AttentionMonitor):
             self._observe(trainer, 0)
 
     @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.engine.open(trainer.global_step)  # layouts read by name are checked on the first batch
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self.engine.finish(LightningHost(trainer))
         if trainer.global_step > 0:  # after the optimizer step: the weights of this step
             self._observe(trainer, trainer.global_step)
 

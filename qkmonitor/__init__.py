@@ -6,7 +6,13 @@ rules (:mod:`qkmonitor.alerts`) and the CLI. The Lightning callbacks live in
 :mod:`qkmonitor.callbacks`, the bundled transformers and tasks in :mod:`qkmonitor.models`.
 """
 
-from qkmonitor.adapters import AttentionLayer, QKWeights, find_attention_layers
+from qkmonitor.adapters import AttentionLayer, QKWeights, SupportsQKMonitor, find_attention_layers
+
+# the adapter families register themselves on import (qkmonitor.registry), before any discovery
+from qkmonitor import hf as _hf  # noqa: F401  (needs transformers only when a model holds its modules)
+from qkmonitor.intercept import InterceptedAttentionLayer, register_attention
+from qkmonitor.layouts import AttentionSpec
+from qkmonitor.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
 from qkmonitor.alerts import (
     AlertRule,
     EntropyCollapseWarning,
@@ -21,7 +27,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlertRule",
+    "AttentionCall",
     "AttentionLayer",
+    "AttentionSpec",
+    "InterceptedAttentionLayer",
+    "KernelCall",
+    "Probe",
+    "ProbeRequest",
+    "ProbeResult",
+    "SupportsQKMonitor",
+    "register_attention",
     "EntropyCollapseWarning",
     "LogitGrowthWarning",
     "MalignantCollapseWarning",

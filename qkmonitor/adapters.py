@@ -10,7 +10,6 @@ user module may implement too.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -19,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkmonitor.probes import KernelCall, Probe, ProbeRequest, full_precision
+from qkmonitor.calls import FailedCall, ScoresCall
+from qkmonitor.probes import KernelCall, Probe, ProbeRequest, ProbeResult, full_precision
+from qkmonitor.registry import families, register_family
 
 __all__ = [
     "QKWeights",
@@ -72,7 +73,7 @@ class AttentionLayer:
     """One attention layer of a model, seen through an adapter.
 
     Subclasses read the module's query/key weights (:meth:`qk_weights`) and, where they can
-    measure activations, install what a probe needs (:meth:`_install`); :meth:`open_probe` is the
+    measure activations, install what a probe needs (:meth:`install`); :meth:`open_probe` is the
     protocol of :mod:`qkmonitor.probes`.
 
     Args:
@@ -97,6 +98,36 @@ class AttentionLayer:
         """Whether :meth:`open_probe` can measure this layer's forwards."""
         return False
 
+    @property
+    def supports_weights(self) -> bool:
+        """Whether :meth:`qk_weights` can read this layer's W_Q and W_K."""
+        return True
+
+    @property
+    def needs_layout_check(self) -> bool:
+        """Whether the weights were read by name and wait for a forward to be checked against
+        (:mod:`qkmonitor.intercept`); open a probe with ``ProbeRequest(layout=True)`` for it."""
+        return False
+
+    def check_layout(self, result: ProbeResult) -> str | None:
+        """Check the weight layout against a layout probe's result; a message if it fails."""
+        return None
+
+    @property
+    def layout_ready(self) -> bool:
+        """Whether :meth:`qk_weights` gives the weights now (no check pending)."""
+        return self.supports_weights and not self.needs_layout_check
+
+    @property
+    def num_heads_hint(self) -> int:
+        """The number of query heads, as far as it is known without a forward (1 if not at all)."""
+        return self.qk_weights().num_heads if self.layout_ready else 1
+
+    @property
+    def has_qk_norm(self) -> bool:
+        """Whether the layer normalizes q and k after the projections (``QKWeights.qk_norm``)."""
+        return self.qk_weights().qk_norm if self.layout_ready else False
+
     def open_probe(self, request: ProbeRequest | None = None) -> Probe:
         """Measure every forward of the module until the returned probe is closed.
 
@@ -113,15 +144,21 @@ class AttentionLayer:
         request = ProbeRequest() if request is None else request
         if not isinstance(request, ProbeRequest):
             raise ValueError(f"Expected `request` to be a ProbeRequest, got {type(request).__name__}")
-        if not self.supports_stats:
+        if request.layout and not self.needs_layout_check:
+            raise ValueError(f"{type(self).__name__} {self.name!r} has no weight layout to check")
+        if request.stats and not self.supports_stats:
             raise ValueError(f"{type(self).__name__} {self.name!r} gives no activation statistics")
         probe = Probe(self.name, request)
-        probe._remove = self._install(probe)
+        probe._remove = self.install_layout(probe) if request.layout else self.install(probe)
         return probe
 
-    def _install(self, probe: Probe) -> Callable[[], None]:
+    def install(self, probe: Probe) -> Callable[[], None]:
         """Route the module's forwards to ``probe.observe``; return what undoes exactly that."""
         raise NotImplementedError(f"{type(self).__name__} has no activation statistics")
+
+    def install_layout(self, probe: Probe) -> Callable[[], None]:
+        """Like :meth:`install`, for a layout probe (layers whose weights were read by name)."""
+        raise NotImplementedError(f"{type(self).__name__} has no weight layout to check")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(index={self.index}, name={self.name!r})"
@@ -139,7 +176,7 @@ class NativeAttentionLayer(AttentionLayer):
     def supports_stats(self) -> bool:
         return callable(getattr(self.module, "register_probe", None))
 
-    def _install(self, probe: Probe) -> Callable[[], None]:
+    def install(self, probe: Probe) -> Callable[[], None]:
         return self.module.register_probe(probe.observe, sink_tokens=probe.request.sink_tokens)
 
 
@@ -180,7 +217,7 @@ class MultiheadAttentionLayer(AttentionLayer):
     def supports_stats(self) -> bool:
         return True
 
-    def _install(self, probe: Probe) -> Callable[[], None]:
+    def install(self, probe: Probe) -> Callable[[], None]:
         def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
             names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
                      "average_attn_weights", "is_causal")
@@ -188,7 +225,7 @@ class MultiheadAttentionLayer(AttentionLayer):
                 with torch.no_grad(), full_precision():  # float32 or better under autocast too
                     call = self._call_of(dict(zip(names, args)) | kwargs)
             except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-                call = _FailedCall(err)
+                call = FailedCall(err)
             probe.observe(call)
 
         return self.module.register_forward_pre_hook(capture, with_kwargs=True).remove
@@ -223,37 +260,7 @@ class MultiheadAttentionLayer(AttentionLayer):
         if key_padding_mask is not None:  # MHA: bool True = ignore; _additive's keys: True = allowed
             kpm = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask
             scores = scores + _pad_keys(_additive(kpm.to(q.device), None, h, scores, keys_only=True), m, 0.0)
-        return _ScoresCall(scores)
-
-
-class _ScoresCall:
-    """A call given by its explicit (B, H, N, M) scores (``-inf`` = blocked)."""
-
-    def __init__(self, scores: Tensor) -> None:
-        self.scores = scores
-
-    def stats(self, sink_tokens: int = 0):
-        from qkmonitor.functional import attention_stats_from_scores
-
-        return attention_stats_from_scores(self.scores, sink_tokens=sink_tokens)
-
-    def probs(self, sequences: int, rows: int) -> Tensor:
-        from qkmonitor.functional import masked_softmax
-
-        return masked_softmax(self.scores[:sequences, :, :rows])
-
-
-class _FailedCall:
-    """A call that could not be read: measuring it raises the original error."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-    def stats(self, sink_tokens: int = 0):
-        raise self.error
-
-    def probs(self, sequences: int, rows: int) -> Tensor:
-        raise self.error
+        return ScoresCall(scores)
 
 
 def _to(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -313,22 +320,30 @@ def _extra_keys(mha: nn.MultiheadAttention, k: Tensor) -> tuple[Tensor, int]:
 
 
 def _adapt(name: str, module: nn.Module, index: int) -> AttentionLayer | None:
-    if isinstance(module, SupportsQKMonitor):
-        return NativeAttentionLayer(name, module, index)
-    if isinstance(module, nn.MultiheadAttention):
-        return MultiheadAttentionLayer(name, module, index)
-    if sys.modules.get("transformers") is not None:  # a transformers module implies transformers imported
-        from qkmonitor.hf import adapt_hf_module
-
-        return adapt_hf_module(name, module, index)
+    """The first registered family's adapter for ``module`` (:mod:`qkmonitor.registry`), or None."""
+    for family in families():
+        layer = family.adapt(name, module, index)
+        if layer is not None:
+            return layer
     return None
 
 
-_LOOKED_FOR = (
-    "qkmonitor attention modules (a `qk_weights()` method), torch.nn.MultiheadAttention, "
-    "Hugging Face transformers attention (LLaMA-family `q_proj`/`k_proj` with "
-    "`num_key_value_heads`, GPT-2 `c_attn` Conv1D, BERT `query`/`key`; needs the `hf` extra)"
-)
+def _looked_for() -> str:
+    return "; ".join(family.looked_for for family in families())
+
+
+def _adapt_native(name: str, module: nn.Module, index: int) -> AttentionLayer | None:
+    return NativeAttentionLayer(name, module, index) if isinstance(module, SupportsQKMonitor) else None
+
+
+def _adapt_mha(name: str, module: nn.Module, index: int) -> AttentionLayer | None:
+    return MultiheadAttentionLayer(name, module, index) if isinstance(module, nn.MultiheadAttention) else None
+
+
+register_family("qkmonitor", _adapt_native, priority=10,
+                looked_for="qkmonitor attention modules and modules implementing SupportsQKMonitor (`qk_weights()`)")
+register_family("torch", _adapt_mha, priority=20, looked_for="torch.nn.MultiheadAttention")
+
 
 LayerSpec = nn.Module | AttentionLayer | Iterable[AttentionLayer | nn.Module] | Callable[[nn.Module], Any]
 
@@ -364,8 +379,10 @@ def find_attention_layers(model: nn.Module, layers: LayerSpec | None = None) -> 
             claimed.append(name)
     if not found:
         raise ValueError(
-            f"No attention layers found in {type(model).__name__}: looked for {_LOOKED_FOR}. "
-            "Pass `layers=` (a list of AttentionLayer or modules, or a function of the model)."
+            f"No attention layers found in {type(model).__name__}: looked for {_looked_for()}. "
+            "Describe yours with qkmonitor.register_attention(qkmonitor.AttentionSpec(...)), or pass `layers=` "
+            "(AttentionLayer subclasses, modules, or a function of the model); see the README, "
+            "'Use it on your model'."
         )
     return found
 
@@ -401,7 +418,8 @@ def _from_user(model: nn.Module, layers: LayerSpec | nn.Module | AttentionLayer)
         if layer is None:
             raise ValueError(
                 f"`layers[{i}]` ({type(item).__name__}) is not a supported attention module: "
-                f"expected one of {_LOOKED_FOR}, or wrap it in an AttentionLayer subclass"
+                f"expected one of: {_looked_for()}; or describe it with qkmonitor.AttentionSpec, or wrap it in "
+                "a qkmonitor.AttentionLayer subclass"
             )
         result.append(layer)
     if not result:

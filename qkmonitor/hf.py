@@ -47,18 +47,21 @@ monitor warns.
 from __future__ import annotations
 
 import copy
-import dataclasses
+import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from numbers import Real
 
 import torch
 from torch import Tensor, nn
 
 from qkmonitor import _hf_compat
-from qkmonitor.adapters import AttentionLayer, QKWeights, _FailedCall
-from qkmonitor.probes import ObserverSet, Probe, full_precision
+from qkmonitor.adapters import AttentionLayer, QKWeights
+from qkmonitor.calls import FailedCall, MaskedCall
+from qkmonitor.intercept import LayoutChecked
+from qkmonitor.layouts import infer_layouts
+from qkmonitor.probes import ObserverSet, Probe, side_computation
+from qkmonitor.registry import register_family
 
 __all__ = [
     "PROBE_IMPLEMENTATION",
@@ -66,13 +69,13 @@ __all__ = [
     "LlamaAttentionLayer",
     "GPT2AttentionLayer",
     "BertAttentionLayer",
+    "HFLayoutAttentionLayer",
     "adapt_hf_module",
 ]
 
 #: The name the probe registers in ``transformers``' ``AttentionInterface``.
 PROBE_IMPLEMENTATION = "qkmonitor_probe"
 _ORIGINAL_KEY = "_qkmonitor_original_attn_implementation"
-_MAX_SCORES = 1 << 24  # explicit path: score elements per chunk (128 MiB in float64)
 
 
 #: Where probing keeps its route on a module (installed by the first open probe, removed by the last).
@@ -107,7 +110,7 @@ class HFAttentionLayer(AttentionLayer):
             return False
         return True
 
-    def _install(self, probe: Probe) -> Callable[[], None]:
+    def install(self, probe: Probe) -> Callable[[], None]:
         module = self.module
         route = module.__dict__.get(_ROUTE_KEY)
         if route is None:
@@ -167,6 +170,24 @@ class BertAttentionLayer(HFAttentionLayer):
         return QKWeights(m.query.weight, m.key.weight, heads, heads, float(scale))
 
 
+class HFLayoutAttentionLayer(LayoutChecked, HFAttentionLayer):
+    """Any other ``transformers`` module that dispatches through the attention registry (GPT-NeoX,
+    Phi-3, T5, ModernBERT, DistilBERT, GPT-BigCode, ...): statistics through the registry as
+    above, W_Q/W_K read by name (:func:`qkmonitor.layouts.infer_layouts`) and checked against the
+    first probed forward (:mod:`qkmonitor.intercept`)."""
+
+    def __init__(self, name: str, module: nn.Module, index: int, candidates: list) -> None:
+        HFAttentionLayer.__init__(self, name, module, index)
+        self.kind = f"transformers.{type(module).__name__}"
+        self.set_layouts(candidates)
+
+    def _default_scale(self) -> float:
+        scaling = getattr(self.module, "scaling", None)
+        if _is_number(scaling):
+            return float(scaling)
+        return (self.layout or self.layout_candidates[0]).logit_scale
+
+
 def adapt_hf_module(name: str, module: nn.Module, index: int) -> HFAttentionLayer | None:
     """The adapter for a ``transformers`` attention module of a supported shape, else None."""
     if _llama_shape(module) is not None:
@@ -175,7 +196,23 @@ def adapt_hf_module(name: str, module: nn.Module, index: int) -> HFAttentionLaye
         return GPT2AttentionLayer(name, module, index)
     if _is_bert(module):
         return BertAttentionLayer(name, module, index)
+    if _hf_compat.dispatches(module):
+        candidates = infer_layouts(module)
+        if candidates:
+            return HFLayoutAttentionLayer(name, module, index, candidates)
     return None
+
+
+def _adapt_if_imported(name: str, module: nn.Module, index: int) -> HFAttentionLayer | None:
+    # a transformers module implies transformers imported: without it nothing here is looked for
+    return adapt_hf_module(name, module, index) if sys.modules.get("transformers") is not None else None
+
+
+register_family(
+    "transformers", _adapt_if_imported, priority=30,
+    looked_for="Hugging Face transformers attention (LLaMA-family `q_proj`/`k_proj`, GPT-2 `c_attn` Conv1D, "
+               "BERT `query`/`key`, and any module dispatching through ALL_ATTENTION_FUNCTIONS with projections "
+               "of a known name; needs the `hf` extra)")
 
 
 # --- recognising the modules -------------------------------------------------------------------
@@ -319,161 +356,14 @@ def _capture(module: nn.Module, query: Tensor, key: Tensor, attention_mask, kwar
     if route is None or not route.observers:
         return
     try:
-        with torch.no_grad():
+        with torch.no_grad(), side_computation():
             scale = kwargs.get("scaling")
-            call = _Call.of(module, query, key, attention_mask, kwargs, original,
+            call = MaskedCall.of(module, query, key, attention_mask, kwargs, original,
                             scale=route.default_scale() if scale is None else float(scale))
     except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-        call = _FailedCall(err)
+        call = FailedCall(err)
     route.observers.notify(call)
 
 
 def _warn(name: str, why: str) -> None:
     warnings.warn(f"qkmonitor: no attention statistics for {name!r} ({why})", RuntimeWarning, stacklevel=2)
-
-
-# --- the statistics of one call ----------------------------------------------------------------
-
-
-@dataclass
-class _Call:
-    """One attention call, reduced to scores and the keys each query row may attend."""
-
-    q: Tensor  # (B, H, N, D)
-    k: Tensor  # (B, H_kv, M, D)
-    scale: float
-    causal: bool  # bottom-right aligned: row i attends key j <= i + M - N
-    padding: Tensor | None  # (B, M) bool, True = attend
-    allowed: Tensor | None  # 4-D bool broadcastable to (B, H, N, M), beyond causal/padding
-    bias: Tensor | None  # 4-D additive float, same broadcasting
-    window: int | None = None
-    softcap: float | None = None
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def of(cls, module, query, key, mask, kwargs, original, scale) -> _Call:
-        n, m = query.shape[2], key.shape[2]
-        bias = kwargs.get("position_bias")
-        softcap = kwargs.get("softcap")
-        call = cls(query, key, scale, False, None, None, None, None, None if softcap is None else float(softcap))
-        if isinstance(mask, Tensor) and mask.dim() == 4:  # the mask says it all (sliding windows too)
-            call.allowed, mask_bias = _split_mask(mask[..., :m])  # eager cuts a longer mask to the keys
-            call.bias = _add(mask_bias, bias)
-            call._reduce()
-            return call
-        if mask is not None and not (isinstance(mask, Tensor) and mask.dim() == 2):
-            raise ValueError(f"attention mask of type {type(mask).__name__} is not supported")
-        call.bias = bias
-        if mask is not None:  # FlashAttention's (B, M) key padding, 1 = attend
-            call.padding = mask.to(torch.bool)
-        is_causal = kwargs.get("is_causal")
-        is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        call.causal = original not in (None, "eager") and bool(is_causal) and n > 1
-        if original is not None and "flash" in original:  # FlashAttention applies the window itself
-            call.window = kwargs.get("sliding_window")
-        if original == "sdpa" and call.causal and mask is None and m > n:
-            call.k = key[:, :, :n]  # what sdpa_attention_forward does for this case
-        return call
-
-    def _reduce(self) -> None:
-        """Recognise a 4-D mask that is only causal and/or key padding (the kernel's cases)."""
-        a = self.allowed
-        if self.bias is not None or a.shape[1] != 1:
-            return
-        a = a[:, 0].expand(self.q.shape[0], *a.shape[-2:])  # (B, N, M)
-        n, m = a.shape[-2:]
-        pad = a.any(dim=1)  # a key any row may attend (the last row, when causal)
-        for causal in (False, True):
-            rule = torch.ones(n, m, dtype=torch.bool, device=a.device)
-            rule = rule.tril(m - n) if causal else rule
-            if torch.equal(a, rule & pad[:, None, :]):
-                self.causal, self.allowed = causal, None
-                self.padding = None if bool(pad.all()) else pad
-                return
-
-    def stats(self, sink_tokens: int = 0):
-        """Per-row statistics; computed once per sink count however many probes ask."""
-        cached = self._cache.get(sink_tokens)
-        if cached is None:
-            cached = self._cache[sink_tokens] = self._stats(sink_tokens)
-        return cached
-
-    def _stats(self, sink_tokens: int):
-        from qkmonitor.functional import attention_stats_from_scores
-        from qkmonitor.kernels import attention
-
-        if self.allowed is None and self.bias is None and self.window is None and self.softcap is None:
-            try:
-                with full_precision():
-                    return attention(self.q, self.k, self.k, causal=self.causal, key_padding_mask=self.padding,
-                                     scale=self.scale, return_stats=True, sink_tokens=sink_tokens)[1]
-            except ValueError:  # a shape or dtype the kernel does not take: the explicit path below
-                pass
-        b, h, n = self.q.shape[:3]
-        rows = max(1, _MAX_SCORES // (h * self.k.shape[2]))
-        return _cat_stats([_cat_stats([attention_stats_from_scores(*self._scores(slice(i, i + 1), slice(r, r + rows)),
-                                                                   sink_tokens=sink_tokens)
-                                       for r in range(0, n, rows)], dim=2) for i in range(b)], dim=0)
-
-    def probs(self, sequences: int, rows: int) -> Tensor:
-        """(S, H, R, M) attention probabilities of the first sequences and query rows."""
-        from qkmonitor.functional import masked_softmax
-
-        scores, allowed = self._scores(slice(0, sequences), slice(0, rows))
-        return masked_softmax(scores, mask=allowed)
-
-    def _scores(self, seqs: slice, rows: slice) -> tuple[Tensor, Tensor]:
-        """Scaled scores (S, H, R, M) in float32 or better, and where they may be attended."""
-        dtype = torch.float64 if self.q.dtype == torch.float64 else torch.float32
-        q, k = self.q[seqs, :, rows].to(dtype), self.k[seqs].to(dtype)
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.scale  # (S, H, R, M)
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        n, m = self.q.shape[2], k.shape[2]
-        i = torch.arange(n, device=q.device)[rows][:, None] + (m - n)  # the row's position among the keys
-        j = torch.arange(m, device=q.device)
-        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
-        if self.causal:
-            allowed = allowed & (j <= i)
-        if self.window is not None:  # FlashAttention's window_size=(w - 1, w - 1)
-            allowed = allowed & ((i - j).abs() < self.window)
-        allowed = allowed.expand_as(scores)
-        if self.padding is not None:
-            allowed = allowed & self.padding[seqs, None, None, :]
-        if self.allowed is not None:
-            allowed = allowed & _rows_of(self.allowed, seqs, rows)
-        if self.bias is not None:
-            scores = scores + _rows_of(self.bias, seqs, rows).to(dtype)
-        return scores, allowed
-
-
-def _cat_stats(parts: list, dim: int):
-    """AttentionStats concatenated field by field along ``dim``."""
-    if len(parts) == 1:
-        return parts[0]
-    fields = {f.name: [getattr(p, f.name) for p in parts] for f in dataclasses.fields(parts[0])}
-    return type(parts[0])(**{name: None if values[0] is None else torch.cat(values, dim=dim)
-                             for name, values in fields.items()})
-
-
-def _rows_of(mask: Tensor, seqs: slice, rows: slice) -> Tensor:
-    """A (B|1, H|1, N, M) tensor cut to some sequences and rows (broadcast dims kept)."""
-    mask = mask if mask.shape[0] == 1 else mask[seqs]
-    return mask[:, :, rows]
-
-
-def _split_mask(mask: Tensor) -> tuple[Tensor, Tensor | None]:
-    """A 4-D attention mask as (allowed bool, additive bias or None)."""
-    if mask.dtype == torch.bool:
-        return mask, None
-    blocked = mask <= torch.finfo(mask.dtype).min / 2  # eager masks use finfo.min; -inf too
-    bias = mask.masked_fill(blocked, 0.0)
-    return ~blocked, (None if not bool(bias.any()) else bias)
-
-
-def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    if a is None or b is None:
-        return a if b is None else b
-    return a + b

@@ -19,6 +19,7 @@ A metric problem never stops training: a call whose statistics cannot be compute
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +31,24 @@ from torch import Tensor
 from qkmonitor.kernels import AttentionStats, attention
 
 __all__ = ["ProbeRequest", "ProbeResult", "Probe", "AttentionCall", "KernelCall", "ObserverSet", "full_precision"]
+
+
+_SIDE = threading.local()
+
+
+@contextmanager
+def side_computation() -> Iterator[None]:
+    """Mark qkmonitor's own computations inside a model's forward (measuring a call), so that the
+    interception of :mod:`qkmonitor.intercept` does not take them for the model's."""
+    _SIDE.depth = getattr(_SIDE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _SIDE.depth -= 1
+
+
+def in_side_computation() -> bool:
+    return getattr(_SIDE, "depth", 0) > 0
 
 
 @contextmanager
@@ -52,15 +71,19 @@ class ProbeRequest:
         sink_tokens: with ``stats``, also the attention mass on the first this-many keys (0: off).
         probs_slice: ``(sequences, rows)``: also the explicit attention probabilities of the first
             ``sequences`` sequences and ``rows`` query rows (all keys), ``(S, H, R, M)`` float32.
+        layout: also what each call shows of the layer's weight layout (the evidence a layer
+            whose W_Q/W_K were read by name is checked against; :mod:`qkmonitor.intercept`).
     """
 
     stats: bool = True
     sink_tokens: int = 0
     probs_slice: tuple[int, int] | None = None
+    layout: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.stats, bool):
-            raise ValueError(f"Expected `stats` to be a bool, got {self.stats!r}")
+        for name in ("stats", "layout"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Expected `{name}` to be a bool, got {getattr(self, name)!r}")
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"Expected `sink_tokens` to be an int >= 0, got {self.sink_tokens!r}")
         if self.probs_slice is not None and not (
@@ -93,10 +116,12 @@ class ProbeResult:
         probs: the probability slice of each call (empty unless requested).
         calls: forwards observed.
         failures: reasons of the calls whose measurement failed (they are in no list above).
+        evidence: with ``request.layout``, the layout evidence of each call that carried some.
     """
 
     stats: list[AttentionStats] = field(default_factory=list)
     probs: list[Tensor] = field(default_factory=list)
+    evidence: list = field(default_factory=list)
     calls: int = 0
     failures: list[str] = field(default_factory=list)
 
@@ -123,12 +148,14 @@ class Probe:
             return
         self._result.calls += 1
         try:
-            with torch.no_grad(), full_precision():
+            with torch.no_grad(), full_precision(), side_computation():
                 stats = call.stats(self.request.sink_tokens) if self.request.stats else None
                 probs = call.probs(*self.request.probs_slice) if self.request.probs_slice else None
         except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
             self._result.failures.append(f"{type(err).__name__}: {err}")
             return
+        if self.request.layout and getattr(call, "evidence", None) is not None:
+            self._result.evidence.append(call.evidence)
         if stats is not None:
             self._result.stats.append(stats)
         if probs is not None:

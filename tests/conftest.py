@@ -121,9 +121,13 @@ def probe_leftovers(model: torch.nn.Module) -> list[str]:
             left.append(f"observers on {name!r}")
         if "_qkmonitor_route" in module.__dict__:
             left.append(f"route on {name!r}")
+        if "_qkmonitor_intercept" in module.__dict__:
+            left.append(f"interception route on {name!r}")
         config = module.__dict__.get("config")
         if config is not None and "_qkmonitor_original_attn_implementation" in config.__dict__:
             left.append(f"probe config on {name!r}")
+    if torch._C._len_torch_function_stack():
+        left.append(f"{torch._C._len_torch_function_stack()} torch function mode(s) still entered")
     return left
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import re
+import logging
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import AttentionLayer, LayerSpec, find_attention_layers
+from qkmonitor.intercept import unmeasured_attention_like
 from qkmonitor.alerts import ALERT_ACTIONS, Alert, AlertRule, AlertTracker
 from qkmonitor.catalogue import MetricSpec, metric, names_of
 from qkmonitor.dashboards import grid_of, heatmap_image
@@ -56,11 +59,24 @@ class Host:
     def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
         warnings.warn(message, category, stacklevel=3)
 
+    def info(self, message: str) -> None:
+        """A line for the user (what was found): the ``qkmonitor`` logger at INFO, shown on stderr
+        unless the application configured that logger itself."""
+        _console_logger().info(message)
+
     def stop(self) -> None:
         """Ask the training loop to stop (alert action ``"stop"``)."""
 
     def learning_rate(self) -> float | None:
         return None
+
+
+def _console_logger() -> logging.Logger:
+    logger = logging.getLogger("qkmonitor")
+    if not logger.handlers and logger.level == logging.NOTSET:  # as Lightning does for its own logger
+        logger.setLevel(logging.INFO)
+        logger.addHandler(logging.StreamHandler())
+    return logger
 
 
 class PlainHost(Host):
@@ -244,11 +260,25 @@ class MonitorEngine:
         if self.every_n_steps is None:
             self.every_n_steps = max(1, int(default_every_n_steps))
         self.layers = find_attention_layers(model, self.layer_spec)
-        self.qk_norm_layers = frozenset(i for i, layer in enumerate(self.layers) if layer.qk_weights().qk_norm)
+        self.unmeasured = unmeasured_attention_like(model, self.layers) if self.layer_spec is None else []
+        self.qk_norm_layers = frozenset(i for i, layer in enumerate(self.layers) if layer.has_qk_norm)
         self._prepare(model)
 
     def _prepare(self, model: nn.Module) -> None:
         """Subclasses build per-layer state once the layers are known."""
+
+    def report_discovery(self, host: Host) -> None:
+        """One line of what was found (at fit start), and a warning per attention-like module that
+        is not measured."""
+        kinds = Counter(layer.kind for layer in self.layers)
+        found = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+        host.info(f"qkmonitor: {type(self).__name__} ({self.prefix}) measures {len(self.layers)} attention "
+                  f"layer{'s' if len(self.layers) != 1 else ''}: {found}")
+        for name, cls in self.unmeasured:
+            self.warn_once(host, f"unmeasured:{name}",
+                           f"{name!r} ({cls}) looks like attention but no rule reads it, so it is not measured; "
+                           "describe it with qkmonitor.register_attention(qkmonitor.AttentionSpec(...)) "
+                           "(README, 'Use it on your model')")
 
     def is_probe_step(self, step: int) -> bool:
         # a step counts optimizer steps; under gradient accumulation several batches share a
@@ -429,8 +459,9 @@ class ActivationEngine(MonitorEngine):
         unsupported = [layer.name for layer, ok in zip(self.layers, self._measurable) if not ok]
         if len(unsupported) == len(self.layers):
             raise ValueError(
-                f"{type(self).__name__}: layers {unsupported} give no attention statistics; pass `layers=` with "
-                "AttentionLayer adapters that implement `open_probe`"
+                f"{type(self).__name__}: layers {unsupported} give no attention statistics; describe them with "
+                "qkmonitor.AttentionSpec (statistics come from their SDPA or softmax call), or pass `layers=` with "
+                "qkmonitor.AttentionLayer subclasses that define `supports_stats` and `install(probe)`"
             )
         if unsupported:  # the adapters said why; the others are measured, these stay NaN
             warnings.warn(f"{type(self).__name__}: layers {unsupported} give no attention statistics here; their "

@@ -61,11 +61,16 @@ class AttentionEntropy(ActivationEngine):
     def _prepare(self, model: nn.Module) -> None:
         super()._prepare(model)
         # created on the CPU; each update moves them to where the statistics are
-        self._aggregators = [AttentionStatistics(layer.qk_weights().num_heads) for layer in self.layers]
+        self._aggregators = [AttentionStatistics(layer.num_heads_hint) for layer in self.layers]
 
     def _measure(self, results: list[ProbeResult], step: int, *, visuals: bool) -> tuple[Values, dict[str, Any]]:
         values: Values = {name: [] for name in self.metric_names}
-        for aggregator, result in zip(self._aggregators, results):
+        for i, result in enumerate(results):
+            heads = [stats.entropy.shape[1] for stats in result.stats]
+            if heads and heads[0] != self._aggregators[i].num_heads and not self.layers[i].layout_ready:
+                # a layer read by interception: its calls tell its head count
+                self._aggregators[i] = AttentionStatistics(heads[0])
+            aggregator = self._aggregators[i]
             for stats in result.stats:
                 if aggregator.device != stats.entropy.device:
                     aggregator.to(stats.entropy.device)

@@ -84,16 +84,26 @@ class EffectiveRank(ActivationEngine):
         super()._prepare(model)
         self.blocks = self._find_blocks(model)
         self._batch_first = [getattr(layer.module, "batch_first", True) for layer in self.layers]
-        heads = [layer.qk_weights().num_heads for layer in self.layers]
         # one aggregator per layer, every metric side by side in it: metric -> its columns
-        self._columns = []
-        for h in heads:
-            columns, start = {}, 0
-            for spec in self.specs:
-                width = h if spec.per_head else 1
-                columns[spec.name], start = slice(start, start + width), start + width
+        self._columns, self._means = [], []
+        for layer in self.layers:
+            columns, mean = self._layer_state(layer.num_heads_hint)
             self._columns.append(columns)
-        self._means = [HeadMean(sum(c.stop - c.start for c in columns.values())) for columns in self._columns]
+            self._means.append(mean)
+
+    def _layer_state(self, heads: int) -> tuple[dict[str, slice], HeadMean]:
+        columns, start = {}, 0
+        for spec in self.specs:
+            width = heads if spec.per_head else 1
+            columns[spec.name], start = slice(start, start + width), start + width
+        return columns, HeadMean(start)
+
+    def _fit_heads(self, i: int, result: ProbeResult) -> None:
+        """A layer whose head count only its calls tell (read by interception) gets state of that size."""
+        observed = [t.shape[1] for t in result.probs] + [s.entropy.shape[1] for s in result.stats]
+        heads = self._columns[i]["attn_erank"].stop - self._columns[i]["attn_erank"].start
+        if observed and observed[0] != heads and not self.layers[i].layout_ready:
+            self._columns[i], self._means[i] = self._layer_state(observed[0])
 
     def _find_blocks(self, model: nn.Module) -> list[nn.Module]:
         if self._blocks_spec is not None:
@@ -141,6 +151,7 @@ class EffectiveRank(ActivationEngine):
         images: dict[str, np.ndarray] = {}
         hidden, self._hidden = self._hidden, {}
         for i, result in enumerate(results):
+            self._fit_heads(i, result)
             for x in hidden.get(i, []):
                 erank, collapse = hidden_state_metrics(x)  # (S,)
                 self._update(i, "hidden_erank", erank[:, None])

@@ -103,6 +103,7 @@ class Monitoring:
         check_tag_collisions(engines)
         for engine in engines:
             engine.bind(model, default_every_n_steps=every_n_steps)
+            engine.report_discovery(self.host)
         write_run_header(sinks, engines, hparams)
 
     @property

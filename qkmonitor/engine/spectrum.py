@@ -18,10 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qkmonitor.adapters import AttentionLayer
 from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.catalogue import SPECTRUM
 from qkmonitor.engine.base import Host, MonitorEngine
-from qkmonitor.spectrum import full_parameters, spectrum_of_layers
+from qkmonitor.probes import Probe, ProbeRequest
+from qkmonitor.spectrum import SPECTRUM_METRICS, LayerSpectra, full_parameters, spectrum_of_layers
 
 __all__ = ["QKSpectrum"]
 
@@ -32,10 +34,59 @@ class QKSpectrum(MonitorEngine):
 
     Reads weights only: at step 0 (the initialization) and after every ``every_n_steps``-th
     optimizer step. Arguments: see :class:`~qkmonitor.engine.base.MonitorEngine`.
+
+    Layers whose W_Q/W_K were read by name (:mod:`qkmonitor.intercept`) are checked against the
+    first forward: the engine opens a layout probe on them for the first batch (``open`` /
+    ``finish``), and holds the step-0 values of those layers, computed from a copy of their
+    weights, until that check has kept a layout; a layer whose layout fails the check, or whose
+    weights are not found at all, is logged as NaN with one warning naming it.
     """
 
     monitor = SPECTRUM
     default_rules = (KAPPA_RULE,)
+
+    def _prepare(self, model: nn.Module) -> None:
+        self._checks: list[tuple[AttentionLayer, Probe]] = []
+        self._pending: tuple[int, LayerSpectra, dict[int, Any]] | None = None
+        blind = [layer.name for layer in self.layers if not layer.supports_weights]
+        if len(blind) == len(self.layers):
+            raise ValueError(
+                f"{type(self).__name__}: the query/key weights of {blind} are not found (no projection of a known "
+                "name); describe them with qkmonitor.AttentionSpec (README, 'Use it on your model')")
+
+    # -- the layout check of layers read by name ------------------------------------------------
+
+    def open(self, step: int, *, validation: bool = False) -> bool:
+        """Open a layout probe on every layer still waiting for its check (none: nothing)."""
+        if validation or self._checks:
+            return False
+        waiting = [layer for layer in self.layers if layer.needs_layout_check]
+        try:
+            for layer in waiting:
+                self._checks.append((layer, layer.open_probe(ProbeRequest(stats=False, layout=True))))
+        except BaseException:
+            self.abort()
+            raise
+        return bool(waiting)
+
+    def finish(self, host: Host) -> None:
+        """Close the layout probes, check the layouts, and log the values held for the check."""
+        checks, self._checks = self._checks, []
+        for layer, probe in checks:
+            message = layer.check_layout(probe.close())
+            if message:
+                self.warn_once(host, f"layout:{layer.name}", message)
+        if self._pending is not None:
+            step, spectra, copies = self._pending
+            self._pending = None
+            self._log(host, step, _merged(self.layers, spectra, self._spectra_of_copies(host, copies)))
+
+    def abort(self) -> None:
+        checks, self._checks = self._checks, []
+        for _, probe in checks:
+            probe.close()
+
+    # -- reading the weights ---------------------------------------------------------------------
 
     def observe_weights(self, host: Host, step: int, *, full_model: nn.Module | None = None, **kwargs: Any) -> None:
         """Measure and log the weights after ``step`` optimizer steps if that is a probe step.
@@ -45,8 +96,41 @@ class QKSpectrum(MonitorEngine):
         """
         if not self.is_probe_step(step):
             return
+        self._warn_blind(host)
+        ready = {i: layer for i, layer in enumerate(self.layers) if layer.supports_weights and layer.layout_ready}
+        waiting = {i: layer for i, layer in enumerate(self.layers) if layer.needs_layout_check}
         with torch.no_grad(), full_parameters(full_model):
-            spectra = spectrum_of_layers([layer.qk_weights() for layer in self.layers])
+            spectra = spectrum_of_layers([layer.qk_weights() for layer in ready.values()])
+            copies = {i: layer.weights_copy() for i, layer in waiting.items()}
+        spectra = {i: _layer_of(spectra, j) for j, i in enumerate(ready)}
+        if copies:  # logged once the first forward has checked their layouts (finish)
+            self.latest_step = step
+            self._pending = (step, spectra, copies)
+            return
+        self._log(host, step, _merged(self.layers, spectra, {}))
+
+    def _spectra_of_copies(self, host: Host, copies: dict[int, Any]) -> dict[int, tuple]:
+        out = {}
+        for i, copy in copies.items():
+            layer = self.layers[i]
+            if layer.layout is None:
+                if layer.needs_layout_check:  # still unchecked: it did not run in the first probed forward
+                    self.warn_once(host, f"layout:{layer.name}",
+                                   f"layer {layer.name!r} gave no forward to check its weight layout against; its "
+                                   "spectrum metrics are NaN until one does")
+                continue
+            with torch.no_grad():
+                out[i] = _layer_of(spectrum_of_layers([layer.layout.qk_weights(copy)]), 0)
+        return out
+
+    def _warn_blind(self, host: Host) -> None:
+        for layer in self.layers:
+            if not layer.supports_weights:
+                self.warn_once(host, f"blind:{layer.name}",
+                               f"the query/key weights of layer {layer.name!r} are not found (no projection of a "
+                               "known name); its spectrum metrics are NaN. Describe it with qkmonitor.AttentionSpec.")
+
+    def _log(self, host: Host, step: int, spectra: LayerSpectra) -> None:
         histograms = self._histograms(spectra.singular_values) if self.draws_visuals(step) else {}
         self.record(host, spectra.metrics, step, undefined=spectra.undefined, histograms=histograms)
 
@@ -57,3 +141,27 @@ class QKSpectrum(MonitorEngine):
             if finite.numel():
                 out[f"{self.prefix}/qk_singular_values/layer_{i:02d}"] = finite
         return out
+
+
+def _layer_of(spectra: LayerSpectra, j: int) -> tuple[dict, dict, Tensor]:
+    return ({name: values[j] for name, values in spectra.metrics.items()},
+            {name: values[j] for name, values in spectra.undefined.items()}, spectra.singular_values[j])
+
+
+def _merged(layers: list[AttentionLayer], *parts: dict[int, tuple]) -> LayerSpectra:
+    """One :class:`LayerSpectra` in layer order; a layer no part has is NaN (and marked undefined:
+    the warning that names it has been given)."""
+    out = LayerSpectra()
+    for i, layer in enumerate(layers):
+        found = next((part[i] for part in parts if i in part), None)
+        if found is None:
+            heads = layer.num_heads_hint
+            found = ({m: torch.full((heads,), float("nan")) for m in SPECTRUM_METRICS},
+                     {m: torch.ones(heads, dtype=torch.bool) for m in SPECTRUM_METRICS},
+                     torch.full((heads, 1), float("nan")))
+        metrics, undefined, sv = found
+        for name in SPECTRUM_METRICS:
+            out.metrics[name].append(metrics[name])
+            out.undefined[name].append(undefined[name])
+        out.singular_values.append(sv)
+    return out

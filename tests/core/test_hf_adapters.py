@@ -21,7 +21,7 @@ from packaging.version import Version
 from torch import nn
 from torch.testing import assert_close
 
-from qkmonitor import hf
+from qkmonitor import calls, hf
 from qkmonitor.adapters import find_attention_layers
 from qkmonitor.probes import ProbeRequest
 from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
@@ -327,7 +327,7 @@ def test_a_metric_failure_is_recorded_and_leaves_the_forward_alone(monkeypatch):
     def broken(self, sink_tokens=0):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(hf._Call, "stats", broken)
+    monkeypatch.setattr(calls.MaskedCall, "stats", broken)
     probes = [layer.open_probe() for layer in layers]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the probe itself does not warn: the monitor does, once
@@ -342,7 +342,7 @@ def test_flash_attention_calls_apply_padding_causality_and_the_sliding_window():
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
     padding = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
-    call = hf._Call.of(attn, q, k, padding, {"sliding_window": 3}, "flash_attention_2", scale=0.5)
+    call = calls.MaskedCall.of(attn, q, k, padding, {"sliding_window": 3}, "flash_attention_2", scale=0.5)
     stats = call.stats()
     i, j = torch.arange(6)[:, None], torch.arange(6)
     allowed = (j <= i) & (i - j < 3) & padding.bool()[:, None, None, :]

@@ -1,0 +1,338 @@
+"""Attention found with no user code: SDPA/softmax interception, layouts read by name and checked.
+
+References are float64 math on the modules' own weights and inputs, written here; the models are
+small user-style modules (a nanoGPT block, a torchtitan-style GQA block, a module pairing query
+head h with key head h % H_kv, a module whose attention qkmonitor cannot read).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+import qkmonitor
+from qkmonitor import AttentionSpec, find_attention_layers, register_attention
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from qkmonitor.engine.sinks import MemorySink
+from qkmonitor.layouts import fused_rows
+from qkmonitor.registry import unregister_family
+
+D, H, T = 16, 4, 8
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention: one c_attn, SDPA (flash) or an explicit masked softmax."""
+
+    def __init__(self, flash: bool = True, prescale: bool = False) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.n_head, self.n_embd, self.flash, self.prescale = H, D, flash, prescale
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, 2))
+        if self.prescale:  # some modules fold the temperature into q and call SDPA with scale=1
+            q = q * (c // self.n_head) ** -0.5
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 if self.prescale else None)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            y = F.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class ModuloGQA(nn.Module):
+    """Separate wq/wk with 2 key heads, expanded so that query head h uses key head h % 2 (as
+    x-transformers does), RoPE on q and k, SDPA."""
+
+    def __init__(self, kv_heads: int = 2, modulo: bool = True) -> None:
+        super().__init__()
+        self.wq, self.wk = nn.Linear(D, D, bias=False), nn.Linear(D, kv_heads * D // H, bias=False)
+        self.wv, self.wo = nn.Linear(D, kv_heads * D // H, bias=False), nn.Linear(D, D, bias=False)
+        self.n_heads, self.n_kv_heads, self.modulo = H, kv_heads, modulo
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        d = D // H
+        q = self.wq(x).view(b, t, H, d).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, d).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, d).transpose(1, 2)
+        q, k = _rope(q), _rope(k)
+        r = H // self.n_kv_heads
+        if self.modulo:
+            k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)
+        else:
+            k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, D))
+
+
+def _rope(x):
+    b, h, t, d = x.shape
+    angle = torch.arange(t)[:, None] * (10000.0 ** (-torch.arange(0, d, 2) / d))
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+class Blind(nn.Module):
+    """Attention qkmonitor cannot read: the scores are a custom product, no SDPA, no softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.proj(torch.sigmoid(x @ x.transpose(-1, -2)) @ x)
+
+
+class BlindAttention(Blind):
+    pass
+
+
+class Model(nn.Module):
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.head = nn.Embedding(20, D), nn.ModuleList(blocks), nn.Linear(D, 20)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def sharpen(model: nn.Module, factor: float = 2.0) -> nn.Module:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(key in name for key in ("c_attn", "wq", "wk")):
+                p.mul_(factor)
+    return model
+
+
+def monitored_step(model, *engines, tokens=None):
+    tokens = torch.randint(0, 20, (3, T), generator=torch.Generator().manual_seed(1)) if tokens is None else tokens
+    monitoring = Monitoring(model, list(engines), writer=MemorySink(), every_n_steps=1)
+    with monitoring.step(0):
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+    monitoring.close()
+    return loss.detach()
+
+
+def kappa_reference(w_q: torch.Tensor, w_k: torch.Tensor, pairing: list[int]) -> torch.Tensor:
+    d = w_q.shape[0] // len(pairing)
+    out = []
+    for h, g in enumerate(pairing):
+        s = torch.linalg.svdvals(w_q[h * d:(h + 1) * d].double().T @ w_k[g * d:(g + 1) * d].double())
+        out.append(s[0] / s.sum())
+    return torch.stack(out)
+
+
+def entropy_reference(q, k, causal=True):
+    """entropy_norm and max_prob per head from float64 probabilities of q (B,H,N,d), k."""
+    q, k = q.double(), k.double()
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    n = s.shape[-1]
+    allowed = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
+    p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+    ent = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    attended = allowed.sum(-1).double()
+    rows = attended > 1
+    norm = (ent[..., rows] / attended[rows].log()).mean(dim=(0, 2))
+    return norm, p.amax(-1).mean(dim=(0, 2))
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["sdpa", "softmax"])
+def test_a_nanogpt_block_is_found_and_measured_against_float64(flash):
+    torch.manual_seed(0)
+    model = sharpen(Model(NanoAttention(flash), NanoAttention(flash)))
+    spectrum, entropy = QKSpectrum(per_head=True), AttentionEntropy(per_head=True)
+    seen = {}
+
+    def keep_qk(module, args, output):  # the reference's own q and k, from the module's weights
+        x = args[0]
+        with torch.no_grad():
+            q, k, _ = module.c_attn(x).split(D, 2)
+        seen[module] = tuple(z.view(x.shape[0], T, H, D // H).transpose(1, 2) for z in (q, k))
+
+    handles = [block.register_forward_hook(keep_qk) for block in model.blocks]
+    monitored_step(model, spectrum, entropy)
+    for handle in handles:
+        handle.remove()
+    for i, block in enumerate(model.blocks):
+        w = block.c_attn.weight
+        expected = kappa_reference(w[:D], w[D:2 * D], list(range(H)))
+        assert_close(spectrum.latest["kappa"][i].double(), expected, rtol=1e-5, atol=1e-7)
+        norm, max_prob = entropy_reference(*seen[block])
+        assert_close(entropy.latest["entropy_norm"][i].double(), norm, rtol=0, atol=2e-6)
+        assert_close(entropy.latest["max_prob"][i].double(), max_prob, rtol=0, atol=2e-6)
+        assert 0.2 < float(norm.mean()) < 0.95  # sharpened: not a near-uniform comparison
+        assert spectrum.layers[i].layout.scale == pytest.approx(1 / math.sqrt(D // H), rel=1e-12)
+
+
+@pytest.mark.parametrize("modulo", [True, False], ids=["h%Hkv", "h//r"])
+def test_the_key_head_of_each_query_head_is_the_one_the_model_uses(modulo):
+    torch.manual_seed(0)
+    model = sharpen(Model(ModuloGQA(modulo=modulo)))
+    spectrum = QKSpectrum(per_head=True)
+    monitored_step(model, spectrum, AttentionEntropy())
+    block = model.blocks[0]
+    pairing = [h % 2 for h in range(H)] if modulo else [h // 2 for h in range(H)]
+    expected = kappa_reference(block.wq.weight, block.wk.weight, pairing)
+    assert_close(spectrum.latest["kappa"][0].double(), expected, rtol=1e-5, atol=1e-7)
+    wrong = kappa_reference(block.wq.weight, block.wk.weight, [h // 2 if modulo else h % 2 for h in range(H)])
+    assert not torch.allclose(expected, wrong, rtol=1e-3)  # the pairing matters on this model
+
+
+def test_a_module_that_prescales_q_keeps_its_effective_logit_scale():
+    torch.manual_seed(0)
+    model = Model(NanoAttention(prescale=True))
+    spectrum = QKSpectrum()
+    monitored_step(model, spectrum)
+    assert spectrum.layers[0].layout.scale == pytest.approx((D // H) ** -0.5, rel=1e-5)
+
+
+def test_a_layout_that_does_not_reproduce_the_call_is_nan_with_a_warning_naming_the_layer():
+    torch.manual_seed(0)
+    model = Model(NanoAttention())
+    # a wrong declared layout: per-head interleaved where the module uses blocks
+    register_attention(AttentionSpec(match=NanoAttention, qkv="c_attn", fused="heads", num_heads="n_head"))
+    try:
+        spectrum = QKSpectrum()
+        with pytest.warns(RuntimeWarning, match=r"'blocks.0'.*NaN"):
+            monitored_step(model, spectrum)
+    finally:
+        unregister_family("spec:NanoAttention")
+    assert torch.isnan(spectrum.latest["kappa"][0]).all()
+
+
+def test_the_readme_worked_example_an_attention_spec_for_a_module_no_rule_covers():
+    class Mixer(nn.Module):  # names no rule knows: `to_scores` holds W_Q then W_K, heads in `groups`
+        def __init__(self):
+            super().__init__()
+            self.to_scores, self.to_values, self.groups = nn.Linear(D, 2 * D, bias=False), nn.Linear(D, D), H
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k = self.to_scores(x).view(b, t, 2, self.groups, D // H).permute(2, 0, 3, 1, 4)
+            v = self.to_values(x).view(b, t, self.groups, D // H).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D)
+
+    torch.manual_seed(0)
+    model = Model(Mixer())
+    with pytest.raises(ValueError, match="weights.*not found.*AttentionSpec"):
+        Monitoring(model, [QKSpectrum()])
+    register_attention(AttentionSpec(match=Mixer, qkv="to_scores", num_heads="groups", num_kv_heads="groups"))
+    try:
+        spectrum = QKSpectrum(per_head=True)
+        monitored_step(model, spectrum)
+        assert [layer.kind for layer in spectrum.layers] == ["spec:Mixer"]
+    finally:
+        unregister_family("spec:Mixer")
+    w = model.blocks[0].to_scores.weight
+    assert_close(spectrum.latest["kappa"][0].double(), kappa_reference(w[:D], w[D:], list(range(H))),
+                 rtol=1e-5, atol=1e-7)
+
+
+def test_attention_spec_arguments_are_checked_by_name():
+    with pytest.raises(ValueError, match="either `q` and `k`.*or `qkv`"):
+        AttentionSpec(match=nn.Module, q="wq")
+    with pytest.raises(ValueError, match="`fused`"):
+        AttentionSpec(match=nn.Module, qkv="qkv", fused="interleaved")
+    with pytest.raises(ValueError, match="`pairing`"):
+        AttentionSpec(match=nn.Module, q="wq", k="wk", pairing="random")
+    with pytest.raises(ValueError, match="`num_heads`"):
+        AttentionSpec(match=nn.Module, q="wq", k="wk", num_heads=0)
+    with pytest.raises(ValueError, match="`scale`"):
+        AttentionSpec(match=nn.Module, q="wq", k="wk", scale=-1.0)
+    with pytest.raises(ValueError, match="AttentionSpec"):
+        register_attention("wq")
+
+
+def test_fused_row_orders_against_their_definitions():
+    h, kv, d = 4, 2, 3
+    q, k = fused_rows("heads", h, h, d)
+    assert q.view(h, d)[1].tolist() == list(range(3 * d, 3 * d + d))  # head 1: rows [q k v] from 3d
+    assert k.view(h, d)[1].tolist() == list(range(4 * d, 5 * d))
+    q, k = fused_rows("groups", h, kv, d)
+    r = h // kv  # group 1 starts at (r + 2) d; its queries come first, then its key
+    assert q.view(h, d)[2].tolist() == list(range((r + 2) * d, (r + 2) * d + d))
+    assert k.view(kv, d)[1].tolist() == list(range((r + 2) * d + r * d, (r + 2) * d + r * d + d))
+
+
+def test_discovery_says_what_it_found_and_warns_about_attention_it_cannot_read(caplog):
+    torch.manual_seed(0)
+    model = Model(NanoAttention(), nn.TransformerEncoderLayer(D, 2, 32, dropout=0.0, batch_first=True),
+                  BlindAttention())
+    with caplog.at_level(logging.INFO, logger="qkmonitor"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Monitoring(model, [AttentionEntropy()])
+    lines = [r.getMessage() for r in caplog.records if "measures" in r.getMessage()]
+    assert len(lines) == 1 and "AttentionEntropy (qkmonitor) measures 2 attention layers: 1 " in lines[0]
+    assert "NanoAttention, 1 torch.nn.MultiheadAttention" in lines[0]
+    unmeasured = [str(w.message) for w in caught if "looks like attention" in str(w.message)]
+    assert len(unmeasured) == 1 and "'blocks.2'" in unmeasured[0] and "BlindAttention" in unmeasured[0]
+
+
+def test_an_unprobed_step_installs_nothing_and_a_probed_one_removes_everything(leftovers):
+    torch.manual_seed(0)
+    model = Model(NanoAttention(), NanoAttention(flash=False))
+    entropy, spectrum = AttentionEntropy(every_n_steps=2), QKSpectrum(every_n_steps=2)
+    monitoring = Monitoring(model, [spectrum, entropy, EffectiveRank(every_n_steps=2)], writer=MemorySink())
+    tokens = torch.randint(0, 20, (2, T))
+    installed = []
+    for step in range(3):
+        with monitoring.step(step):
+            installed.append(list(leftovers(model)))
+            model(tokens).sum().backward()
+        assert leftovers(model) == []
+    assert installed[0] and installed[1] == [] and installed[2]
+
+
+def test_a_forward_that_raises_inside_a_probed_module_leaves_nothing_and_training_goes_on(leftovers):
+    torch.manual_seed(0)
+    model = Model(NanoAttention(), NanoAttention(flash=False))
+    monitoring = Monitoring(model, [QKSpectrum(), AttentionEntropy()], writer=MemorySink(), every_n_steps=1)
+    tokens = torch.randint(0, 20, (2, T))
+
+    def fail(module, args, output):
+        raise RuntimeError("boom")
+
+    handle = model.blocks[1].c_proj.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"), monitoring.step(0):
+        model(tokens)
+    handle.remove()
+    assert leftovers(model) == []
+    with monitoring.step(1):
+        model(tokens).sum().backward()
+    assert leftovers(model) == []
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["sdpa", "softmax"])
+def test_the_monitored_step_trains_bit_for_bit_as_its_unmonitored_twin(flash):
+    import copy
+
+    torch.manual_seed(0)
+    model = sharpen(Model(NanoAttention(flash), ModuloGQA()))
+    twin = copy.deepcopy(model)
+    tokens = torch.randint(0, 20, (3, T))
+    loss = monitored_step(model, QKSpectrum(), AttentionEntropy(), EffectiveRank(), tokens=tokens)
+    twin_loss = F.cross_entropy(twin(tokens).flatten(0, 1), tokens.flatten())
+    twin_loss.backward()
+    assert torch.equal(loss, twin_loss.detach())
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_model_of_unknown_attention_is_an_error_that_names_the_public_ways_out():
+    with pytest.raises(ValueError, match=r"No attention layers found in Model.*AttentionSpec.*layers="):
+        find_attention_layers(Model(Blind()))
+    assert qkmonitor.AttentionSpec is AttentionSpec
