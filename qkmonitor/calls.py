@@ -22,7 +22,7 @@ from torch import Tensor
 
 from qkmonitor.probes import full_precision
 
-__all__ = ["MaskedCall", "ScoresCall", "FailedCall", "split_mask"]
+__all__ = ["FailedCall", "MaskedCall", "ScoresCall", "split_mask"]
 
 _MAX_SCORES = 1 << 24  # explicit path: score elements per chunk (128 MiB in float64)
 

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from qkmonitor.adapters import AttentionLayer, QKWeights
-from qkmonitor.calls import FailedCall, MaskedCall, ScoresCall
+from qkmonitor.calls import FailedCall, MaskedCall, ScoresCall, split_mask
 from qkmonitor.layouts import (
     HEADS_NAMES,
     AttentionSpec,
@@ -59,7 +59,7 @@ from qkmonitor.probes import ObserverSet, Probe, in_side_computation, side_compu
 from qkmonitor.registry import register_family
 
 __all__ = ["InterceptedAttentionLayer", "LayoutChecked", "LayoutEvidence", "LayoutUnknownError", "check_layout",
-           "install_interception", "looks_like_attention", "register_attention",
+           "looks_like_attention", "register_attention",
            "unmeasured_attention_like"]
 
 _ROUTE_KEY = "_qkmonitor_intercept"
@@ -365,12 +365,7 @@ def _sdpa_call(q: Tensor, k: Tensor, attn_mask, is_causal: bool, scale) -> Maske
         mask = attn_mask.detach()
         while mask.dim() < 4:
             mask = mask[None]
-        if mask.dtype == torch.bool:
-            allowed = mask
-        else:
-            blocked = torch.isneginf(mask)
-            allowed, bias = ~blocked, mask.masked_fill(blocked, 0.0)
-            bias = bias if bool(bias.any()) else None
+        allowed, bias = split_mask(mask)  # additive: -inf and finfo.min-like entries are blocked
     if is_causal:
         if n == m and allowed is None:
             call.causal = True
@@ -391,12 +386,14 @@ def _scores_call(logits: Tensor) -> ScoresCall:
     return ScoresCall(scores.masked_fill(blocked, float("-inf")))
 
 
-def _route_probe(module: nn.Module, probe: Probe, weights: list[Tensor]) -> Callable[[], None]:
-    """Route the module's attention calls to ``probe.observe`` (and keep the inputs of ``weights``)."""
+def _route_probe(module: nn.Module, probe: Probe, weights: list[Tensor],
+                 observe: Callable | None = None) -> Callable[[], None]:
+    """Route the module's attention calls to ``observe`` (default ``probe.observe``), and keep the
+    inputs of ``weights`` for a layout check."""
     route = module.__dict__.get(_ROUTE_KEY)
     if route is None:
         route = module.__dict__[_ROUTE_KEY] = _Route(module)
-    remove_observer = route.observers.add(probe.observe, probe.request.sink_tokens)
+    remove_observer = route.observers.add(observe or probe.observe, probe.request.sink_tokens)
     keys = [id(w) for w in weights]
     for key in keys:
         route.weights[key] = route.weights.get(key, 0) + 1
@@ -412,11 +409,6 @@ def _route_probe(module: nn.Module, probe: Probe, weights: list[Tensor]) -> Call
             route.remove()
 
     return remove
-
-
-def install_interception(module: nn.Module, probe: Probe, weights: list[Tensor] = ()) -> Callable[[], None]:
-    """Public entry for adapters: see every SDPA/softmax call of ``module`` while ``probe`` is open."""
-    return _route_probe(module, probe, list(weights))
 
 
 # --- the layer -----------------------------------------------------------------------------------
@@ -469,7 +461,20 @@ class LayoutChecked:
         return out
 
     def install_layout(self, probe: Probe) -> Callable[[], None]:
-        return _route_probe(self.module, probe, self._layout_sources())
+        def observe(call) -> None:
+            # judged now, inside the forward: the weights are those that computed the call (an
+            # optimizer step may change them before the probe closes)
+            evidence = getattr(call, "evidence", None)
+            if evidence is not None and self._verdict is None:
+                try:
+                    with torch.no_grad(), side_computation():
+                        self._verdict = self._judge(evidence)
+                except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+                    self._verdict = f"the layout check failed ({type(err).__name__}: {err})"
+            probe.observe(call)
+
+        self._verdict = None
+        return _route_probe(self.module, probe, self._layout_sources(), observe)
 
     @property
     def layout_ready(self) -> bool:
@@ -500,35 +505,40 @@ class LayoutChecked:
             setattr(owner, leaf, weight.detach().to("cpu", copy=True))
         return copy
 
-    def check_layout(self, result) -> str | None:
-        """Keep the layout that the first evidence in ``result`` reproduces; a message when none
-        does (the spectrum metrics are then NaN). Called once, after the first layout probe."""
-        if self._checked:
-            return None
-        self._checked = True
-        evidence = result.evidence[0] if result.evidence else None
-        sources = self._layout_sources()
-        unseen = evidence is None or not all(id(w) in evidence.inputs for w in sources)
-        if unseen:
-            why = ("no SDPA or 4-D softmax call was seen in its forward" if evidence is None
-                   else "its projections were not called as F.linear/addmm in its forward")
-            if self._trusted:
-                return f"layer {self.name!r}: {why}, so its AttentionSpec layout is used unchecked"
-            self.layout, self.layout_error = None, why
-            return f"layer {self.name!r}: {why}, so its weight layout cannot be checked; its spectrum metrics are NaN"
+    def _judge(self, evidence: LayoutEvidence) -> QKLayout | str:
+        """The layout the evidence of one forward confirms, or why none (see :func:`check_layout`)."""
+        if not all(id(w) in evidence.inputs for w in self._layout_sources()):
+            return _UNSEEN_PROJECTIONS
         candidates = self.layout_candidates
         if self._paths is not None:  # counts from the call: H from the queries, H_kv from the keys
             heads = (evidence.q if evidence.q is not None else evidence.logits).shape[1]
             kv = evidence.k.shape[1] if evidence.k is not None and evidence.k.shape[1] < heads else None
             candidates = infer_layouts(self.module, heads=heads, kv_heads=kv, paths=self._paths)
-        with torch.no_grad():
-            found = check_layout(self.module, candidates, evidence) if candidates else (
-                f"its projections {self._paths} do not split into the heads of its attention call")
-        if isinstance(found, str):
-            self.layout, self.layout_error = None, found
-            return f"layer {self.name!r}: {found}; its spectrum metrics (kappa, ...) are NaN"
-        self.layout, self.layout_error = found, None
-        return None
+            if not candidates:
+                return f"its projections {self._paths} do not split into the {heads} heads of its attention call"
+        return check_layout(self.module, candidates, evidence)
+
+    def check_layout(self, result) -> str | None:
+        """Keep the layout the first probed forward confirmed; a message when it confirmed none
+        (the spectrum metrics are then NaN). Called once, when the first layout probe closes."""
+        if self._checked:
+            return None
+        self._checked = True
+        verdict, self._verdict = getattr(self, "_verdict", None), None
+        if isinstance(verdict, QKLayout):
+            self.layout, self.layout_error = verdict, None
+            return None
+        why = verdict if verdict is not None else "no SDPA or 4-D softmax call was seen in its forward"
+        if verdict == _UNSEEN_PROJECTIONS or verdict is None:
+            if self._trusted:
+                return f"layer {self.name!r}: {why}, so its AttentionSpec layout is used unchecked"
+            self.layout, self.layout_error = None, why
+            return f"layer {self.name!r}: {why}, so its weight layout cannot be checked; its spectrum metrics are NaN"
+        self.layout, self.layout_error = None, why
+        return f"layer {self.name!r}: {why}; its spectrum metrics (kappa, ...) are NaN"
+
+
+_UNSEEN_PROJECTIONS = "its projections were not called as F.linear, addmm or x @ W.T in its forward"
 
 
 class LayoutUnknownError(ValueError):

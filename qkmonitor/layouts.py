@@ -23,7 +23,6 @@ model that no rule covers.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -183,10 +182,9 @@ def _weight_param(module: nn.Module, path: str) -> Tensor:
 
 def _out_features(module: nn.Module, path: str) -> int | None:
     obj = _get(module, path)
-    if isinstance(obj, nn.Module):
-        if isinstance(getattr(obj, "weight", None), Tensor) and obj.weight.dim() == 2 and not isinstance(
-                obj, (nn.Embedding, nn.MultiheadAttention)):
-            return obj.weight.shape[1] if _is_conv1d(obj) else obj.weight.shape[0]
+    weight = getattr(obj, "weight", None) if isinstance(obj, nn.Module) else None
+    if isinstance(weight, Tensor) and weight.dim() == 2 and not isinstance(obj, (nn.Embedding, nn.MultiheadAttention)):
+        return weight.shape[1] if _is_conv1d(obj) else weight.shape[0]
     return None
 
 
@@ -373,7 +371,7 @@ class AttentionSpec:
         return "spec:" + ("|".join(names) if names else getattr(self.match, "__name__", "match"))
 
     def matches(self, name: str, module: nn.Module) -> bool:
-        if isinstance(self.match, tuple) or isinstance(self.match, type):
+        if isinstance(self.match, (tuple, type)):
             return isinstance(module, self.match)
         return bool(self.match(name, module))
 
@@ -411,6 +409,3 @@ class AttentionSpec:
             layout = replace(layout, kv_index=modulo_index(layout.num_heads, layout.num_kv_heads))
         return layout
 
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -71,8 +71,8 @@ class ProbeRequest:
         sink_tokens: with ``stats``, also the attention mass on the first this-many keys (0: off).
         probs_slice: ``(sequences, rows)``: also the explicit attention probabilities of the first
             ``sequences`` sequences and ``rows`` query rows (all keys), ``(S, H, R, M)`` float32.
-        layout: also what each call shows of the layer's weight layout (the evidence a layer
-            whose W_Q/W_K were read by name is checked against; :mod:`qkmonitor.intercept`).
+        layout: a layout probe: the layer checks the W_Q/W_K layout it read by name against the
+            first call (:mod:`qkmonitor.intercept`), instead of being measured.
     """
 
     stats: bool = True
@@ -116,12 +116,10 @@ class ProbeResult:
         probs: the probability slice of each call (empty unless requested).
         calls: forwards observed.
         failures: reasons of the calls whose measurement failed (they are in no list above).
-        evidence: with ``request.layout``, the layout evidence of each call that carried some.
     """
 
     stats: list[AttentionStats] = field(default_factory=list)
     probs: list[Tensor] = field(default_factory=list)
-    evidence: list = field(default_factory=list)
     calls: int = 0
     failures: list[str] = field(default_factory=list)
 
@@ -154,8 +152,6 @@ class Probe:
         except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
             self._result.failures.append(f"{type(err).__name__}: {err}")
             return
-        if self.request.layout and getattr(call, "evidence", None) is not None:
-            self._result.evidence.append(call.evidence)
         if stats is not None:
             self._result.stats.append(stats)
         if probs is not None:

@@ -13,9 +13,9 @@ them and logs nothing. Every path closes what it opened.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-import logging
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -26,15 +26,15 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import AttentionLayer, LayerSpec, find_attention_layers
-from qkmonitor.intercept import unmeasured_attention_like
 from qkmonitor.alerts import ALERT_ACTIONS, Alert, AlertRule, AlertTracker
 from qkmonitor.catalogue import MetricSpec, metric, names_of
 from qkmonitor.dashboards import grid_of, heatmap_image
 from qkmonitor.engine.sinks import Sink
+from qkmonitor.intercept import unmeasured_attention_like
 from qkmonitor.probes import Probe, ProbeRequest, ProbeResult
 from qkmonitor.tags import alert_tag, head_tag, layer_tag, worst_tag
 
-__all__ = ["Host", "PlainHost", "MonitorEngine", "ActivationEngine", "Values", "check_prefix"]
+__all__ = ["ActivationEngine", "Host", "MonitorEngine", "PlainHost", "Values", "check_prefix"]
 
 #: metric -> one (num_heads,) float CPU tensor per layer ((1,) for per-layer metrics)
 Values = dict[str, list[Tensor]]

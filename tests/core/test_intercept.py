@@ -75,7 +75,7 @@ class ModuloGQA(nn.Module):
 
 
 def _rope(x):
-    b, h, t, d = x.shape
+    t, d = x.shape[-2:]
     angle = torch.arange(t)[:, None] * (10000.0 ** (-torch.arange(0, d, 2) / d))
     cos, sin = angle.cos(), angle.sin()
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -336,3 +336,117 @@ def test_a_model_of_unknown_attention_is_an_error_that_names_the_public_ways_out
     with pytest.raises(ValueError, match=r"No attention layers found in Model.*AttentionSpec.*layers="):
         find_attention_layers(Model(Blind()))
     assert qkmonitor.AttentionSpec is AttentionSpec
+
+
+class AnonymousHeads(NanoAttention):
+    """No attribute names the head count: it is taken from the SDPA call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._h = self.__dict__.pop("n_head")
+
+    @property
+    def n_head_(self):  # what forward reads, under a name no rule knows
+        return self._h
+
+    def forward(self, x):
+        self.n_head = self._h  # forward needs it; discovery ran before and did not see it
+        try:
+            return super().forward(x)
+        finally:
+            del self.n_head
+
+
+def test_heads_from_the_call_and_the_step0_spectrum_from_the_weights_before_the_update():
+    import copy
+
+    torch.manual_seed(0)
+    model = sharpen(Model(AnonymousHeads(), NanoAttention(flash=False)))
+    initial = copy.deepcopy(model)
+    spectrum, entropy = QKSpectrum(per_head=True), AttentionEntropy(per_head=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    monitoring = Monitoring(model, [spectrum, entropy], writer=MemorySink(), every_n_steps=1)
+    tokens = torch.randint(0, 20, (3, T))
+    with monitoring.step(0):  # the update inside the window changes the weights before the check
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        optimizer.step()
+    assert spectrum.latest_step == 0
+    for i, block in enumerate(initial.blocks):
+        w = block.c_attn.weight
+        assert spectrum.latest["kappa"][i].shape == (H,)
+        assert_close(spectrum.latest["kappa"][i].double(), kappa_reference(w[:D], w[D:2 * D], list(range(H))),
+                     rtol=1e-5, atol=1e-7)
+    assert entropy.latest["entropy_norm"][0].shape == (H,)
+    assert spectrum.layers[0].layout.num_heads == H
+
+
+def test_a_monitor_measures_the_layers_it_can_and_warns_about_the_others():
+    class WeightsOnly(nn.Module):  # implements only qk_weights(): no statistics
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.MultiheadAttention(D, 2, batch_first=True)
+
+        def qk_weights(self):
+            w = self.inner.in_proj_weight
+            return qkmonitor.QKWeights(w[:D], w[D:2 * D], 2, 2, (D // 2) ** -0.5)
+
+        def forward(self, x):
+            return self.inner(x, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = Model(WeightsOnly(), NanoAttention())
+    entropy = AttentionEntropy()
+    with pytest.warns(RuntimeWarning, match=r"\['blocks.0'\] give no attention statistics"):
+        monitored_step(model, entropy)
+    assert torch.isnan(entropy.latest["entropy_norm"][0]).all()
+    assert torch.isfinite(entropy.latest["entropy_norm"][1]).all()
+
+
+def test_under_bf16_autocast_the_layout_check_passes_and_statistics_follow_the_bf16_call():
+    torch.manual_seed(0)
+    model = sharpen(Model(NanoAttention(), ModuloGQA()))
+    spectrum, entropy = QKSpectrum(per_head=True), AttentionEntropy(per_head=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no layout warning
+        monitoring = Monitoring(model, [spectrum, entropy], writer=MemorySink(), every_n_steps=1)
+        tokens = torch.randint(0, 20, (3, T))
+        with monitoring.step(0), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(tokens).float().sum().backward()
+    block = model.blocks[1]
+    expected = kappa_reference(block.wq.weight, block.wk.weight, [h % 2 for h in range(H)])
+    assert_close(spectrum.latest["kappa"][1].double(), expected, rtol=1e-5, atol=1e-7)
+    assert all(torch.isfinite(v).all() for v in entropy.latest["entropy_norm"])
+
+
+class BiasedAttention(nn.Module):
+    """SDPA with an additive float mask: an ALiBi-like bias, and padded keys at finfo.min."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.num_heads = nn.Linear(D, 3 * D), H
+        self.padding = None
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        self.mask = -(torch.arange(H)[:, None, None] + 1.0) * (torch.arange(t)[None] - torch.arange(t)[:, None]).abs()
+        self.mask = self.mask[None].expand(b, H, t, t).masked_fill(~self.padding[:, None, None, :], torch.finfo(x.dtype).min)
+        self.q, self.k = q.detach(), k.detach()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).transpose(1, 2).reshape(b, t, D)
+
+
+def test_an_additive_float_mask_counts_its_finfo_min_keys_as_blocked():
+    torch.manual_seed(0)
+    block = BiasedAttention()
+    model = Model(block)
+    tokens = torch.randint(0, 20, (3, T))
+    block.padding = torch.arange(T)[None] < torch.tensor([T, 5, 3])[:, None]
+    entropy = AttentionEntropy(per_head=True)
+    monitored_step(model, entropy, tokens=tokens)
+    s = block.q.double() @ block.k.double().transpose(-1, -2) / math.sqrt(D // H) + block.mask.double()
+    allowed = block.padding[:, None, None, :].expand_as(s)
+    p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+    ent = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    n = allowed.sum(-1).double()
+    assert_close(entropy.latest["entropy_norm"][0].double(), (ent / n.log()).mean(dim=(0, 2)), rtol=0, atol=2e-6)
+    assert_close(entropy.latest["max_prob"][0].double(), p.amax(-1).mean(dim=(0, 2)), rtol=0, atol=2e-6)
