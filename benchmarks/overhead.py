@@ -1,4 +1,4 @@
-"""Training steps per second with the monitors on, against none, on a bundled model.
+"""Training steps per second with the monitors on, against none, on a bundled or a nanoGPT-style model.
 
 Four configurations run interleaved, several rounds each, so machine noise hits them alike: no
 monitor; all three monitors at ``every_n_steps=50`` with their defaults (visuals at every 20th
@@ -21,7 +21,9 @@ configuration (medians over rounds):
   for the defaults, also the visuals' extra cost (the visuals configuration's window cost minus the
   default one's) spread over ``visuals_every_n_probes`` windows — the figure a long run pays;
 - **one-time**: the monitors' setup (binding, the layout and hparams header: from the Trainer's
-  ``setup`` to the first batch, against no monitor) and the extra time of the first window.
+  ``setup`` to the first batch, against no monitor) and the extra time of the first window;
+- **unprobed step**: one line per run stating what a step the monitors do not probe costs: the
+  median no-monitor step, and the defaults' hooks on an untouched batch against it.
 
 Models (``--model``):
 
@@ -31,10 +33,21 @@ Models (``--model``):
   nothing downloaded); with ``--device cuda --precision bf16-mixed`` its attention runs the
   Triton kernel under autocast.
 
+Architectures (``--arch``), each at either size above:
+
+- ``bundled``: qkmonitor's own ``DecoderLM`` (``CausalLMTask`` / ``CharLMTask``), whose attention
+  hands the monitors its kernel's statistics.
+- ``nanogpt``: a nanoGPT-style decoder (``benchmarks/nanogpt.py``: token embedding + learned
+  positions, blocks of LayerNorm, ``CausalSelfAttention`` with one fused ``c_attn`` and
+  ``F.scaled_dot_product_attention(..., is_causal=True)``, GELU MLP, tied LM head) with the same
+  d_model, layers, heads, MLP width, sequence length, batch, data, optimizer and warmup. Nothing
+  in it knows qkmonitor: the monitors discover it and measure by interception.
+
 Usage::
 
     python benchmarks/overhead.py                 # 300 steps x 3 rounds, CPU
     python benchmarks/overhead.py --steps 100 --rounds 2
+    python benchmarks/overhead.py --arch nanogpt --steps 100 --rounds 2
     python benchmarks/overhead.py --device cuda --model gpt2-small --precision bf16-mixed \\
         --steps 60 --rounds 1 --warmup-steps 4 --json overhead.json
     python benchmarks/overhead.py --dry-run       # arguments and report only, nothing trained
@@ -58,7 +71,9 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/nanogpt.py
 
+from nanogpt import NanoGPTTask
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import (
@@ -149,23 +164,25 @@ class HookTimer:
         return timed
 
 
-def task_and_data(model: str, steps: int) -> tuple[pl.LightningModule, pl.LightningDataModule]:
+def task_and_data(model: str, steps: int, arch: str = "bundled") -> tuple[pl.LightningModule, pl.LightningDataModule]:
+    """The task and data of ``model`` (the size); ``arch`` ``nanogpt`` trains the nanoGPT-style
+    decoder of the same config on the same data, with the same optimizer and warmup."""
     if model == "default":
         data = AssociativeRecallDataModule(seed=0)
         config = TransformerConfig(vocab_size=data.vocab_size, max_seq_len=data.seq_len)
-        return CausalLMTask(config), data
+        return (CausalLMTask(config) if arch == "bundled" else NanoGPTTask(config)), data
     seq_len, batch = 1024, 8
     data = PythonSourceDataModule(max_chars=4_000_000, seq_len=seq_len, batch_size=batch,
                                   train_size=batch * steps, val_size=batch, seed=0)  # fmt: skip
     config = TransformerConfig(vocab_size=data.vocab_size, d_model=768, n_layers=12, n_heads=12,
                                max_seq_len=seq_len, positional="learned")  # fmt: skip
-    return CharLMTask(config, warmup_steps=10), data
+    return (CharLMTask(config, warmup_steps=10) if arch == "bundled" else NanoGPTTask(config, warmup_steps=10)), data
 
 
 def run(args, config: tuple[int, int] | None, log_root: str, steps: int | None = None) -> Clock:
     steps = args.steps if steps is None else steps
     pl.seed_everything(0, verbose=False)
-    task, data = task_and_data(args.model, steps)
+    task, data = task_and_data(args.model, steps, args.arch)
     timer, callbacks = Clock(), monitors(config)
     timer.hooks = HookTimer(callbacks)
     trainer = pl.Trainer(max_steps=steps, accelerator=args.device, devices=1,
@@ -211,10 +228,12 @@ def measure(args) -> dict[str, dict[str, float]]:
     setup and first window (medians over rounds). With ``--dry-run`` the model and data are built
     (so that the configuration is checked) but nothing trains, and every figure is NaN."""
     if args.dry_run:
-        task, data = task_and_data(args.model, args.steps)
+        task, data = task_and_data(args.model, args.steps, args.arch)
         data.setup("fit")
         del task, data
-        return {name: {"steps_per_s": math.nan} for name in CONFIGS}
+        figures = {name: {"steps_per_s": math.nan} for name in CONFIGS}
+        figures["no monitor"]["plain_step_s"] = math.nan
+        return figures
     clocks: dict[str, list[Clock]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as log_root:
         if args.warmup_steps:  # first-call costs (Triton autotuning, compiles) out of the rounds
@@ -252,7 +271,7 @@ def measure(args) -> dict[str, dict[str, float]]:
     return figures
 
 
-def report(figures: dict[str, dict[str, float]]) -> None:
+def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
     print(f"  {'configuration':36s} {'steps/s':>8s} {'between':>8s} {'window':>9s} {'hooks':>8s} {'in-run':>7s} "
           f"{'setup':>7s} {'1st window':>10s}")
     for name, f in figures.items():
@@ -270,6 +289,10 @@ def report(figures: dict[str, dict[str, float]]) -> None:
     if "long_run" in d:
         print(f"  defaults over a long run: {1e3 * d['window_s']:.1f} ms a window + visuals {1e3 * d['visuals_s']:.1f} ms "
               f"every {VISUALS_EVERY} windows + hooks => {100 * d['long_run']:+.2f}% of the plain step")
+    plain = figures["no monitor"].get("plain_step_s", math.nan)
+    hooks = d.get("hooks_s", math.nan)
+    print(f"  unprobed step, {arch}: {1e3 * plain:.2f} ms with no monitor; the monitors' hooks (every "
+          f"{CONFIGS[DEFAULTS][0]} steps) add {1e3 * hooks:.3f} ms => {100 * hooks / plain:+.2f}% of the plain step")
     print("  between: steady time against the no-monitor run; window: a probe window's cost, in-run; hooks: the "
           "monitors' hooks on an untouched batch; in-run: both over the run's own untouched batches")
 
@@ -284,7 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--model", choices=["default", "gpt2-small"], default="default")
+    parser.add_argument("--model", choices=["default", "gpt2-small"], default="default", help="the size and task")
+    parser.add_argument(
+        "--arch", choices=["bundled", "nanogpt"], default="bundled",
+        help="qkmonitor's bundled decoder, or a nanoGPT-style SDPA decoder of the same size found by interception",
+    )  # fmt: skip
     parser.add_argument("--precision", default="32-true", help="Lightning's, e.g. bf16-mixed")
     parser.add_argument("--json", type=Path, help="also write the rates to this file")
     parser.add_argument(
@@ -299,12 +326,13 @@ def main(argv: list[str] | None = None) -> None:
     figures = measure(args)
     where = torch.cuda.get_device_name() if args.device == "cuda" and not args.dry_run else (
         f"{torch.get_num_threads()} threads")  # fmt: skip
-    print(f"torch {torch.__version__}, {where}, model {args.model}, precision {args.precision}, "
+    arch = "" if args.arch == "bundled" else f", arch {args.arch}"  # the bundled header as before
+    print(f"torch {torch.__version__}, {where}, model {args.model}{arch}, precision {args.precision}, "
           f"{args.steps} steps x {args.rounds} rounds")  # fmt: skip
-    report(figures)
+    report(figures, args.arch)
     if args.json:
         rates = {name: f["steps_per_s"] for name, f in figures.items()}
-        args.json.write_text(json.dumps({"model": args.model, "precision": args.precision,
+        args.json.write_text(json.dumps({"model": args.model, "arch": args.arch, "precision": args.precision,
                                          "device": args.device, "steps": args.steps,
                                          "steps_per_s": rates, "figures": figures}, indent=1))  # fmt: skip
 
