@@ -270,6 +270,7 @@ class _Route:
 
     def __init__(self, module: nn.Module) -> None:
         self.observers = ObserverSet()
+        self.heads: int | None = None  # the query heads, where the layer knows them before a call
         self.weights: dict[int, int] = {}  # id(weight) -> probes asking for its inputs
         self._modes: list[_Interceptor] = []
         self._inputs: dict[int, Tensor] = {}
@@ -325,6 +326,8 @@ class _Route:
         x = args[0] if args else kwargs.get("input")
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if not isinstance(x, Tensor) or x.dim() != 4 or dim not in (-1, 3):
+            return
+        if self.heads is not None and x.shape[1] != self.heads:  # not (B, H, N, M): heads folded elsewhere
             return
         qk = self._qk
         if qk is not None and qk[0].shape[:3] == x.shape[:3] and qk[1].shape[2] == x.shape[3]:
@@ -387,12 +390,13 @@ def _scores_call(logits: Tensor) -> ScoresCall:
 
 
 def _route_probe(module: nn.Module, probe: Probe, weights: list[Tensor],
-                 observe: Callable | None = None) -> Callable[[], None]:
+                 observe: Callable | None = None, heads: int | None = None) -> Callable[[], None]:
     """Route the module's attention calls to ``observe`` (default ``probe.observe``), and keep the
     inputs of ``weights`` for a layout check."""
     route = module.__dict__.get(_ROUTE_KEY)
     if route is None:
         route = module.__dict__[_ROUTE_KEY] = _Route(module)
+        route.heads = heads
     remove_observer = route.observers.add(observe or probe.observe, probe.request.sink_tokens)
     keys = [id(w) for w in weights]
     for key in keys:
@@ -474,7 +478,13 @@ class LayoutChecked:
             probe.observe(call)
 
         self._verdict = None
-        return _route_probe(self.module, probe, self._layout_sources(), observe)
+        return _route_probe(self.module, probe, self._layout_sources(), observe, self._known_heads())
+
+    def _known_heads(self) -> int | None:
+        """H where the layout candidates agree on it before any call (a softmax over another dim 1
+        is then not this layer's attention)."""
+        counts = {layout.num_heads for layout in self.layout_candidates}
+        return counts.pop() if len(counts) == 1 else None
 
     @property
     def layout_ready(self) -> bool:
@@ -569,7 +579,7 @@ class InterceptedAttentionLayer(LayoutChecked, AttentionLayer):
         return True
 
     def install(self, probe: Probe) -> Callable[[], None]:
-        return _route_probe(self.module, probe, [])
+        return _route_probe(self.module, probe, [], heads=self._known_heads())
 
 
 # --- recognising modules -------------------------------------------------------------------------
@@ -631,7 +641,10 @@ def adapt_intercepted(name: str, module: nn.Module, index: int) -> InterceptedAt
         if not inner and (own == "sdpa" or (own and named)):
             return InterceptedAttentionLayer(name, module, index, kind=kind)
         return None
-    if not (own or _child_computes(module)):  # x-transformers: the `attend` child computes it
+    # the attention call may sit in the module's code, a child's (x-transformers' `attend`), or a
+    # module-level function its forward calls (GPT-NeoX and ModernBERT before transformers 5): an
+    # attention-like name with projections of a known name is enough; the first probe checks it
+    if not (own or named or _child_computes(module)):
         return None
     candidates = infer_layouts(module)
     return InterceptedAttentionLayer(name, module, index, candidates=candidates, kind=kind,

@@ -45,9 +45,14 @@ class QKSpectrum(MonitorEngine):
     monitor = SPECTRUM
     default_rules = (KAPPA_RULE,)
 
-    def _prepare(self, model: nn.Module) -> None:
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self._checks: list[tuple[AttentionLayer, Probe]] = []
-        self._pending: tuple[int, LayerSpectra, dict[int, Any]] | None = None
+        self._pending: tuple[int, dict[int, tuple], dict[int, Any]] | None = None
+
+    def _prepare(self, model: nn.Module) -> None:
+        self.abort()
+        self._pending = None
         blind = [layer.name for layer in self.layers if not layer.supports_weights]
         if len(blind) == len(self.layers):
             raise ValueError(
