@@ -450,3 +450,17 @@ def test_an_additive_float_mask_counts_its_finfo_min_keys_as_blocked():
     n = allowed.sum(-1).double()
     assert_close(entropy.latest["entropy_norm"][0].double(), (ent / n.log()).mean(dim=(0, 2)), rtol=0, atol=2e-6)
     assert_close(entropy.latest["max_prob"][0].double(), p.amax(-1).mean(dim=(0, 2)), rtol=0, atol=2e-6)
+
+
+def test_x_transformers_qk_norm_is_a_warning_and_nan_kappa_not_a_wrong_number():
+    x_transformers = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    model = x_transformers.TransformerWrapper(num_tokens=20, max_seq_len=T, attn_layers=x_transformers.Decoder(
+        dim=D, depth=1, heads=H, attn_qk_norm=True))
+    spectrum, entropy = QKSpectrum(), AttentionEntropy()
+    with pytest.warns(RuntimeWarning, match=r"layer 'attn_layers.layers.0.1'.*relative.*NaN"):
+        monitoring = Monitoring(model, [spectrum, entropy], writer=MemorySink(), every_n_steps=1)
+        with monitoring.step(0):
+            model(torch.randint(0, 20, (2, T))).sum().backward()
+    assert torch.isnan(spectrum.latest["kappa"][0]).all()
+    assert torch.isfinite(entropy.latest["entropy_norm"][0]).all()  # statistics come from the call itself
