@@ -122,13 +122,13 @@ class MaskedCall:
 
     def _stats(self, sink_tokens: int):
         from qkmonitor.functional import attention_stats_from_scores
-        from qkmonitor.kernels import attention
+        from qkmonitor.kernels import attention_stats
 
         if self.allowed is None and self.bias is None and self.window is None and self.softcap is None:
             try:
                 with full_precision():
-                    return attention(self.q, self.k, self.k, causal=self.causal, key_padding_mask=self.padding,
-                                     scale=self.scale, return_stats=True, sink_tokens=sink_tokens)[1]
+                    return attention_stats(self.q, self.k, causal=self.causal, key_padding_mask=self.padding,
+                                           scale=self.scale, sink_tokens=sink_tokens)
             except ValueError:  # a shape or dtype the kernel does not take: the explicit path below
                 pass
         b, h, n = self.q.shape[:3]

@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from qkmonitor.kernels import AttentionStats, attention
+from qkmonitor.kernels import AttentionStats, attention_stats
 
 __all__ = ["ProbeRequest", "ProbeResult", "Probe", "AttentionCall", "KernelCall", "ObserverSet", "full_precision"]
 
@@ -239,9 +239,9 @@ class KernelCall:
         if cached is None:
             # the kernel accumulates in float32 whatever the inputs; no enclosing autocast applies
             with full_precision():
-                _, cached = attention(self.q, self.k, self.k, causal=self.causal,
-                                      key_padding_mask=self.key_padding_mask, scale=self.scale,
-                                      return_stats=True, sink_tokens=sink_tokens)
+                cached = attention_stats(self.q, self.k, causal=self.causal,
+                                         key_padding_mask=self.key_padding_mask, scale=self.scale,
+                                         sink_tokens=sink_tokens)
             self._stats[sink_tokens] = cached
         return cached
 

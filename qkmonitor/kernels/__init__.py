@@ -36,7 +36,7 @@ import torch
 from qkmonitor.kernels._stats import AttentionStats, attended_keys
 from qkmonitor.kernels._torch import autocast_off, torch_attention
 
-__all__ = ["AttentionStats", "attention"]
+__all__ = ["AttentionStats", "attention", "attention_stats"]
 
 BACKENDS = ("auto", "triton", "torch")
 #: The oldest triton the kernels run on (``triton.knobs``). On CPU, the interpreter of 3.4 - 3.8
@@ -118,6 +118,32 @@ def attention(
         out, stats = attention(q, k, v, causal=True, return_stats=True)
         stats.entropy  # (B, H, N) nats per query row
     """
+    return _attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                      return_stats=return_stats, sink_tokens=sink_tokens, backend=backend)
+
+
+def attention_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    sink_tokens: int = 0,
+    backend: str = "auto",
+) -> AttentionStats:
+    """The :class:`AttentionStats` of :func:`attention` of ``q`` over ``k``, without its output.
+
+    For measuring attention computed elsewhere (the adapters' side computations): no gradient,
+    and on the torch backend no value accumulation (the Triton kernel computes the output of
+    ``v = k`` and drops it). Arguments as :func:`attention`.
+    """
+    with torch.no_grad():
+        return _attention(q, k, k, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                          return_stats=True, sink_tokens=sink_tokens, backend=backend, output=False)[1]
+
+
+def _attention(q, k, v, *, causal, key_padding_mask, scale, return_stats, sink_tokens, backend, output=True):
     q, k, v = _autocast_inputs(q, k, v)
     _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_tokens)
     if key_padding_mask is not None:
@@ -129,7 +155,7 @@ def attention(
 
         run = triton_attention
     else:
-        run = torch_attention
+        run = functools.partial(torch_attention, output=output)
     with autocast_off(q.device.type):  # the kernels pick their own precision (float32 sums)
         out, raw = run(
             q,

@@ -57,7 +57,8 @@ def torch_attention(
     return_stats: bool,
     sink_tokens: int,
     block_size: int | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None]:
+    output: bool = True,
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...] | None]:
     """Softmax attention with optional per-row statistics; inputs already validated.
 
     Args:
@@ -71,6 +72,7 @@ def torch_attention(
         sink_tokens: number of leading keys whose attention mass is reported (0 for none).
         block_size: keys per block of the online computation; None reads ``DEFAULT_BLOCK_SIZE``
             (at call time, so that tests can shrink it to exercise many blocks).
+        output: False (with ``return_stats`` and no gradient needed): the statistics alone, out None.
 
     Returns:
         ``out`` (B, H, N, D) in q's dtype, and either None or the detached float32 (B, H, N)
@@ -79,6 +81,11 @@ def torch_attention(
     """
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if return_stats and not output and not needs_grad:
+        _, lse, entropy, max_prob, max_logit, sink = _forward_blocks(
+            q, k, v, key_padding_mask, causal, scale, sink_tokens, True, block_size, output=False
+        )
+        return None, (lse, entropy, max_prob, max_logit, sink if sink_tokens > 0 else None)
     if (not return_stats or (needs_grad and SDPA_FOR_GRADIENTS)) and _sdpa_is_exact(q, k, causal, key_padding_mask):
         out = _sdpa(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
         if not return_stats:
