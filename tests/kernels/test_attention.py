@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qkmonitor.kernels import AttentionStats, attention
+from qkmonitor.kernels import AttentionStats, attention, attention_stats
 from qkmonitor.kernels import _torch as torch_backend
 
 BACKENDS = [
@@ -370,3 +370,15 @@ def test_uniform_attention_has_maximal_entropy(device):
     torch.testing.assert_close(stats.entropy, torch.full_like(stats.entropy, math.log(13)))
     torch.testing.assert_close(stats.max_prob, torch.full_like(stats.max_prob, 1 / 13))
     torch.testing.assert_close(stats.lse, stats.max_logit + math.log(13))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_stats_alone_equal_those_beside_the_output(device, backend):
+    q, k, _ = make_inputs(11, 2, 4, 2, 9, 13, 16, device)
+    mask = torch.rand(2, 13, generator=torch.Generator().manual_seed(11)) > 0.3
+    _, with_out = attention(q, k, k, causal=True, key_padding_mask=mask.to(device), return_stats=True,
+                            sink_tokens=2, backend=backend)
+    alone = attention_stats(q, k, causal=True, key_padding_mask=mask.to(device), sink_tokens=2, backend=backend)
+    for name in STAT_NAMES + ("sink_mass",):
+        torch.testing.assert_close(getattr(alone, name), getattr(with_out, name), rtol=1e-6, atol=1e-6, msg=name)
+        assert not getattr(alone, name).requires_grad
