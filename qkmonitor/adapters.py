@@ -167,7 +167,9 @@ class AttentionLayer:
 class NativeAttentionLayer(AttentionLayer):
     """A module implementing :class:`SupportsQKMonitor` (qkmonitor's own attention)."""
 
-    kind = "qkmonitor"
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return f"qkmonitor.{type(self.module).__name__}"
 
     def qk_weights(self) -> QKWeights:
         return self.module.qk_weights()
