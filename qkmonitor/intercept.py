@@ -63,8 +63,8 @@ __all__ = ["InterceptedAttentionLayer", "LayoutChecked", "LayoutEvidence", "Layo
            "unmeasured_attention_like"]
 
 _ROUTE_KEY = "_qkmonitor_intercept"
-_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax, torch._C._nn.softmax) \
-    if hasattr(torch._C._nn, "softmax") else (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax)
+#: the ways a softmax is called from Python (``F.softmax``, ``torch.softmax``, ``x.softmax``)
+_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax)
 _ATTENTION_NAME = re.compile(r"attn|attention|attend", re.IGNORECASE)
 # a call or a reference in code (``F.softmax``, ``x.softmax(``), not the word in a docstring
 _SDPA_IN_CODE = re.compile(r"[.\w]scaled_dot_product_attention\b|\bscaled_dot_product_attention\s*\(")
