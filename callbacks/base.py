@@ -240,7 +240,8 @@ class ActivationMonitor(AttentionMonitor):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.engine.finish(LightningHost(trainer))
+        if self.engine.probing:
+            self.engine.finish(LightningHost(trainer))
 
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

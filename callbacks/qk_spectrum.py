@@ -100,9 +100,11 @@ class QKSpectrumMonitor(AttentionMonitor):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.engine.finish(LightningHost(trainer))
-        if trainer.global_step > 0:  # after the optimizer step: the weights of this step
-            self._observe(trainer, trainer.global_step)
+        if self.engine.probing:
+            self.engine.finish(LightningHost(trainer))
+        step = trainer.global_step
+        if step > 0 and self.engine.is_probe_step(step):  # after the optimizer step: the weights of this step
+            self._observe(trainer, step)
 
     def _observe(self, trainer: pl.Trainer, step: int) -> None:
         # under FSDP every rank holds a shard: the engine gathers the full weights for the read

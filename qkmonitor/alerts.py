@@ -489,13 +489,14 @@ class AlertTracker:
 
         Args:
             values: metric name -> one (num_heads,) tensor per layer (a (layers, heads) tensor
-                works too). Rules whose metric is absent are skipped.
+                works too), or per layer a list of the heads' floats. Rules whose metric is absent
+                are skipped.
             step: the global step of this probe.
             layer_names: the layers' module names, by index.
             qk_norm_layers: indices of layers with QK-norm; rules with ``skip_qk_norm`` leave them out.
         """
-        grids = {m: [h.detach().double().cpu().reshape(-1).tolist() for h in values[m]] for m in values
-                 if any(m in r.metrics for r in self.rules)}
+        grids = {m: [h.detach().double().cpu().reshape(-1).tolist() if isinstance(h, Tensor) else list(h)
+                     for h in values[m]] for m in values if any(m in r.metrics for r in self.rules)}
         fired: list[Alert] = []
         for rule in self.rules:
             if not all(metric in grids for metric in rule.metrics):

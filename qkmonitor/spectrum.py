@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -261,9 +262,18 @@ def full_parameters(model: nn.Module | None) -> AbstractContextManager:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
         return nullcontext()
-    if model is not None and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+    if model is None:
+        return nullcontext()
+    wrapped = _HOLDS_FSDP.get(model)
+    if wrapped is None:  # read once per model: walking a large model at every probe adds up
+        wrapped = _HOLDS_FSDP[model] = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    if wrapped:
         return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True)
     return nullcontext()
+
+
+#: model -> whether it holds FSDP (v1) modules (wrapping happens before training, never during)
+_HOLDS_FSDP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def full_tensor(weight: Tensor) -> Tensor:

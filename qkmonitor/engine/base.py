@@ -293,6 +293,12 @@ class MonitorEngine:
 
     # -- the probe window (weights engines ignore it) -------------------------------------------
 
+    @property
+    def probing(self) -> bool:
+        """Whether :meth:`finish` may have work (a window is open); hosts skip it when False. True
+        here, so that an engine that does not say is always finished."""
+        return True
+
     def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
         """Measure the weights as they are after ``step`` optimizer steps, if that is a probe step."""
 
@@ -322,16 +328,17 @@ class MonitorEngine:
         Returns:
             The alerts that fired.
         """
-        self._warn_nonfinite(host, values, undefined or {}, step)
+        rows = _rows(values)  # every tensor read once; the rest is in Python
+        self._warn_nonfinite(host, rows, {name: _rows_of(masks) for name, masks in (undefined or {}).items()}, step)
         prefix = f"{self.prefix}/val" if validation else self.prefix
         alerts: list[Alert] = []
         if validation:
             self.latest_validation = values
         else:
             self.latest, self.latest_step = values, step
-            alerts = self.tracker.update(values, step, [layer.name for layer in self.layers],
+            alerts = self.tracker.update(rows, step, [layer.name for layer in self.layers],
                                          qk_norm_layers=self.qk_norm_layers)
-        scalars = self.scalars(values, prefix)
+        scalars = self.scalars(rows, prefix)
         if not validation:
             scalars.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
                             for r in self.tracker.rules})
@@ -351,13 +358,16 @@ class MonitorEngine:
             self._act(host, alert)
         return alerts
 
-    def scalars(self, values: Values, prefix: str) -> dict[str, float]:
-        """The scalar tags of one probe: layer mean, lowest and highest head, and (``per_head``) heads."""
+    def scalars(self, values: Values | dict[str, list[list[float]]], prefix: str) -> dict[str, float]:
+        """The scalar tags of one probe: layer mean, lowest and highest head, and (``per_head``) heads.
+
+        Args:
+            values: metric -> one (heads,) tensor per layer, or those tensors as lists of floats.
+        """
         out: dict[str, float] = {}
-        for name, grid in values.items():
+        for name, grid in _rows(values).items():
             per_head = metric(name).per_head
-            for layer, heads in enumerate(grid):
-                row = heads.reshape(-1).tolist()  # one read of the tensor; the rest in Python
+            for layer, row in enumerate(grid):
                 nan = any(math.isnan(v) for v in row)  # a NaN head makes mean and band NaN
                 out[layer_tag(prefix, name, layer)] = math.nan if nan or not row else sum(row) / len(row)
                 if not per_head:
@@ -395,18 +405,19 @@ class MonitorEngine:
             self._warned.add(key)
             host.warn(f"{type(self).__name__}: {message}", RuntimeWarning)
 
-    def _warn_nonfinite(self, host: Host, values: Values, undefined: dict[str, list[Tensor]], step: int) -> None:
+    def _warn_nonfinite(self, host: Host, rows: dict[str, list[list[float]]], undefined: dict[str, list[list]],
+                        step: int) -> None:
         """Name the layers and heads whose values are not finite (and not undefined by definition);
-        warn again only when a layer goes bad that had not before."""
+        warn again only when a layer goes bad that had not before. ``rows``: metric -> per layer, the
+        heads' values; ``undefined``: the same shape, True where a NaN is NaN by definition."""
         bad: dict[int, dict[str, list[int]]] = {}
-        for name, grid in values.items():
+        for name, grid in rows.items():
             masks = undefined.get(name, [])
             for layer, heads in enumerate(grid):
-                broken = ~torch.isfinite(heads)
-                if layer < len(masks):
-                    broken &= ~masks[layer].reshape(broken.shape)
-                if bool(broken.any()):
-                    bad.setdefault(layer, {})[name] = broken.nonzero().flatten().tolist()
+                mask = masks[layer] if layer < len(masks) else ()
+                broken = [h for h, v in enumerate(heads) if not math.isfinite(v) and not (h < len(mask) and mask[h])]
+                if broken:
+                    bad.setdefault(layer, {})[name] = broken
         new = sorted(set(bad) - self._nonfinite)
         if not new:
             return
@@ -434,6 +445,14 @@ class MonitorEngine:
         self.latest_step = state.get("latest_step")
         self._nonfinite = set(state.get("nonfinite_layers", []))
 
+
+def _rows(values: Values | dict[str, list[list[float]]]) -> dict[str, list[list[float]]]:
+    """metric -> per layer, its heads' values as Python floats (one read of each tensor)."""
+    return {name: _rows_of(grid) for name, grid in values.items()}
+
+
+def _rows_of(grid: list[Tensor] | list[list]) -> list[list]:
+    return [heads.reshape(-1).tolist() if isinstance(heads, Tensor) else list(heads) for heads in grid]
 
 class ActivationEngine(MonitorEngine):
     """An engine that measures the forward pass through probes (:mod:`qkmonitor.probes`).

@@ -29,7 +29,7 @@ from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
 from qkmonitor.catalogue import RANK
 from qkmonitor.dashboards import attention_image
 from qkmonitor.engine.base import ActivationEngine, Values
-from qkmonitor.functional import effective_rank, hidden_state_metrics
+from qkmonitor.functional import effective_rank, gram_singular_values, hidden_state_metrics
 from qkmonitor.metrics import HeadMean
 from qkmonitor.probes import ProbeRequest, ProbeResult
 
@@ -152,22 +152,24 @@ class EffectiveRank(ActivationEngine):
         hidden, self._hidden = self._hidden, {}
         for i, result in enumerate(results):
             self._fit_heads(i, result)
-            for x in hidden.get(i, []):
-                erank, collapse = hidden_state_metrics(x)  # (S,)
-                self._update(i, "hidden_erank", erank[:, None])
-                self._update(i, "hidden_collapse", collapse[:, None])
-            for probs in result.probs:  # (S, H, R, M)
-                broken = probs.isnan().flatten(-2).any(-1)  # (S, H): NaN scores, never averaged away
-                rank = effective_rank(torch.linalg.svdvals(torch.nan_to_num(probs.double())))  # (S, H)
-                rank = rank.masked_fill(broken, float("nan"))
-                self._update(i, "attn_erank", rank)
-                self._update(i, "attn_erank_norm", rank / min(probs.shape[-2:]))
+        # the spectra of every layer's cuts in a few batched calls (layers of one shape together)
+        streams = [(i, x) for i in sorted(hidden) for x in hidden[i]]
+        stream_metrics = _batched(hidden_state_metrics, [x for _, x in streams])  # per cut: (S,), (S,)
+        patterns = [(i, probs) for i, result in enumerate(results) for probs in result.probs]  # (S, H, R, M)
+        pattern_ranks = _batched(_attention_erank, [probs for _, probs in patterns])  # per pattern: (S, H)
+        samples: list[list[tuple[str, Tensor, Tensor | None]]] = [[] for _ in results]
+        for (i, _), (erank, collapse) in zip(streams, stream_metrics):
+            samples[i] += [("hidden_erank", erank[:, None], None), ("hidden_collapse", collapse[:, None], None)]
+        for (i, probs), (rank,) in zip(patterns, pattern_ranks):
+            samples[i] += [("attn_erank", rank, None), ("attn_erank_norm", rank / min(probs.shape[-2:]), None)]
+        for i, result in enumerate(results):
             for stats in result.stats:
                 s, r = self.max_probe_sequences, self.max_probe_tokens
                 n = stats.attended[:s, :, :r].double()
                 norm = stats.entropy[:s, :, :r].double() / n.clamp_min(2).log()
                 keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
-                self._update(i, "attn_entropy_norm", _mean_rows(norm, n > 1), keep)
+                samples[i].append(("attn_entropy_norm", _mean_rows(norm, n > 1), keep))
+            self._update(i, samples[i])
             if result.probs and visuals:
                 for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
                     images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = attention_image(
@@ -180,11 +182,49 @@ class EffectiveRank(ActivationEngine):
                 values[name].append(means[columns])
         return {name: values[name] for name in self.metric_names}, {"images": images}
 
-    def _update(self, layer: int, name: str, samples: Tensor, keep: Tensor | None = None) -> None:
-        aggregate = self._means[layer]
-        if aggregate.device != samples.device:
-            aggregate.to(samples.device)
-        aggregate.update(samples, keep, columns=self._columns[layer][name])
+    def _update(self, layer: int, samples: list[tuple[str, Tensor, Tensor | None]]) -> None:
+        """Add one layer's samples, ``(metric, (S, width) values, keep or None)``, to its aggregator:
+        metrics with the same number of samples side by side in one update (one per call that
+        gave them, when a layer ran several times)."""
+        aggregate, columns = self._means[layer], self._columns[layer]
+        rounds: list[dict[str, tuple[Tensor, Tensor | None]]] = []
+        for name, values, keep in samples:
+            values = values.reshape(values.shape[0], -1)
+            slot = next((r for r in rounds if name not in r and next(iter(r.values()))[0].shape[0] == values.shape[0]),
+                        None)
+            if slot is None:
+                rounds.append(slot := {})
+            slot[name] = (values, keep)
+        for parts in rounds:
+            first = next(iter(parts.values()))[0]
+            block = torch.zeros(first.shape[0], aggregate.num_heads, dtype=torch.float64, device=first.device)
+            kept = torch.zeros(block.shape, dtype=torch.bool, device=first.device)
+            for name, (values, keep) in parts.items():
+                block[:, columns[name]] = values
+                kept[:, columns[name]] = True if keep is None else keep.reshape(values.shape)
+            if aggregate.device != block.device:
+                aggregate.to(block.device)
+            aggregate.update(block, kept)
+
+
+def _attention_erank(probs: Tensor) -> tuple[Tensor]:
+    """(..., R, M) attention rows -> ((...,) erank,), NaN where a row holds NaN (broken scores)."""
+    return (effective_rank(gram_singular_values(probs)),)
+
+
+def _batched(measure: Callable[[Tensor], tuple[Tensor, ...]], tensors: list[Tensor]) -> list[tuple[Tensor, ...]]:
+    """``[measure(t) for t in tensors]`` in one call per shape: tensors of one shape, dtype and
+    device are concatenated along dim 0 (``measure`` works batch-wise along it) and split back."""
+    out: list[tuple[Tensor, ...] | None] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for j, t in enumerate(tensors):
+        groups.setdefault((t.shape, t.dtype, t.device), []).append(j)
+    for members in groups.values():
+        parts = measure(torch.cat([tensors[j] for j in members]))
+        sizes = [tensors[j].shape[0] for j in members]
+        for j, *split in zip(members, *(part.split(sizes) for part in parts)):
+            out[j] = tuple(split)
+    return out  # type: ignore[return-value]
 
 
 def _mean_rows(values: Tensor, keep: Tensor) -> Tensor:

@@ -49,10 +49,12 @@ class QKSpectrum(MonitorEngine):
         super().__init__(**kwargs)
         self._checks: list[tuple[AttentionLayer, Probe]] = []
         self._pending: tuple[int, dict[int, tuple], dict[int, Any]] | None = None
+        self._layouts_waiting = True  # whether some layer may still wait for its layout check
 
     def _prepare(self, model: nn.Module) -> None:
         self.abort()
         self._pending = None
+        self._layouts_waiting = True
         blind = [layer.name for layer in self.layers if not layer.supports_weights]
         if len(blind) == len(self.layers):
             raise ValueError(
@@ -61,11 +63,16 @@ class QKSpectrum(MonitorEngine):
 
     # -- the layout check of layers read by name ------------------------------------------------
 
+    @property
+    def probing(self) -> bool:
+        return bool(self._checks) or self._pending is not None
+
     def open(self, step: int, *, validation: bool = False) -> bool:
         """Open a layout probe on every layer still waiting for its check (none: nothing)."""
-        if validation or self._checks:
+        if validation or self._checks or not self._layouts_waiting:
             return False
         waiting = [layer for layer in self.layers if layer.needs_layout_check]
+        self._layouts_waiting = bool(waiting)  # a check only ends the wait: none waiting stays none
         try:
             for layer in waiting:
                 self._checks.append((layer, layer.open_probe(ProbeRequest(stats=False, layout=True))))

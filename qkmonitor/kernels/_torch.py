@@ -214,6 +214,8 @@ def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats
     diag = m_keys - n
     cd = _compute_dtype(q.dtype)
     q_g = _grouped(q, kv_heads).to(cd) * scale  # (B, H_kv, G, N, D)
+    if stats and not output and 0 < m_keys <= block_size and _first_row(0, diag, causal) == 0:
+        return None, *_one_block_stats(q_g, k, key_padding_mask, causal, sink_tokens, heads)
     row_shape = q_g.shape[:-1]
     m = torch.full(row_shape, _NEG_INF, dtype=cd, device=q.device)
     l = torch.zeros(row_shape, dtype=cd, device=q.device)
@@ -239,7 +241,7 @@ def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats
         # ∞ − ∞; clamped, masked keys stay at e^{−inf} = 0 and an infinite score makes l = +inf.
         m_safe = m_new.clamp(-largest, largest)
         s -= m_safe[..., None]  # s − m', −inf where masked
-        p = torch.exp(s)
+        p = _exp_shifted(s)
         alpha = torch.exp(m_old - m_safe)
         if stats:
             shift = torch.where(l_old > 0, m_old - m_safe, 0.0) * l_old  # no (−inf)·0
@@ -254,18 +256,57 @@ def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats
             v_blk = v[:, :, None, start:stop].to(cd)
             acc[..., r0:, :] = alpha[..., None] * acc[..., r0:, :] + p @ v_blk
         m[..., r0:] = m_new
+    l_safe = torch.where(l == 0, 1.0, l)
+    out = None if acc is None else (acc / l_safe[..., None]).reshape(batch, heads, n, v.shape[-1])
+    if not stats:
+        lse = torch.where(l == 0, _NEG_INF, m + torch.log(l_safe))
+        return out, lse.reshape(batch, heads, n).to(torch.float32), None, None, None, None
+    return out, *_row_stats(m, l, u, sink, heads)
+
+
+#: Shifted scores below this are probability 0: e^-80 < 2e-35 is below the rounding of a row sum
+#: that is at least 1 (its largest term is e^0), in float32 and float64 alike.
+_EXP_FLOOR = -80.0
+
+
+def _exp_shifted(s: torch.Tensor) -> torch.Tensor:
+    """``e^s`` of shifted scores (all <= 0, −inf where masked), 0 below :data:`_EXP_FLOOR`.
+
+    The same numbers to rounding, without the slow path of the CPU exponential on results that
+    underflow into subnormals (about 40x slower per element; sharp attention has many) or on −inf.
+    """
+    return torch.where(s < _EXP_FLOOR, 0.0, torch.exp(s.clamp(min=_EXP_FLOOR)))
+
+
+def _one_block_stats(q_g, k, key_padding_mask, causal, sink_tokens, heads):
+    """The statistics of :func:`_forward_blocks` when every row sees one block of all the keys:
+    the same sums without the online rescaling (``q_g`` scaled, (B, H_kv, G, N, D))."""
+    n, m_keys = q_g.shape[-2], k.shape[2]
+    s = q_g @ k[:, :, None].to(q_g.dtype).transpose(-1, -2)  # (B, H_kv, G, N, M)
+    allowed = _allowed(torch.arange(n, device=q_g.device), 0, m_keys, m_keys - n, causal, key_padding_mask)
+    if allowed is not None:
+        s.masked_fill_(~allowed, _NEG_INF)
+    largest = torch.finfo(s.dtype).max
+    m = s.amax(dim=-1)
+    s -= m.clamp(-largest, largest)[..., None]  # as in the online loop: a finite shift
+    p = _exp_shifted(s)
+    sink = p[..., :sink_tokens].sum(-1) if sink_tokens > 0 else None
+    u = s.clamp_(min=-largest).mul_(p).sum(dim=-1)  # Σ p·(s − m), 0 at masked keys
+    return _row_stats(m, p.sum(dim=-1), u, sink, heads)
+
+
+def _row_stats(m, l, u, sink, heads):
+    """(lse, entropy, max_prob, max_logit, sink_mass) as float32 (B, H, N) from the running max
+    ``m``, ``l = Σ e^{s−m}``, ``u = Σ e^{s−m}(s − m)`` and the sink sum, each (B, H_kv, G, N)."""
     # l = 0: no key (fully masked row); l = NaN: a NaN score; l = +inf: a +inf score; else finite.
+    batch, n = m.shape[0], m.shape[-1]
     empty = l == 0
     l_safe = torch.where(empty, 1.0, l)
-    out = None if acc is None else (acc / l_safe[..., None]).reshape(batch, heads, n, v.shape[-1])
     lse = torch.where(empty, _NEG_INF, m + torch.log(l_safe))  # NaN and +inf rows: NaN, +inf
+    healthy = l < float("inf")  # False for NaN and +inf rows; True for empty rows
 
     def finish(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(batch, heads, n).to(torch.float32)
-
-    if not stats:
-        return out, finish(lse), None, None, None, None
-    healthy = l < float("inf")  # False for NaN and +inf rows; True for empty rows
 
     def row_stat(value: torch.Tensor, empty_value: float) -> torch.Tensor:
         return torch.where(healthy, torch.where(empty, empty_value, value), float("nan"))
@@ -274,7 +315,7 @@ def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats
     max_prob = row_stat(1.0 / l_safe, 0.0)
     sink_mass = None if sink is None else finish(row_stat(sink / l_safe, 0.0))
     max_logit = torch.where(l.isnan(), float("nan"), m)  # −inf on empty rows, +inf on +inf rows
-    return out, finish(lse), finish(entropy), finish(max_prob), finish(max_logit), sink_mass
+    return finish(lse), finish(entropy), finish(max_prob), finish(max_logit), sink_mass
 
 
 def _backward_blocks(q, k, v, out, lse, dout, key_padding_mask, causal, scale, block_size):

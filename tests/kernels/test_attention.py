@@ -372,13 +372,19 @@ def test_uniform_attention_has_maximal_entropy(device):
     torch.testing.assert_close(stats.lse, stats.max_logit + math.log(13))
 
 
+@pytest.mark.parametrize("causal, masked", [(True, "some"), (False, "none"), (False, "one sequence")])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_attention_stats_alone_equal_those_beside_the_output(device, backend):
+def test_attention_stats_alone_equal_those_beside_the_output(device, backend, causal, masked):
+    # On the torch backend the statistics alone take a one-block path when all keys fit in one
+    # block, the output's path the online loop: the two must agree, masks and empty rows included.
     q, k, _ = make_inputs(11, 2, 4, 2, 9, 13, 16, device)
     mask = torch.rand(2, 13, generator=torch.Generator().manual_seed(11)) > 0.3
-    _, with_out = attention(q, k, k, causal=True, key_padding_mask=mask.to(device), return_stats=True,
-                            sink_tokens=2, backend=backend)
-    alone = attention_stats(q, k, causal=True, key_padding_mask=mask.to(device), sink_tokens=2, backend=backend)
+    if masked == "one sequence":
+        mask[1] = False  # every key of sequence 1 masked: empty rows
+    mask = None if masked == "none" else mask.to(device)
+    _, with_out = attention(q, k, k, causal=causal, key_padding_mask=mask, return_stats=True, sink_tokens=2,
+                            backend=backend)
+    alone = attention_stats(q, k, causal=causal, key_padding_mask=mask, sink_tokens=2, backend=backend)
     for name in STAT_NAMES + ("sink_mass",):
         torch.testing.assert_close(getattr(alone, name), getattr(with_out, name), rtol=1e-6, atol=1e-6, msg=name)
         assert not getattr(alone, name).requires_grad
