@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -60,11 +61,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
-from qkmonitor.models.tasks import PythonSourceDataModule, make_recall_batch
-from qkmonitor.models.tasks.base import IGNORE_INDEX, lr_factor
-from torch import nn
+from qkmonitor.models.tasks.base import lr_factor
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/families.py
+
+from families import FAMILIES, Family
 from qkmonitor.alerts import DEFAULT_RULES, SPECTRAL_GROWTH_RULE, Alert, AlertRule
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 
@@ -72,66 +73,61 @@ ROOT = Path(__file__).resolve().parents[1]
 EVERY = 10  # probe interval (steps) of every monitor
 FAIL_RATIO, HEALTHY_RATIO, SEPARATION_RATIO = 1.2, 1.1, 1.1
 FINAL_WINDOW, SMOOTH_WINDOW = 20, 10
-MIN_LEAD = 20  # steps an alert must come before the loss separates
+MIN_LEAD = 10  # steps an alert must come before a loss that separates after EARLY
+EARLY = 30  # a run separating by this step must be flagged by the first probe at or after it
+WARMUP = 50  # linear warmup steps of the warmup arm
 #: bumped when what a run records changes; a cached run of another version is trained again
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 MONITORS = ("QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor")
+#: rules that are not defaults, scored alone on the sweep: (rule, the monitor that has its metric)
+OPT_IN = ((SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor"),)
 
 
-@dataclass(frozen=True)
-class TaskSetup:
-    """A task of the sweep: the model, the data and the training length."""
-
-    name: str
-    steps: int
-    batch_size: int
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    seq_len: int = 64  # charlm: context; recall: set by the pairs
-    pairs: int = 8  # recall: key-value pairs (and queries) per sequence
-
-    @property
-    def vocab_size(self) -> int:
-        return 256 if self.name == "charlm" else 8 * self.pairs
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.seq_len if self.name == "charlm" else 3 * self.pairs
+#: The split, fixed before any rule was tuned on the suite: the rules are fitted on the
+#: calibration set only; the validation set (two families never seen, and the other seed of the
+#: four seen ones) is the one whose figures count.
+CALIBRATION = {(family, 0) for family in ("charlm", "recall", "induction", "seq2seq")}
+SEEDS = (0, 1)
 
 
-TASKS = {
-    "charlm": TaskSetup("charlm", steps=250, batch_size=16),
-    "recall": TaskSetup("recall", steps=300, batch_size=64),
-}
+def split_of(family: str, seed: int) -> str:
+    """``"calibration"`` or ``"validation"``."""
+    return "calibration" if (family, seed) in CALIBRATION else "validation"
 
 
 @dataclass(frozen=True)
 class RunSpec:
     """One run of the sweep."""
 
-    task: TaskSetup
+    family: str
     lr: float
     qk_norm: bool
     seed: int
     warmup: int
+    steps: int
 
     @property
     def key(self) -> str:
-        return f"{self.task.name}-lr{self.lr:g}-qk{int(self.qk_norm)}-s{self.seed}-w{self.warmup}-n{self.task.steps}"
+        return f"{self.family}-lr{self.lr:g}-qk{int(self.qk_norm)}-s{self.seed}-w{self.warmup}-n{self.steps}"
 
-    def config(self) -> TransformerConfig:
-        t = self.task
-        return TransformerConfig(vocab_size=t.vocab_size, d_model=t.d_model, n_layers=t.n_layers, n_heads=t.n_heads,
-                                 max_seq_len=t.max_seq_len, qk_norm=self.qk_norm, attention_backend="torch")
+    @property
+    def split(self) -> str:
+        return split_of(self.family, self.seed)
+
+    @property
+    def task(self) -> Family:
+        return FAMILIES[self.family]
 
 
 @dataclass
 class RunRecord:
-    """What one run recorded. ``probes``: step -> metric -> one list of head values per layer."""
+    """What one run recorded. ``losses``: the training loss of every step; ``scored``: the loss
+    the definitions are about, every step (the training loss, or the family's held-out loss);
+    ``probes``: step -> metric -> one list of head values per layer."""
 
     spec: RunSpec
     losses: list[float]
+    scored: list[float]
     probes: dict[int, dict[str, list[list[float]]]]
     live_alerts: list[dict[str, Any]]
     seconds: float
@@ -139,7 +135,7 @@ class RunRecord:
 
     @property
     def final_loss(self) -> float:
-        tail = [x for x in self.losses[-FINAL_WINDOW:] if math.isfinite(x)]
+        tail = [x for x in self.scored[-FINAL_WINDOW:] if math.isfinite(x)]
         return statistics.fmean(tail) if len(tail) == FINAL_WINDOW else math.inf
 
     @property
@@ -150,12 +146,12 @@ class RunRecord:
         return max(values, default=math.nan)
 
     def smoothed(self) -> list[float]:
-        """The loss averaged over the last ``SMOOTH_WINDOW`` steps (fewer at the start)."""
+        """The scored loss averaged over the last ``SMOOTH_WINDOW`` steps (fewer at the start)."""
         out, total = [], 0.0
-        for i, x in enumerate(self.losses):
+        for i, x in enumerate(self.scored):
             total += x if math.isfinite(x) else 1e9
             if i >= SMOOTH_WINDOW:
-                total -= self.losses[i - SMOOTH_WINDOW] if math.isfinite(self.losses[i - SMOOTH_WINDOW]) else 1e9
+                total -= self.scored[i - SMOOTH_WINDOW] if math.isfinite(self.scored[i - SMOOTH_WINDOW]) else 1e9
             out.append(total / min(i + 1, SMOOTH_WINDOW))
         return out
 
@@ -176,70 +172,50 @@ def _alert_row(alert: Alert) -> dict[str, Any]:
             "step": alert.step, "value": alert.value, "message": alert.message()}
 
 
-_TEXT: dict[int, torch.Tensor] = {}
-
-
-def _charlm_text(seq_len: int) -> torch.Tensor:
-    if seq_len not in _TEXT:
-        data = PythonSourceDataModule(max_chars=400_000, seq_len=seq_len, seed=0)
-        data.setup()
-        _TEXT[seq_len] = data.train_text
-    return _TEXT[seq_len]
-
-
-def _batches(spec: RunSpec):
-    """Fresh (tokens, targets) batches of the task, drawn from the run's seed."""
-    t, gen = spec.task, torch.Generator().manual_seed(10_000 + spec.seed)
-    if t.name == "charlm":
-        text = _charlm_text(t.seq_len)
-        while True:
-            starts = torch.randint(len(text) - t.seq_len - 1, (t.batch_size,), generator=gen)
-            window = text[starts[:, None] + torch.arange(t.seq_len + 1)]
-            yield window[:, :-1], window[:, 1:]
-    else:
-        while True:
-            yield make_recall_batch(t.batch_size, t.pairs, t.pairs, 4 * t.pairs, 4 * t.pairs, gen)
-
-
 def train_run(spec: RunSpec) -> RunRecord:
     """Train one run with the monitors and their default rules; record losses, probes and alerts."""
     torch.set_num_threads(1)  # one process per core: threads only fight each other on a shared machine
+    logging.getLogger("qkmonitor").setLevel(logging.WARNING)  # the discovery line, once per run: noise here
     torch.manual_seed(spec.seed)
-    model = DecoderLM(spec.config())
+    family = spec.task
+    model = family.model(spec.qk_norm)
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
-                                  lr=spec.lr, betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": family.weight_decay},
+                                   {"params": others, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.98))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, spec.warmup))
     fired: list[Alert] = []
     engines = _engines(on_alert=lambda owner, alert: fired.append(alert))
     monitoring = Monitoring(model, engines, optimizer=optimizer, every_n_steps=EVERY)
-    losses: list[float] = []
+    losses, scored = [], []
     probes: dict[int, dict[str, list[list[float]]]] = {}
-    batches = _batches(spec)
+    batches = family.batches(spec.seed)
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the alerts are collected by on_alert; non-finite values are recorded
-        for step in range(spec.task.steps):
-            tokens, targets = next(batches)
+        for step in range(spec.steps):
+            batch = next(batches)
             with monitoring.step(step):
-                logits = model(tokens)
-                loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+                loss = family.loss(model, batch)
+                monitoring.observe_loss(loss)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             schedule.step()
             losses.append(float(loss))
+            held = family.held_out(model, spec.seed)
+            scored.append(losses[-1] if held is None else held)
             for engine in engines:
                 if engine.latest_step == step:
                     probes.setdefault(step, {}).update(
                         {name: [layer.tolist() for layer in grid] for name, grid in engine.latest.items()})
-    return RunRecord(spec, losses, probes, [_alert_row(a) for a in fired], time.perf_counter() - start)
+    return RunRecord(spec, losses, scored, probes, [_alert_row(a) for a in fired], time.perf_counter() - start)
 
 
 def replay(record: RunRecord, rules: dict[str, list[AlertRule]] | None = None) -> list[dict[str, Any]]:
     """The alerts the rules fire on the recorded values, through the engines' own path
-    (``MonitorEngine.record``: tracker, actions, ``on_alert``); no training, no measuring.
+    (``observe_loss`` at every step, ``MonitorEngine.record`` at the probes: tracker, actions,
+    ``on_alert``); no training, no measuring.
 
     Args:
         rules: monitor name (``"QKSpectrumMonitor"``, ...) -> the rules to try instead of its
@@ -247,16 +223,28 @@ def replay(record: RunRecord, rules: dict[str, list[AlertRule]] | None = None) -
     """
     fired: list[Alert] = []
     engines = _engines(on_alert=lambda owner, alert: fired.append(alert), rules=rules)
-    monitoring = Monitoring(DecoderLM(record.spec.config()), engines, every_n_steps=EVERY)
+    logging.getLogger("qkmonitor").setLevel(logging.WARNING)
+    monitoring = Monitoring(record.spec.task.model(record.spec.qk_norm), engines, every_n_steps=EVERY)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for step in sorted(record.probes):
+        for step, loss in enumerate(record.losses):
+            # the live order: a step's loss is seen before its activation probe is logged; the
+            # weights probed at step s were logged after the update of step s - 1
             for engine in engines:
-                values = {m: [torch.tensor(layer) for layer in grid] for m, grid in record.probes[step].items()
-                          if m in engine.metric_names}
-                if values:
-                    engine.record(monitoring.host, values, step)
+                if step in record.probes and isinstance(engine, QKSpectrum):
+                    _replay_probe(engine, monitoring, record.probes[step], step)
+            monitoring.observe_loss(loss, step)
+            if step in record.probes:
+                for engine in engines:
+                    if not isinstance(engine, QKSpectrum):
+                        _replay_probe(engine, monitoring, record.probes[step], step)
     return [_alert_row(a) for a in fired]
+
+
+def _replay_probe(engine, monitoring: Monitoring, probe: dict[str, list[list[float]]], step: int) -> None:
+    values = {m: [torch.tensor(layer) for layer in grid] for m, grid in probe.items() if m in engine.metric_names}
+    if values:
+        engine.record(monitoring.host, values, step)
 
 
 # -- the cache -----------------------------------------------------------------------------------
@@ -264,8 +252,8 @@ def replay(record: RunRecord, rules: dict[str, list[AlertRule]] | None = None) -
 
 def _save(record: RunRecord, cache: Path) -> None:
     cache.mkdir(parents=True, exist_ok=True)
-    data = {"version": RECORD_VERSION, "spec": {**dataclasses.asdict(record.spec), "task": dataclasses.asdict(record.spec.task)},
-            "losses": record.losses, "probes": {str(k): v for k, v in record.probes.items()},
+    data = {"version": RECORD_VERSION, "spec": dataclasses.asdict(record.spec), "family": dataclasses.asdict(record.spec.task),
+            "losses": record.losses, "scored": record.scored, "probes": {str(k): v for k, v in record.probes.items()},
             "live_alerts": record.live_alerts, "seconds": record.seconds}
     (cache / f"{record.spec.key}.json").write_text(json.dumps(data))
 
@@ -275,10 +263,10 @@ def _load(spec: RunSpec, cache: Path) -> RunRecord | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    if data.get("version") != RECORD_VERSION or data["spec"]["task"] != dataclasses.asdict(spec.task):
+    if data.get("version") != RECORD_VERSION or data.get("family") != dataclasses.asdict(spec.task):
         return None
     probes = {int(k): v for k, v in data["probes"].items()}
-    return RunRecord(spec, data["losses"], probes, data["live_alerts"], data["seconds"])
+    return RunRecord(spec, data["losses"], data["scored"], probes, data["live_alerts"], data["seconds"])
 
 
 # -- scoring -------------------------------------------------------------------------------------
@@ -299,11 +287,27 @@ class Scored:
             return None
         return self.separation - self.first_alert
 
+    @property
+    def in_time(self) -> bool:
+        """Flagged early enough: ``MIN_LEAD`` steps before a separation after ``EARLY``, or (an
+        earlier separation) by the first probe at or after it."""
+        if self.separation is None or self.first_alert is None:
+            return False
+        if self.separation > EARLY:
+            return self.separation - self.first_alert >= MIN_LEAD
+        first_seeing = -(-self.separation // EVERY) * EVERY  # the first probe step >= separation
+        return self.first_alert <= first_seeing
+
+
+def _ratio(loss: float, reference: float, floor: float) -> float:
+    return (loss + floor) / (reference + floor)
+
 
 def separation_step(run: RunRecord, best: RunRecord) -> int | None:
-    """The first step from which ``run``'s smoothed loss stays above ``SEPARATION_RATIO`` x ``best``'s."""
-    mine, ref = run.smoothed(), best.smoothed()
-    above = [a > SEPARATION_RATIO * b for a, b in zip(mine, ref)]
+    """The first step from which ``run``'s smoothed scored loss stays above ``SEPARATION_RATIO``
+    x ``best``'s (both plus the family's floor)."""
+    floor = run.spec.task.floor
+    above = [_ratio(a, b, floor) > SEPARATION_RATIO for a, b in zip(run.smoothed(), best.smoothed())]
     if not above or not above[-1]:
         return None
     step = len(above)
@@ -313,69 +317,82 @@ def separation_step(run: RunRecord, best: RunRecord) -> int | None:
 
 
 def score(records: list[RunRecord]) -> list[Scored]:
-    """Verdicts for every run (see the module docstring for the definitions)."""
+    """Verdicts for every run (see the module docstring for the definitions), per family."""
     out = []
-    for task in sorted({r.spec.task.name for r in records}):
-        runs = [r for r in records if r.spec.task.name == task]
+    for family in sorted({r.spec.family for r in records}):
+        runs = [r for r in records if r.spec.family == family]
+        floor = FAMILIES[family].floor
         best = min(runs, key=lambda r: r.final_loss)
         best_lr = {}
-        for qk in (False, True):
-            variant = [r for r in runs if r.spec.qk_norm == qk]
-            by_lr = {}
-            for r in variant:
-                by_lr.setdefault(r.spec.lr, []).append(r.final_loss)
-            best_lr[qk] = min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr])) if by_lr else math.inf
+        for variant in {_variant(r.spec) for r in runs}:
+            by_lr: dict[float, list[float]] = {}
+            for r in runs:
+                if _variant(r.spec) == variant:
+                    by_lr.setdefault(r.spec.lr, []).append(r.final_loss)
+            best_lr[variant] = min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr]))
         for r in runs:
-            ratio = r.final_loss / best.final_loss
+            ratio = _ratio(r.final_loss, best.final_loss, floor)
             if ratio <= HEALTHY_RATIO:
                 status = "healthy"
             elif ratio >= FAIL_RATIO:
-                status = "failed" if r.spec.lr > best_lr[r.spec.qk_norm] else "slow"
+                status = "failed" if r.spec.lr > best_lr[_variant(r.spec)] else "slow"
             else:
                 status = "between"
-            same_seed = [b for b in runs if b.spec.seed == r.spec.seed]
-            reference = min(same_seed, key=lambda b: b.final_loss)
+            reference = min((b for b in runs if b.spec.seed == r.spec.seed), key=lambda b: b.final_loss)
             first = min((a["step"] for a in r.alerts), default=None)
             out.append(Scored(r, status, separation_step(r, reference), first))
     return out
 
 
+def _variant(spec: RunSpec) -> tuple[bool, bool]:
+    """(warmup, QK-norm): runs whose best learning rate is looked for together."""
+    return spec.warmup > 0, spec.qk_norm
+
+
 def summary(scored: list[Scored]) -> dict[str, Any]:
-    """Recall, precision, lead times and false alarms, per task and over all."""
+    """Recall, precision, lead times and false alarms: per split (the validation one counts), per
+    family, and over all."""
     def block(runs: list[Scored]) -> dict[str, Any]:
         failed = [s for s in runs if s.status == "failed"]
         alerted = [s for s in runs if s.first_alert is not None]
         hits = [s for s in failed if s.first_alert is not None]
         leads = [s.lead for s in failed if s.lead is not None]
         healthy = [s for s in runs if s.status == "healthy"]
-        rules = [r.name for r in DEFAULT_RULES]
+        late = [s for s in failed if s.separation is not None and s.separation > EARLY]
+        early = [s for s in failed if s.separation is not None and s.separation <= EARLY]
+        rules = sorted({a["rule"] for s in runs for a in s.record.alerts} | {r.name for r in DEFAULT_RULES})
         return {
             "runs": len(runs), "failed": len(failed), "healthy": len(healthy),
             "slow": sum(s.status == "slow" for s in runs), "between": sum(s.status == "between" for s in runs),
             "recall": len(hits) / len(failed) if failed else math.nan,
             "precision": len(hits) / len(alerted) if alerted else math.nan,
             "min_lead": min(leads, default=None), "median_lead": statistics.median(leads) if leads else None,
-            "in_time": sum(s.lead is not None and s.lead >= MIN_LEAD for s in failed),
+            "in_time": sum(s.in_time for s in failed),
+            "late_separating": len(late), "late_in_time": sum(s.in_time for s in late),
+            "early_separating": len(early), "early_in_time": sum(s.in_time for s in early),
             "healthy_alerted": sum(s.first_alert is not None for s in healthy),
             "false_alarm_runs": len(alerted) - len(hits),
             "per_rule": {rule: _rule_stats(runs, rule) for rule in rules},
         }
-    tasks = sorted({s.record.spec.task.name for s in scored})
-    return {"all": block(scored), **{t: block([s for s in scored if s.record.spec.task.name == t]) for t in tasks}}
+    families = sorted({s.record.spec.family for s in scored})
+    out = {"validation": block([s for s in scored if s.record.spec.split == "validation"]),
+           "calibration": block([s for s in scored if s.record.spec.split == "calibration"]),
+           "all": block(scored)}
+    out.update({f: block([s for s in scored if s.record.spec.family == f]) for f in families})
+    return out
 
 
 def _rule_stats(runs: list[Scored], rule: str) -> dict[str, Any]:
     """How one rule did on its own: runs it fired on, failed runs it flagged in time, false alarms."""
-    def first(s: Scored) -> int | None:
-        return min((a["step"] for a in s.record.alerts if a["rule"] == rule), default=None)
+    def alone(s: Scored) -> Scored:
+        first = min((a["step"] for a in s.record.alerts if a["rule"] == rule), default=None)
+        return Scored(s.record, s.status, s.separation, first)
 
-    fired = [s for s in runs if first(s) is not None]
+    fired = [alone(s) for s in runs if alone(s).first_alert is not None]
     failed = [s for s in runs if s.status == "failed"]
-    in_time = [s for s in failed if first(s) is not None and s.separation is not None
-               and s.separation - first(s) >= MIN_LEAD]
     not_failed = [s for s in runs if s.status != "failed"]
     return {"runs_fired": len(fired), "failed_fired": sum(s.status == "failed" for s in fired),
-            "failed_in_time": len(in_time), "failed": len(failed),
+            "failed_in_time": sum(alone(s).in_time for s in failed), "failed": len(failed),
             "false_alarms": sum(s.status != "failed" for s in fired),
             "false_alarm_rate": sum(s.status != "failed" for s in fired) / len(not_failed) if not_failed else math.nan,
             "healthy_fired": sum(s.status == "healthy" for s in fired)}
@@ -397,39 +414,43 @@ def opt_in_stats(records: list[RunRecord], rule: AlertRule, monitor: str) -> dic
 
 
 def draw(scored: list[Scored], path: Path) -> None:
-    """Final loss and largest attention logit against the learning rate, per task (Agg canvas)."""
+    """Per family: final scored loss and largest attention logit against the learning rate, with
+    and without warmup, alerted runs marked (Agg canvas)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    tasks = sorted({s.record.spec.task.name for s in scored})
-    figure = Figure(figsize=(10, 3.4 * len(tasks)), dpi=110, layout="constrained")
+    families = sorted({s.record.spec.family for s in scored})
+    figure = Figure(figsize=(10, 2.9 * len(families)), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(len(tasks), 2, squeeze=False)
-    colors = {False: "tab:red", True: "tab:blue"}
-    for row, task in enumerate(tasks):
-        runs = [s for s in scored if s.record.spec.task.name == task]
+    axes = figure.subplots(len(families), 2, squeeze=False)
+    styles = {(True, False): ("tab:blue", "warmup"), (False, False): ("tab:red", "no warmup"),
+              (True, True): ("tab:cyan", "warmup, QK-norm"), (False, True): ("tab:orange", "no warmup, QK-norm")}
+    for row, family in enumerate(families):
+        runs = [s for s in scored if s.record.spec.family == family]
         best = min(s.record.final_loss for s in runs)
+        floor = FAMILIES[family].floor
         loss_ax, logit_ax = axes[row]
-        for qk in (False, True):
-            variant = sorted((s for s in runs if s.record.spec.qk_norm == qk), key=lambda s: s.record.spec.lr)
-            lrs = sorted({s.record.spec.lr for s in variant})
-            label = "QK-norm" if qk else "no QK-norm"
+        for variant in sorted({_variant(s.record.spec) for s in runs}, reverse=True):
+            color, label = styles[variant]
+            group = [s for s in runs if _variant(s.record.spec) == variant]
+            lrs = sorted({s.record.spec.lr for s in group})
             for ax, value in ((loss_ax, lambda s: s.record.final_loss), (logit_ax, lambda s: s.record.max_logit)):
-                mean = [statistics.fmean(value(s) for s in variant if s.record.spec.lr == lr) for lr in lrs]
-                ax.plot(lrs, mean, "-", color=colors[qk], alpha=0.6, label=label)
-                quiet = [s for s in variant if s.first_alert is None]
-                loud = [s for s in variant if s.first_alert is not None]
+                mean = [statistics.fmean(value(s) for s in group if s.record.spec.lr == lr) for lr in lrs]
+                ax.plot(lrs, mean, "-", color=color, alpha=0.6, label=label)
+                quiet = [s for s in group if s.first_alert is None]
+                loud = [s for s in group if s.first_alert is not None]
                 ax.scatter([s.record.spec.lr for s in quiet], [value(s) for s in quiet], facecolors="none",
-                           edgecolors=colors[qk], s=28, zorder=3)
-                ax.scatter([s.record.spec.lr for s in loud], [value(s) for s in loud], color=colors[qk], marker="X",
-                           s=60, zorder=4)
-        loss_ax.axhline(FAIL_RATIO * best, color="grey", ls="--", lw=0.8)
-        loss_ax.axhline(HEALTHY_RATIO * best, color="grey", ls=":", lw=0.8)
+                           edgecolors=color, s=24, zorder=3)
+                ax.scatter([s.record.spec.lr for s in loud], [value(s) for s in loud], color=color, marker="X",
+                           s=50, zorder=4)
+        split = "validation" if all(s.record.spec.split == "validation" for s in runs) else "calibration seed 0"
+        loss_ax.axhline(FAIL_RATIO * (best + floor) - floor, color="grey", ls="--", lw=0.8)
+        loss_ax.axhline(HEALTHY_RATIO * (best + floor) - floor, color="grey", ls=":", lw=0.8)
         loss_ax.set(xscale="log", xlabel="peak learning rate", ylabel="final loss (nats)",
-                    title=f"{task}: final loss (X = an alert fired; -- failed, ·· healthy bound)")
+                    title=f"{family} ({split}): final loss (X = alerted; -- failed, ·· healthy bound)")
         logit_ax.set(xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit",
-                     title=f"{task}: largest attention logit over training")
-        loss_ax.legend(fontsize=8)
+                     title=f"{family}: largest attention logit over training")
+        loss_ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
 
@@ -443,36 +464,40 @@ def _fmt(value: Any) -> str:
 
 
 def tables(scored: list[Scored], stats: dict[str, Any]) -> str:
-    """Markdown: per-run lead times, per-rule false alarms, the summary."""
-    lines = ["| task | QK-norm | lr | seed | final loss | max logit | status | separates at | first alert | lead | rules |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for s in sorted(scored, key=lambda s: (s.record.spec.task.name, s.record.spec.qk_norm, s.record.spec.lr,
-                                           s.record.spec.seed)):
+    """Markdown: per-run verdicts, per-rule false alarms (validation), the summary per split and family."""
+    lines = ["| family | split | warmup | lr | seed | final loss | max logit | status | separates at | "
+             "first alert | in time | rules |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in sorted(scored, key=lambda s: (s.record.spec.family, s.record.spec.qk_norm, -s.record.spec.warmup,
+                                           s.record.spec.lr, s.record.spec.seed)):
         spec = s.record.spec
         rules = sorted({a["rule"] for a in s.record.alerts})
-        lines.append(f"| {spec.task.name} | {'on' if spec.qk_norm else 'off'} | {spec.lr:g} | {spec.seed} | "
-                     f"{s.record.final_loss:.3f} | {s.record.max_logit:.3g} | {s.status} | {_fmt(s.separation)} | "
-                     f"{_fmt(s.first_alert)} | {_fmt(s.lead)} | {', '.join(rules) or '—'} |")
-    lines += ["", ("| rule | runs fired | failed runs flagged (>= 20 steps ahead) | false alarms (runs not failed) | "
-                   "false-alarm rate | healthy runs fired |"), "|---|---|---|---|---|---|"]
-    rows = {**stats["all"]["per_rule"], **{f"{k} (opt-in)": v for k, v in stats.get("opt_in", {}).items()}}
+        lines.append(f"| {spec.family}{' (QK-norm)' if spec.qk_norm else ''} | {spec.split[:3]} | {spec.warmup} | "
+                     f"{spec.lr:g} | {spec.seed} | {s.record.final_loss:.3f} | {s.record.max_logit:.3g} | {s.status} | "
+                     f"{_fmt(s.separation)} | {_fmt(s.first_alert)} | {'yes' if s.in_time else '—'} | "
+                     f"{', '.join(rules) or '—'} |")
+    lines += ["", ("| rule (validation set) | runs fired | failed runs flagged (in time) | false alarms (runs not "
+                   "failed) | false-alarm rate | healthy runs fired |"), "|---|---|---|---|---|---|"]
+    rows = {**stats["validation"]["per_rule"], **{f"{k} (opt-in)": v for k, v in stats.get("opt_in", {}).items()}}
     for rule, r in rows.items():
         lines.append(f"| `{rule}` | {r['runs_fired']} | {r['failed_fired']}/{r['failed']} "
-                     f"({r['failed_in_time']}) | {r['false_alarms']} | {r['false_alarm_rate']:.0%} | "
+                     f"({r['failed_in_time']}) | {r['false_alarms']} | {_fmt(r['false_alarm_rate'])} | "
                      f"{r['healthy_fired']} |")
-    lines += ["", ("| task | runs | failed | healthy | recall | precision | in time (lead >= 20) | min lead | "
+    lines += ["", ("| set | runs | failed | healthy | recall | precision | separating after step 30: flagged "
+                   f">= {MIN_LEAD} steps ahead | separating by step 30: flagged by the next probe | "
                    "median lead | healthy runs alerted |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for name, b in ((k, v) for k, v in stats.items() if k != "opt_in"):
         lines.append(f"| {name} | {b['runs']} | {b['failed']} | {b['healthy']} | {_fmt(b['recall'])} | "
-                     f"{_fmt(b['precision'])} | {b['in_time']}/{b['failed']} | {_fmt(b['min_lead'])} | "
-                     f"{_fmt(b['median_lead'])} | {b['healthy_alerted']} |")
+                     f"{_fmt(b['precision'])} | {b['late_in_time']}/{b['late_separating']} | "
+                     f"{b['early_in_time']}/{b['early_separating']} | {_fmt(b['median_lead'])} | "
+                     f"{b['healthy_alerted']} |")
     return "\n".join(lines)
 
 
 def write_json(scored: list[Scored], stats: dict[str, Any], path: Path, settings: dict[str, Any]) -> None:
-    runs = [{"task": s.record.spec.task.name, "lr": s.record.spec.lr, "qk_norm": s.record.spec.qk_norm,
-             "seed": s.record.spec.seed, "final_loss": s.record.final_loss, "max_logit": s.record.max_logit,
-             "status": s.status, "separation": s.separation, "first_alert": s.first_alert, "lead": s.lead,
+    runs = [{"family": s.record.spec.family, "split": s.record.spec.split, "lr": s.record.spec.lr,
+             "warmup": s.record.spec.warmup, "qk_norm": s.record.spec.qk_norm, "seed": s.record.spec.seed,
+             "final_loss": s.record.final_loss, "max_logit": s.record.max_logit, "status": s.status,
+             "separation": s.separation, "first_alert": s.first_alert, "lead": s.lead, "in_time": s.in_time,
              "alerts": [{k: a[k] for k in ("rule", "layer", "head", "step", "value")} for a in s.record.alerts]}
             for s in scored]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -483,33 +508,35 @@ def write_json(scored: list[Scored], stats: dict[str, Any], path: Path, settings
 
 
 def sweep(args: argparse.Namespace) -> list[RunSpec]:
+    """Every run: per family, its rates x warmup on/off x seeds (x QK-norm with ``--qk-norm``)."""
     specs = []
-    for name in args.tasks:
-        task = TASKS[name]
-        if args.quick:
-            task = dataclasses.replace(task, steps=int(task.steps * 0.6))
-        specs += [RunSpec(task, lr, qk, seed, args.warmup) for seed in args.seeds for qk in (False, True)
-                  for lr in args.lrs]
+    for name in args.families:
+        family = FAMILIES[name]
+        steps = int(family.steps * 0.6) if args.quick else family.steps
+        lrs = family.lrs[1::2] if args.quick else family.lrs
+        for seed in args.seeds:
+            for warmup in args.warmups:
+                for qk in ((False, True) if args.qk_norm else (False,)):
+                    specs += [RunSpec(name, lr, qk, seed, warmup, steps) for lr in lrs]
     return specs
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 rates, 1 seed, 60 %% of the steps")
-    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=sorted(TASKS))
-    parser.add_argument("--lrs", type=float, nargs="+", default=None, help="peak learning rates")
+    parser.add_argument("--quick", action="store_true", help="2 rates, 1 seed, 60 %% of the steps")
+    parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
-    parser.add_argument("--warmup", type=int, default=50, help="linear warmup steps, then the peak rate")
+    parser.add_argument("--warmups", type=int, nargs="+", default=[WARMUP, 0],
+                        help="linear warmup steps, then the peak rate (0: none)")
+    parser.add_argument("--qk-norm", action="store_true", help="every run also with QK-norm")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
     parser.add_argument("--cache", type=Path, default=ROOT / "runs" / "instability", help="recorded runs")
     parser.add_argument("--replay", action="store_true", help="train nothing: score the cached runs only")
     parser.add_argument("--out", type=Path, default=None,
                         help="where the figure and the JSON go (default: docs/, or the cache with --quick)")
     args = parser.parse_args(argv)
-    if args.lrs is None:
-        args.lrs = [1e-3, 1e-2, 1e-1] if args.quick else [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
     if args.seeds is None:
-        args.seeds = [0] if args.quick else [0, 1]
+        args.seeds = [0] if args.quick else list(SEEDS)
     start = time.perf_counter()
     specs = sweep(args)
     records = {s.key: _load(s, args.cache) for s in specs}
@@ -521,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"training {len(missing)} run(s) with {args.jobs} job(s); {len(specs) - len(missing)} cached", flush=True)
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
-            for record in pool.map(train_run, missing):
+            for record in pool.map(train_run, _longest_first(missing)):
                 _save(record, args.cache)
                 records[record.spec.key] = record
                 fresh.add(record.spec.key)
@@ -537,18 +564,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise RuntimeError(f"{record.spec.key}: the replay fired {again}, the live run {live}")
     scored = score(ordered)
     stats = summary(scored)
-    stats["opt_in"] = {SPECTRAL_GROWTH_RULE.name: opt_in_stats(ordered, SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor")}
+    stats["opt_in"] = {rule.name: opt_in_stats(ordered, rule, monitor) for rule, monitor in OPT_IN}
     suffix = "_quick" if args.quick else ""
     if args.out is None:
         args.out = args.cache if args.quick else ROOT / "docs"
     draw(scored, args.out / f"instability{suffix}.png")
-    settings = {"tasks": {n: dataclasses.asdict(TASKS[n]) for n in args.tasks}, "lrs": args.lrs, "seeds": args.seeds,
-                "warmup": args.warmup, "every_n_steps": EVERY, "quick": args.quick}
+    settings = {"families": {n: dataclasses.asdict(FAMILIES[n]) for n in args.families}, "seeds": args.seeds,
+                "warmups": args.warmups, "qk_norm": args.qk_norm, "every_n_steps": EVERY, "quick": args.quick,
+                "calibration": sorted(CALIBRATION)}
     write_json(scored, stats, args.out / f"instability{suffix}.json", settings)
     print(tables(scored, stats))
     print(f"\n{len(specs)} runs ({len(fresh)} trained now) in {time.perf_counter() - start:.0f} s; "
           f"figure {args.out / f'instability{suffix}.png'}")
     return stats
+
+
+def _longest_first(specs: list[RunSpec]) -> list[RunSpec]:
+    """Long runs first, so that the pool does not end on one long run with a core idle."""
+    return sorted(specs, key=lambda s: -s.steps)
 
 
 if __name__ == "__main__":

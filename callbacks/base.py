@@ -10,12 +10,14 @@ at ``teardown``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
 from typing_extensions import override
 
 from qkmonitor.adapters import AttentionLayer
@@ -104,6 +106,7 @@ class AttentionMonitor(Callback):
     def __init__(self, engine: MonitorEngine) -> None:
         self.engine = engine
         self._headers: set[str] = set()
+        self._batch_step = 0  # the global step the current training batch started on
         # Lightning reads `state_key` at every hook call of every callback (its profiler names
         # the hook with it); prefix and selection are fixed at construction, so build it once
         self._state_key = self._generate_state_key(prefix=engine.prefix, layers=engine.selection())
@@ -188,6 +191,15 @@ class AttentionMonitor(Callback):
         write_run_header(new, [m.engine for m in monitors], hparams)
         self._headers.update(_run_dir(sink) for sink in new)
 
+    def _observe_loss(self, outputs: Any) -> None:
+        """Hand the batch's training loss (``training_step``'s return: the tensor, or its
+        ``"loss"``) to the engine, at the step the batch started on, for the rules that read it."""
+        if not self.engine.reads_loss:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            self.engine.observe_loss(self._batch_step, loss)
+
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.engine.abort()
@@ -235,11 +247,13 @@ class ActivationMonitor(AttentionMonitor):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self.engine.open(trainer.global_step)
+        self._batch_step = trainer.global_step
+        self.engine.open(self._batch_step)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._observe_loss(outputs)
         if self.engine.probing:
             self.engine.finish(LightningHost(trainer))
 

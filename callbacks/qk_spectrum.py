@@ -95,11 +95,13 @@ class QKSpectrumMonitor(AttentionMonitor):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self.engine.open(trainer.global_step)  # layouts read by name are checked on the first batch
+        self._batch_step = trainer.global_step
+        self.engine.open(self._batch_step)  # layouts read by name are checked on the first batch
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._observe_loss(outputs)
         if self.engine.probing:
             self.engine.finish(LightningHost(trainer))
         step = trainer.global_step

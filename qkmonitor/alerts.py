@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from numbers import Real
 
@@ -96,6 +96,21 @@ def _check_test(owner: object) -> None:
     if owner.window is not None and (isinstance(owner.window, bool) or not isinstance(owner.window, int)
                                      or owner.window < 1):
         raise ValueError(f"Expected `window` to be None or a positive int (steps), got {owner.window!r}")
+
+
+#: Steps of training loss averaged for :attr:`AlertRule.learning_drop` (one batch's loss is noisy).
+LOSS_SMOOTHING = 10
+#: The comparison span of :attr:`AlertRule.learning_drop` for a rule without a ``window``.
+LEARNING_WINDOW = 30
+
+
+def _mean_loss(losses: Sequence[tuple[int, float]], step: int) -> float | None:
+    """Mean finite loss of the steps in ``(step - LOSS_SMOOTHING, step]``; None if there is none
+    (a non-finite loss is no evidence of learning)."""
+    values = [v for s, v in losses if step - LOSS_SMOOTHING < s <= step]
+    if not values or not all(math.isfinite(v) for v in values):
+        return None
+    return sum(values) / len(values)
 
 
 def _crossed(test: Condition | AlertRule, value: float) -> bool:
@@ -195,6 +210,13 @@ class AlertRule:
         skip_qk_norm: say nothing about layers with QK-norm. Their q and k are normalized after
             the projections, so the weights' spectrum does not bound their logits.
         evidence: what the rule's calibration measured, quoted in the message.
+        learning_drop: stay quiet while the model is learning: while the training loss (mean
+            of the last :data:`LOSS_SMOOTHING` steps) is at least this fraction below what it was
+            ``window`` steps earlier (:data:`LEARNING_WINDOW` for a rule without one). A head
+            that sharpens while the loss falls is learning (induction heads form so); one that
+            sharpens while the loss stalls or rises is not. None: the loss is not consulted.
+            Needs the loss (:meth:`MonitorEngine.observe_loss`); without it the rule fires on
+            its own test alone.
     """
 
     name: str
@@ -213,6 +235,7 @@ class AlertRule:
     grace_steps: int = 0
     skip_qk_norm: bool = False
     evidence: str = ""
+    learning_drop: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -233,6 +256,8 @@ class AlertRule:
                 raise ValueError(f"Expected `{field_name}` to be a bool, got {getattr(self, field_name)!r}")
         if isinstance(self.grace_steps, bool) or not isinstance(self.grace_steps, int) or self.grace_steps < 0:
             raise ValueError(f"Expected `grace_steps` to be an int >= 0, got {self.grace_steps!r}")
+        if self.learning_drop is not None and (not _is_real(self.learning_drop) or not 0 < self.learning_drop < 1):
+            raise ValueError(f"Expected `learning_drop` to be None or a fraction in (0, 1), got {self.learning_drop!r}")
 
     def replace(self, **changes) -> AlertRule:
         """A copy with some fields changed, e.g. ``KAPPA_RULE.replace(threshold=0.3)``."""
@@ -246,7 +271,25 @@ class AlertRule:
         return _recovered(self, value)
 
     def describe(self) -> str:
-        return " and ".join([_describe(self), *(c.describe() for c in self.also)])
+        text = " and ".join([_describe(self), *(c.describe() for c in self.also)])
+        if self.learning_drop is not None:
+            text += (f", unless the training loss fell by {self.learning_drop:.0%} or more over "
+                     f"{self.learning_window} steps")
+        return text
+
+    @property
+    def learning_window(self) -> int:
+        """The steps over which :attr:`learning_drop` compares the loss."""
+        return self.window or LEARNING_WINDOW
+
+    def learning(self, losses: Sequence[tuple[int, float]], step: int) -> bool:
+        """Whether the training loss ``losses`` (``(step, loss)``, oldest first) fell by
+        ``learning_drop`` over the window ending at ``step``; False without the loss to say."""
+        if self.learning_drop is None:
+            return False
+        now = _mean_loss(losses, step)
+        then = _mean_loss(losses, step - self.learning_window)
+        return now is not None and then is not None and now <= (1 - self.learning_drop) * then
 
     @property
     def tests(self) -> tuple[AlertRule | Condition, ...]:
@@ -484,7 +527,7 @@ class AlertTracker:
         self._horizon = max(windows, default=0)
 
     def update(self, values: dict[str, list[Tensor]], step: int, layer_names: list[str], *,
-               qk_norm_layers: Collection[int] = ()) -> list[Alert]:
+               qk_norm_layers: Collection[int] = (), losses: Sequence[tuple[int, float]] = ()) -> list[Alert]:
         """Feed one probe event; return the alerts that fire now.
 
         Args:
@@ -494,6 +537,8 @@ class AlertTracker:
             step: the global step of this probe.
             layer_names: the layers' module names, by index.
             qk_norm_layers: indices of layers with QK-norm; rules with ``skip_qk_norm`` leave them out.
+            losses: the recent training loss, ``(step, loss)`` oldest first, for rules with
+                ``learning_drop``.
         """
         grids = {m: [h.detach().double().cpu().reshape(-1).tolist() if isinstance(h, Tensor) else list(h)
                      for h in values[m]] for m in values if any(m in r.metrics for r in self.rules)}
@@ -501,11 +546,12 @@ class AlertTracker:
         for rule in self.rules:
             if not all(metric in grids for metric in rule.metrics):
                 continue
+            learning = rule.learning(losses, step)
             for layer, heads in enumerate(zip(*(grids[m] for m in rule.metrics))):
                 if rule.skip_qk_norm and layer in qk_norm_layers:
                     continue
                 for head, cell in enumerate(zip(*heads)):
-                    alert = self._step_cell(rule, layer, head, cell, step)
+                    alert = self._step_cell(rule, layer, head, cell, step, learning)
                     if alert is not None:
                         self.counts[rule.name] += 1
                         fired.append(dataclasses.replace(alert, layer_name=layer_names[layer]))
@@ -521,7 +567,8 @@ class AlertTracker:
             return tuple(start) if start is not None and start[0] < step else None
         return next(((s, v) for s, v in reversed(self._history.get(key, [])) if s <= step - window), None)
 
-    def _step_cell(self, rule: AlertRule, layer: int, head: int, cell: tuple[float, ...], step: int) -> Alert | None:
+    def _step_cell(self, rule: AlertRule, layer: int, head: int, cell: tuple[float, ...], step: int,
+                   learning: bool = False) -> Alert | None:
         if any(math.isnan(v) for v in cell):
             return None
         key = f"{rule.name}/{layer}/{head}"
@@ -532,7 +579,7 @@ class AlertTracker:
             return None
         references = [self.reference(t.metric, layer, head, step, t.window) if t.growth is not None else None
                       for t in rule.tests]
-        crossed = all(t.crossed(v, ref, step) for t, v, ref in zip(rule.tests, cell, references))
+        crossed = not learning and all(t.crossed(v, ref, step) for t, v, ref in zip(rule.tests, cell, references))
         streak = self._streak.get(key, 0) + 1 if crossed else 0
         if streak >= rule.patience and step >= rule.grace_steps:
             self._active.add(key)

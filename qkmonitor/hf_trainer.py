@@ -95,6 +95,13 @@ class QKMonitorCallback(TrainerCallback):
             if self.monitoring.should_stop:
                 control.should_training_stop = True
 
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        """The logged training loss, for the rules that tell learning from failing: they see it
+        every ``logging_steps`` (set it to at most 10 for them to have the loss at each probe)."""
+        loss = (logs or {}).get("loss")
+        if self.monitoring is not None and isinstance(loss, (int, float)):
+            self.monitoring.observe_loss(float(loss), step=max(0, state.global_step - 1))
+
     def on_train_end(self, args, state, control, **kwargs) -> None:
         self.close()
 

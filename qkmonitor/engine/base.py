@@ -17,7 +17,7 @@ import logging
 import math
 import re
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import AttentionLayer, LayerSpec, find_attention_layers
-from qkmonitor.alerts import ALERT_ACTIONS, Alert, AlertRule, AlertTracker
+from qkmonitor.alerts import ALERT_ACTIONS, LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
 from qkmonitor.catalogue import MetricSpec, metric, names_of
 from qkmonitor.dashboards import grid_of, heatmap_image
 from qkmonitor.engine.sinks import Sink
@@ -202,6 +202,25 @@ class MonitorEngine:
         self.latest_validation: Values = {}
         self._nonfinite: set[int] = set()
         self._warned: set[str] = set()
+        #: whether a rule reads the training loss (``learning_drop``); the loss is kept only then
+        self.reads_loss = any(rule.learning_drop is not None for rule in rules)
+        horizon = max((rule.learning_window for rule in rules if rule.learning_drop is not None), default=0)
+        self._losses: deque[tuple[int, Tensor | float]] = deque(maxlen=4 * (horizon + LOSS_SMOOTHING))
+
+    # -- the training loss -------------------------------------------------------------------
+
+    def observe_loss(self, step: int, loss: Tensor | float) -> None:
+        """The training loss of the batch at ``step`` (call it at every step, before the step's
+        :meth:`finish`). Kept as a detached tensor, read only when a probe's rules need it (no
+        device sync on the other steps); a no-op when no rule reads the loss."""
+        if self.reads_loss:
+            self._losses.append((step, loss.detach() if isinstance(loss, Tensor) else float(loss)))
+
+    def loss_history(self) -> list[tuple[int, float]]:
+        """The kept ``(step, loss)`` pairs as floats, oldest first (one read of the tensors)."""
+        tensors = [v for _, v in self._losses if isinstance(v, Tensor)]
+        floats = iter(torch.stack([t.reshape(()).float() for t in tensors]).tolist() if tensors else [])
+        return [(s, next(floats) if isinstance(v, Tensor) else v) for s, v in self._losses]
 
     # -- what the engine logs ----------------------------------------------------------------
 
@@ -337,7 +356,8 @@ class MonitorEngine:
         else:
             self.latest, self.latest_step = values, step
             alerts = self.tracker.update(rows, step, [layer.name for layer in self.layers],
-                                         qk_norm_layers=self.qk_norm_layers)
+                                         qk_norm_layers=self.qk_norm_layers,
+                                         losses=self.loss_history() if self.reads_loss else ())
         scalars = self.scalars(rows, prefix)
         if not validation:
             scalars.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from qkmonitor.dashboards import LayoutSection, custom_scalars_layout
 from qkmonitor.engine.base import MonitorEngine, PlainHost
@@ -99,6 +99,7 @@ class Monitoring:
             raise ValueError(f"Expected `every_n_steps` to be a positive int, got {every_n_steps!r}")
         sinks = [] if writer is None else [writer if isinstance(writer, Sink) else SummaryWriterSink(writer)]
         self.engines = engines
+        self._step: int | None = None  # the open training window's step
         self.host = PlainHost(sinks, optimizer, owner=self)
         check_tag_collisions(engines)
         for engine in engines:
@@ -141,10 +142,22 @@ class Monitoring:
         only) and open the probes on probe steps. For loops whose step is not one block of code
         (a framework's callbacks); pair it with :meth:`end`, and :meth:`abort` on failure."""
         self._check_step(step)
+        self._step = None if validation else step
         if not validation:
             self.observe_weights(step)
         for engine in self.engines:
             engine.open(step, validation=validation)
+
+    def observe_loss(self, loss: Tensor | float, step: int | None = None) -> None:
+        """The training loss of this step (of the open :meth:`step` window by default), for the
+        rules that tell learning from failing (``AlertRule.learning_drop``). Call it at every step;
+        it reads nothing from the device until a probe needs it."""
+        step = self._step if step is None else step
+        if step is None:
+            raise ValueError("Expected `step`: observe_loss outside a step window needs the step it belongs to")
+        self._check_step(step)
+        for engine in self.engines:
+            engine.observe_loss(step, loss)
 
     def observe_weights(self, step: int) -> None:
         """Measure and log the weights as they are after ``step`` updates, if that is a probe step

@@ -1,0 +1,255 @@
+"""The task/architecture families of the alert calibration suite (``benchmarks/instability.py``).
+
+Each family is a small model of the bundled family and a task it learns in a few hundred CPU
+steps, generated from a seed (nothing is downloaded):
+
+- ``induction``: a decoder (d_model 64, 2 layers, 4 heads, RoPE) continuing a random sequence of
+  16 symbols that repeats once; only the repeat is scored, and only an induction head (find the
+  previous occurrence of the current token, copy its successor) gets the loss below
+  ``log(32)``. Its loss falls from 3.5 to near 0 in a phase transition (Olsson et al. 2022).
+- ``charlm``: the same decoder on bytes of the Python standard library's source (context 64).
+- ``recall``: the same decoder on multi-query associative recall (8 key-value pairs).
+- ``seq2seq``: an encoder-decoder (2 + 2 layers, cross-attention, padded sources) reversing
+  sequences of 3-10 symbols.
+- ``vision``: a vision encoder with axial 2-D RoPE over a 6 x 6 grid of patches, classifying
+  whether two marked cells share a row, a column or neither.
+- ``grokking``: modular addition ``a + b mod 23`` on half of the 529 equations, full batch, weight
+  decay 1.0 (Power et al. 2022): the training loss falls first (memorization); the held-out loss
+  falls later, if at all. Its score is the held-out loss.
+
+Every family trains with AdamW (betas 0.9 / 0.98, weight decay on matrices only), optionally
+after a linear warmup. :meth:`Family.score_losses` is the loss the sweep's definitions (failed,
+healthy, separation) are about: the training loss where every batch is fresh (a held-out
+estimate), the held-out loss where the training set repeats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from qkmonitor.models import DecoderLM, EncoderDecoder, TransformerConfig, VisionEncoder
+from qkmonitor.models.tasks import PythonSourceDataModule, make_recall_batch
+from qkmonitor.models.tasks.base import IGNORE_INDEX
+from qkmonitor.models.tasks.copy_reverse import NUM_SPECIAL, PAD, make_copy_batch
+from qkmonitor.models.tasks.grid import NUM_CLASSES, PATCH_DIM, make_grid_batch
+from qkmonitor.models.tasks.modular import make_modular_addition
+from torch import Tensor, nn
+
+__all__ = ["FAMILIES", "Family"]
+
+Batch = tuple[Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family: its model, its batches, its loss.
+
+    Attributes:
+        name: the family's key.
+        steps: optimizer steps per run.
+        batch_size: examples per batch (``grokking``: the whole training set).
+        lrs: the peak learning rates of its sweep.
+        weight_decay: AdamW weight decay on matrices.
+        floor: nats added to every loss before a ratio is taken (failed / healthy / separation):
+            two runs that both solved the task (losses near 0) are then alike, not 2x apart.
+        d_model, n_layers, n_heads: the model's size.
+    """
+
+    name: str
+    steps: int
+    batch_size: int
+    lrs: tuple[float, ...]
+    weight_decay: float = 0.1
+    floor: float = 0.05
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+
+    def config(self, qk_norm: bool) -> TransformerConfig:
+        return TransformerConfig(vocab_size=self.vocab_size, d_model=self.d_model, n_layers=self.n_layers,
+                                 n_heads=self.n_heads, max_seq_len=self.seq_len, qk_norm=qk_norm,
+                                 attention_backend="torch", **self.config_extra())
+
+    def model(self, qk_norm: bool = False) -> nn.Module:
+        return DecoderLM(self.config(qk_norm))
+
+    def batches(self, seed: int) -> Iterator[Batch]:
+        """Training batches from the run's seed (fresh ones, except where a family repeats a set)."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Mean cross-entropy of the scored targets (nats)."""
+        tokens, targets = batch
+        logits = model(tokens)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    def held_out(self, model: nn.Module, seed: int) -> float | None:
+        """The held-out loss the sweep scores, where the training loss is not one (else None)."""
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def seq_len(self) -> int:
+        raise NotImplementedError
+
+    def config_extra(self) -> dict:
+        return {}
+
+
+class Induction(Family):
+    symbols, length = 32, 16
+
+    @property
+    def vocab_size(self) -> int:
+        return self.symbols
+
+    @property
+    def seq_len(self) -> int:
+        return 2 * self.length
+
+    def batches(self, seed: int) -> Iterator[Batch]:
+        gen = torch.Generator().manual_seed(10_000 + seed)
+        while True:
+            half = torch.randint(self.symbols, (self.batch_size, self.length), generator=gen)
+            tokens = torch.cat((half, half), dim=1)
+            targets = torch.full_like(tokens, IGNORE_INDEX)
+            targets[:, self.length:-1] = tokens[:, self.length + 1:]  # the repeat, predicted by copying
+            yield tokens, targets
+
+
+class CharLM(Family):
+    _text: dict[int, Tensor] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    @property
+    def seq_len(self) -> int:
+        return 64
+
+    def batches(self, seed: int) -> Iterator[Batch]:
+        if self.seq_len not in self._text:
+            data = PythonSourceDataModule(max_chars=400_000, seq_len=self.seq_len, seed=0)
+            data.setup()
+            self._text[self.seq_len] = data.train_text
+        text, gen = self._text[self.seq_len], torch.Generator().manual_seed(10_000 + seed)
+        while True:
+            starts = torch.randint(len(text) - self.seq_len - 1, (self.batch_size,), generator=gen)
+            window = text[starts[:, None] + torch.arange(self.seq_len + 1)]
+            yield window[:, :-1], window[:, 1:]
+
+
+class Recall(Family):
+    pairs = 8
+
+    @property
+    def vocab_size(self) -> int:
+        return 8 * self.pairs
+
+    @property
+    def seq_len(self) -> int:
+        return 3 * self.pairs
+
+    def batches(self, seed: int) -> Iterator[Batch]:
+        gen = torch.Generator().manual_seed(10_000 + seed)
+        while True:
+            yield make_recall_batch(self.batch_size, self.pairs, self.pairs, 4 * self.pairs, 4 * self.pairs, gen)
+
+
+class Seq2Seq(Family):
+    symbols, min_len, max_len = 10, 3, 10
+
+    @property
+    def vocab_size(self) -> int:
+        return self.symbols + NUM_SPECIAL
+
+    @property
+    def seq_len(self) -> int:
+        return self.max_len + 1
+
+    def model(self, qk_norm: bool = False) -> nn.Module:
+        return EncoderDecoder(self.config(qk_norm))
+
+    def batches(self, seed: int) -> Iterator[Batch]:
+        gen = torch.Generator().manual_seed(10_000 + seed)
+        while True:
+            yield make_copy_batch(self.batch_size, self.min_len, self.max_len, self.symbols, True, gen)
+
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        source, decoder_input, targets = batch
+        logits = model(source, decoder_input, source != PAD)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class Vision(Family):
+    grid = (6, 6)
+
+    @property
+    def vocab_size(self) -> int:
+        return 1  # no tokens
+
+    @property
+    def seq_len(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    def config_extra(self) -> dict:
+        return {"positional": "rope_2d", "grid_size": self.grid, "patch_dim": PATCH_DIM, "num_classes": NUM_CLASSES}
+
+    def model(self, qk_norm: bool = False) -> nn.Module:
+        return VisionEncoder(self.config(qk_norm))
+
+    def batches(self, seed: int) -> Iterator[Batch]:
+        gen = torch.Generator().manual_seed(10_000 + seed)
+        while True:
+            labels = torch.randint(NUM_CLASSES, (self.batch_size,), generator=gen)
+            yield make_grid_batch(labels, *self.grid, gen), labels
+
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        patches, labels = batch
+        return F.cross_entropy(model(patches), labels)
+
+
+class Grokking(Family):
+    modulus, train_fraction = 23, 0.5
+
+    @property
+    def vocab_size(self) -> int:
+        return self.modulus + 2
+
+    @property
+    def seq_len(self) -> int:
+        return 4
+
+    def _split(self, seed: int) -> tuple[Batch, Batch]:
+        tokens, targets = make_modular_addition(self.modulus)
+        order = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(10_000 + seed))
+        cut = int(self.train_fraction * len(tokens))
+        return (tokens[order[:cut]], targets[order[:cut]]), (tokens[order[cut:]], targets[order[cut:]])
+
+    def batches(self, seed: int) -> Iterator[Batch]:
+        train, _ = self._split(seed)
+        while True:
+            yield train  # full batch, as in the paper
+
+    def held_out(self, model: nn.Module, seed: int) -> float | None:
+        _, held = self._split(seed)
+        with torch.no_grad():
+            return float(self.loss(model, held))
+
+
+#: The families, by name, with their run lengths and learning-rate sweeps.
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Induction("induction", steps=300, batch_size=32, lrs=(3e-3, 1e-2, 3e-2, 1e-1)),
+    CharLM("charlm", steps=250, batch_size=16, lrs=(3e-3, 1e-2, 3e-2, 1e-1)),
+    Recall("recall", steps=300, batch_size=64, lrs=(3e-3, 1e-2, 3e-2, 1e-1)),
+    Seq2Seq("seq2seq", steps=250, batch_size=48, lrs=(3e-3, 1e-2, 3e-2, 1e-1)),
+    Vision("vision", steps=250, batch_size=32, lrs=(3e-3, 1e-2, 3e-2, 1e-1)),
+    Grokking("grokking", steps=500, batch_size=264, lrs=(1e-3, 3e-3, 1e-2, 3e-2), weight_decay=1.0),
+)}
