@@ -66,7 +66,7 @@ from qkmonitor.models.tasks.base import lr_factor
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/families.py
 
 from families import FAMILIES, Family
-from qkmonitor.alerts import DEFAULT_RULES, SPECTRAL_GROWTH_RULE, Alert, AlertRule
+from qkmonitor.alerts import DEFAULT_RULES, ENTROPY_COLLAPSE_RULE, SPECTRAL_GROWTH_RULE, Alert, AlertRule
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ WARMUP = 50  # linear warmup steps of the warmup arm
 RECORD_VERSION = 2
 MONITORS = ("QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor")
 #: rules that are not defaults, scored alone on the sweep: (rule, the monitor that has its metric)
-OPT_IN = ((SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor"),)
+OPT_IN = ((SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor"), (ENTROPY_COLLAPSE_RULE, "AttentionEntropyMonitor"))
 
 
 #: The split, fixed before any rule was tuned on the suite: the rules are fitted on the
@@ -263,7 +263,7 @@ def _load(spec: RunSpec, cache: Path) -> RunRecord | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    if data.get("version") != RECORD_VERSION or data.get("family") != dataclasses.asdict(spec.task):
+    if data.get("version") != RECORD_VERSION or data.get("family") != json.loads(json.dumps(dataclasses.asdict(spec.task))):
         return None
     probes = {int(k): v for k, v in data["probes"].items()}
     return RunRecord(spec, data["losses"], data["scored"], probes, data["live_alerts"], data["seconds"])
@@ -404,7 +404,7 @@ def opt_in_stats(records: list[RunRecord], rule: AlertRule, monitor: str) -> dic
     try:
         for r in records:
             r.alerts = replay(r, {m: [rule] if m == monitor else [] for m in MONITORS})
-        return _rule_stats(score(records), rule.name)
+        return _rule_stats([s for s in score(records) if s.record.spec.split == "validation"], rule.name)
     finally:
         for r, alerts in zip(records, saved):
             r.alerts = alerts

@@ -40,6 +40,7 @@ __all__ = [
     "KAPPA_RULE",
     "ENTROPY_COLLAPSE_RULE",
     "LOGIT_GROWTH_RULE",
+    "LOGIT_BURST_RULE",
     "RANK_COLLAPSE_RULE",
     "MALIGNANT_COLLAPSE_RULE",
     "SPECTRAL_GROWTH_RULE",
@@ -212,11 +213,17 @@ class AlertRule:
         evidence: what the rule's calibration measured, quoted in the message.
         learning_drop: stay quiet while the model is learning: while the training loss (mean
             of the last :data:`LOSS_SMOOTHING` steps) is at least this fraction below what it was
-            ``window`` steps earlier (:data:`LEARNING_WINDOW` for a rule without one). A head
+            ``learning_window`` steps earlier. A head
             that sharpens while the loss falls is learning (induction heads form so); one that
             sharpens while the loss stalls or rises is not. None: the loss is not consulted.
             Needs the loss (:meth:`MonitorEngine.observe_loss`); without it the rule fires on
             its own test alone.
+        learning_window: the steps ``learning_drop`` compares over (default: ``window``, or
+            :data:`LEARNING_WINDOW` for a rule without one).
+        solved_fraction: also quiet while the training loss is at most this fraction of the
+            run's first loss (mean of its first :data:`LOSS_SMOOTHING` steps): a model that has
+            solved its task (a copy task at loss 0.001) has sharp heads and huge logits because
+            that is the solution, and a loss near 0 no longer falls by a steady fraction.
     """
 
     name: str
@@ -236,6 +243,8 @@ class AlertRule:
     skip_qk_norm: bool = False
     evidence: str = ""
     learning_drop: float | None = None
+    learning_window: int | None = None
+    solved_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -258,6 +267,14 @@ class AlertRule:
             raise ValueError(f"Expected `grace_steps` to be an int >= 0, got {self.grace_steps!r}")
         if self.learning_drop is not None and (not _is_real(self.learning_drop) or not 0 < self.learning_drop < 1):
             raise ValueError(f"Expected `learning_drop` to be None or a fraction in (0, 1), got {self.learning_drop!r}")
+        if self.learning_window is not None and (isinstance(self.learning_window, bool)
+                                                 or not isinstance(self.learning_window, int) or self.learning_window < 1):
+            raise ValueError(f"Expected `learning_window` to be None or a positive int (steps), got "
+                             f"{self.learning_window!r}")
+        if self.solved_fraction is not None and (not _is_real(self.solved_fraction)
+                                                 or not 0 < self.solved_fraction < 1):
+            raise ValueError(f"Expected `solved_fraction` to be None or a fraction in (0, 1), got "
+                             f"{self.solved_fraction!r}")
 
     def replace(self, **changes) -> AlertRule:
         """A copy with some fields changed, e.g. ``KAPPA_RULE.replace(threshold=0.3)``."""
@@ -274,22 +291,29 @@ class AlertRule:
         text = " and ".join([_describe(self), *(c.describe() for c in self.also)])
         if self.learning_drop is not None:
             text += (f", unless the training loss fell by {self.learning_drop:.0%} or more over "
-                     f"{self.learning_window} steps")
+                     f"{self.loss_window} steps")
+            if self.solved_fraction is not None:
+                text += f" or is below {self.solved_fraction:.0%} of its first value"
         return text
 
     @property
-    def learning_window(self) -> int:
+    def loss_window(self) -> int:
         """The steps over which :attr:`learning_drop` compares the loss."""
-        return self.window or LEARNING_WINDOW
+        return self.learning_window or self.window or LEARNING_WINDOW
 
-    def learning(self, losses: Sequence[tuple[int, float]], step: int) -> bool:
+    def learning(self, losses: Sequence[tuple[int, float]], step: int, first: float | None = None) -> bool:
         """Whether the training loss ``losses`` (``(step, loss)``, oldest first) fell by
-        ``learning_drop`` over the window ending at ``step``; False without the loss to say."""
+        ``learning_drop`` over the window ending at ``step``, or (``solved_fraction``) is that
+        small a part of the run's ``first`` loss; False without the loss to say."""
         if self.learning_drop is None:
             return False
         now = _mean_loss(losses, step)
-        then = _mean_loss(losses, step - self.learning_window)
-        return now is not None and then is not None and now <= (1 - self.learning_drop) * then
+        if now is None:
+            return False
+        if self.solved_fraction is not None and first is not None and first > 0 and now <= self.solved_fraction * first:
+            return True
+        then = _mean_loss(losses, step - self.loss_window)
+        return then is not None and now <= (1 - self.learning_drop) * then
 
     @property
     def tests(self) -> tuple[AlertRule | Condition, ...]:
@@ -301,15 +325,20 @@ class AlertRule:
         return tuple(t.metric for t in self.tests)
 
 
-# The defaults below are calibrated on the learning-rate sweep of ``benchmarks/instability.py``
-# (char-LM and associative recall, 5 rates over 2 decades, QK-norm off and on, 2 seeds, probes
-# every 10 steps): every failed run flagged at least 20 steps before its loss separates, and no
-# run within 10 % of the best final loss flagged. The README ("Does it warn in time?") has the
-# per-run results; ``evidence`` quotes them in every message.
+# The defaults below are fitted on the calibration set of ``benchmarks/instability.py`` (six
+# task/architecture families, warmup and none, a learning-rate sweep each; calibration: seed 0 of
+# char-LM, recall, induction and seq2seq) and scored on its validation set (the other seed of
+# those, and the vision and grokking families, never seen while fitting). The README ("Does it
+# warn in time?") has the per-run results; ``evidence`` quotes them in every message.
 
 _SWEEP = "benchmarks/instability.py"
 _REMEDY = ("lower the peak learning rate or lengthen warmup; add QK-norm (TransformerConfig(qk_norm=True)) "
            "or sigma-reparametrization; weight decay on the query/key projections")
+#: Learning, not failing: the trend rules stay quiet while the training loss falls by 5 % per 10
+#: steps, or is below a tenth of the run's first loss (the task is solved; its heads are sharp
+#: because that is the solution). On the calibration set this alone took the healthy runs alerted
+#: from 4 to 0 (induction-head formation), and lost no failed run flagged in time.
+_LEARNING = {"learning_drop": 0.05, "learning_window": 10, "solved_fraction": 0.1}
 
 KAPPA_RULE = AlertRule(
     name="kappa",
@@ -320,14 +349,17 @@ KAPPA_RULE = AlertRule(
     margin=0.05,
     warning=OverLocalizationWarning,
     meaning="the head's query-key spectrum is concentrating on one direction fast (kappa = sigma_1 / "
-    "sum sigma_i of W_QK rising), the weight-side precursor of attention-logit growth",
+    "sum sigma_i of W_QK rising) while the loss is not improving, the weight-side precursor of "
+    "attention-logit growth",
     advice=_REMEDY,
     growth=2.5,
     window=30,
     skip_qk_norm=True,
-    evidence=f"in {_SWEEP}, kappa grew at most x2.2 per 30 steps in the runs that ended within 10 % of the "
-    "best loss and x2.6 to x3.6 in the four runs at lr 0.1 without QK-norm, which all failed; QK-norm kept "
-    "lr 0.1 within 1.13 to 1.16 x the best loss, against 1.6 to 1.7 x without it",
+    evidence=(f"fitted on the calibration set of {_SWEEP} (seed 0 of char-LM, recall, induction and seq2seq), "
+    "where it fired on 9 of 12 failed runs and no other; on the held-out validation set on 17 of 27 failed "
+    "runs (10 in time) and 2 that did not fail, none of them healthy. Without the loss gate it fired on "
+    "healthy induction-head formation"),
+    **_LEARNING,
 )
 
 LOGIT_GROWTH_RULE = AlertRule(
@@ -339,15 +371,40 @@ LOGIT_GROWTH_RULE = AlertRule(
     margin=5.0,
     warning=LogitGrowthWarning,
     meaning="the head's largest attention logit is growing exponentially (attention-logit growth, "
-    "Dehghani et al. 2023; Wortsman et al. 2023): the softmax is saturating and the loss will follow",
+    "Dehghani et al. 2023; Wortsman et al. 2023) while the loss is not improving: the softmax is "
+    "saturating and the loss will follow",
     advice=_REMEDY,
     growth=8.0,
     window=20,
-    evidence=f"in {_SWEEP}, max_logit grew at most x5.4 per 20 steps in the runs that did not fail and x13.7 "
-    "or more in the four that failed at lr 0.1, flagged 23 to 52 steps before their loss separated; with "
-    "QK-norm no run's largest logit passed 35",
+    evidence=(f"fitted on the calibration set of {_SWEEP}, where it fired on 7 of 12 failed runs and no other; "
+    "on the held-out validation set on 16 of 27 failed runs (9 in time) and 3 that did not fail, 2 of them "
+    "healthy. Healthy induction heads grow their logits x7 to x10 per 20 steps while the loss falls: the loss "
+    "gate, not the rate, tells them apart"),
+    **_LEARNING,
 )
 
+LOGIT_BURST_RULE = AlertRule(
+    name="logit_burst",
+    metric="max_logit",
+    threshold=100.0,
+    above=True,
+    patience=1,
+    margin=25.0,
+    warning=LogitGrowthWarning,
+    meaning="the head's largest attention logit jumped past 100 (Kimi K2's QK-Clip threshold) by a "
+    "factor of 20 or more within 10 steps: an immediate blow-up, typically at a high learning rate "
+    "without warmup, before any trend can be measured",
+    advice=_REMEDY,
+    growth=20.0,
+    window=10,
+    evidence=(f"in {_SWEEP}, runs at learning rate 0.1 without warmup reached max_logit 240 to 510 at "
+    "step 10 (from about 5), healthy runs at most 37 (calibration: 5 of 12 failed runs, 4 in time, no "
+    "other; validation: 8 of 27 failed, 5 in time, and one healthy run that blew up at step 10 and recovered)"),
+)
+
+#: Not a default: on the calibration set of the sweep it fired on healthy induction-head formation
+#: and on runs that did not fail, and flagged no failed run in time that the default rules missed;
+#: it stays for users who want to see a head go one-hot (replace it into ``alerts=``).
 ENTROPY_COLLAPSE_RULE = AlertRule(
     name="entropy_collapse",
     metric="entropy_norm",
@@ -360,10 +417,9 @@ ENTROPY_COLLAPSE_RULE = AlertRule(
     "under logit growth. A sharp head with steady logits (previous-token, induction) is not flagged",
     advice=_REMEDY,
     also=(Condition("max_logit", 10.0, above=True, growth=2.0, window=30),),
-    evidence=f"in {_SWEEP}, heads of runs that ended within 10 % of the best loss went down to entropy_norm "
-    "0.049 (recall) and 0.063 (char-LM, lr 0.01) with logits growing less than x2 per 30 steps, and did not "
-    "fire (entropy_norm <= 0.1 alone flagged the char-LM at lr 0.01); the char-LM that failed at lr 0.03 "
-    "fired at step 90, 46 steps before its loss separated",
+    evidence=(f"in {_SWEEP} (validation set), it fired on 25 of 27 failed runs but also on 7 that did not "
+    "fail, 6 of them healthy, mostly induction-head formation; on the calibration set it flagged no failed "
+    "run in time that the default rules missed"),
 )
 
 
@@ -435,7 +491,7 @@ def _trend_text(value: float, reference: tuple[int, float], step: int) -> str:
 
 
 #: Every default rule, in the order of the README's table.
-DEFAULT_RULES = (KAPPA_RULE, LOGIT_GROWTH_RULE, ENTROPY_COLLAPSE_RULE, MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE)
+DEFAULT_RULES = (KAPPA_RULE, LOGIT_GROWTH_RULE, LOGIT_BURST_RULE, MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE)
 
 
 @dataclass(frozen=True)
@@ -527,7 +583,8 @@ class AlertTracker:
         self._horizon = max(windows, default=0)
 
     def update(self, values: dict[str, list[Tensor]], step: int, layer_names: list[str], *,
-               qk_norm_layers: Collection[int] = (), losses: Sequence[tuple[int, float]] = ()) -> list[Alert]:
+               qk_norm_layers: Collection[int] = (), losses: Sequence[tuple[int, float]] = (),
+               first_loss: float | None = None) -> list[Alert]:
         """Feed one probe event; return the alerts that fire now.
 
         Args:
@@ -539,6 +596,7 @@ class AlertTracker:
             qk_norm_layers: indices of layers with QK-norm; rules with ``skip_qk_norm`` leave them out.
             losses: the recent training loss, ``(step, loss)`` oldest first, for rules with
                 ``learning_drop``.
+            first_loss: the run's first training loss (for ``solved_fraction``).
         """
         grids = {m: [h.detach().double().cpu().reshape(-1).tolist() if isinstance(h, Tensor) else list(h)
                      for h in values[m]] for m in values if any(m in r.metrics for r in self.rules)}
@@ -546,7 +604,7 @@ class AlertTracker:
         for rule in self.rules:
             if not all(metric in grids for metric in rule.metrics):
                 continue
-            learning = rule.learning(losses, step)
+            learning = rule.learning(losses, step, first_loss)
             for layer, heads in enumerate(zip(*(grids[m] for m in rule.metrics))):
                 if rule.skip_qk_norm and layer in qk_norm_layers:
                     continue

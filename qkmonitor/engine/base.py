@@ -204,8 +204,9 @@ class MonitorEngine:
         self._warned: set[str] = set()
         #: whether a rule reads the training loss (``learning_drop``); the loss is kept only then
         self.reads_loss = any(rule.learning_drop is not None for rule in rules)
-        horizon = max((rule.learning_window for rule in rules if rule.learning_drop is not None), default=0)
+        horizon = max((rule.loss_window for rule in rules if rule.learning_drop is not None), default=0)
         self._losses: deque[tuple[int, Tensor | float]] = deque(maxlen=4 * (horizon + LOSS_SMOOTHING))
+        self._first_losses: list[Tensor | float] = []
 
     # -- the training loss -------------------------------------------------------------------
 
@@ -215,6 +216,14 @@ class MonitorEngine:
         device sync on the other steps); a no-op when no rule reads the loss."""
         if self.reads_loss:
             self._losses.append((step, loss.detach() if isinstance(loss, Tensor) else float(loss)))
+            if len(self._first_losses) < LOSS_SMOOTHING:
+                self._first_losses.append(self._losses[-1][1])
+
+    def first_loss(self) -> float | None:
+        """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen."""
+        values = [float(v) for v in self._first_losses]
+        values = [v for v in values if math.isfinite(v)]
+        return sum(values) / len(values) if values else None
 
     def loss_history(self) -> list[tuple[int, float]]:
         """The kept ``(step, loss)`` pairs as floats, oldest first (one read of the tensors)."""
@@ -357,7 +366,8 @@ class MonitorEngine:
             self.latest, self.latest_step = values, step
             alerts = self.tracker.update(rows, step, [layer.name for layer in self.layers],
                                          qk_norm_layers=self.qk_norm_layers,
-                                         losses=self.loss_history() if self.reads_loss else ())
+                                         losses=self.loss_history() if self.reads_loss else (),
+                                         first_loss=self.first_loss() if self.reads_loss else None)
         scalars = self.scalars(rows, prefix)
         if not validation:
             scalars.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
@@ -457,13 +467,22 @@ class MonitorEngine:
     # -- resume ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"alerts": self.tracker.state_dict(), "latest_step": self.latest_step,
-                "nonfinite_layers": sorted(self._nonfinite)}
+        state = {"alerts": self.tracker.state_dict(), "latest_step": self.latest_step,
+                 "nonfinite_layers": sorted(self._nonfinite)}
+        if self.reads_loss:  # a resumed run tells learning from failing from its first probe on
+            state["losses"] = [list(pair) for pair in self.loss_history()]
+            state["first_loss"] = self.first_loss()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tracker.load_state_dict(state.get("alerts", {}))
         self.latest_step = state.get("latest_step")
         self._nonfinite = set(state.get("nonfinite_layers", []))
+        if self.reads_loss and "losses" in state:
+            self._losses.clear()
+            self._losses.extend((int(s), float(v)) for s, v in state["losses"])
+            first = state.get("first_loss")
+            self._first_losses = [] if first is None else [float(first)] * LOSS_SMOOTHING
 
 
 def _rows(values: Values | dict[str, list[list[float]]]) -> dict[str, list[list[float]]]:

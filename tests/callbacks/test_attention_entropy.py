@@ -172,12 +172,13 @@ def test_entropy_collapse_needs_sharp_heads_whose_logits_keep_growing(tmp_path, 
     # 30x queries make every head near one-hot; at lr 0 with steady weights that is a sharp head,
     # not a collapse in progress (the rule also needs max_logit growing x2 per 30 steps). Queries
     # growing 5 % a step grow the logits x4.3 per 30 steps: the rule fires at the first probe 30
-    # steps after another (probes every 10 steps: at step 30).
+    # steps after another (probes every 10 steps: at step 30). The rule is opt-in (not a default):
+    # passed here explicitly.
     task, data = make_task(lr=0.0)
     with torch.no_grad():
         for block in task.model.blocks:
             block.attn.q_proj.weight.mul_(q_scale)
-    monitor = AttentionEntropyMonitor(every_n_steps=10)
+    monitor = AttentionEntropyMonitor(every_n_steps=10, alerts=[ENTROPY_COLLAPSE_RULE])
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=31, logger=False, callbacks=[GrowQueries(growth), monitor],
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          limit_val_batches=0)

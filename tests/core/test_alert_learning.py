@@ -33,9 +33,10 @@ def feed(tracker: AlertTracker, series: dict[int, float], loss: dict[int, float]
 
 
 @pytest.mark.parametrize("field, value", [("learning_drop", 0.0), ("learning_drop", 1.0), ("learning_drop", "0.1"),
-                                          ("learning_drop", True)])
+                                          ("learning_drop", True), ("learning_window", 0),
+                                          ("learning_window", 2.5)])
 def test_learning_drop_is_a_fraction(field, value):
-    with pytest.raises(ValueError, match="learning_drop"):
+    with pytest.raises(ValueError, match=field):
         GROWTH.replace(**{field: value})
 
 
@@ -58,8 +59,16 @@ def test_the_loss_is_compared_over_the_rule_window_smoothed():
     assert not rule.learning(losses(loss), 30)
     assert not rule.learning([], 30)  # no loss: no evidence of learning
     assert not rule.learning(losses({s: float("nan") for s in range(31)}), 30)
-    assert rule.replace(window=None).learning_window == LEARNING_WINDOW
+    assert rule.replace(window=None).loss_window == LEARNING_WINDOW
+    assert rule.replace(learning_window=5).loss_window == 5
     assert LOSS_SMOOTHING == 10
+
+
+def test_the_default_trend_rules_read_the_loss_and_the_burst_rule_does_not():
+    from qkmonitor.alerts import KAPPA_RULE, LOGIT_BURST_RULE, LOGIT_GROWTH_RULE
+
+    assert KAPPA_RULE.learning_drop and LOGIT_GROWTH_RULE.learning_drop and LOGIT_BURST_RULE.learning_drop is None
+    assert AttentionEntropy().reads_loss
 
 
 def test_the_description_says_the_rule_reads_the_loss():
@@ -103,7 +112,7 @@ def test_observe_loss_outside_a_window_needs_the_step():
 
 
 def test_engines_without_such_rules_keep_no_loss():
-    engine = AttentionEntropy()
+    engine = AttentionEntropy(alerts=[])
     engine.observe_loss(0, torch.tensor(1.0))
     assert not engine.reads_loss and engine.loss_history() == []
 
