@@ -194,7 +194,7 @@ class AttentionMonitor(Callback):
     def _observe_loss(self, outputs: Any) -> None:
         """Hand the batch's training loss (``training_step``'s return: the tensor, or its
         ``"loss"``) to the engine, at the step the batch started on, for the rules that read it."""
-        if not self.engine.reads_loss:
+        if not self.engine.wants_loss(self._batch_step):
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, Tensor) and loss.numel() == 1:

@@ -205,6 +205,7 @@ class MonitorEngine:
         #: whether a rule reads the training loss (``learning_drop``); the loss is kept only then
         self.reads_loss = any(rule.learning_drop is not None for rule in rules)
         horizon = max((rule.loss_window for rule in rules if rule.learning_drop is not None), default=0)
+        self._loss_horizon = horizon + LOSS_SMOOTHING  # steps before a probe whose loss it reads
         self._losses: deque[tuple[int, Tensor | float]] = deque(maxlen=4 * (horizon + LOSS_SMOOTHING))
         self._first_losses: list[Tensor | float] = []
 
@@ -214,10 +215,19 @@ class MonitorEngine:
         """The training loss of the batch at ``step`` (call it at every step, before the step's
         :meth:`finish`). Kept as a detached tensor, read only when a probe's rules need it (no
         device sync on the other steps); a no-op when no rule reads the loss."""
-        if self.reads_loss:
+        if self.wants_loss(step):
             self._losses.append((step, loss.detach() if isinstance(loss, Tensor) else float(loss)))
             if len(self._first_losses) < LOSS_SMOOTHING:
                 self._first_losses.append(self._losses[-1][1])
+
+    def wants_loss(self, step: int) -> bool:
+        """Whether the loss of ``step`` can matter: a rule reads the loss and ``step`` is among the
+        first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` steps or within the rules' loss windows
+        before a probe step (at ``every_n_steps=50``, 21 steps of 50; at 10, every step)."""
+        if not self.reads_loss:
+            return False
+        every = self.every_n_steps
+        return every is None or step < LOSS_SMOOTHING or (-step) % every <= self._loss_horizon
 
     def first_loss(self) -> float | None:
         """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen."""

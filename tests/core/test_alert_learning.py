@@ -145,3 +145,13 @@ def test_lightning_hands_training_step_loss_to_the_rules(tmp_path):
     with torch.no_grad():
         expected = [float(task.training_step((tokens[2 * i:2 * i + 2],), i)["loss"]) for i in range(6)]
     assert [v for _, v in history] == pytest.approx(expected, rel=1e-6)  # lr 0: the same weights
+
+
+def test_only_the_losses_a_probe_can_read_are_kept():
+    # every 50 steps, windows of 10 + 10 steps: the 20 steps before a probe, the probe, the first 10
+    engine = AttentionEntropy(every_n_steps=50)
+    for step in range(101):
+        engine.observe_loss(step, float(step))
+    kept = [s for s, _ in engine.loss_history()]
+    assert kept == [*range(0, 10), *range(30, 51), *range(80, 101)]
+    assert engine.first_loss() == pytest.approx(4.5)  # mean of steps 0..9
