@@ -1,45 +1,48 @@
-"""Does qkmonitor warn in time? A learning-rate sweep with and without QK-norm, alerts scored.
+"""Does qkmonitor warn in time, and stay quiet on healthy learning? The alert calibration suite.
 
-The attention-logit-growth instability of Dehghani et al. 2023 (ViT-22B) and Wortsman et al. 2023
-("Small-scale proxies for large-scale Transformer training instabilities", arXiv 2309.14322,
-Figure 1), reproduced at CPU scale on two bundled tasks: a character-level LM on the Python
-standard library's source (``charlm``) and multi-query associative recall (``recall``, a task
-solved by sharp induction heads). Each run trains the bundled decoder (d_model 64, 2 layers, 4
-heads; char-LM: context 64, batch 16, 250 steps; recall: 8 pairs, batch 64, 300 steps) with AdamW
-(betas 0.9/0.98, weight decay 0.1 on matrices; linear warmup over 50 steps, then the peak rate) in a
-plain loop with all three monitors on (:class:`qkmonitor.engine.Monitoring`, probe every 10 steps)
-and their **default alert rules**, so the alerts are the ones a user would see. One process per
-core (``--jobs``), one thread each.
+Six task/architecture families of the bundled models (``benchmarks/families.py``: induction-head
+formation, char-LM, associative recall, an encoder-decoder, a vision encoder with 2-D RoPE,
+grokking), each at its learning-rate sweep, with a 50-step linear warmup and without, seeds 0 and
+1. Every run trains with AdamW (betas 0.9/0.98, weight decay on matrices) in a plain loop with all
+three monitors on (:class:`qkmonitor.engine.Monitoring`, probe every 10 steps), their **default
+alert rules**, and the training loss handed to them (``Monitoring.observe_loss``), so the alerts are
+the ones a user would see. One process per core (``--jobs``), one thread each.
 
-Per run it records the training loss of every step, every probe's values (every metric, layer and
-head) and every alert (rule, layer, head, step). The summary then says:
+The split (:data:`CALIBRATION`) was fixed before any rule was fitted: the rules are fitted on the
+calibration set only; the validation set (the other seed of the four calibration families, and
+two families never seen) is the one whose figures count.
 
-- **final loss**: the mean training loss over the last 20 steps (every batch is freshly drawn, so
-  the training loss is a held-out estimate);
-- **failed**: final loss >= 1.2 x the best final loss of the task's sweep *and* a learning rate
-  above the best one of its variant (QK-norm off or on, by the mean over seeds). Runs below their
-  variant's best rate that end that high are *slow*, not unstable, and are reported apart;
-- **healthy**: final loss within 10 % of the task's best; these must fire no alert at all;
+Per run it records the training loss of every step, the scored loss (the training loss where
+every batch is fresh, the held-out loss for grokking), every probe's values (every metric, layer
+and head) and every alert. The summary then says, per family (losses plus the family's floor,
+0.05 nats, so that two runs that both solved a task are alike):
+
+- **final loss**: the mean scored loss over the last 20 steps;
+- **failed**: final loss >= 1.2 x the family's best *and* a learning rate above the best one of
+  its variant (warmup or not, by the mean over seeds); runs below it that end that high are
+  *slow*, not unstable;
+- **healthy**: final loss within 1.1 x the family's best; these must fire no alert at all;
 - **separation**: the first step from which the run's loss (mean over the last 10 steps) stays
-  above 1.1 x the best run's (same task and seed, lowest final loss, same steps) until the end;
-- **recall** = failed runs with an alert / failed runs; **precision** = failed runs with an alert
-  / runs with an alert; **lead** = separation step - first alert step (the requirement: >= 20).
+  above 1.1 x the best run's of the same seed until the end;
+- **in time**: an alert at least ``MIN_LEAD`` steps before a separation after step ``EARLY``, or
+  for an earlier separation by the first probe at or after it.
 
 Trajectories are cached (``--cache``, one JSON per run), so that changed rules can be evaluated
-against the recorded runs without training again (``--replay``): the recorded values go through
-the same engines and rules (``MonitorEngine.record``) as in training. A fresh run checks that the
-replay gives exactly the alerts the live run fired.
+against the recorded runs without training again (``--replay``): the recorded losses and values go
+through the same engines and rules (``observe_loss``, ``MonitorEngine.record``) as in training. A
+fresh run checks that the replay gives exactly the alerts the live run fired.
 
-Outputs: ``docs/instability.png`` (final loss against learning rate for both variants with the
-alerted runs marked, and the largest attention logit of each run), ``docs/instability.json``
-(per-run results and the summary), and markdown tables on stdout (the README's "Does it warn in
-time?" section). ``--quick`` writes its figure and JSON next to the cache instead.
+Outputs: ``docs/instability.png`` (per family: final loss and the largest attention logit against
+the learning rate, with and without warmup, alerted runs marked), ``docs/instability.json`` (per-run
+results and the summary per split and family), and markdown tables on stdout (the README's "Does
+it warn in time?"). ``--quick`` writes its figure and JSON next to the cache instead.
 
 Usage::
 
-    python benchmarks/instability.py            # 2 tasks x 5 rates x QK-norm off/on x 2 seeds (5-11 min)
-    python benchmarks/instability.py --quick    # both tasks, 3 rates, 1 seed, 60 % of the steps (~2.5 min)
-    python benchmarks/instability.py --replay   # re-score the cached runs with the current rules (seconds)
+    python benchmarks/instability.py            # 6 families x 4 rates x warmup on/off x 2 seeds (~16 min)
+    python benchmarks/instability.py --quick    # 2 rates, seed 0, 60 % of the steps (~3 min)
+    python benchmarks/instability.py --replay   # re-score the cached runs with the current rules (~30 s)
+    python benchmarks/instability.py --qk-norm  # every run also with QK-norm
 """
 
 from __future__ import annotations
