@@ -75,7 +75,7 @@ def test_nan_never_fires_an_alert():
     model = TwoLayers()
     with torch.no_grad():
         model.first.in_proj_weight.fill_(float("nan"))
-    level = KAPPA_RULE.replace(threshold=0.0, patience=1, growth=None, window=None, grace_steps=0)  # kappa >= 0
+    level = KAPPA_RULE.replace(threshold=0.0, patience=1, growth=None, window=None, grace_steps=0, also=())  # kappa >= 0
     monitoring = Monitoring(model, [QKSpectrum(every_n_steps=1, alerts=[level])])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
