@@ -446,13 +446,13 @@ def draw(scored: list[Scored], path: Path) -> None:
                            edgecolors=color, s=24, zorder=3)
                 ax.scatter([s.record.spec.lr for s in loud], [value(s) for s in loud], color=color, marker="X",
                            s=50, zorder=4)
-        split = "validation" if all(s.record.spec.split == "validation" for s in runs) else "calibration seed 0"
+        split = "validation" if all(s.record.spec.split == "validation" for s in runs) else "seed 0 calibration"
         loss_ax.axhline(FAIL_RATIO * (best + floor) - floor, color="grey", ls="--", lw=0.8)
         loss_ax.axhline(HEALTHY_RATIO * (best + floor) - floor, color="grey", ls=":", lw=0.8)
-        loss_ax.set(xscale="log", xlabel="peak learning rate", ylabel="final loss (nats)",
-                    title=f"{family} ({split}): final loss (X = alerted; -- failed, ·· healthy bound)")
-        logit_ax.set(xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit",
-                     title=f"{family}: largest attention logit over training")
+        loss_ax.set(xscale="log", xlabel="peak learning rate", ylabel="final loss (nats)")
+        loss_ax.set_title(f"{family} ({split}): final loss; X alerted, -- failed, ·· healthy", fontsize=9)
+        logit_ax.set(xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit")
+        logit_ax.set_title(f"{family}: largest attention logit over training", fontsize=9)
         loss_ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)

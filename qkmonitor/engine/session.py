@@ -79,6 +79,7 @@ class Monitoring:
         for step, batch in enumerate(loader):
             with monitoring.step(step):  # measures this step's forward on probe steps
                 loss = model(batch).loss
+                monitoring.observe_loss(loss)  # the trend alerts stay quiet while the loss falls
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
