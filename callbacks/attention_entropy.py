@@ -43,7 +43,7 @@ class AttentionEntropyMonitor(ActivationMonitor):
     - ``{prefix}/heatmap/entropy_norm``, ``{prefix}/heatmap/max_prob`` — layer x head images (at
       every ``visuals_every_n_probes``-th probe).
     - ``{prefix}/{metric}/layer_LL/head_HH`` with ``per_head=True``.
-    - ``{prefix}/alerts/entropy_collapse``, ``{prefix}/alerts/logit_growth``.
+    - ``{prefix}/alerts/logit_growth``, ``{prefix}/alerts/logit_burst`` (the default rules).
 
     Default alerts (calibrated on ``benchmarks/instability.py``): ``max_logit >= 20`` growing x8 per
     20 steps (:data:`~qkmonitor.alerts.LOGIT_GROWTH_RULE`), and ``entropy_norm <= 0.05`` while

@@ -230,8 +230,12 @@ class MonitorEngine:
         return every is None or step < LOSS_SMOOTHING or (-step) % every <= self._loss_horizon
 
     def first_loss(self) -> float | None:
-        """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen."""
-        values = [float(v) for v in self._first_losses]
+        """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen
+        (read from the device once, when all of them are in)."""
+        values = torch.stack([torch.as_tensor(v).reshape(()).float() for v in self._first_losses]).tolist() \
+            if self._first_losses else []
+        if len(values) == LOSS_SMOOTHING:
+            self._first_losses = [float(v) for v in values]  # read once: floats from now on
         values = [v for v in values if math.isfinite(v)]
         return sum(values) / len(values) if values else None
 

@@ -155,3 +155,21 @@ def test_only_the_losses_a_probe_can_read_are_kept():
     kept = [s for s, _ in engine.loss_history()]
     assert kept == [*range(0, 10), *range(30, 51), *range(80, 101)]
     assert engine.first_loss() == pytest.approx(4.5)  # mean of steps 0..9
+
+
+def test_the_loss_history_survives_a_resume_and_a_fresh_engine_then_decides_as_the_old_one():
+    # a resumed run must tell learning from failing at its first probe: the kept losses and the
+    # first loss travel in the state dict
+    engine = AttentionEntropy(every_n_steps=10)
+    for step in range(40):
+        engine.observe_loss(step, torch.tensor(3.0 * 0.9 ** step))
+    state = engine.state_dict()
+    again = AttentionEntropy(every_n_steps=10)
+    again.load_state_dict(state)
+    assert again.loss_history() == pytest.approx(engine.loss_history())
+    assert again.first_loss() == pytest.approx(engine.first_loss())
+    rule = again.tracker.rules[0]
+    assert rule.learning(again.loss_history(), 39, again.first_loss()) == rule.learning(
+        engine.loss_history(), 39, engine.first_loss()) is True
+    fresh = AttentionEntropy(every_n_steps=10)
+    assert not rule.learning(fresh.loss_history(), 39, fresh.first_loss())  # without it: no evidence
