@@ -637,8 +637,8 @@ class AlertTracker:
                 self._active.discard(key)
                 self._streak.pop(key, None)
             return None
-        references = [self.reference(t.metric, layer, head, step, t.window) if t.growth is not None else None
-                      for t in rule.tests]
+        references = [] if learning else [  # a learning run crosses nothing: no trend to measure
+            self.reference(t.metric, layer, head, step, t.window) if t.growth is not None else None for t in rule.tests]
         crossed = not learning and all(t.crossed(v, ref, step) for t, v, ref in zip(rule.tests, cell, references))
         streak = self._streak.get(key, 0) + 1 if crossed else 0
         if streak >= rule.patience and step >= rule.grace_steps:

@@ -71,16 +71,22 @@ class AttentionStatistics(_PerHeadMetric):
         live = n >= 1  # fully masked rows are left out of every aggregate
         spread = n > 1  # entropy_norm is undefined for a single key
         entropy = stats.entropy.double()
-        self.entropy_sum += _sum_rows(entropy, live)
-        self.max_prob_sum += _sum_rows(stats.max_prob.double(), live)
-        self.rows += live.sum(dim=(0, 2)).double()
-        self.entropy_norm_sum += _sum_rows(entropy / n.clamp_min(2.0).log(), spread)
-        self.norm_rows += spread.sum(dim=(0, 2)).double()
+        columns = [entropy, stats.max_prob.double(), torch.ones_like(n), entropy / n.clamp_min(2.0).log(),
+                   spread.double()]
+        if stats.sink_mass is not None:
+            columns += [stats.sink_mass.double(), torch.ones_like(n)]
+        keep = torch.stack([live, live, live, spread, live] + [live] * (len(columns) - 5))
+        sums = torch.where(keep, torch.stack(columns), 0.0).sum(dim=(1, 3))  # (fields, H): one reduction
+        self.entropy_sum += sums[0]
+        self.max_prob_sum += sums[1]
+        self.rows += sums[2]
+        self.entropy_norm_sum += sums[3]
+        self.norm_rows += sums[4]
+        if stats.sink_mass is not None:
+            self.sink_mass_sum += sums[5]
+            self.sink_rows += sums[6]
         logits = torch.where(live, stats.max_logit.double(), float("-inf"))
         self.max_logit = torch.maximum(self.max_logit, logits.amax(dim=(0, 2)))
-        if stats.sink_mass is not None:
-            self.sink_mass_sum += _sum_rows(stats.sink_mass.double(), live)
-            self.sink_rows += live.sum(dim=(0, 2)).double()
 
     def compute(self) -> dict[str, Tensor]:
         """Per-head (H,) float64 values; NaN where no row contributed or a row was NaN."""
@@ -93,11 +99,6 @@ class AttentionStatistics(_PerHeadMetric):
         if bool((self.sink_rows > 0).any()):
             out["sink_mass"] = self.sink_mass_sum / self.sink_rows
         return out
-
-
-def _sum_rows(values: Tensor, keep: Tensor) -> Tensor:
-    """Sum of ``values`` (B, H, N) over batch and rows where ``keep``: (H,)."""
-    return torch.where(keep, values, 0.0).sum(dim=(0, 2))
 
 
 class HeadMean(_PerHeadMetric):

@@ -231,19 +231,20 @@ class MonitorEngine:
 
     def first_loss(self) -> float | None:
         """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen
-        (read from the device once, when all of them are in)."""
-        values = torch.stack([torch.as_tensor(v).reshape(()).float() for v in self._first_losses]).tolist() \
-            if self._first_losses else []
-        if len(values) == LOSS_SMOOTHING:
-            self._first_losses = [float(v) for v in values]  # read once: floats from now on
-        values = [v for v in values if math.isfinite(v)]
+        (each read from the device once)."""
+        self._first_losses = _as_floats(self._first_losses)
+        values = [v for v in self._first_losses if math.isfinite(v)]
         return sum(values) / len(values) if values else None
 
     def loss_history(self) -> list[tuple[int, float]]:
-        """The kept ``(step, loss)`` pairs as floats, oldest first (one read of the tensors)."""
-        tensors = [v for _, v in self._losses if isinstance(v, Tensor)]
-        floats = iter(torch.stack([t.reshape(()).float() for t in tensors]).tolist() if tensors else [])
-        return [(s, next(floats) if isinstance(v, Tensor) else v) for s, v in self._losses]
+        """The kept ``(step, loss)`` pairs as floats, oldest first (each tensor read once, in one
+        stack with the others not read yet)."""
+        if any(isinstance(v, Tensor) for _, v in self._losses):
+            steps = [s for s, _ in self._losses]
+            floats = _as_floats([v for _, v in self._losses])
+            self._losses.clear()
+            self._losses.extend(zip(steps, floats))
+        return list(self._losses)
 
     # -- what the engine logs ----------------------------------------------------------------
 
@@ -606,3 +607,12 @@ class ActivationEngine(MonitorEngine):
         """Values from the closed probes' results (one per layer, of the window at ``step``), plus
         extra ``record`` arguments; images only where ``visuals``."""
         raise NotImplementedError
+
+
+def _as_floats(values: list[Tensor | float]) -> list[float]:
+    """``values`` as Python floats; the tensors among them read from the device in one stack."""
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    if not tensors:
+        return list(values)  # type: ignore[arg-type]
+    read = iter(torch.stack([t.reshape(()).float() for t in tensors]).tolist())
+    return [next(read) if isinstance(v, Tensor) else v for v in values]

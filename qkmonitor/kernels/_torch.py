@@ -284,8 +284,8 @@ def _one_block_stats(q_g, k, key_padding_mask, causal, sink_tokens, heads):
     n, m_keys = q_g.shape[-2], k.shape[2]
     s = q_g @ k[:, :, None].to(q_g.dtype).transpose(-1, -2)  # (B, H_kv, G, N, M)
     allowed = _allowed(torch.arange(n, device=q_g.device), 0, m_keys, m_keys - n, causal, key_padding_mask)
-    if allowed is not None:
-        s.masked_fill_(~allowed, _NEG_INF)
+    if allowed is not None:  # torch.where: the same numbers as masked_fill_, faster on a broadcast mask
+        s = torch.where(allowed, s, _NEG_INF)
     largest = torch.finfo(s.dtype).max
     m = s.amax(dim=-1)
     s -= m.clamp(-largest, largest)[..., None]  # as in the online loop: a finite shift
@@ -302,7 +302,8 @@ def _row_stats(m, l, u, sink, heads):
     batch, n = m.shape[0], m.shape[-1]
     empty = l == 0
     l_safe = torch.where(empty, 1.0, l)
-    lse = torch.where(empty, _NEG_INF, m + torch.log(l_safe))  # NaN and +inf rows: NaN, +inf
+    log_l = torch.log(l_safe)
+    lse = torch.where(empty, _NEG_INF, m + log_l)  # NaN and +inf rows: NaN, +inf
     healthy = l < float("inf")  # False for NaN and +inf rows; True for empty rows
 
     def finish(x: torch.Tensor) -> torch.Tensor:
@@ -311,7 +312,7 @@ def _row_stats(m, l, u, sink, heads):
     def row_stat(value: torch.Tensor, empty_value: float) -> torch.Tensor:
         return torch.where(healthy, torch.where(empty, empty_value, value), float("nan"))
 
-    entropy = row_stat((torch.log(l_safe) - u / l_safe).clamp(min=0.0), 0.0)
+    entropy = row_stat((log_l - u / l_safe).clamp(min=0.0), 0.0)
     max_prob = row_stat(1.0 / l_safe, 0.0)
     sink_mass = None if sink is None else finish(row_stat(sink / l_safe, 0.0))
     max_logit = torch.where(l.isnan(), float("nan"), m)  # −inf on empty rows, +inf on +inf rows
