@@ -87,10 +87,18 @@ OPT_IN = ((SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor"), (ENTROPY_COLLAPSE_RULE, "
 
 
 #: The split, fixed before any rule was tuned on the suite: the rules are fitted on the
-#: calibration set only; the validation set (two families never seen, and the other seed of the
-#: four seen ones) is the one whose figures count.
-CALIBRATION = {(family, 0) for family in ("charlm", "recall", "induction", "seq2seq")}
-SEEDS = (0, 1)
+#: calibration set only; the validation set is the one whose figures count.
+#:
+#: Round 1 (2026-12-01) fitted on seed 0 of charlm, recall, induction and seq2seq and validated on
+#: the rest of seeds 0 and 1 (vision and grokking never seen). Its validation set was then read
+#: (which runs were missed and why), so it cannot validate again: round 2 (2026-12-02) fits on
+#: every run of seeds 0 and 1 and validates on seed 2 of every family, written here before any
+#: seed-2 run was trained.
+CALIBRATION_SEEDS = (0, 1)
+CALIBRATION = {(family, seed) for family in FAMILIES for seed in CALIBRATION_SEEDS}
+SEEDS = (0, 1, 2)
+#: round 1's split, for the record (``--round 1`` scores the cached runs by it)
+ROUND_1_CALIBRATION = {(family, 0) for family in ("charlm", "recall", "induction", "seq2seq")}
 
 
 def split_of(family: str, seed: int) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkmonitor.alerts import LOGIT_BURST_RULE, LOGIT_GROWTH_RULE
+from qkmonitor.alerts import LOGIT_BURST_RULE, LOGIT_GROWTH_RULE, LOGIT_JUMP_RULE
 from qkmonitor.catalogue import ENTROPY, names_of
 from qkmonitor.engine.base import ActivationEngine, Values
 from qkmonitor.metrics import AttentionStatistics
@@ -41,7 +41,7 @@ class AttentionEntropy(ActivationEngine):
     """
 
     monitor = ENTROPY
-    default_rules = (LOGIT_GROWTH_RULE, LOGIT_BURST_RULE)
+    default_rules = (LOGIT_GROWTH_RULE, LOGIT_BURST_RULE, LOGIT_JUMP_RULE)
 
     def __init__(self, *, sink_tokens: int = 0, **kwargs: Any) -> None:
         if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
