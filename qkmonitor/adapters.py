@@ -394,7 +394,13 @@ def _from_user(model: nn.Module, layers: LayerSpec | nn.Module | AttentionLayer)
         items = [layers]
     elif callable(layers):
         items = layers(model)
-        items = [items] if isinstance(items, (nn.Module, AttentionLayer)) else list(items)
+        if isinstance(items, (nn.Module, AttentionLayer)):
+            items = [items]
+        elif isinstance(items, Iterable) and not isinstance(items, (str, bytes)):
+            items = list(items)
+        else:
+            raise ValueError(f"Expected the function passed as `layers` to return a module, an AttentionLayer or a "
+                             f"list of them for the model, got {type(items).__name__}")
     elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)):
         items = list(layers)
     else:

@@ -468,7 +468,9 @@ def hidden_state_metrics(x: Tensor) -> tuple[Tensor, Tensor]:
 
     Returns:
         ``(hidden_erank, hidden_collapse)``, each (...) float64 (singular values by
-        :func:`gram_singular_values`); NaN for a sequence holding NaN or Inf.
+        :func:`gram_singular_values`); NaN for a sequence holding NaN or Inf, and
+        ``hidden_collapse`` NaN for a single token (one row is its own mean: the residual is
+        undefined, not a collapse).
 
     Example:
         >>> x = torch.tensor([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]])  # three identical tokens
@@ -479,4 +481,5 @@ def hidden_state_metrics(x: Tensor) -> tuple[Tensor, Tensor]:
     erank = effective_rank(gram_singular_values(x))  # NaN for a sequence holding NaN/Inf
     centered = x - x.mean(dim=-2, keepdim=True)
     collapse = torch.linalg.vector_norm(centered, dim=(-2, -1)) / torch.linalg.vector_norm(x, dim=(-2, -1))
-    return erank, torch.where(erank.isnan(), float("nan"), collapse)
+    undefined = erank.isnan() | (x.shape[-2] < 2)
+    return erank, torch.where(undefined, float("nan"), collapse)

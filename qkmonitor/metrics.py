@@ -67,6 +67,8 @@ class AttentionStatistics(_PerHeadMetric):
             raise ValueError(
                 f"Expected statistics of shape (B, {self.num_heads}, N), got {tuple(stats.entropy.shape)}"
             )
+        if stats.entropy.numel() == 0:  # an empty batch (0 sequences or 0 tokens): no row to add
+            return
         n = stats.attended.double()
         live = n >= 1  # fully masked rows are left out of every aggregate
         spread = n > 1  # entropy_norm is undefined for a single key
@@ -89,8 +91,12 @@ class AttentionStatistics(_PerHeadMetric):
         self.max_logit = torch.maximum(self.max_logit, logits.amax(dim=(0, 2)))
 
     def compute(self) -> dict[str, Tensor]:
-        """Per-head (H,) float64 values; NaN where no row contributed or a row was NaN."""
+        """Per-head (H,) float64 values; NaN where no row contributed or a row was NaN. Also
+        ``rows`` and ``norm_rows``, the rows counted (all, and those with more than one key): a
+        value with none is undefined, not broken."""
         out = {
+            "rows": self.rows.clone(),
+            "norm_rows": self.norm_rows.clone(),
             "entropy": self.entropy_sum / self.rows,
             "entropy_norm": self.entropy_norm_sum / self.norm_rows,
             "max_prob": self.max_prob_sum / self.rows,

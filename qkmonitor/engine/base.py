@@ -177,6 +177,9 @@ class MonitorEngine:
         if alerts is not None and (isinstance(alerts, (str, bytes)) or not isinstance(alerts, Sequence)):
             raise ValueError(f"Expected `alerts` to be a list of AlertRule or None, got {type(alerts).__name__}")
         self.every_n_steps = every_n_steps
+        self._every_n_steps_given = every_n_steps
+        self._restored = False  # a checkpoint's state was loaded and the next bind keeps it
+        self._session: Callable[[], Any] | None = None  # the plain-loop Monitoring holding it (a weakref)
         self.visuals_every_n_probes = visuals_every_n_probes
         self.per_head = per_head
         self.prefix = check_prefix(log_key_prefix)
@@ -300,12 +303,26 @@ class MonitorEngine:
             ValueError: if no attention layer is found, or ``layers`` names a module that is not
                 in ``model`` or not supported.
         """
+        if self._restored:  # resuming: the state loaded from the checkpoint goes on
+            self._restored = False
+        else:  # a new run (a callback reused for a second fit starts as a new one would)
+            self._start_run()
         if self.every_n_steps is None:
             self.every_n_steps = max(1, int(default_every_n_steps))
         self.layers = find_attention_layers(model, self.layer_spec)
         self.unmeasured = unmeasured_attention_like(model, self.layers) if self.layer_spec is None else []
         self.qk_norm_layers = frozenset(i for i, layer in enumerate(self.layers) if layer.has_qk_norm)
         self._prepare(model)
+
+    def _start_run(self) -> None:
+        """Forget what an earlier run left: alert state and counts, the latest values, the loss
+        history, the warnings given, the interval taken from an earlier Trainer."""
+        self.every_n_steps = self._every_n_steps_given
+        self.tracker = AlertTracker(self.tracker.rules)
+        self.latest, self.latest_step, self.latest_validation = {}, None, {}
+        self._nonfinite, self._warned = set(), set()
+        self._losses.clear()
+        self._first_losses = []
 
     def _prepare(self, model: nn.Module) -> None:
         """Subclasses build per-layer state once the layers are known."""
@@ -445,7 +462,7 @@ class MonitorEngine:
             host.stop()
 
     def warn_once(self, host: Host, key: str, message: str) -> None:
-        """Warn once per ``key`` for the engine's lifetime."""
+        """Warn once per ``key`` per run (a new fit warns again)."""
         if key not in self._warned:
             self._warned.add(key)
             host.warn(f"{type(self).__name__}: {message}", RuntimeWarning)
@@ -490,6 +507,7 @@ class MonitorEngine:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = True
         self.tracker.load_state_dict(state.get("alerts", {}))
         self.latest_step = state.get("latest_step")
         self._nonfinite = set(state.get("nonfinite_layers", []))
@@ -593,6 +611,10 @@ class ActivationEngine(MonitorEngine):
         self.record(host, values, step, validation=validation, **extra)
 
     def _report_missing(self, host: Host, results: list[ProbeResult]) -> None:
+        measured = [t for r in results for t in [*(s.entropy for s in r.stats), *r.probs]]
+        if measured and all(t.numel() == 0 for t in measured):
+            self.warn_once(host, "empty", "a probed batch held no token (an empty batch): nothing was measured and "
+                           "its values are NaN. This warning is shown once.")
         for layer, result, measurable in zip(self.layers, results, self._measurable):
             if result.calls == 0 and measurable:
                 self.warn_once(host, f"missing:{layer.name}",

@@ -65,6 +65,7 @@ class AttentionEntropy(ActivationEngine):
 
     def _measure(self, results: list[ProbeResult], step: int, *, visuals: bool) -> tuple[Values, dict[str, Any]]:
         values: Values = {name: [] for name in self.metric_names}
+        undefined: dict[str, list[Tensor]] = {name: [] for name in self.metric_names}
         for i, result in enumerate(results):
             heads = [stats.entropy.shape[1] for stats in result.stats]
             if heads and heads[0] != self._aggregators[i].num_heads and not self.layers[i].layout_ready:
@@ -82,6 +83,9 @@ class AttentionEntropy(ActivationEngine):
                 computed = aggregator.compute()
             aggregator.reset()
             nan = torch.full((aggregator.num_heads,), math.nan)
+            no_rows, no_spread = (computed["rows"] == 0).cpu(), (computed["norm_rows"] == 0).cpu()
             for name in self.metric_names:
                 values[name].append(computed.get(name, nan).float().cpu())
-        return values, {}
+                # no row (an empty batch), or no row with two keys (one-token sequences): NaN by definition
+                undefined[name].append(no_spread | no_rows if name == "entropy_norm" else no_rows)
+        return values, {"undefined": undefined}

@@ -148,6 +148,7 @@ class EffectiveRank(ActivationEngine):
 
     def _measure(self, results: list[ProbeResult], step: int, *, visuals: bool) -> tuple[Values, dict[str, Any]]:
         values: Values = {m: [] for m in self.metric_names}
+        undefined: dict[str, list[Tensor]] = {m: [] for m in self.metric_names}
         images: dict[str, np.ndarray] = {}
         hidden, self._hidden = self._hidden, {}
         for i, result in enumerate(results):
@@ -158,8 +159,10 @@ class EffectiveRank(ActivationEngine):
         patterns = [(i, probs) for i, result in enumerate(results) for probs in result.probs]  # (S, H, R, M)
         pattern_ranks = _batched(_attention_erank, [probs for _, probs in patterns])  # per pattern: (S, H)
         samples: list[list[tuple[str, Tensor, Tensor | None]]] = [[] for _ in results]
-        for (i, _), (erank, collapse) in zip(streams, stream_metrics):
-            samples[i] += [("hidden_erank", erank[:, None], None), ("hidden_collapse", collapse[:, None], None)]
+        for (i, x), (erank, collapse) in zip(streams, stream_metrics):
+            single = torch.full(collapse[:, None].shape, x.shape[-2] < 2, device=collapse.device)
+            samples[i] += [("hidden_erank", erank[:, None], None),
+                           ("hidden_collapse", collapse[:, None], ~single)]  # one token: undefined, left out
         for (i, probs), (rank,) in zip(patterns, pattern_ranks):
             samples[i] += [("attn_erank", rank, None), ("attn_erank_norm", rank / min(probs.shape[-2:]), None)]
         for i, result in enumerate(results):
@@ -170,17 +173,20 @@ class EffectiveRank(ActivationEngine):
                 keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
                 samples[i].append(("attn_entropy_norm", _mean_rows(norm, n > 1), keep))
             self._update(i, samples[i])
-            if result.probs and visuals:
+            if result.probs and result.probs[0].numel() and visuals:
                 for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
                     images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = attention_image(
                         probs, title=f"layer {i}, head {h}, step {step}, sequence 0")
             with warnings.catch_warnings():  # compute() on every rank: it is the collective
                 warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
                 means = self._means[i].compute().float().cpu()
+            counted = self._means[i].count.cpu() > 0  # no sample (an empty batch, one token): undefined
             self._means[i].reset()
             for name, columns in self._columns[i].items():
                 values[name].append(means[columns])
-        return {name: values[name] for name in self.metric_names}, {"images": images}
+                undefined[name].append(~counted[columns])
+        return ({name: values[name] for name in self.metric_names},
+                {"images": images, "undefined": {name: undefined[name] for name in self.metric_names}})
 
     def _update(self, layer: int, samples: list[tuple[str, Tensor, Tensor | None]]) -> None:
         """Add one layer's samples, ``(metric, (S, width) values, keep or None)``, to its aggregator:
@@ -189,6 +195,8 @@ class EffectiveRank(ActivationEngine):
         aggregate, columns = self._means[layer], self._columns[layer]
         rounds: list[dict[str, tuple[Tensor, Tensor | None]]] = []
         for name, values, keep in samples:
+            if values.shape[0] == 0:  # an empty batch: no sample
+                continue
             values = values.reshape(values.shape[0], -1)
             slot = next((r for r in rounds if name not in r and next(iter(r.values()))[0].shape[0] == values.shape[0]),
                         None)

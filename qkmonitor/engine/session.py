@@ -9,6 +9,7 @@ for both paths.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -98,8 +99,17 @@ class Monitoring:
             raise ValueError(f"Expected `engines` to be a non-empty list of MonitorEngine, got {engines!r}")
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"Expected `every_n_steps` to be a positive int, got {every_n_steps!r}")
+        for engine in engines:
+            owner = engine._session() if engine._session is not None else None
+            if owner is not None and owner is not self and not owner.closed:
+                raise ValueError(f"{type(engine).__name__} (prefix {engine.prefix!r}) is already used by another "
+                                 "Monitoring that is not closed: give each Monitoring its own engines, or call "
+                                 "close() on the first one")
         sinks = [] if writer is None else [writer if isinstance(writer, Sink) else SummaryWriterSink(writer)]
         self.engines = engines
+        self.closed = False
+        for engine in engines:
+            engine._session = weakref.ref(self)
         self._step: int | None = None  # the open training window's step
         self.host = PlainHost(sinks, optimizer, owner=self)
         check_tag_collisions(engines)
@@ -185,8 +195,9 @@ class Monitoring:
             raise ValueError(f"Expected `step` to be an int >= 0, got {step!r}")
 
     def close(self) -> None:
-        """Close any open probe and flush the writer."""
+        """Close any open probe and flush the writer; the engines may then join another Monitoring."""
         self.abort()
+        self.closed = True
         for sink in self.host.sinks():
             flush = getattr(sink, "flush", None)
             if callable(flush):

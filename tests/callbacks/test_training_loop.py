@@ -74,3 +74,32 @@ def test_validation_is_probed_only_when_asked_and_logged_apart(tmp_path, make_ta
     assert monitor.latest_validation["entropy"][1].shape == (4,)
     with pytest.raises(ValueError, match="`probe_validation`"):
         AttentionEntropyMonitor(probe_validation="yes")
+
+
+def test_a_callback_reused_for_a_second_fit_starts_as_a_new_one(tmp_path, make_task):
+    """Notebooks and sweeps call ``fit`` again with the same callback: alert state and counts, the
+    latest values and the loss history start over, as they would with a new instance."""
+    from qkmonitor.alerts import KAPPA_RULE
+    from qkmonitor.callbacks import QKSpectrumMonitor
+
+    def always():  # fires once per head and then stays active (hysteresis): its count is the head count
+        return KAPPA_RULE.replace(name="any_kappa", threshold=0.0, margin=0.0, growth=None, window=None, also=(),
+                                  learning_drop=None, learning_window=None, solved_fraction=None)
+
+    def fit(monitor, version):
+        task, data = make_task()
+        pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=TensorBoardLogger(tmp_path, "run", version),
+                   callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False, limit_val_batches=0).fit(task, datamodule=data)
+
+    fresh = QKSpectrumMonitor(every_n_steps=2, alerts=[always()])
+    fit(fresh, 0)
+    reused = QKSpectrumMonitor(every_n_steps=2, alerts=[always()])
+    fit(reused, 1)
+    with pytest.warns(UserWarning):  # each fit warns its alerts again: the first fit's state is gone
+        fit(reused, 2)
+    heads = 2 * 4
+    assert fresh.tracker.counts["any_kappa"] == heads
+    assert reused.tracker.counts["any_kappa"] == fresh.tracker.counts["any_kappa"]
+    assert reused.latest_step == fresh.latest_step == 2
+    assert reused.engine.every_n_steps == 2

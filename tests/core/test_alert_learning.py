@@ -65,9 +65,12 @@ def test_the_loss_is_compared_over_the_rule_window_smoothed():
 
 
 def test_the_default_trend_rules_read_the_loss_and_the_burst_rule_does_not():
-    from qkmonitor.alerts import KAPPA_RULE, LOGIT_BURST_RULE, LOGIT_GROWTH_RULE
+    from qkmonitor.alerts import (DEFAULT_RULES, KAPPA_RULE, LOGIT_BURST_RULE, LOGIT_GROWTH_RULE, LOGIT_JUMP_RULE,
+                                  MALIGNANT_COLLAPSE_RULE)
 
-    assert KAPPA_RULE.learning_drop and LOGIT_GROWTH_RULE.learning_drop and LOGIT_BURST_RULE.learning_drop is None
+    gated = [KAPPA_RULE, LOGIT_GROWTH_RULE, LOGIT_JUMP_RULE, MALIGNANT_COLLAPSE_RULE]
+    assert all(rule.learning_drop for rule in gated) and LOGIT_BURST_RULE.learning_drop is None
+    assert LOGIT_JUMP_RULE in DEFAULT_RULES and LOGIT_JUMP_RULE in AttentionEntropy().tracker.rules
     assert AttentionEntropy().reads_loss
 
 
