@@ -40,15 +40,20 @@ class LoggerSink:
 
     A ``TensorBoardLogger`` without a prefix gets the scalars through its writer too, one event a
     probe (``log_metrics`` writes an event per tag; see :class:`SummaryWriterSink`) — the same tags
-    and values in the same run.
+    and values in the same run. A logger's ``prefix`` (``log_metrics`` prepends ``{prefix}-``) is
+    put on everything else it writes too: texts, images, histograms, and the layout's and hparams'
+    tags (:attr:`tag_prefix`), so that the dashboards find the scalars.
     """
 
     def __init__(self, logger: Any) -> None:
         self.logger = logger
+        prefix = getattr(logger, "_prefix", "") or ""
+        #: what the logger's ``log_metrics`` puts before every tag ("" without a prefix)
+        self.tag_prefix = f"{prefix}{getattr(logger, 'LOGGER_JOIN_CHAR', '-')}" if prefix else ""
         experiment = getattr(logger, "experiment", None)
         self._writer = SummaryWriterSink(experiment, scalars=False) if hasattr(experiment, "add_image") else None
         self.draws = self._writer is not None
-        direct = self.draws and isinstance(logger, TensorBoardLogger) and not getattr(logger, "_prefix", "")
+        direct = self.draws and isinstance(logger, TensorBoardLogger) and not self.tag_prefix
         self._scalar_writer = SummaryWriterSink(experiment) if direct else None
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
@@ -57,7 +62,19 @@ class LoggerSink:
         else:
             self.logger.log_metrics(scalars, step=step)
 
-    def __getattr__(self, name: str) -> Any:  # log_text, log_image, ... go to the writer
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        if self._writer is not None:
+            self._writer.log_text(self.tag_prefix + tag, text, step)
+
+    def log_image(self, tag: str, image: Any, step: int) -> None:
+        if self._writer is not None:
+            self._writer.log_image(self.tag_prefix + tag, image, step)
+
+    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        if self._writer is not None:
+            self._writer.log_histogram(self.tag_prefix + tag, values, step)
+
+    def __getattr__(self, name: str) -> Any:  # log_layout, log_hparams go to the writer
         if name.startswith("log_") and self.__dict__.get("_writer") is not None:
             return getattr(self._writer, name)
         if name.startswith("log_"):

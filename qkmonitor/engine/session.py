@@ -43,18 +43,22 @@ def write_run_header(sinks: Sequence[Sink], engines: Sequence[MonitorEngine],
                      hparams: dict[str, Any] | None = None) -> None:
     """One layout and one hparams record for the run, to every sink that draws.
 
-    TensorBoard keeps the first hparams record of a run, so this goes first.
+    TensorBoard keeps the first hparams record of a run, so this goes first. A sink with a
+    ``tag_prefix`` (a Lightning logger's ``prefix``, which its ``log_metrics`` puts on the scalars)
+    gets the layout and the hparams metrics under that prefix too.
     """
-    sections = [LayoutSection(e.prefix, e.metric_names, len(e.layers), tuple(r.name for r in e.tracker.rules))
-                for e in engines]
     params: dict[str, Any] = dict(hparams or {})
     for engine in engines:
         params.update(engine.thresholds())
-    metrics = {alert_tag(e.prefix, r.name): 0.0 for e in engines for r in e.tracker.rules}
     for sink in sinks:
-        if sink.draws:
-            sink.log_layout(custom_scalars_layout(sections))
-            sink.log_hparams(params, metrics)
+        if not sink.draws:
+            continue
+        tag_prefix = getattr(sink, "tag_prefix", "")
+        sections = [LayoutSection(tag_prefix + e.prefix, e.metric_names, len(e.layers),
+                                  tuple(r.name for r in e.tracker.rules)) for e in engines]
+        sink.log_layout(custom_scalars_layout(sections))
+        sink.log_hparams(params, {alert_tag(tag_prefix + e.prefix, r.name): 0.0
+                                  for e in engines for r in e.tracker.rules})
 
 
 class Monitoring:

@@ -98,6 +98,38 @@ def test_a_tensorboard_logger_with_a_prefix_keeps_it_on_the_monitors_scalars(tmp
     assert {t.removeprefix("train-") for t in tags["prefixed"]} == tags["plain"]
 
 
+def test_a_logger_prefix_applies_to_everything_and_every_chart_finds_its_scalars(tmp_path, make_task):
+    """Images, histograms, alert texts, the custom-scalars layout and the hparams metrics carry the
+    logger's prefix as its scalars do, so that no dashboard is empty."""
+    from qkmonitor.alerts import KAPPA_RULE
+
+    always = KAPPA_RULE.replace(threshold=0.0, margin=0.0, growth=None, window=None, also=(), learning_drop=None,
+                                learning_window=None, solved_fraction=None)  # an alert text to write
+    task, data = make_task()
+    monitors = all_monitors(visuals_every_n_probes=1)
+    monitors[0] = QKSpectrumMonitor(every_n_steps=2, visuals_every_n_probes=1, alerts=[always])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=TensorBoardLogger(tmp_path, "run", 0, prefix="train"),
+                   callbacks=monitors, enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1).fit(task, datamodule=data)
+    acc = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"images": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    scalars = set(tags["scalars"])
+    ours = [t for kind in ("images", "histograms") for t in tags[kind]]
+    texts = [t for t in tags["tensors"] if "alerts" in t]
+    assert ours and texts and all(t.startswith("train-qkmonitor/") for t in ours + texts)
+    layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = [chart for category in layout.category for chart in category.chart]
+    for chart in charts:
+        if chart.HasField("multiline"):
+            assert all(any(re.search(p, t) for t in scalars) for p in chart.multiline.tag), chart.title
+        else:
+            assert all({x.value, x.lower, x.upper} <= scalars for x in chart.margin.series), chart.title
+    assert "train-qkmonitor/alerts/kappa" in scalars
+
+
 def test_non_tensorboard_logger_gets_scalars_and_one_message_about_images(tmp_path, make_task):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
