@@ -42,7 +42,7 @@ class AttentionEntropyMonitor(ActivationMonitor):
       ``nn.MultiheadAttention`` (NaN for adapters that cannot measure it).
     - ``{prefix}/heatmap/entropy_norm``, ``{prefix}/heatmap/max_prob`` — layer x head images (at
       every ``visuals_every_n_probes``-th probe).
-    - ``{prefix}/{metric}/layer_LL/head_HH`` with ``per_head=True``.
+    - ``{prefix}/{metric}/layer_LL_head_HH`` with ``per_head=True``.
     - ``{prefix}/alerts/logit_growth``, ``{prefix}/alerts/logit_burst``, ``{prefix}/alerts/logit_jump`` (the
       default rules).
 

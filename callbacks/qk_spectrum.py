@@ -41,7 +41,7 @@ class QKSpectrumMonitor(AttentionMonitor):
     - ``{prefix}/heatmap/kappa`` — a layer x head image; ``{prefix}/qk_singular_values/layer_LL`` —
       a histogram of the layer's singular values (TensorBoard loggers only; at every
       ``visuals_every_n_probes``-th probe).
-    - ``{prefix}/{metric}/layer_LL/head_HH`` for each of the above with ``per_head=True``.
+    - ``{prefix}/{metric}/layer_LL_head_HH`` for each of the above with ``per_head=True``.
     - ``{prefix}/alerts/kappa`` — how many ``kappa`` alerts have fired.
 
     Default alert: ``kappa >= 0.2`` growing x2.5 per 30 steps, recovering below 0.15, on layers

@@ -53,7 +53,8 @@ __all__ = [
 #: Display order of the metrics the bundled monitors log (the catalogue's); any other follows, sorted.
 KNOWN_METRICS = tuple(spec.name for spec in CATALOGUE)
 _EVENT_MARKER = "tfevents"
-_LAYER_RE = re.compile(r"^(?P<metric>.+)/layer_(?P<layer>\d+)(?:/head_(?P<head>\d+))?$")
+#: a layer's tag, or one head's: ``..._head_HH`` now, ``.../head_HH`` in runs written before 2026-12
+_LAYER_RE = re.compile(r"^(?P<metric>.+)/layer_(?P<layer>\d+)(?:[_/]head_(?P<head>\d+))?$")
 _LINE_STYLES = ("-", "--", ":", "-.")
 _RUN_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -106,7 +107,8 @@ class RunData:
         note: how ``given`` became ``path`` when that was a choice (several runs below it).
         layers: metric -> layer -> the ``{prefix}/{metric}/layer_{LL}`` series (mean over heads).
         bands: metric -> layer -> ``"min"``/``"max"`` -> the lowest/highest-head series.
-        heads: metric -> layer -> head -> the ``{prefix}/{metric}/layer_{LL}/head_{HH}`` series.
+        heads: metric -> layer -> head -> the ``{prefix}/{metric}/layer_{LL}_head_{HH}`` series
+            (runs written before 2026-12: ``.../layer_{LL}/head_{HH}``).
         alert_counts: rule -> the ``{prefix}/alerts/{rule}`` counter series.
         alerts: the alert messages, by step.
     """

@@ -130,7 +130,7 @@ class MonitorEngine:
     Args:
         every_n_steps: probe every this many optimizer steps; ``None`` takes the host's default
             (the Trainer's ``log_every_n_steps``).
-        per_head: also log ``{prefix}/{metric}/layer_LL/head_HH`` for every head.
+        per_head: also log ``{prefix}/{metric}/layer_LL_head_HH`` for every head.
         log_key_prefix: first part of every tag; tag-safe (see :func:`check_prefix`).
         alerts: the alert rules; ``None`` for the engine's defaults, ``[]`` for none. Each rule's
             metrics must be ones this engine logs.

@@ -77,7 +77,7 @@ def test_logged_entropy_equals_explicit_attention_of_the_probed_batch(tmp_path, 
             assert [s for s, _ in scalars[tag]] == [0, 2], tag  # step 0 probes the first batch
             assert scalars[tag][0][1] == pytest.approx(heads.mean().item(), rel=1e-4, abs=1e-5), tag
             for head in range(4):
-                got = scalars[f"{tag}/head_{head:02d}"][0][1]
+                got = scalars[f"{tag}_head_{head:02d}"][0][1]
                 assert got == pytest.approx(heads[head].item(), rel=1e-4, abs=1e-5), (tag, head)
         assert scalars[f"qkmonitor/entropy_norm_min/layer_{layer:02d}"][0][1] == pytest.approx(
             values["entropy_norm"].min().item(), rel=1e-4)

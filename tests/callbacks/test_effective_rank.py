@@ -52,7 +52,7 @@ def test_logged_ranks_equal_naive_float64_on_the_probe_slice(tmp_path, make_task
         collapse = np.mean([np.linalg.norm(xs - xs.mean(0)) / np.linalg.norm(xs) for xs in x])
         assert scalars[f"qkmonitor/hidden_erank/layer_{layer:02d}"][0] == (0, pytest.approx(erank, rel=1e-4))
         assert scalars[f"qkmonitor/hidden_collapse/layer_{layer:02d}"][0] == (0, pytest.approx(collapse, rel=1e-4))
-        assert f"qkmonitor/hidden_erank/layer_{layer:02d}/head_00" not in scalars  # one value per layer
+        assert f"qkmonitor/hidden_erank/layer_{layer:02d}_head_00" not in scalars  # one value per layer
 
         attn, h_in = block.attn, inputs[layer].detach().double()
         n = h_in.shape[1]
@@ -64,13 +64,13 @@ def test_logged_ranks_equal_naive_float64_on_the_probe_slice(tmp_path, make_task
         p = s.softmax(-1)[:3, :, :6].numpy()  # (3, H, 6 rows, all n keys)
         for head in range(4):
             ranks = [np_erank(np.linalg.svd(p[seq, head], compute_uv=False)) for seq in range(3)]
-            got = scalars[f"qkmonitor/attn_erank/layer_{layer:02d}/head_{head:02d}"][0][1]
+            got = scalars[f"qkmonitor/attn_erank/layer_{layer:02d}_head_{head:02d}"][0][1]
             assert got == pytest.approx(np.mean(ranks), rel=1e-4)
-            norm = scalars[f"qkmonitor/attn_erank_norm/layer_{layer:02d}/head_{head:02d}"][0][1]
+            norm = scalars[f"qkmonitor/attn_erank_norm/layer_{layer:02d}_head_{head:02d}"][0][1]
             assert norm == pytest.approx(np.mean(ranks) / 6, rel=1e-4)
             rows = p[:, head, 1:]  # rows with more than one key
             ent = -(rows * np.log(np.where(rows > 0, rows, 1.0))).sum(-1) / np.log(np.arange(2, 7))
-            got = scalars[f"qkmonitor/attn_entropy_norm/layer_{layer:02d}/head_{head:02d}"][0][1]
+            got = scalars[f"qkmonitor/attn_entropy_norm/layer_{layer:02d}_head_{head:02d}"][0][1]
             assert got == pytest.approx(ent.mean(), rel=1e-4)
 
 

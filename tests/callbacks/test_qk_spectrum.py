@@ -66,7 +66,7 @@ def test_logged_spectrum_matches_naive_svd_of_the_trained_weights(tmp_path, make
             assert [step for step, _ in scalars[tag]] == [0, 2, 4], tag  # start, then every 2 steps
             assert scalars[tag][-1][1] == pytest.approx(expected[metric].mean(), rel=1e-4, abs=1e-5), tag
             for head in range(4):
-                value = scalars[f"{tag}/head_{head:02d}"][-1][1]
+                value = scalars[f"{tag}_head_{head:02d}"][-1][1]
                 assert value == pytest.approx(expected[metric][head], rel=1e-4, abs=1e-5), (tag, head)
             if metric in WORST:
                 worst = expected[metric].max() if WORST[metric] == "max" else expected[metric].min()
@@ -164,11 +164,11 @@ def test_nan_weight_gives_nan_metric_one_warning_and_training_goes_on(tmp_path, 
     assert "at step 1 in layer 0 (model.blocks.0.attn)" in nonfinite[1]
     scalars = scalars_of(tmp_path / "run" / "version_0")
     # The probe at step 0 comes before any update: only the poisoned head is NaN.
-    assert scalars["qkmonitor/kappa/layer_01/head_00"][0][0] == 0
-    assert math.isnan(scalars["qkmonitor/kappa/layer_01/head_00"][0][1])
+    assert scalars["qkmonitor/kappa/layer_01_head_00"][0][0] == 0
+    assert math.isnan(scalars["qkmonitor/kappa/layer_01_head_00"][0][1])
     assert math.isnan(scalars["qkmonitor/kappa/layer_01"][0][1])
     assert math.isnan(scalars["qkmonitor/kappa_max/layer_01"][0][1])
-    assert math.isfinite(scalars["qkmonitor/kappa/layer_01/head_01"][0][1])
+    assert math.isfinite(scalars["qkmonitor/kappa/layer_01_head_01"][0][1])
     assert math.isfinite(scalars["qkmonitor/kappa/layer_00"][0][1])
     # The NaN loss then spreads to every weight; the metrics follow, warned once more for layer 0.
     assert [step for step, _ in scalars["qkmonitor/kappa/layer_00"]] == [0, 1, 2, 3, 4]

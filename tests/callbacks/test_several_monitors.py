@@ -136,4 +136,4 @@ def test_every_call_of_a_shared_module_is_measured():
     logged = {tag: value for tag, value, _ in sink.scalars}
     for head in range(2):
         expected = rows[:, head].mean().item()
-        assert logged[f"qkmonitor/entropy/layer_00/head_{head:02d}"] == pytest.approx(expected, rel=1e-5)
+        assert logged[f"qkmonitor/entropy/layer_00_head_{head:02d}"] == pytest.approx(expected, rel=1e-5)

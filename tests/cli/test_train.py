@@ -34,8 +34,8 @@ def test_short_run_writes_logs_and_prints_summary(tmp_path, capsys):
         assert row and all(float(v) == float(v) for v in row.group(1).split())  # numbers, not NaN
     assert "tensorboard --logdir " + str(tmp_path / "runs") in out
     tags = read_tags(tmp_path / "runs" / "recall" / "version_0")
-    assert {"qkmonitor/kappa/layer_02", "qkmonitor/kappa_max/layer_02", "qkmonitor/kappa/layer_02/head_01",
-            "qkmonitor/alerts/kappa", "qkmonitor/entropy_norm/layer_02/head_01", "qkmonitor/hidden_collapse/layer_02",
+    assert {"qkmonitor/kappa/layer_02", "qkmonitor/kappa_max/layer_02", "qkmonitor/kappa/layer_02_head_01",
+            "qkmonitor/alerts/kappa", "qkmonitor/entropy_norm/layer_02_head_01", "qkmonitor/hidden_collapse/layer_02",
             "train_loss", "val_acc"} <= tags
 
     # one hparams record: the task's hyper-parameters and the monitors' thresholds (HPARAMS tab)

@@ -25,7 +25,7 @@ from qkmonitor.report import add_report_parser, build_report, main_report, run_r
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LAYER_TAG = re.compile(r"^qkmonitor/(?P<metric>[^/]+)/layer_(?P<layer>\d\d)$")
-HEAD_TAG = re.compile(r"^qkmonitor/(?P<metric>[^/]+)/layer_(?P<layer>\d\d)/head_(?P<head>\d\d)$")
+HEAD_TAG = re.compile(r"^qkmonitor/(?P<metric>[^/]+)/layer_(?P<layer>\d\d)_head_(?P<head>\d\d)$")
 
 
 def tiny_task(lr: float):

@@ -38,7 +38,7 @@ def test_ddp_logs_the_same_entropy_as_one_process_and_only_rank_zero_writes(tmp_
     single = scalars(tmp_path / "single" / "run" / "version_0")
     ddp = scalars(tmp_path / "ddp" / "run" / "version_0")
     tags = [t for t in single if t.startswith("qkmonitor/")]
-    assert "qkmonitor/entropy/layer_00/head_03" in tags and "qkmonitor/hidden_collapse/layer_01" in tags
+    assert "qkmonitor/entropy/layer_00_head_03" in tags and "qkmonitor/hidden_collapse/layer_01" in tags
     for tag in tags:
         # step 0: the same weights, the same 8 sequences split over two ranks
         first_single, first_ddp = single[tag][0], ddp[tag][0]

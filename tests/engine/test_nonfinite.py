@@ -99,5 +99,5 @@ def test_scalars_of_infinite_and_nan_heads_are_what_torch_gives():
             got = out[f"p/kappa{kind}/layer_{i:02d}"]
             want = math.nan if nan else expected.item()
             assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want), (i, kind, got, want)
-        assert [out[f"p/kappa/layer_{i:02d}/head_{h:02d}"] for h in range(3)] == pytest.approx(
+        assert [out[f"p/kappa/layer_{i:02d}_head_{h:02d}"] for h in range(3)] == pytest.approx(
             heads.tolist(), nan_ok=True)

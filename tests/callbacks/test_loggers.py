@@ -1,0 +1,85 @@
+"""Every tag is valid for every logger: no scalar tag is a prefix (a parent folder) of another, so
+stores that map tags to paths hold them all; the values arrive in MLflow's file store, a CSV and
+two loggers at once, read back by each store's own reader."""
+
+from __future__ import annotations
+
+import csv
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from torch.utils.tensorboard import SummaryWriter
+
+from qkmonitor.report import read_run
+
+
+def monitors():
+    return [QKSpectrumMonitor(every_n_steps=2, per_head=True), AttentionEntropyMonitor(every_n_steps=2, per_head=True),
+            EffectiveRankMonitor(every_n_steps=2, per_head=True, max_probe_tokens=6)]
+
+
+def fit(tmp_path, make_task, loggers, callbacks):
+    task, data = make_task()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=loggers, callbacks=callbacks,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                   limit_val_batches=0, log_every_n_steps=1).fit(task, datamodule=data)
+
+
+def head_value(monitor, metric, layer, head):
+    return float(monitor.latest[metric][layer][head])
+
+
+def test_no_scalar_tag_is_a_prefix_of_another(tmp_path, make_task, scalars_of):
+    fit(tmp_path, make_task, TensorBoardLogger(tmp_path, "run", 0), monitors())
+    tags = sorted(t for t in scalars_of(tmp_path / "run" / "version_0") if t.startswith("qkmonitor/"))
+    assert "qkmonitor/kappa/layer_00_head_01" in tags and "qkmonitor/kappa/layer_00" in tags
+    parents = [t for t in tags if any(other.startswith(t + "/") for other in tags)]
+    assert parents == []
+
+
+def test_mlflow_file_store_takes_every_tag_and_its_values_arrive(tmp_path, make_task, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    logger = MLFlowLogger(experiment_name="qk", tracking_uri=uri)
+    callbacks = monitors()
+    fit(tmp_path, make_task, logger, callbacks)  # crashed at step 0 with the old per-head tags
+    client = MlflowClient(tracking_uri=uri)
+    history = client.get_metric_history(logger.run_id, "qkmonitor/kappa/layer_01_head_02")
+    assert [m.step for m in history] == [0, 2]
+    assert history[-1].value == pytest.approx(head_value(callbacks[0], "kappa", 1, 2), rel=1e-6)
+    entropy = client.get_metric_history(logger.run_id, "qkmonitor/entropy_norm/layer_00_head_03")
+    assert entropy[-1].value == pytest.approx(head_value(callbacks[1], "entropy_norm", 0, 3), rel=1e-6)
+
+
+def test_csv_and_two_loggers_at_once_get_the_same_values(tmp_path, make_task, scalars_of):
+    callbacks = monitors()
+    fit(tmp_path, make_task, [TensorBoardLogger(tmp_path, "tb", 0), CSVLogger(tmp_path, "csv", 0)], callbacks)
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    tag = "qkmonitor/attn_erank/layer_01_head_00"
+    from_csv = [(int(r["step"]), float(r[tag])) for r in rows if r.get(tag)]
+    from_tb = scalars_of(tmp_path / "tb" / "version_0")[tag]
+    assert [s for s, _ in from_csv] == [s for s, _ in from_tb] == [0, 2]
+    assert [v for _, v in from_csv] == pytest.approx([v for _, v in from_tb], rel=1e-6)
+    assert from_csv[-1][1] == pytest.approx(head_value(callbacks[2], "attn_erank", 1, 0), rel=1e-6)
+
+
+def test_the_report_reads_runs_written_with_the_old_per_head_tags(tmp_path):
+    for name, head in (("old", "layer_00/head_01"), ("new", "layer_00_head_01")):
+        writer = SummaryWriter(str(tmp_path / name))
+        for step, value in ((0, 0.25), (10, 0.5)):
+            writer.add_scalar("qkmonitor/kappa/layer_00", value, step)
+            writer.add_scalar(f"qkmonitor/kappa/{head}", 2 * value, step)
+        writer.close()
+    old, new = read_run(tmp_path / "old"), read_run(tmp_path / "new")
+    assert old.heads["kappa"][0][1].values == new.heads["kappa"][0][1].values == (0.5, 1.0)
+    assert not math.isnan(old.layers["kappa"][0].final)
