@@ -2,8 +2,9 @@
 
 The same engines, tags and dashboards as the Lightning callbacks and :class:`~qkmonitor.engine.Monitoring`
 (which this drives): the Trainer's ``on_step_begin`` opens the window of the optimizer step
-(probes opened on probe steps, every micro-batch of a gradient-accumulation step measured),
-``on_step_end`` measures and logs it and reads the weights after the update (so the spectrum is
+(probes opened on probe steps), the first micro-batch's end (``on_substep_end`` under gradient
+accumulation, else ``on_step_end``) measures and logs it — the first micro-batch of a step, as the
+Lightning callbacks measure — and ``on_step_end`` reads the weights after the update (so the spectrum is
 logged at steps 0, n, 2n, ... and after the last update that lands on one, as in Lightning),
 ``on_train_end`` closes it. Needs ``transformers`` and ``accelerate`` (``pip install "qkmonitor[hf]"``).
 
@@ -88,9 +89,14 @@ class QKMonitorCallback(TrainerCallback):
             self.monitoring.abort()  # a step that raised before its end
             self.monitoring.begin(state.global_step)
 
+    def on_substep_end(self, args, state, control, **kwargs) -> None:
+        """The end of a micro-batch that is not a step's last: the first one closes the window."""
+        if self.monitoring is not None:
+            self.monitoring.end()  # later micro-batches of the step find it closed
+
     def on_step_end(self, args, state, control, **kwargs) -> None:
         if self.monitoring is not None:
-            self.monitoring.end()
+            self.monitoring.end()  # no-op when on_substep_end closed it
             self.monitoring.observe_weights(state.global_step)  # after the update, as Lightning's does
             if self.monitoring.should_stop:
                 control.should_training_stop = True

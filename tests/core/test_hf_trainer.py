@@ -109,3 +109,27 @@ def test_bad_arguments_name_the_argument():
         QKMonitorCallback([])
     with pytest.raises(ValueError, match="`every_n_steps`"):
         QKMonitorCallback(every_n_steps=0)
+
+
+def test_under_accumulation_the_first_micro_batch_of_a_step_is_measured_as_in_lightning(tmp_path):
+    """Two micro-batches a step: the window closes after the first, so each probed layer saw one
+    forward (the Lightning callbacks' semantics), not the two of the step."""
+    model = tiny_llama()
+    engine = AttentionEntropy()
+    forwards = []
+    close_probes = engine.close_probes
+
+    def counting():
+        results = close_probes()
+        forwards.append([r.calls for r in results])
+        return results
+
+    engine.close_probes = counting
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=2,
+                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    with QKMonitorCallback(engines=[engine]) as monitor:
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[monitor]).train()
+    probed = [calls for calls in forwards if any(calls)]
+    assert probed == [[1, 1], [1, 1]]  # steps 0 and 2, one micro-batch each
+    assert engine.latest_step == 2
