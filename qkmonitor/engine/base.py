@@ -225,12 +225,15 @@ class MonitorEngine:
 
     def wants_loss(self, step: int) -> bool:
         """Whether the loss of ``step`` can matter: a rule reads the loss and ``step`` is among the
-        first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` steps or within the rules' loss windows
-        before a probe step (at ``every_n_steps=50``, 21 steps of 50; at 10, every step)."""
+        first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` steps, within the rules' loss windows
+        before a multiple of ``every_n_steps``, or in the first of those steps after one (where the
+        probe of a skipped multiple lands): at ``every_n_steps=50``, 30 steps of 50; at 10, every step."""
         if not self.reads_loss:
             return False
         every = self.every_n_steps
-        return every is None or step < LOSS_SMOOTHING or (-step) % every <= self._loss_horizon
+        # also the first steps after a multiple: the probe step of a multiple that is skipped (two optimizers)
+        return (every is None or step < LOSS_SMOOTHING or (-step) % every <= self._loss_horizon
+                or step % every < LOSS_SMOOTHING)
 
     def first_loss(self) -> float | None:
         """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen
@@ -341,9 +344,14 @@ class MonitorEngine:
                            "(README, 'Use it on your model')")
 
     def is_probe_step(self, step: int) -> bool:
-        # a step counts optimizer steps; under gradient accumulation several batches share a
-        # step, and only the first of them probes
-        return self.every_n_steps is not None and step % self.every_n_steps == 0 and step != self.latest_step
+        """Whether ``step`` (optimizer steps so far) is probed: the first step at or after each
+        multiple of ``every_n_steps``. Under gradient accumulation several batches share a step and
+        only the first probes; with two optimizers stepping once per batch the step advances by 2,
+        and a multiple it skips is probed at the next step (every 5 steps: 0, 6, 10, 16, 20)."""
+        every = self.every_n_steps
+        if every is None or step == self.latest_step:
+            return False
+        return step % every == 0 or (self.latest_step is not None and step // every > self.latest_step // every)
 
     def draws_visuals(self, step: int) -> bool:
         """Whether the probe at ``step`` draws the visuals: every ``visuals_every_n_probes``-th

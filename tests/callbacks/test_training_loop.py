@@ -103,3 +103,41 @@ def test_a_callback_reused_for_a_second_fit_starts_as_a_new_one(tmp_path, make_t
     assert reused.tracker.counts["any_kappa"] == fresh.tracker.counts["any_kappa"]
     assert reused.latest_step == fresh.latest_step == 2
     assert reused.engine.every_n_steps == 2
+
+
+def test_two_optimizers_probe_at_the_first_step_at_or_after_each_multiple(tmp_path, make_task, scalars_of):
+    """Manual optimization with two optimizers steps each once per batch, so Lightning's
+    ``global_step`` advances by 2: ``every_n_steps=5`` probes at 0, 6, 10, 16, 20 (every multiple of
+    5 met or passed once), not only at the multiples of 10 that happen to be batch starts."""
+    import torch
+    from qkmonitor.callbacks import QKSpectrumMonitor
+
+    task, data = make_task()
+
+    class TwoOptimizers(type(task)):
+        def __init__(self, config):
+            super().__init__(config, lr=3e-3, warmup_steps=0)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            first, second = self.optimizers()
+            loss = self._step(batch, "train")
+            self.manual_backward(loss)
+            first.step()
+            second.step()
+            first.zero_grad()
+            second.zero_grad()
+            return loss
+
+        def configure_optimizers(self):
+            params = list(self.model.parameters())
+            return torch.optim.SGD(params[: len(params) // 2], lr=1e-2), torch.optim.SGD(params[len(params) // 2:], lr=1e-2)
+
+    model = TwoOptimizers(task.config)
+    monitors = [QKSpectrumMonitor(every_n_steps=5), AttentionEntropyMonitor(every_n_steps=5)]
+    pl.Trainer(default_root_dir=tmp_path, max_steps=22, logger=TensorBoardLogger(tmp_path, "run", 0),
+               callbacks=monitors, enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False, limit_val_batches=0).fit(model, datamodule=data)
+    scalars = scalars_of(tmp_path / "run" / "version_0")
+    assert [s for s, _ in scalars["qkmonitor/entropy/layer_00"]] == [0, 6, 10, 16, 20]
+    assert [s for s, _ in scalars["qkmonitor/kappa/layer_00"]] == [0, 6, 10, 16, 20]
