@@ -12,7 +12,9 @@ On a capped slice of each probed forward — the first ``max_probe_sequences`` s
 - ``attn_entropy_norm``: the mean normalized row entropy of the same slice.
 
 Values are means over the probe sequences of every call in the window (and over ranks, through
-torchmetrics).
+torchmetrics). ``max_probe_sequences`` is a total over ranks: rank r of W measures
+``max // W + (r < max % W)`` of its first sequences, so that with a ``DistributedSampler`` (rank r
+gets samples r, r + W, ...) the ranks together measure the sequences one process would.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class EffectiveRank(ActivationEngine):
     overrides it.
 
     Args:
-        max_probe_sequences: sequences of the batch measured.
+        max_probe_sequences: sequences of the batch measured, in total over the ranks.
         max_probe_tokens: tokens (query rows) per sequence measured.
         blocks: the modules whose outputs are the residual stream after each layer, in layer
             order (a list, or a function of the model); default: derived from the layers.
@@ -70,6 +72,7 @@ class EffectiveRank(ActivationEngine):
                              f"got {type(blocks).__name__}")
         super().__init__(**kwargs)
         self.max_probe_sequences = max_probe_sequences
+        self._probe_sequences = max_probe_sequences  # this rank's share, set at bind
         self.max_probe_tokens = max_probe_tokens
         self.pattern_heads = pattern_heads
         self._blocks_spec = blocks
@@ -78,10 +81,12 @@ class EffectiveRank(ActivationEngine):
         self._hidden: dict[int, list[Tensor]] = {}
 
     def _request(self) -> ProbeRequest:
-        return ProbeRequest(stats=True, probs_slice=(self.max_probe_sequences, self.max_probe_tokens))
+        sequences = self._probe_sequences
+        return ProbeRequest(stats=True, probs_slice=(sequences, self.max_probe_tokens) if sequences else None)
 
     def _prepare(self, model: nn.Module) -> None:
         super()._prepare(model)
+        self._probe_sequences = _share_of_this_rank(self.max_probe_sequences)
         self.blocks = self._find_blocks(model)
         self._batch_first = [getattr(layer.module, "batch_first", True) for layer in self.layers]
         # one aggregator per layer, every metric side by side in it: metric -> its columns
@@ -141,7 +146,7 @@ class EffectiveRank(ActivationEngine):
                 x = x[None]
             elif not self._batch_first[index]:  # (N, B, d) -> (B, N, d)
                 x = x.transpose(0, 1)
-            cut = x[: self.max_probe_sequences, : self.max_probe_tokens].detach().clone()
+            cut = x[: self._probe_sequences, : self.max_probe_tokens].detach().clone()
             self._hidden.setdefault(index, []).append(cut)
 
         return hook
@@ -167,7 +172,7 @@ class EffectiveRank(ActivationEngine):
             samples[i] += [("attn_erank", rank, None), ("attn_erank_norm", rank / min(probs.shape[-2:]), None)]
         for i, result in enumerate(results):
             for stats in result.stats:
-                s, r = self.max_probe_sequences, self.max_probe_tokens
+                s, r = self._probe_sequences, self.max_probe_tokens
                 n = stats.attended[:s, :, :r].double()
                 norm = stats.entropy[:s, :, :r].double() / n.clamp_min(2).log()
                 keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
@@ -213,6 +218,15 @@ class EffectiveRank(ActivationEngine):
             if aggregate.device != block.device:
                 aggregate.to(block.device)
             aggregate.update(block, kept)
+
+
+def _share_of_this_rank(total: int) -> int:
+    """This process's part of ``total`` probe sequences: ``total // W``, one more on the first
+    ``total % W`` ranks (all of it without a process group)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return total
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return total // world + int(rank < total % world)
 
 
 def _attention_erank(probs: Tensor) -> tuple[Tensor]:
