@@ -317,6 +317,11 @@ class MonitorEngine:
         self.qk_norm_layers = frozenset(i for i, layer in enumerate(self.layers) if layer.has_qk_norm)
         self._prepare(model)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_session"] = None  # a weak reference to the Monitoring holding it: not carried along
+        return state
+
     def _start_run(self) -> None:
         """Forget what an earlier run left: alert state and counts, the latest values, the loss
         history, the warnings given, the interval taken from an earlier Trainer."""

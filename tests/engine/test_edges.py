@@ -89,5 +89,8 @@ def test_one_engine_in_two_open_monitorings_is_an_error_and_free_after_close():
     first = Monitoring(MHAModel(), [engine])
     with pytest.raises(ValueError, match="already used by another Monitoring"):
         Monitoring(MHAModel(), [engine])
+    import pickle
+
+    assert pickle.loads(pickle.dumps(engine))._session is None  # picklable while held (spawned workers)
     first.close()
     Monitoring(MHAModel(), [engine]).close()  # closed: the engine may move on, and starts fresh
