@@ -44,6 +44,7 @@ Usage::
     python benchmarks/instability.py --quick    # 2 rates, seed 0, 60 % of the steps (~3 min)
     python benchmarks/instability.py --replay   # re-score the cached runs with the current rules (~30 s)
     python benchmarks/instability.py --qk-norm  # every run also with QK-norm
+    python benchmarks/instability.py --replay --round-1-rules  # the round-1 defaults on the same runs
 """
 
 from __future__ import annotations
@@ -70,7 +71,19 @@ from qkmonitor.models.tasks.base import lr_factor
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/families.py
 
 from families import FAMILIES, Family
-from qkmonitor.alerts import DEFAULT_RULES, ENTROPY_COLLAPSE_RULE, SPECTRAL_GROWTH_RULE, Alert, AlertRule
+
+from qkmonitor.alerts import (
+    DEFAULT_RULES,
+    ENTROPY_COLLAPSE_RULE,
+    KAPPA_RULE,
+    LOGIT_BURST_RULE,
+    LOGIT_GROWTH_RULE,
+    MALIGNANT_COLLAPSE_RULE,
+    RANK_COLLAPSE_RULE,
+    SPECTRAL_GROWTH_RULE,
+    Alert,
+    AlertRule,
+)
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +111,16 @@ OPT_IN = ((SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor"), (ENTROPY_COLLAPSE_RULE, "
 CALIBRATION_SEEDS = (0, 1)
 CALIBRATION = {(family, seed) for family in FAMILIES for seed in CALIBRATION_SEEDS}
 SEEDS = (0, 1, 2)
+
+
+def round_1_rules() -> dict[str, list[AlertRule]]:
+    """The round-1 defaults (2026-12-01): round 2's changes undone, to score them on round 2's
+    split (``--round-1-rules``)."""
+    return {"QKSpectrumMonitor": [KAPPA_RULE],
+            "AttentionEntropyMonitor": [LOGIT_GROWTH_RULE.replace(threshold=20.0),
+                                        LOGIT_BURST_RULE.replace(threshold=100.0, growth=20.0, margin=25.0)],
+            "EffectiveRankMonitor": [MALIGNANT_COLLAPSE_RULE.replace(learning_drop=None, learning_window=None,
+                                                                     solved_fraction=None), RANK_COLLAPSE_RULE]}
 
 
 def split_of(family: str, seed: int) -> str:
@@ -543,6 +566,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
     parser.add_argument("--cache", type=Path, default=ROOT / "runs" / "instability", help="recorded runs")
     parser.add_argument("--replay", action="store_true", help="train nothing: score the cached runs only")
+    parser.add_argument("--round-1-rules", action="store_true",
+                        help="score with the round-1 defaults instead (figure and JSON next to the cache)")
     parser.add_argument("--out", type=Path, default=None,
                         help="where the figure and the JSON go (default: docs/, or the cache with --quick)")
     args = parser.parse_args(argv)
@@ -567,8 +592,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{len(record.live_alerts)} alert(s), {record.seconds:.0f} s", flush=True)
     ordered = [records[s.key] for s in specs]
     for record in ordered:
-        record.alerts = replay(record)
-        if record.spec.key in fresh:
+        record.alerts = replay(record, round_1_rules() if args.round_1_rules else None)
+        if record.spec.key in fresh and not args.round_1_rules:
             live = [(a["rule"], a["layer"], a["head"], a["step"]) for a in record.live_alerts]
             again = [(a["rule"], a["layer"], a["head"], a["step"]) for a in record.alerts]
             if live != again:
@@ -576,9 +601,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scored = score(ordered)
     stats = summary(scored)
     stats["opt_in"] = {rule.name: opt_in_stats(ordered, rule, monitor) for rule, monitor in OPT_IN}
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + ("_round1" if args.round_1_rules else "")
     if args.out is None:
-        args.out = args.cache if args.quick else ROOT / "docs"
+        args.out = args.cache if args.quick or args.round_1_rules else ROOT / "docs"
     draw(scored, args.out / f"instability{suffix}.png")
     settings = {"families": {n: dataclasses.asdict(FAMILIES[n]) for n in args.families}, "seeds": args.seeds,
                 "warmups": args.warmups, "qk_norm": args.qk_norm, "every_n_steps": EVERY, "quick": args.quick,

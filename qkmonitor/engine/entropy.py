@@ -21,7 +21,7 @@ import warnings
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from qkmonitor.alerts import LOGIT_BURST_RULE, LOGIT_GROWTH_RULE, LOGIT_JUMP_RULE
 from qkmonitor.catalogue import ENTROPY, names_of
