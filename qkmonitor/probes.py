@@ -51,6 +51,13 @@ def in_side_computation() -> bool:
     return getattr(_SIDE, "depth", 0) > 0
 
 
+def recomputing() -> bool:
+    """Whether autograd is running a backward on this thread. A forward there is activation
+    checkpointing recomputing one that already ran (reentrant or not: the same call again, same
+    inputs), so probes do not count it twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
 @contextmanager
 def full_precision() -> Iterator[None]:
     """Autocast off (CPU, and CUDA where present): side computations keep the float32 or float64
@@ -141,8 +148,9 @@ class Probe:
         self.closed = False
 
     def observe(self, call: AttentionCall) -> None:
-        """Measure one forward (called by what opening installed, under ``no_grad``)."""
-        if self.closed:
+        """Measure one forward (called by what opening installed, under ``no_grad``); a checkpoint's
+        recomputation of a forward in the backward is not a new one and is left out."""
+        if self.closed or recomputing():
             return
         self._result.calls += 1
         try:

@@ -33,7 +33,7 @@ from qkmonitor.dashboards import attention_image
 from qkmonitor.engine.base import ActivationEngine, Values
 from qkmonitor.functional import effective_rank, gram_singular_values, hidden_state_metrics
 from qkmonitor.metrics import HeadMean
-from qkmonitor.probes import ProbeRequest, ProbeResult
+from qkmonitor.probes import ProbeRequest, ProbeResult, recomputing
 
 __all__ = ["EffectiveRank"]
 
@@ -140,6 +140,8 @@ class EffectiveRank(ActivationEngine):
     def _hidden_hook(self, index: int):
         def hook(module: nn.Module, args, output) -> None:
             x = output[0] if isinstance(output, (tuple, list)) else output
+            if recomputing():  # a checkpoint's recomputation in the backward: already kept
+                return
             if not isinstance(x, Tensor) or x.dim() not in (2, 3):
                 return
             if x.dim() == 2:  # unbatched (N, d)

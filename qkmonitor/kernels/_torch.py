@@ -23,10 +23,13 @@ none of a key block's keys are skipped, which halves the work.
 
 Memory is O(B·H·N·block_size) in both directions instead of O(B·H·N·M). Where no row can be fully
 masked, ``F.scaled_dot_product_attention`` gives the output instead: without statistics, alone;
-with statistics and a gradient to take, SDPA gives the output and its gradient while the blockwise
-forward runs under ``no_grad`` for the statistics only. A probed training step then computes the
-same output and gradients as an unprobed one, and skips the blockwise backward (several times
-slower than SDPA's on CPU).
+with statistics, SDPA gives the output (and its gradient) while the blockwise forward runs under
+``no_grad`` for the statistics only, whether or not a gradient is taken. The output then never
+depends on ``return_stats`` or the grad mode: a probed step computes the same output and gradients
+as an unprobed one, also when a reentrant checkpoint runs the forward under ``no_grad`` and again
+with grad in the backward, and skips the blockwise backward (several times slower than SDPA's on
+CPU). Where SDPA is not exact, the blockwise forward gives the output with or without statistics
+(the statistics only add sums beside it).
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ import torch.nn.functional as F
 __all__ = ["autocast_off", "torch_attention"]
 
 DEFAULT_BLOCK_SIZE = 256
-#: With statistics and gradients, SDPA for the output where it is exact (tests turn it off to
-#: exercise the blockwise backward).
-SDPA_FOR_GRADIENTS = True
+#: With statistics, SDPA for the output (and its gradient) where it is exact, as without them
+#: (tests turn it off to exercise the blockwise forward and backward).
+SDPA_WITH_STATS = True
 _SDPA_HAS_GQA = torch.__version__ >= "2.5"  # `enable_gqa` appeared in torch 2.5
 _NEG_INF = float("-inf")
 
@@ -86,7 +89,9 @@ def torch_attention(
             q, k, v, key_padding_mask, causal, scale, sink_tokens, True, block_size, output=False
         )
         return None, (lse, entropy, max_prob, max_logit, sink if sink_tokens > 0 else None)
-    if (not return_stats or (needs_grad and SDPA_FOR_GRADIENTS)) and _sdpa_is_exact(q, k, causal, key_padding_mask):
+    # The output comes from where an unprobed call takes it, with or without a gradient to take
+    # (a reentrant checkpoint's first forward runs under no_grad and is recomputed with grad).
+    if (not return_stats or SDPA_WITH_STATS) and _sdpa_is_exact(q, k, causal, key_padding_mask):
         out = _sdpa(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
         if not return_stats:
             return out, None

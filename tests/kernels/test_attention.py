@@ -173,7 +173,7 @@ def test_torch_random_shapes(reference, device, case, block):
     # backward where SDPA would otherwise give the gradients.
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch_backend, "DEFAULT_BLOCK_SIZE", block)
-        mp.setattr(torch_backend, "SDPA_FOR_GRADIENTS", False)
+        mp.setattr(torch_backend, "SDPA_WITH_STATS", False)
         check_case(reference, device, "torch", case)
 
 
@@ -239,7 +239,7 @@ def test_peaked_logits(reference, device, backend):
 def test_extreme_logits_stay_finite(reference, device, backend, monkeypatch):
     # Scores in the thousands: every exponent must be taken relative to the running max. The
     # blockwise backward, not SDPA's: SDPA's float32 dq is off by 4e-4 relative here.
-    monkeypatch.setattr(torch_backend, "SDPA_FOR_GRADIENTS", False)
+    monkeypatch.setattr(torch_backend, "SDPA_WITH_STATS", False)
     q, k, v = make_inputs(5, 1, 1, 1, 20, 40, 16, device, spread=10.0)
     # a float32 logit of size S is known to S * 2^-24 at best; through the softmax that is a
     # relative error of that order on the output and the gradients (here S ~ 4e3: ~2.4e-4), in
@@ -320,6 +320,25 @@ def test_a_probed_training_step_trains_exactly_as_an_unprobed_one(reference, dev
     for name in STAT_NAMES:
         torch.testing.assert_close(getattr(stats, name).double(), getattr(ref, name), atol=tol, rtol=tol, msg=name)
         assert not getattr(stats, name).requires_grad
+
+
+@pytest.mark.parametrize("n", [33, 40], ids=["sdpa", "blockwise"])  # N > M: causal rows without a key
+def test_statistics_change_neither_output_nor_themselves_with_the_grad_mode(device, n):
+    """Torch backend: with or without statistics, under ``no_grad`` or not (a reentrant checkpoint
+    runs a forward under ``no_grad`` and again with grad in the backward), the output is the same
+    bit for bit, and so are the statistics."""
+    q, k, v = make_inputs(13, 2, 4, 2, n, 33, 16, device)
+    runs = {}
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            plain = attention(q, k, v, causal=True, backend="torch")
+            out, stats = attention(q, k, v, causal=True, backend="torch", return_stats=True, sink_tokens=2)
+        assert plain.requires_grad == out.requires_grad == grad
+        runs[grad] = plain, out, stats
+    for grad, (plain, out, stats) in runs.items():
+        assert torch.equal(out, plain) and torch.equal(out, runs[False][0]), grad
+        for name in STAT_NAMES:
+            assert torch.equal(getattr(stats, name), getattr(runs[False][2], name)), name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
