@@ -1,12 +1,15 @@
 """Every tag is valid for every logger: no scalar tag is a prefix (a parent folder) of another, so
-stores that map tags to paths hold them all; the values arrive in MLflow's file store, a CSV and
-two loggers at once, read back by each store's own reader."""
+stores that map tags to paths hold them all; the values arrive in MLflow's file store, a CSV, W&B
+offline and two loggers at once, read back by each store's own reader."""
 
 from __future__ import annotations
 
 import csv
+import json
 import math
+import struct
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -29,6 +32,61 @@ def fit(tmp_path, make_task, loggers, callbacks):
         pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=loggers, callbacks=callbacks,
                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                    limit_val_batches=0, log_every_n_steps=1).fit(task, datamodule=data)
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """W&B offline, everything it writes under ``tmp_path``, no network (offline mode, no error
+    reporting); no global run or service is left to the next test."""
+    wandb = pytest.importorskip("wandb")
+    settings = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
+                "WANDB_ERROR_REPORTING": "false", "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true",
+                "WANDB_DIR": tmp_path, "WANDB_CONFIG_DIR": tmp_path / "wandb-config",
+                "WANDB_CACHE_DIR": tmp_path / "wandb-cache", "WANDB_DATA_DIR": tmp_path / "wandb-data"}
+    for name, value in settings.items():
+        monkeypatch.setenv(name, str(value))
+    yield wandb
+    wandb.finish()
+    wandb.teardown()
+
+
+def wandb_history(wandb, save_dir) -> tuple[Path, list[dict]]:
+    """The offline run's directory and its history rows (one dict per ``log`` call), read from the
+    run's ``.wandb`` log with W&B's own record protobuf: a LevelDB-style log of 32 KiB blocks after
+    a 7-byte ``:W&B`` header, each chunk ``crc32 (4) | length (2) | type (1)`` (1 full, 2 first,
+    3 middle, 4 last). W&B 0.31 has no offline reader and writes no summary file offline.
+
+    The run is finished and W&B's service shut down first: ``finish`` alone returns before the
+    service has written the whole log.
+    """
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    wandb.finish()
+    wandb.teardown()
+    (path,) = Path(save_dir).glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    rows, pos, chunk = [], 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = Record.FromString(chunk)
+            chunk = b""
+            if record.WhichOneof("record_type") == "history":
+                row: dict = {}
+                for item in record.history.item:
+                    *parents, last = list(item.nested_key) or [item.key]
+                    node = row
+                    for key in parents:
+                        node = node.setdefault(key, {})
+                    node[last] = json.loads(item.value_json)
+                rows.append(row)
+    return path.parent, rows
 
 
 def head_value(monitor, metric, layer, head):
@@ -71,6 +129,20 @@ def test_csv_and_two_loggers_at_once_get_the_same_values(tmp_path, make_task, sc
     assert [s for s, _ in from_csv] == [s for s, _ in from_tb] == [0, 2]
     assert [v for _, v in from_csv] == pytest.approx([v for _, v in from_tb], rel=1e-6)
     assert from_csv[-1][1] == pytest.approx(head_value(callbacks[2], "attn_erank", 1, 0), rel=1e-6)
+
+
+def test_wandb_offline_takes_every_tag_and_its_values_arrive(tmp_path, make_task, wandb_offline):
+    from lightning.pytorch.loggers import WandbLogger
+
+    callbacks = monitors()
+    fit(tmp_path, make_task, WandbLogger(offline=True, save_dir=tmp_path, project="qk"), callbacks)
+    _, rows = wandb_history(wandb_offline, tmp_path)
+    for monitor, name, layer, head in ((callbacks[0], "kappa", 1, 2), (callbacks[1], "entropy_norm", 0, 3),
+                                       (callbacks[2], "attn_erank", 1, 0)):
+        tag = f"qkmonitor/{name}/layer_{layer:02d}_head_{head:02d}"
+        logged = [(row["trainer/global_step"], row[tag]) for row in rows if tag in row]
+        assert [s for s, _ in logged] == [0, 2], tag
+        assert logged[-1][1] == pytest.approx(head_value(monitor, name, layer, head), rel=1e-6), tag
 
 
 def test_the_report_reads_runs_written_with_the_old_per_head_tags(tmp_path):
