@@ -2,7 +2,7 @@
 
 Each callback owns one :class:`~qkmonitor.engine.MonitorEngine` and nothing else: the engine
 knows the layers, decides the probe steps, measures, alerts and builds the tags; this module gives
-it a :class:`LightningHost` (the Trainer's loggers as sinks, ``rank_zero_warn``, ``should_stop``,
+it a :class:`LightningHost` (the Trainer's loggers as sinks, one per kind: :func:`logger_sink`; ``rank_zero_warn``, ``should_stop``,
 the learning rate) and calls it from the hooks. Probes are closed on success, on exception
 (``on_exception``, which Lightning also calls for a keyboard interrupt), at ``on_train_end`` and
 at ``teardown``.
@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
@@ -31,55 +31,132 @@ from qkmonitor.engine import (
 )
 from qkmonitor.engine.base import ActivationEngine, Values
 
-__all__ = ["AttentionMonitor", "ActivationMonitor", "LightningHost", "LoggerSink"]
+__all__ = ["AttentionMonitor", "ActivationMonitor", "LightningHost", "LoggerSink", "MLflowSink", "TensorBoardSink",
+           "WandbSink", "logger_sink"]
 
 
 class LoggerSink:
-    """A Lightning logger as an engine sink: scalars through ``log_metrics``; texts, images,
-    histograms, the layout and hparams through its TensorBoard ``SummaryWriter`` when it has one.
+    """A Lightning logger as an engine sink: its scalars through ``log_metrics``, nothing else.
 
-    A ``TensorBoardLogger`` without a prefix gets the scalars through its writer too, one event a
-    probe (``log_metrics`` writes an event per tag; see :class:`SummaryWriterSink`) — the same tags
-    and values in the same run. A logger's ``prefix`` (``log_metrics`` prepends ``{prefix}-``) is
-    put on everything else it writes too: texts, images, histograms, and the layout's and hparams'
-    tags (:attr:`tag_prefix`), so that the dashboards find the scalars.
+    This is what a logger without images gets (``CSVLogger``); :func:`logger_sink` picks the
+    sink for each logger. A logger's ``prefix`` (``log_metrics`` prepends ``{prefix}-``) is
+    :attr:`tag_prefix`, which the sinks below put on what they write outside ``log_metrics``, so
+    that it sits beside the scalars.
     """
+
+    draws = False
 
     def __init__(self, logger: Any) -> None:
         self.logger = logger
         prefix = getattr(logger, "_prefix", "") or ""
         #: what the logger's ``log_metrics`` puts before every tag ("" without a prefix)
         self.tag_prefix = f"{prefix}{getattr(logger, 'LOGGER_JOIN_CHAR', '-')}" if prefix else ""
-        experiment = getattr(logger, "experiment", None)
-        self._writer = SummaryWriterSink(experiment, scalars=False) if hasattr(experiment, "add_image") else None
-        self.draws = self._writer is not None
-        direct = self.draws and isinstance(logger, TensorBoardLogger) and not self.tag_prefix
-        self._scalar_writer = SummaryWriterSink(experiment) if direct else None
+
+    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
+        self.logger.log_metrics(scalars, step=step)
+
+    # what a logger cannot show is dropped; the layout and hparams are TensorBoard's alone
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        pass
+
+    def log_image(self, tag: str, image: Any, step: int) -> None:
+        pass
+
+    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        pass
+
+    def log_layout(self, layout: dict) -> None:
+        pass
+
+    def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
+        pass
+
+
+class TensorBoardSink(LoggerSink):
+    """A logger with a TensorBoard ``SummaryWriter`` as its ``experiment``: texts, images,
+    histograms, the layout and hparams through the writer, under :attr:`tag_prefix`.
+
+    A ``TensorBoardLogger`` without a prefix gets the scalars through its writer too, one event a
+    probe (``log_metrics`` writes an event per tag; see :class:`SummaryWriterSink`) — the same tags
+    and values in the same run.
+    """
+
+    draws = True
+
+    def __init__(self, logger: Any) -> None:
+        super().__init__(logger)
+        self._writer = SummaryWriterSink(logger.experiment, scalars=False)
+        direct = isinstance(logger, TensorBoardLogger) and not self.tag_prefix
+        self._scalar_writer = SummaryWriterSink(logger.experiment) if direct else None
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         if self._scalar_writer is not None:
             self._scalar_writer.log_scalars(scalars, step)
         else:
-            self.logger.log_metrics(scalars, step=step)
+            super().log_scalars(scalars, step)
 
     def log_text(self, tag: str, text: str, step: int) -> None:
-        if self._writer is not None:
-            self._writer.log_text(self.tag_prefix + tag, text, step)
+        self._writer.log_text(self.tag_prefix + tag, text, step)
 
     def log_image(self, tag: str, image: Any, step: int) -> None:
-        if self._writer is not None:
-            self._writer.log_image(self.tag_prefix + tag, image, step)
+        self._writer.log_image(self.tag_prefix + tag, image, step)
 
     def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
-        if self._writer is not None:
-            self._writer.log_histogram(self.tag_prefix + tag, values, step)
+        self._writer.log_histogram(self.tag_prefix + tag, values, step)
 
-    def __getattr__(self, name: str) -> Any:  # log_layout, log_hparams go to the writer
-        if name.startswith("log_") and self.__dict__.get("_writer") is not None:
-            return getattr(self._writer, name)
-        if name.startswith("log_"):
-            return lambda *args, **kwargs: None  # a logger that cannot show it
-        raise AttributeError(name)
+    def log_layout(self, layout: dict) -> None:
+        self._writer.log_layout(layout)
+
+    def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
+        self._writer.log_hparams(params, metrics)
+
+
+class WandbSink(LoggerSink):
+    """A ``WandbLogger``: images through its ``log_image`` (media under the image's tag) and
+    histograms as ``wandb.Histogram``, both through ``log_metrics``, which puts the prefix on them.
+
+    Alert texts are not written: their tag is the alert counter's, and a W&B key holds one kind of
+    value (the alert is still warned, and counted under that tag).
+    """
+
+    draws = True
+
+    def log_image(self, tag: str, image: Any, step: int) -> None:
+        self.logger.log_image(key=tag, images=[image], step=step)
+
+    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        import wandb
+
+        self.logger.log_metrics({tag: wandb.Histogram(values.detach().cpu().numpy())}, step=step)
+
+
+class MLflowSink(LoggerSink):
+    """An ``MLFlowLogger``: images and alert texts as the run's artifacts, one file a probe at
+    ``{tag_prefix}{tag}/step_SSSSSS.png`` (``.txt`` for a text). MLflow has no histograms."""
+
+    draws = True
+
+    def log_image(self, tag: str, image: Any, step: int) -> None:
+        self.logger.experiment.log_image(self.logger.run_id, image, artifact_file=self._path(tag, step, "png"))
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        self.logger.experiment.log_text(self.logger.run_id, text, self._path(tag, step, "txt"))
+
+    def _path(self, tag: str, step: int, suffix: str) -> str:
+        return f"{self.tag_prefix}{tag}/step_{step:06d}.{suffix}"
+
+
+def logger_sink(logger: Any) -> LoggerSink:
+    """The sink for one of the Trainer's loggers: W&B and MLflow by class, TensorBoard (or any
+    logger whose ``experiment`` is a ``SummaryWriter``) by its writer, scalars alone otherwise."""
+    if isinstance(logger, WandbLogger):
+        return WandbSink(logger)
+    if isinstance(logger, MLFlowLogger):
+        return MLflowSink(logger)
+    if hasattr(getattr(logger, "experiment", None), "add_image"):
+        return TensorBoardSink(logger)
+    return LoggerSink(logger)
 
 
 class LightningHost(Host):
@@ -94,7 +171,7 @@ class LightningHost(Host):
         return self.trainer.is_global_zero
 
     def sinks(self) -> list[LoggerSink]:
-        return [LoggerSink(logger) for logger in self.trainer.loggers]
+        return [logger_sink(logger) for logger in self.trainer.loggers]
 
     def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
         rank_zero_warn(message, category=category)
@@ -190,15 +267,17 @@ class AttentionMonitor(Callback):
 
     def _write_header(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                       monitors: list[AttentionMonitor]) -> None:
-        """The run's layout and hparams record, once per TensorBoard run directory."""
+        """The run's layout and hparams record, once per TensorBoard run directory, and one line
+        per run for each logger that takes no images."""
         if not trainer.is_global_zero:
             return
-        sinks = [sink for sink in LightningHost(trainer).sinks() if sink.draws]
-        if trainer.loggers and not sinks and "none" not in self._headers:
-            self._headers.add("none")
-            rank_zero_warn("qkmonitor: no TensorBoard logger, so the dashboards (layout, heatmaps, histograms, "
-                           "attention images, hparams) are skipped; scalars are logged.")
-        new = [sink for sink in sinks if _run_dir(sink) not in self._headers]
+        sinks = LightningHost(trainer).sinks()
+        for sink in sinks:
+            if not sink.draws and f"no images {_run_dir(sink)}" not in self._headers:
+                self._headers.add(f"no images {_run_dir(sink)}")
+                rank_zero_warn(f"qkmonitor: no images for {type(sink.logger).__name__} (the heatmaps, histograms and "
+                               "attention images go to TensorBoard, W&B and MLflow loggers); its scalars are logged.")
+        new = [sink for sink in sinks if sink.draws and _run_dir(sink) not in self._headers]
         if not new:
             return
         hparams = dict(pl_module.hparams)

@@ -2,9 +2,9 @@
 
 A :class:`Sink` is what the engine writes through; it never needs Lightning.
 :class:`SummaryWriterSink` writes TensorBoard event files through
-``torch.utils.tensorboard.SummaryWriter`` (the plain-loop path); the Lightning callbacks wrap the
-Trainer's loggers the same way (``qkmonitor.callbacks.base``); :class:`MemorySink` keeps
-everything in lists, for tests and notebooks.
+``torch.utils.tensorboard.SummaryWriter`` (the plain-loop path); the Lightning callbacks wrap each
+of the Trainer's loggers in a sink of its kind (``qkmonitor.callbacks.base``: TensorBoard, W&B,
+MLflow, or scalars alone); :class:`MemorySink` keeps everything in lists, for tests and notebooks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ __all__ = ["Sink", "SummaryWriterSink", "MemorySink", "flatten_hparams"]
 class Sink(Protocol):
     """The engine's output channel. Images are HWC uint8 arrays."""
 
-    #: whether images, histograms, the layout and hparams can be written (TensorBoard can)
+    #: whether images can be written; the engine draws (images, histograms) only for such sinks.
+    #: A sink that draws ignores what its backend cannot show: TensorBoard takes everything, W&B
+    #: images and histograms, MLflow images and texts; the layout and hparams are TensorBoard's.
     draws: bool
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None: ...

@@ -1,6 +1,7 @@
 """Every tag is valid for every logger: no scalar tag is a prefix (a parent folder) of another, so
 stores that map tags to paths hold them all; the values arrive in MLflow's file store, a CSV, W&B
-offline and two loggers at once, read back by each store's own reader."""
+offline and two loggers at once, read back by each store's own reader. Images reach the loggers
+that take them (W&B's media, MLflow's artifacts), and a logger that takes none is named once."""
 
 from __future__ import annotations
 
@@ -12,26 +13,48 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from torch.utils.tensorboard import SummaryWriter
 
+from qkmonitor.alerts import KAPPA_RULE
+from qkmonitor.catalogue import metric
+from qkmonitor.dashboards import grid_of, heatmap_image
 from qkmonitor.report import read_run
 
 
-def monitors():
-    return [QKSpectrumMonitor(every_n_steps=2, per_head=True), AttentionEntropyMonitor(every_n_steps=2, per_head=True),
-            EffectiveRankMonitor(every_n_steps=2, per_head=True, max_probe_tokens=6)]
+def monitors(**kwargs):
+    return [QKSpectrumMonitor(every_n_steps=2, per_head=True, **kwargs),
+            AttentionEntropyMonitor(every_n_steps=2, per_head=True, **kwargs),
+            EffectiveRankMonitor(every_n_steps=2, per_head=True, max_probe_tokens=6, pattern_heads=2, **kwargs)]
 
 
-def fit(tmp_path, make_task, loggers, callbacks):
+def drawing_monitors():
+    """Visuals at every probe, and a kappa rule that fires at every probe (an alert text to write)."""
+    always = KAPPA_RULE.replace(threshold=0.0, margin=0.0, growth=None, window=None, also=(), learning_drop=None,
+                                learning_window=None, solved_fraction=None)
+    callbacks = monitors(visuals_every_n_probes=1)
+    callbacks[0] = QKSpectrumMonitor(every_n_steps=2, per_head=True, visuals_every_n_probes=1, alerts=[always])
+    return callbacks
+
+
+def fit(tmp_path, make_task, loggers, callbacks, quiet=True):
     task, data = make_task()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        if quiet:
+            warnings.simplefilter("ignore")
         pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=loggers, callbacks=callbacks,
                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                    limit_val_batches=0, log_every_n_steps=1).fit(task, datamodule=data)
+
+
+def kappa_heatmap(spectrum_monitor):
+    """The kappa heatmap of the monitor's last probe, drawn again from its values."""
+    step = spectrum_monitor.latest_step
+    return heatmap_image(grid_of(spectrum_monitor.latest["kappa"]), *metric("kappa").heatmap,
+                         title=f"kappa at step {step}")
 
 
 @pytest.fixture
@@ -143,6 +166,63 @@ def test_wandb_offline_takes_every_tag_and_its_values_arrive(tmp_path, make_task
         logged = [(row["trainer/global_step"], row[tag]) for row in rows if tag in row]
         assert [s for s, _ in logged] == [0, 2], tag
         assert logged[-1][1] == pytest.approx(head_value(monitor, name, layer, head), rel=1e-6), tag
+
+
+def test_images_and_histograms_reach_wandb_under_the_loggers_prefix(tmp_path, make_task, wandb_offline):
+    from lightning.pytorch.loggers import WandbLogger
+    from PIL import Image
+
+    callbacks = drawing_monitors()
+    fit(tmp_path, make_task, WandbLogger(offline=True, save_dir=tmp_path, project="qk", prefix="train"), callbacks)
+    run_dir, rows = wandb_history(wandb_offline, tmp_path)
+    heatmaps = [(row["trainer/global_step"], row["train-qkmonitor/heatmap/kappa"]) for row in rows
+                if "train-qkmonitor/heatmap/kappa" in row]
+    assert [s for s, _ in heatmaps] == [0, 2]  # once a probe, under the logger's prefix as the scalars
+    expected = kappa_heatmap(callbacks[0])
+    entry = heatmaps[-1][1]
+    assert (entry["height"], entry["width"]) == expected.shape[:2] and entry["count"] == 1
+    (filename,) = entry["filenames"]
+    assert np.array_equal(np.asarray(Image.open(run_dir / "files" / filename).convert("RGB")), expected)
+    logged = {key for row in rows for key in row}
+    assert {"train-qkmonitor/heatmap/entropy_norm", "train-qkmonitor/attention/layer_01/head_01"} <= logged
+    histograms = [row["train-qkmonitor/qk_singular_values/layer_00"] for row in rows
+                  if "train-qkmonitor/qk_singular_values/layer_00" in row]
+    assert len(histograms) == 2 and histograms[0]["_type"] == "histogram"
+    assert not any(key.startswith(("qkmonitor/", "train-train-")) for key in logged)
+
+
+def test_images_and_alert_texts_reach_mlflow_as_artifacts_under_the_loggers_prefix(tmp_path, make_task,
+                                                                                 monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from PIL import Image
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    logger = MLFlowLogger(experiment_name="qk", tracking_uri=uri, prefix="train")
+    callbacks = drawing_monitors()
+    fit(tmp_path, make_task, logger, callbacks)
+    client = MlflowClient(tracking_uri=uri)
+    heatmaps = [a.path for a in client.list_artifacts(logger.run_id, "train-qkmonitor/heatmap/kappa")]
+    assert heatmaps == ["train-qkmonitor/heatmap/kappa/step_000000.png", "train-qkmonitor/heatmap/kappa/step_000002.png"]
+    local = client.download_artifacts(logger.run_id, heatmaps[-1], str(tmp_path / "download"))
+    assert np.array_equal(np.asarray(Image.open(local).convert("RGB")), kappa_heatmap(callbacks[0]))
+    patterns = [a.path for a in client.list_artifacts(logger.run_id, "train-qkmonitor/attention/layer_01/head_01")]
+    assert patterns == ["train-qkmonitor/attention/layer_01/head_01/step_000000.png",
+                        "train-qkmonitor/attention/layer_01/head_01/step_000002.png"]
+    alerts = [a.path for a in client.list_artifacts(logger.run_id, "train-qkmonitor/alerts/kappa")]
+    assert alerts == ["train-qkmonitor/alerts/kappa/step_000000.txt"]  # fired at step 0, held (hysteresis) at 2
+    text = Path(client.download_artifacts(logger.run_id, alerts[0], str(tmp_path / "download"))).read_text()
+    assert "kappa" in text
+    assert [a.path for a in client.list_artifacts(logger.run_id)] == ["train-qkmonitor"]
+
+
+def test_a_logger_that_takes_no_images_is_named_once_beside_one_that_does(tmp_path, make_task):
+    with pytest.warns(UserWarning) as caught:
+        fit(tmp_path, make_task, [TensorBoardLogger(tmp_path, "tb", 0), CSVLogger(tmp_path, "csv", 0)],
+            drawing_monitors(), quiet=False)
+    notices = [str(w.message) for w in caught if "no images for" in str(w.message)]
+    assert len(notices) == 1 and "CSVLogger" in notices[0], notices  # one for the run, not per monitor or image
 
 
 def test_the_report_reads_runs_written_with_the_old_per_head_tags(tmp_path):
