@@ -190,28 +190,8 @@ class LightningHost(Host):
         return None
 
 
-class _StateKey:
-    """A monitor's ``state_key``: the key built at construction. Lightning reads it before each
-    hook it calls on a callback (its profiler names the hook with it), so read on the class itself
-    (a class put in the Trainer's ``callbacks``, not an instance) it says so, where the hook would
-    fail on its arguments (``on_exception() missing 1 required positional argument``)."""
-
-    def __get__(self, instance: AttentionMonitor | None, owner: type) -> str:
-        if instance is None:
-            raise TypeError(f"Expected callback instances in the Trainer's `callbacks`, got the class "
-                            f"`{owner.__name__}`: pass an instance: `{owner.__name__}()`")
-        return instance._state_key
-
-
 class AttentionMonitor(Callback):
     """Base of the qkmonitor callbacks: a Lightning adapter over one engine.
-
-    Its state (alert counts, the last probe step) goes into a checkpoint under :attr:`state_key`,
-    where Lightning puts a callback's ``state_dict``, and comes back through ``load_state_dict`` on
-    a resume. It is written by ``on_save_checkpoint`` rather than ``state_dict``: Lightning checks
-    the keys of callbacks that override ``state_dict`` inside ``Trainer(...)``, and two monitors of
-    one kind under one prefix would meet its "more than one stateful callback" error there instead
-    of qkmonitor's, which names the prefix to change (``setup``).
 
     Args:
         engine: the engine this callback drives.
@@ -256,15 +236,12 @@ class AttentionMonitor(Callback):
     def metric_names(self) -> tuple[str, ...]:
         return self.engine.metric_names
 
-    state_key = _StateKey()
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._state_key
 
     # -- Lightning hooks ----------------------------------------------------------------------
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
-        if monitors[0] is self:  # before a checkpoint is restored or a model searched
-            check_tag_collisions([m.engine for m in monitors])
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -273,6 +250,7 @@ class AttentionMonitor(Callback):
         self._bind(trainer, pl_module)
         monitors = [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
         if monitors[-1] is self:  # every monitor is bound now: one header for the run
+            check_tag_collisions([m.engine for m in monitors])
             self._write_header(trainer, pl_module, monitors)
         if not trainer.loggers and self is monitors[0]:
             rank_zero_warn("qkmonitor: the Trainer has no logger; metrics are kept in each monitor's `.latest` "
@@ -331,10 +309,8 @@ class AttentionMonitor(Callback):
         self.engine.abort()
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
-        if "callbacks" in checkpoint:  # absent from a weights-only checkpoint
-            checkpoint["callbacks"][self.state_key] = self.engine.state_dict()
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
