@@ -190,6 +190,19 @@ class LightningHost(Host):
         return None
 
 
+class _StateKey:
+    """A monitor's ``state_key``: the key built at construction. Lightning reads it before each
+    hook it calls on a callback (its profiler names the hook with it), so read on the class itself
+    (a class put in the Trainer's ``callbacks``, not an instance) it says so, where the hook would
+    fail on its arguments (``on_exception() missing 1 required positional argument``)."""
+
+    def __get__(self, instance: AttentionMonitor | None, owner: type) -> str:
+        if instance is None:
+            raise TypeError(f"Expected callback instances in the Trainer's `callbacks`, got the class "
+                            f"`{owner.__name__}`: pass an instance: `{owner.__name__}()`")
+        return instance._state_key
+
+
 class AttentionMonitor(Callback):
     """Base of the qkmonitor callbacks: a Lightning adapter over one engine.
 
@@ -236,10 +249,7 @@ class AttentionMonitor(Callback):
     def metric_names(self) -> tuple[str, ...]:
         return self.engine.metric_names
 
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._state_key
+    state_key = _StateKey()
 
     # -- Lightning hooks ----------------------------------------------------------------------
 

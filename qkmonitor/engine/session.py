@@ -99,6 +99,10 @@ class Monitoring:
         if not isinstance(model, nn.Module):
             raise ValueError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
         engines = list(engines)
+        for engine in engines:
+            if isinstance(engine, type) and issubclass(engine, MonitorEngine):
+                raise TypeError(f"Expected engine instances in `engines`, got the class `{engine.__name__}`: pass an "
+                                f"instance: `{engine.__name__}()`")
         if not engines or not all(isinstance(e, MonitorEngine) for e in engines):
             raise ValueError(f"Expected `engines` to be a non-empty list of MonitorEngine, got {engines!r}")
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:

@@ -100,6 +100,14 @@ def test_a_rule_for_a_metric_the_monitor_does_not_log_lists_the_ones_it_does():
     AttentionEntropyMonitor(sink_tokens=1, alerts=[ENTROPY_COLLAPSE_RULE.replace(name="sink", metric="sink_mass")])
 
 
+@pytest.mark.parametrize("cls", [QKSpectrumMonitor, AttentionEntropyMonitor, EffectiveRankMonitor])
+def test_a_class_in_the_callbacks_instead_of_an_instance_says_to_pass_an_instance(tmp_path, cls):
+    name = cls.__name__
+    with pytest.raises(TypeError, match=rf"Trainer's `callbacks`, got the class `{name}`: pass an instance: `{name}\(\)`"):
+        pl.Trainer(default_root_dir=tmp_path, max_steps=1, callbacks=[cls], logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False).fit(TinyLM())
+
+
 def fit_with(tmp_path, monitor, model=None):
     task = TinyLM()
     if model is not None:

@@ -84,6 +84,11 @@ def test_layers_given_as_a_function_that_returns_nothing_is_named():
         Monitoring(model, [AttentionEntropy(layers=lambda m: None)])
 
 
+def test_an_engine_class_instead_of_an_instance_says_to_pass_an_instance():
+    with pytest.raises(TypeError, match=r"got the class `AttentionEntropy`: pass an instance: `AttentionEntropy\(\)`"):
+        Monitoring(MHAModel(), [QKSpectrum(), AttentionEntropy])
+
+
 def test_one_engine_in_two_open_monitorings_is_an_error_and_free_after_close():
     engine = AttentionEntropy()
     first = Monitoring(MHAModel(), [engine])
