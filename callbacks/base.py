@@ -206,6 +206,13 @@ class _StateKey:
 class AttentionMonitor(Callback):
     """Base of the qkmonitor callbacks: a Lightning adapter over one engine.
 
+    Its state (alert counts, the last probe step) goes into a checkpoint under :attr:`state_key`,
+    where Lightning puts a callback's ``state_dict``, and comes back through ``load_state_dict`` on
+    a resume. It is written by ``on_save_checkpoint`` rather than ``state_dict``: Lightning checks
+    the keys of callbacks that override ``state_dict`` inside ``Trainer(...)``, and two monitors of
+    one kind under one prefix would meet its "more than one stateful callback" error there instead
+    of qkmonitor's, which names the prefix to change (``setup``).
+
     Args:
         engine: the engine this callback drives.
     """
@@ -254,13 +261,18 @@ class AttentionMonitor(Callback):
     # -- Lightning hooks ----------------------------------------------------------------------
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
+        if monitors[0] is self:  # before a checkpoint is restored or a model searched
+            check_tag_collisions([m.engine for m in monitors])
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # here, not in `setup`: a model built in `configure_model` exists now, the strategy has
         # put it on its device, and Lightning has not yet written its own hparams record
         self._bind(trainer, pl_module)
         monitors = [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
         if monitors[-1] is self:  # every monitor is bound now: one header for the run
-            check_tag_collisions([m.engine for m in monitors])
             self._write_header(trainer, pl_module, monitors)
         if not trainer.loggers and self is monitors[0]:
             rank_zero_warn("qkmonitor: the Trainer has no logger; metrics are kept in each monitor's `.latest` "
@@ -319,8 +331,10 @@ class AttentionMonitor(Callback):
         self.engine.abort()
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.engine.state_dict()
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if "callbacks" in checkpoint:  # absent from a weights-only checkpoint
+            checkpoint["callbacks"][self.state_key] = self.engine.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -71,6 +71,8 @@ def test_three_prefixes_in_one_trainer_chart_every_tag_and_resume_each_state(tmp
     for monitor in first:
         monitor.engine.tracker.counts[monitor.engine.tracker.rules[0].name] = 7
     trainer.save_checkpoint(tmp_path / "both.ckpt")
+    saved = torch.load(tmp_path / "both.ckpt", weights_only=True)["callbacks"]
+    assert all(saved[m.state_key] == m.engine.state_dict() for m in first)  # where Lightning keeps callback states
     second = three_prefixes()
     pl.Trainer(default_root_dir=tmp_path, max_steps=5, callbacks=second, logger=False, enable_progress_bar=False,
                enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False).fit(
@@ -85,6 +87,18 @@ def test_same_kind_same_prefix_is_refused_with_a_clear_message(tmp_path):
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=1, callbacks=monitors, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     with pytest.raises(ValueError, match=r"Two QKSpectrumMonitors log under the same `log_key_prefix` 'qkmonitor'"):
+        trainer.fit(task, datamodule=data)
+
+
+def test_two_monitors_of_one_kind_under_one_prefix_get_qkmonitors_message_not_lightnings(tmp_path):
+    """Same kind, prefix and layers: the same state key. Lightning's "more than one stateful
+    callback" would come from `Trainer(...)` without naming the prefix; qkmonitor's says what to do."""
+    task, data = seq2seq_task()
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=1, callbacks=[AttentionEntropyMonitor(),
+                         AttentionEntropyMonitor()], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=r"Two AttentionEntropyMonitors log under the same `log_key_prefix` "
+                                         r"'qkmonitor'.*Give each its own `log_key_prefix`"):
         trainer.fit(task, datamodule=data)
 
 
