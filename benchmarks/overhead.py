@@ -51,6 +51,7 @@ Usage::
     python benchmarks/overhead.py --device cuda --model gpt2-small --precision bf16-mixed \\
         --steps 60 --rounds 1 --warmup-steps 4 --json overhead.json
     python benchmarks/overhead.py --dry-run       # arguments and report only, nothing trained
+    python benchmarks/overhead.py --arch nanogpt --compile --steps 300   # torch.compile'd, side by side
 """
 
 from __future__ import annotations
@@ -271,6 +272,82 @@ def measure(args) -> dict[str, dict[str, float]]:
     return figures
 
 
+def compiled_side_by_side(args) -> dict[str, float]:
+    """``--compile``: two copies of the model, ``torch.compile``'d alike (``--backend``), trained step
+    for step in one loop on the same batches, the second with all three monitors at
+    ``every_n_steps=50`` (a plain loop with :class:`~qkmonitor.engine.Monitoring`: the callbacks'
+    hooks are measured by the Lightning runs). Each step of one is timed beside the same step of
+    the other, so machine drift hits both. Returns the medians of the unprobed steps, the excess of
+    the probed windows, the first step of each (compiling), and the graphs compiled after warm-up."""
+    from torch._dynamo.utils import counters
+
+    from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+
+    every = 50
+    pl.seed_everything(0, verbose=False)
+    twins = [task_and_data(args.model, args.steps, args.arch)[0] for _ in range(2)]
+    twins[1].load_state_dict(twins[0].state_dict())
+    _, data = task_and_data(args.model, args.steps, args.arch)
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+    models = [task.to(args.device) for task in twins]
+    compiled = [torch.compile(task, backend=args.backend) for task in models]
+    optimizers = [torch.optim.AdamW(task.parameters(), lr=1e-3) for task in models]
+    engines = [QKSpectrum(every_n_steps=every), AttentionEntropy(every_n_steps=every),
+               EffectiveRank(every_n_steps=every)]
+    times: list[list[float]] = [[], []]
+    warm_graphs = 0
+    with Monitoring(compiled[1], engines) as monitoring:
+        for step in range(args.steps):
+            if step == every + 2:  # after a probed, an unprobed and a second probed step
+                warm_graphs = counters["stats"]["unique_graphs"]
+            tokens, targets = (t.to(args.device) for t in next(batches))
+            for i in (0, 1) if step % 2 else (1, 0):  # alternate which runs first
+                start = time.perf_counter()
+                with monitoring.step(step) if i else _nothing():
+                    loss = torch.nn.functional.cross_entropy(compiled[i](tokens).flatten(0, 1), targets.flatten(),
+                                                             ignore_index=-100)
+                    loss.backward()
+                    optimizers[i].step()
+                    optimizers[i].zero_grad(set_to_none=True)
+                    if i:
+                        monitoring.observe_loss(loss)
+                _synchronize(models[i])
+                times[i].append(time.perf_counter() - start)
+    plain, monitored = times
+    unprobed = [i for i in range(1, args.steps) if not touched(i, every)]
+    windows = [i for i in range(1, args.steps) if touched(i, every) and i > every]
+    median_plain = statistics.median(plain[i] for i in unprobed)
+    return {
+        "unprobed_plain_s": median_plain,
+        "unprobed_overhead": statistics.median(monitored[i] / plain[i] for i in unprobed) - 1,
+        "window_s": sum(monitored[i] - plain[i] for i in windows) / (len(windows) / 2 or 1),
+        "first_step_plain_s": plain[0], "first_step_monitored_s": monitored[0],
+        "graphs_after_warmup": counters["stats"]["unique_graphs"] - warm_graphs,
+    }
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def report_compiled(figures: dict[str, float], args) -> None:
+    f = figures
+    print(f"  torch.compile (backend {args.backend}), two copies stepped side by side in one loop, "
+          f"all monitors every 50 steps on one:")
+    print(f"  unprobed step: {1e3 * f['unprobed_plain_s']:.2f} ms compiled without monitors; with them "
+          f"{100 * f['unprobed_overhead']:+.2f}% (median of per-step ratios)")
+    print(f"  probed window (the probed step and the spectrum's): {1e3 * f['window_s']:.1f} ms beyond the twin's steps")
+    print(f"  first step (compiling): {f['first_step_plain_s']:.1f} s without monitors, "
+          f"{f['first_step_monitored_s']:.1f} s with them")
+    print(f"  graphs compiled after warm-up (a probed, an unprobed, a second probed step): "
+          f"{f['graphs_after_warmup']}")
+
+
 def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
     print(f"  {'configuration':36s} {'steps/s':>8s} {'between':>8s} {'window':>9s} {'hooks':>8s} {'in-run':>7s} "
           f"{'setup':>7s} {'1st window':>10s}")
@@ -314,6 +391,9 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--precision", default="32-true", help="Lightning's, e.g. bf16-mixed")
     parser.add_argument("--json", type=Path, help="also write the rates to this file")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile'd twins stepped side by side in a plain loop, with and without monitors")
+    parser.add_argument("--backend", default="inductor", help="with --compile: torch.compile's backend")
     parser.add_argument(
         "--dry-run", action="store_true", help="build model and data, train nothing"
     )
@@ -323,6 +403,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
+    if args.compile:
+        if args.dry_run:
+            return
+        figures = compiled_side_by_side(args)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, arch {args.arch}, "
+              f"{args.steps} steps")
+        report_compiled(figures, args)
+        if args.json:
+            args.json.write_text(json.dumps({"model": args.model, "arch": args.arch, "compile": args.backend,
+                                             "steps": args.steps, "figures": figures}, indent=1))
+        return
     figures = measure(args)
     where = torch.cuda.get_device_name() if args.device == "cuda" and not args.dry_run else (
         f"{torch.get_num_threads()} threads")  # fmt: skip

@@ -320,15 +320,15 @@ class AttentionMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.engine.abort()
+        self.engine.release()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.engine.abort()  # a probed batch that never ended (e.g. skipped)
+        self.engine.release()  # a probed batch that never ended (e.g. skipped); the switches under compile
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.engine.abort()
+        self.engine.release()
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

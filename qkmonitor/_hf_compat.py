@@ -33,6 +33,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from qkmonitor.compiled import own_class
+
 #: The name of the registry in the modeling files of ``transformers``.
 REGISTRY = "ALL_ATTENTION_FUNCTIONS"
 
@@ -73,8 +75,9 @@ def dispatches(module: nn.Module) -> bool:
 
 
 def _dispatching_method(module: nn.Module):
-    """The first method the module's class runs (as resolved) that reads the registry, or None."""
-    cls = type(module)
+    """The first method the module's class runs (as resolved) that reads the registry, or None
+    (the module's own class: under compile a probed module's class is switched, qkmonitor.compiled)."""
+    cls = own_class(module)
     names = dict.fromkeys(name for base in cls.__mro__[: cls.__mro__.index(nn.Module)] for name in vars(base))
     for name in names:
         for function in _reached(cls, name):

@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkmonitor.calls import FailedCall, ScoresCall
-from qkmonitor.probes import KernelCall, Probe, ProbeRequest, ProbeResult, full_precision
+from qkmonitor.compiled import add_forward_hooks, note_compiled_frame
+from qkmonitor.probes import (
+    AttentionCall,
+    KernelCall,
+    Probe,
+    ProbeRequest,
+    ProbeResult,
+    full_precision,
+)
 from qkmonitor.registry import families, register_family
 
 __all__ = [
@@ -179,7 +187,20 @@ class NativeAttentionLayer(AttentionLayer):
         return callable(getattr(self.module, "register_probe", None))
 
     def install(self, probe: Probe) -> Callable[[], None]:
-        return self.module.register_probe(probe.observe, sink_tokens=probe.request.sink_tokens)
+        module = self.module
+
+        def observe(call: AttentionCall) -> None:
+            note_compiled_frame(module)
+            probe.observe(call)
+
+        remove_observer = module.register_probe(observe, sink_tokens=probe.request.sink_tokens)
+        remove_switch = add_forward_hooks(self.module)  # under compile: run eagerly while probed
+
+        def remove() -> None:
+            remove_switch()
+            remove_observer()
+
+        return remove
 
 
 class MultiheadAttentionLayer(AttentionLayer):
@@ -221,6 +242,7 @@ class MultiheadAttentionLayer(AttentionLayer):
 
     def install(self, probe: Probe) -> Callable[[], None]:
         def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            note_compiled_frame(module)
             names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
                      "average_attn_weights", "is_causal")
             try:
@@ -230,7 +252,7 @@ class MultiheadAttentionLayer(AttentionLayer):
                 call = FailedCall(err)
             probe.observe(call)
 
-        return self.module.register_forward_pre_hook(capture, with_kwargs=True).remove
+        return add_forward_hooks(self.module, pre=capture)
 
     def _call_of(self, call: dict):
         mha: nn.MultiheadAttention = self.module

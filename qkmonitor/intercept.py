@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from qkmonitor.adapters import AttentionLayer, QKWeights
 from qkmonitor.calls import FailedCall, MaskedCall, ScoresCall, split_mask
+from qkmonitor.compiled import add_forward_hooks, note_compiled_frame
 from qkmonitor.layouts import (
     HEADS_NAMES,
     AttentionSpec,
@@ -276,10 +277,10 @@ class _Route:
         self._inputs: dict[int, Tensor] = {}
         self._first = True
         self._qk: tuple[Tensor, Tensor] | None = None
-        self._handles = (module.register_forward_pre_hook(self._enter),
-                         module.register_forward_hook(self._leave, always_call=True))
+        self._remove_hooks = add_forward_hooks(module, pre=self._enter, post=self._leave)
 
-    def _enter(self, module: nn.Module, args) -> None:
+    def _enter(self, module: nn.Module, args, kwargs) -> None:
+        note_compiled_frame(module)
         self._inputs, self._first, self._qk = {}, True, None
         mode = _Interceptor(self)
         mode.__enter__()
@@ -291,8 +292,7 @@ class _Route:
         self._inputs, self._qk = {}, None
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        self._remove_hooks()
         while self._modes:  # only if a forward was left without its hook (it never is)
             self._modes.pop().__exit__(None, None, None)
 

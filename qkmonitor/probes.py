@@ -195,13 +195,16 @@ class ObserverSet:
     def __init__(self) -> None:
         self._observers: dict[int, tuple[Callable[[AttentionCall], None], int]] = {}
         self._next = 0
+        self._sink = 0
 
     def add(self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0) -> Callable[[], None]:
         key, self._next = self._next, self._next + 1
         self._observers[key] = (observer, sink_tokens)
+        self._sink = max(self._sink, sink_tokens)
 
         def remove() -> None:
             self._observers.pop(key, None)
+            self._sink = max((sink for _, sink in self._observers.values()), default=0)
 
         return remove
 
@@ -212,10 +215,15 @@ class ObserverSet:
         return len(self._observers)
 
     def sink_tokens(self) -> int:
-        """The most sink keys any observer asked for."""
-        return max((sink for _, sink in self._observers.values()), default=0)
+        """The most sink keys any observer asked for (an int kept up to date: under
+        ``torch.compile`` the forward reads one value, not the observers)."""
+        return self._sink
 
+    @torch.compiler.disable
     def notify(self, call: AttentionCall) -> None:
+        """Hand ``call`` to every observer registered now. Never traced by ``torch.compile``: a
+        compiled forward calls the observers of the current probe window, not those it saw when it
+        was traced."""
         for observer, _ in list(self._observers.values()):
             observer(call)
 

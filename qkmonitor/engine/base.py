@@ -17,6 +17,7 @@ import logging
 import math
 import re
 import warnings
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 from qkmonitor.adapters import AttentionLayer, LayerSpec, find_attention_layers
 from qkmonitor.alerts import ALERT_ACTIONS, LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
 from qkmonitor.catalogue import MetricSpec, metric, names_of
+from qkmonitor.compiled import SwitchedForward, UncompiledForward, compiled_roots, seen_compiled
 from qkmonitor.dashboards import grid_of, heatmap_image
 from qkmonitor.engine.sinks import Sink
 from qkmonitor.intercept import unmeasured_attention_like
@@ -180,6 +182,14 @@ class MonitorEngine:
         self._every_n_steps_given = every_n_steps
         self._restored = False  # a checkpoint's state was loaded and the next bind keeps it
         self._session: Callable[[], Any] | None = None  # the plain-loop Monitoring holding it (a weakref)
+        self._switches: list[SwitchedForward] = []  # under torch.compile, held from bind to release
+        self._roots: list[SwitchedForward | UncompiledForward] = []  # the compiled regions' tops
+        self._model: Callable[[], nn.Module | None] | None = None  # the bound model (a weakref)
+        self._compiled_roots: list[nn.Module] = []  # found at bind, switched at the first window
+        #: whether the bound model itself runs eagerly through a switch in each window, also when no
+        #: compile is seen (plain loops: a loop may compile the model where the monitors cannot see)
+        self.switch_model_in_windows = False
+        self._window_removers: list[Callable[[], None]] = []  # the roots switched on for a window
         self.visuals_every_n_probes = visuals_every_n_probes
         self.per_head = per_head
         self.prefix = check_prefix(log_key_prefix)
@@ -312,14 +322,85 @@ class MonitorEngine:
             self._start_run()
         if self.every_n_steps is None:
             self.every_n_steps = max(1, int(default_every_n_steps))
+        self.release()  # an earlier bind's switches (validate, then fit)
         self.layers = find_attention_layers(model, self.layer_spec)
         self.unmeasured = unmeasured_attention_like(model, self.layers) if self.layer_spec is None else []
         self.qk_norm_layers = frozenset(i for i, layer in enumerate(self.layers) if layer.has_qk_norm)
         self._prepare(model)
+        self._model = weakref.ref(model)
+        self._compiled_roots = compiled_roots(model)  # switched at the first window, after every engine's discovery
+
+    # -- torch.compile (qkmonitor.compiled) ------------------------------------------------------
+
+    def _probed_modules(self) -> list[nn.Module]:
+        """The modules this engine's probes install on (switched under compile)."""
+        return []
+
+    def _switch_modules(self, roots: list[nn.Module]) -> None:
+        """Measure through switches (:mod:`qkmonitor.compiled`), held until :meth:`release`: the
+        probed modules, and the roots of the compiled regions, which run eagerly while a window is
+        open, so that probing neither recompiles the model nor breaks its graph inside a loop."""
+        held = {id(switch.module) for switch in self._switches}
+        for module in self._probed_modules():
+            if id(module) not in held and (switch := SwitchedForward.attach(module)) is not None:
+                self._switches.append(switch)
+                held.add(id(module))
+        for root in roots:
+            if getattr(root, "_compiler_ctx", None):  # Lightning compiles its forward: put aside while probed
+                self._roots.append(UncompiledForward(root))
+            elif (switch := SwitchedForward.attach(root)) is not None:
+                self._switches.append(switch)
+                self._roots.append(switch)
+
+    def _switch_if_compiled(self) -> None:
+        """At a window's opening: switch the probed modules if the model runs under compile, as it
+        showed at bind (:func:`~qkmonitor.compiled.compiled_roots`; switched here, not at bind, so
+        that every engine's discovery sees the modules' own classes) or as a probe saw since (a
+        model compiled where the model does not show it, e.g. a plain loop that calls
+        ``torch.compile(model)`` while the monitor holds ``model``: the bound model is the root)."""
+        if self._roots:
+            return
+        roots, self._compiled_roots = self._compiled_roots, []
+        model = self._model() if self._model is not None else None
+        if not roots and model is not None and any(seen_compiled(m) for m in self._probed_modules()):
+            roots = [model]
+        if roots:
+            self._switch_modules(roots)
+
+    def _open_roots(self) -> None:
+        """Run the compiled regions' roots eagerly for the window (under compile), or the bound
+        model itself when :attr:`switch_model_in_windows` (switched for the window only)."""
+        if not self._roots and self.switch_model_in_windows and self._model is not None:
+            model = self._model()
+            switch = None if model is None else SwitchedForward.attach(model)
+            if switch is not None:
+                self._window_removers.append(switch.detach)
+                self._window_removers.append(switch.add())
+        for root in self._roots:
+            self._window_removers.append(root.add())
+
+    def _close_roots(self) -> None:
+        removers, self._window_removers = self._window_removers, []
+        for remove in reversed(removers):
+            remove()
+
+
+    def release(self) -> None:
+        """Close any open probe and take out what binding put on the model (the switches under
+        compile); idempotent. Called when a fit ends, on success and on failure."""
+        self.abort()
+        roots, self._roots = self._roots, []
+        for root in roots:
+            if isinstance(root, UncompiledForward):
+                root.detach()
+        switches, self._switches = self._switches, []
+        for switch in switches:
+            switch.detach()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_session"] = None  # a weak reference to the Monitoring holding it: not carried along
+        state.update(_switches=[], _roots=[], _model=None, _window_removers=[], _compiled_roots=[])
         return state
 
     def _start_run(self) -> None:
@@ -574,15 +655,20 @@ class ActivationEngine(MonitorEngine):
     def _request(self) -> ProbeRequest:
         return ProbeRequest()
 
+    def _probed_modules(self) -> list[nn.Module]:
+        return [layer.module for layer, measurable in zip(self.layers, self._measurable) if measurable]
+
     def open(self, step: int, *, validation: bool = False) -> bool:
         if self._window is not None or not self.layers or (not validation and not self.is_probe_step(step)):
             return False
+        self._switch_if_compiled()
         self._window = (step, validation)
         try:
             request = self._request()
             for layer, measurable in zip(self.layers, self._measurable):
                 self._probes.append(layer.open_probe(request) if measurable else Probe(layer.name, request))
             self._open_extra()
+            self._open_roots()
         except BaseException:
             self.abort()
             raise
@@ -597,6 +683,7 @@ class ActivationEngine(MonitorEngine):
     def close_probes(self) -> list[ProbeResult]:
         """Close every open probe (each one, even if another fails) and return their results."""
         probes, self._probes, self._window = self._probes, [], None
+        self._close_roots()
         results, error = [], None
         for probe in probes:
             try:

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
 from qkmonitor.catalogue import RANK
+from qkmonitor.compiled import add_forward_hooks
 from qkmonitor.dashboards import attention_image
 from qkmonitor.engine.base import ActivationEngine, Values
 from qkmonitor.functional import effective_rank, gram_singular_values, hidden_state_metrics
@@ -130,12 +131,15 @@ class EffectiveRank(ActivationEngine):
 
     def _open_extra(self) -> None:
         self._hidden = {}
-        self._hooks = [block.register_forward_hook(self._hidden_hook(i)) for i, block in enumerate(self.blocks)]
+        self._hooks = [add_forward_hooks(block, post=self._hidden_hook(i)) for i, block in enumerate(self.blocks)]
 
     def _close_extra(self) -> None:
         hooks, self._hooks = self._hooks, []
-        for hook in hooks:
-            hook.remove()
+        for remove in hooks:
+            remove()
+
+    def _probed_modules(self) -> list[nn.Module]:
+        return super()._probed_modules() + list(self.blocks)
 
     def _hidden_hook(self, index: int):
         def hook(module: nn.Module, args, output) -> None:

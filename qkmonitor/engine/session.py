@@ -122,6 +122,7 @@ class Monitoring:
         self.host = PlainHost(sinks, optimizer, owner=self)
         check_tag_collisions(engines)
         for engine in engines:
+            engine.switch_model_in_windows = True  # a loop may call torch.compile(model) unseen
             engine.bind(model, default_every_n_steps=every_n_steps)
             engine.report_discovery(self.host)
         write_run_header(sinks, engines, hparams)
@@ -204,7 +205,8 @@ class Monitoring:
 
     def close(self) -> None:
         """Close any open probe and flush the writer; the engines may then join another Monitoring."""
-        self.abort()
+        for engine in self.engines:
+            engine.release()
         self.closed = True
         for sink in self.host.sinks():
             flush = getattr(sink, "flush", None)

@@ -71,11 +71,14 @@ class QKSpectrum(MonitorEngine):
         """Open a layout probe on every layer still waiting for its check (none: nothing)."""
         if validation or self._checks or not self._layouts_waiting:
             return False
+        self._switch_if_compiled()
         waiting = [layer for layer in self.layers if layer.needs_layout_check]
         self._layouts_waiting = bool(waiting)  # a check only ends the wait: none waiting stays none
         try:
             for layer in waiting:
                 self._checks.append((layer, layer.open_probe(ProbeRequest(stats=False, layout=True))))
+            if waiting:
+                self._open_roots()
         except BaseException:
             self.abort()
             raise
@@ -84,6 +87,7 @@ class QKSpectrum(MonitorEngine):
     def finish(self, host: Host) -> None:
         """Close the layout probes, check the layouts, and log the values held for the check."""
         checks, self._checks = self._checks, []
+        self._close_roots()
         for layer, probe in checks:
             message = layer.check_layout(probe.close())
             if message:
@@ -95,8 +99,12 @@ class QKSpectrum(MonitorEngine):
 
     def abort(self) -> None:
         checks, self._checks = self._checks, []
+        self._close_roots()
         for _, probe in checks:
             probe.close()
+
+    def _probed_modules(self) -> list[nn.Module]:
+        return [layer.module for layer in self.layers if layer.needs_layout_check]
 
     # -- reading the weights ---------------------------------------------------------------------
 

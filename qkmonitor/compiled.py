@@ -1,0 +1,262 @@
+"""Probing modules that run under ``torch.compile``: switches set once per fit, not hooks per window.
+
+Dynamo guards a compiled graph on the Python state it read while tracing: the modules' hook
+dictionaries, attributes and configs. A probe that installs a hook, a route or a config for its
+window changes that state at every window, and a probed forward that graph-breaks inside a loop
+over the layers makes dynamo give up on the loop's frame for good (it runs uncompiled from then on,
+probed or not). So under compile the monitors measure through switches:
+
+- a **switched module** (:class:`SwitchedForward`) gets, once, a subclass of its own class whose
+  ``forward`` reads one bool: off, it is the module's own forward, which dynamo traces as if the
+  switch were not there (one more guard: ``active`` is False); on (while a probe holds it), the
+  module's forward runs **eagerly** (:func:`torch.compiler.disable`) between the probes'
+  callbacks (:func:`add_forward_hooks`), which run as ordinary hooks would. The probed modules
+  (attention layers, blocks) and the **roots** of the compiled regions (the module that
+  ``torch.compile`` wraps) are switched; on a probed step the root runs eagerly as a whole, so
+  the one graph break is at the top, never inside a loop.
+- a LightningModule that Lightning compiles (``trainer.fit(torch.compile(module))``) has its
+  compiled ``forward`` put aside for the probed steps (:class:`UncompiledForward`).
+
+The state dynamo reads is then the same at every window: once a probed and an unprobed step have
+run, nothing recompiles, and unprobed steps run the model's own graph. A switched module pickles
+and deep-copies as its own class, without the switch. Eagerly (no compile), modules keep the
+ephemeral hooks of :mod:`qkmonitor.probes`, nothing is switched outside a window.
+
+:func:`compiled_roots` finds the compiled regions as the model shows them; a probe that finds
+itself inside a compiled frame the model did not show (:func:`note_compiled_frame`) tells its
+engine, which switches the layers at the next window.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SwitchedForward", "UncompiledForward", "add_forward_hooks", "compiled_roots", "inside_compiled_frame",
+           "note_compiled_frame", "own_class", "seen_compiled", "switch_of"]
+
+_STATE = "_qkmonitor_switch"
+_EVAL_FRAME = ("torch/_dynamo/eval_frame.py", "torch\\_dynamo\\eval_frame.py")
+
+
+def compiled_roots(model: nn.Module) -> list[nn.Module]:
+    """The modules at the top of the compiled regions of ``model``, as the model shows them: what a
+    ``torch.compile``'d module (``OptimizedModule``) inside it wraps, a module compiled in place
+    (``nn.Module.compile()``), a LightningModule that Lightning compiles (its ``_compiler_ctx``)."""
+    optimized = _optimized_module_type()
+    roots: list[nn.Module] = []
+    for module in model.modules():
+        if optimized is not None and isinstance(module, optimized):
+            roots.append(module._orig_mod)
+        elif getattr(module, "_compiled_call_impl", None) is not None or getattr(module, "_compiler_ctx", None):
+            roots.append(module)
+    return list({id(m): m for m in roots}.values())
+
+
+def _optimized_module_type() -> type | None:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch without dynamo
+        return None
+    return OptimizedModule
+
+
+def inside_compiled_frame() -> bool:
+    """Whether the caller runs (eagerly, after a graph break) inside a ``torch.compile``'d call:
+    dynamo's frame wrapper is on the Python stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_fn" and frame.f_code.co_filename.endswith(_EVAL_FRAME):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_SEEN: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def note_compiled_frame(module: nn.Module) -> None:
+    """Called in a probed module's forward by what its probe installed: remember the module if that
+    forward runs inside a ``torch.compile``'d call and the module is not switched (its engine
+    switches it at the next window)."""
+    if switch_of(module) is None and inside_compiled_frame():
+        _SEEN.add(module)
+
+
+def seen_compiled(module: nn.Module) -> bool:
+    """Whether :func:`note_compiled_frame` found ``module`` inside a compiled frame."""
+    return module in _SEEN
+
+
+class SwitchedForward:
+    """The switch of one module: its own forward, or, while :attr:`active`, its own forward run
+    eagerly between the probes' callbacks.
+
+    :meth:`attach` installs it (the module's class becomes a subclass with a switched ``forward``;
+    shared by every engine that measures the module, counted), :meth:`detach` takes it out when the
+    last holder lets go; :meth:`add` adds a probe's callbacks and switches it on while any are
+    present.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.base = type(module)
+        self.active = False
+        self._hooks: dict[int, tuple[Callable | None, Callable | None]] = {}  # key -> (pre, post)
+        self._next = 0
+        self._holders = 0
+
+    @classmethod
+    def attach(cls, module: nn.Module) -> SwitchedForward | None:
+        """The module's switch, installed on first use; each call adds a holder. None for a module
+        whose ``forward`` is an attribute of its own (it keeps ordinary hooks)."""
+        switch = switch_of(module)
+        if switch is None:
+            if "forward" in module.__dict__:
+                return None
+            switch = cls(module)
+            module.__dict__[_STATE] = switch
+            module.__class__ = _switched_class(switch.base)
+        switch._holders += 1
+        return switch
+
+    def detach(self) -> None:
+        """One holder lets go; the last one gives the module back its own class."""
+        self._holders -= 1
+        if self._holders > 0:
+            return
+        self._hooks.clear()
+        self.active = False
+        if self.module.__dict__.get(_STATE) is self:
+            del self.module.__dict__[_STATE]
+            self.module.__class__ = self.base
+
+    def add(self, pre: Callable | None = None, post: Callable | None = None) -> Callable[[], None]:
+        """Run ``pre(module, args, kwargs)`` before and ``post(module, args, output)`` after every
+        forward (``output`` None when the forward raised) until the returned function is called.
+        The module runs eagerly while anything was added (callbacks or not: a module that measures
+        itself, or the root of a compiled region, only needs to run eagerly)."""
+        key, self._next = self._next, self._next + 1
+        self._hooks[key] = (pre, post)
+        self.active = True
+
+        def remove() -> None:
+            self._hooks.pop(key, None)
+            self.active = bool(self._hooks)
+
+        return remove
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _switched_class(base: type) -> type:
+    """``base`` with a switched ``forward`` (one class per base, named as the base)."""
+    switched = _CLASSES.get(base)
+    if switched is None:
+        own_forward = base.forward
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            switch = self._qkmonitor_switch
+            if switch.active:  # a plain bool attribute: dynamo guards on its value
+                return _run_eagerly(switch, args, kwargs)
+            return own_forward(self, *args, **kwargs)
+
+        switched = type(base.__name__, (base,), {
+            "forward": forward, "__reduce_ex__": _reduce_as_base, "__module__": base.__module__,
+            "__qualname__": base.__qualname__, "__doc__": base.__doc__,
+        })
+        _CLASSES[base] = switched
+    return switched
+
+
+def _reduce_as_base(self: nn.Module, protocol: int):
+    """Pickle and deep-copy a switched module as its own class, without the switch (rebuilt by the
+    standard library's ``copyreg._reconstructor``, as protocols 0 and 1 rebuild objects)."""
+    state = {key: value for key, value in self.__getstate__().items() if key != _STATE}
+    return copyreg._reconstructor, (own_class(self), object, None), state
+
+
+@torch.compiler.disable
+def _run_eagerly(switch: SwitchedForward, args: tuple, kwargs: dict) -> Any:
+    module, hooks = switch.module, list(switch._hooks.values())
+    for pre, _ in hooks:
+        if pre is not None:
+            pre(module, args, kwargs)
+    output = None
+    try:
+        output = switch.base.forward(module, *args, **kwargs)
+    finally:
+        for _, post in hooks:
+            if post is not None:
+                post(module, args, output)
+    return output
+
+
+def switch_of(module: nn.Module) -> SwitchedForward | None:
+    """The :class:`SwitchedForward` installed on ``module``, or None."""
+    return module.__dict__.get(_STATE)
+
+
+def own_class(module: nn.Module) -> type:
+    """The module's class as its author wrote it (not the switched subclass)."""
+    switch = switch_of(module)
+    return type(module) if switch is None else switch.base
+
+
+class UncompiledForward:
+    """A LightningModule that Lightning compiles keeps its compiled ``forward`` in an attribute and
+    the original in ``_compiler_ctx``; while :meth:`add` holds it, ``forward`` is the original
+    (the probed step runs uncompiled, outside any compiled frame), and the compiled one after."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._holders = 0
+
+    def add(self, pre: Callable | None = None, post: Callable | None = None) -> Callable[[], None]:
+        context = getattr(self.module, "_compiler_ctx", None) or {}
+        original, compiled = context.get("original_forward"), self.module.__dict__.get("forward")
+        if original is None or compiled is None or self._holders:
+            self._holders += 1
+            return self._release
+        self._compiled = compiled
+        self.module.__dict__["forward"] = original
+        self._holders = 1
+        return self._release
+
+    def _release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0 and hasattr(self, "_compiled"):
+            self.module.__dict__["forward"] = self._compiled
+            del self._compiled
+
+    def detach(self) -> None:
+        while self._holders > 0:
+            self._release()
+
+
+def add_forward_hooks(module: nn.Module, pre: Callable | None = None, post: Callable | None = None) -> Callable[[], None]:
+    """What a probe installs on ``module`` for its window: ``pre(module, args, kwargs)`` before
+    and ``post(module, args, output)`` after each forward (also when it raises, with ``output``
+    None). Through the module's :class:`SwitchedForward` when it has one (compile), else as
+    ordinary forward hooks, removed by the returned function."""
+    switch = switch_of(module)
+    if switch is not None:
+        return switch.add(pre, post)
+    handles = []
+    if pre is not None:
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    if post is not None:
+        handles.append(module.register_forward_hook(post, always_call=True))
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
