@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkmonitor.calls import FailedCall, ScoresCall
-from qkmonitor.compiled import add_forward_hooks, note_compiled_frame
+from qkmonitor.compiled import add_forward_hooks
 from qkmonitor.probes import (
     AttentionCall,
     KernelCall,
@@ -188,12 +188,7 @@ class NativeAttentionLayer(AttentionLayer):
 
     def install(self, probe: Probe) -> Callable[[], None]:
         module = self.module
-
-        def observe(call: AttentionCall) -> None:
-            note_compiled_frame(module)
-            probe.observe(call)
-
-        remove_observer = module.register_probe(observe, sink_tokens=probe.request.sink_tokens)
+        remove_observer = module.register_probe(probe.observe, sink_tokens=probe.request.sink_tokens)
         remove_switch = add_forward_hooks(self.module)  # under compile: run eagerly while probed
 
         def remove() -> None:
@@ -242,7 +237,6 @@ class MultiheadAttentionLayer(AttentionLayer):
 
     def install(self, probe: Probe) -> Callable[[], None]:
         def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            note_compiled_frame(module)
             names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
                      "average_attn_weights", "is_causal")
             try:

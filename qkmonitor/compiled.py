@@ -22,27 +22,25 @@ run, nothing recompiles, and unprobed steps run the model's own graph. A switche
 and deep-copies as its own class, without the switch. Eagerly (no compile), modules keep the
 ephemeral hooks of :mod:`qkmonitor.probes`, nothing is switched outside a window.
 
-:func:`compiled_roots` finds the compiled regions as the model shows them; a probe that finds
-itself inside a compiled frame the model did not show (:func:`note_compiled_frame`) tells its
-engine, which switches the layers at the next window.
+:func:`compiled_roots` finds the compiled regions as the model shows them. A plain loop may compile
+the model it hands the monitors uncompiled (``compiled = torch.compile(model)``); there the bound
+model runs through a switch for each probe window (``MonitorEngine.switch_model_in_windows``), so
+that its probed step runs eagerly from the top.
 """
 
 from __future__ import annotations
 
 import copyreg
-import sys
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SwitchedForward", "UncompiledForward", "add_forward_hooks", "compiled_roots", "inside_compiled_frame",
-           "note_compiled_frame", "own_class", "seen_compiled", "switch_of"]
+__all__ = ["NeverCompiled", "SwitchedForward", "UncompiledForward", "add_forward_hooks", "compiled_roots", "own_class",
+           "switch_of"]
 
 _STATE = "_qkmonitor_switch"
-_EVAL_FRAME = ("torch/_dynamo/eval_frame.py", "torch\\_dynamo\\eval_frame.py")
 
 
 def compiled_roots(model: nn.Module) -> list[nn.Module]:
@@ -65,33 +63,6 @@ def _optimized_module_type() -> type | None:
     except ImportError:  # a torch without dynamo
         return None
     return OptimizedModule
-
-
-def inside_compiled_frame() -> bool:
-    """Whether the caller runs (eagerly, after a graph break) inside a ``torch.compile``'d call:
-    dynamo's frame wrapper is on the Python stack."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_fn" and frame.f_code.co_filename.endswith(_EVAL_FRAME):
-            return True
-        frame = frame.f_back
-    return False
-
-
-_SEEN: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def note_compiled_frame(module: nn.Module) -> None:
-    """Called in a probed module's forward by what its probe installed: remember the module if that
-    forward runs inside a ``torch.compile``'d call and the module is not switched (its engine
-    switches it at the next window)."""
-    if switch_of(module) is None and inside_compiled_frame():
-        _SEEN.add(module)
-
-
-def seen_compiled(module: nn.Module) -> bool:
-    """Whether :func:`note_compiled_frame` found ``module`` inside a compiled frame."""
-    return module in _SEEN
 
 
 class SwitchedForward:
@@ -120,6 +91,7 @@ class SwitchedForward:
         if switch is None:
             if "forward" in module.__dict__:
                 return None
+            _run_eagerly.prepare()  # eagerly, before dynamo may trace a switched forward
             switch = cls(module)
             module.__dict__[_STATE] = switch
             module.__class__ = _switched_class(switch.base)
@@ -183,8 +155,24 @@ def _reduce_as_base(self: nn.Module, protocol: int):
     return copyreg._reconstructor, (own_class(self), object, None), state
 
 
-@torch.compiler.disable
-def _run_eagerly(switch: SwitchedForward, args: tuple, kwargs: dict) -> Any:
+class NeverCompiled:
+    """``torch.compiler.disable(function)``, made when first needed (:meth:`prepare`, or the first
+    call): importing dynamo imports triton, which ``import qkmonitor`` must not."""
+
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+        self.disabled: Callable | None = None
+
+    def prepare(self) -> Callable:
+        if self.disabled is None:
+            self.disabled = torch.compiler.disable(self.function)
+        return self.disabled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.disabled or self.prepare())(*args, **kwargs)
+
+
+def _run_module(switch: SwitchedForward, args: tuple, kwargs: dict) -> Any:
     module, hooks = switch.module, list(switch._hooks.values())
     for pre, _ in hooks:
         if pre is not None:
@@ -197,6 +185,9 @@ def _run_eagerly(switch: SwitchedForward, args: tuple, kwargs: dict) -> Any:
             if post is not None:
                 post(module, args, output)
     return output
+
+
+_run_eagerly = NeverCompiled(_run_module)
 
 
 def switch_of(module: nn.Module) -> SwitchedForward | None:

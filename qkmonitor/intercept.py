@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from qkmonitor.adapters import AttentionLayer, QKWeights
 from qkmonitor.calls import FailedCall, MaskedCall, ScoresCall, split_mask
-from qkmonitor.compiled import add_forward_hooks, note_compiled_frame
+from qkmonitor.compiled import add_forward_hooks
 from qkmonitor.layouts import (
     HEADS_NAMES,
     AttentionSpec,
@@ -280,7 +280,6 @@ class _Route:
         self._remove_hooks = add_forward_hooks(module, pre=self._enter, post=self._leave)
 
     def _enter(self, module: nn.Module, args, kwargs) -> None:
-        note_compiled_frame(module)
         self._inputs, self._first, self._qk = {}, True, None
         mode = _Interceptor(self)
         mode.__enter__()

@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from qkmonitor.compiled import NeverCompiled
 from qkmonitor.kernels import AttentionStats, attention_stats
 
 __all__ = ["ProbeRequest", "ProbeResult", "Probe", "AttentionCall", "KernelCall", "ObserverSet", "full_precision"]
@@ -198,6 +199,7 @@ class ObserverSet:
         self._sink = 0
 
     def add(self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0) -> Callable[[], None]:
+        _notify.prepare()  # eagerly, before dynamo may trace a forward that notifies
         key, self._next = self._next, self._next + 1
         self._observers[key] = (observer, sink_tokens)
         self._sink = max(self._sink, sink_tokens)
@@ -219,13 +221,19 @@ class ObserverSet:
         ``torch.compile`` the forward reads one value, not the observers)."""
         return self._sink
 
-    @torch.compiler.disable
     def notify(self, call: AttentionCall) -> None:
         """Hand ``call`` to every observer registered now. Never traced by ``torch.compile``: a
         compiled forward calls the observers of the current probe window, not those it saw when it
         was traced."""
-        for observer, _ in list(self._observers.values()):
-            observer(call)
+        _notify(self, call)
+
+
+def _notify_observers(observers: ObserverSet, call: AttentionCall) -> None:
+    for observer, _ in list(observers._observers.values()):
+        observer(call)
+
+
+_notify = NeverCompiled(_notify_observers)
 
 
 class KernelCall:

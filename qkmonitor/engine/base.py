@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from qkmonitor.adapters import AttentionLayer, LayerSpec, find_attention_layers
 from qkmonitor.alerts import ALERT_ACTIONS, LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
 from qkmonitor.catalogue import MetricSpec, metric, names_of
-from qkmonitor.compiled import SwitchedForward, UncompiledForward, compiled_roots, seen_compiled
+from qkmonitor.compiled import SwitchedForward, UncompiledForward, compiled_roots
 from qkmonitor.dashboards import grid_of, heatmap_image
 from qkmonitor.engine.sinks import Sink
 from qkmonitor.intercept import unmeasured_attention_like
@@ -353,18 +353,11 @@ class MonitorEngine:
                 self._roots.append(switch)
 
     def _switch_if_compiled(self) -> None:
-        """At a window's opening: switch the probed modules if the model runs under compile, as it
-        showed at bind (:func:`~qkmonitor.compiled.compiled_roots`; switched here, not at bind, so
-        that every engine's discovery sees the modules' own classes) or as a probe saw since (a
-        model compiled where the model does not show it, e.g. a plain loop that calls
-        ``torch.compile(model)`` while the monitor holds ``model``: the bound model is the root)."""
-        if self._roots:
-            return
+        """At a window's opening: switch the probed modules and the compiled regions' roots if the
+        model showed any at bind (:func:`~qkmonitor.compiled.compiled_roots`); here, not at bind,
+        so that every engine's discovery sees the modules' own classes."""
         roots, self._compiled_roots = self._compiled_roots, []
-        model = self._model() if self._model is not None else None
-        if not roots and model is not None and any(seen_compiled(m) for m in self._probed_modules()):
-            roots = [model]
-        if roots:
+        if roots and not self._roots:
             self._switch_modules(roots)
 
     def _open_roots(self) -> None:
