@@ -21,7 +21,6 @@ from torch import Tensor, nn
 from qkmonitor.calls import FailedCall, ScoresCall
 from qkmonitor.compiled import add_forward_hooks
 from qkmonitor.probes import (
-    AttentionCall,
     KernelCall,
     Probe,
     ProbeRequest,
