@@ -31,6 +31,7 @@ that its probed step runs eagerly from the top.
 from __future__ import annotations
 
 import copyreg
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -202,34 +203,46 @@ def own_class(module: nn.Module) -> type:
 
 
 class UncompiledForward:
-    """A LightningModule that Lightning compiles keeps its compiled ``forward`` in an attribute and
-    the original in ``_compiler_ctx``; while :meth:`add` holds it, ``forward`` is the original
-    (the probed step runs uncompiled, outside any compiled frame), and the compiled one after."""
+    """A LightningModule that Lightning compiles (``trainer.fit(torch.compile(module))``) holds its
+    compiled ``forward`` and ``*_step`` methods as attributes and the originals in its
+    ``_compiler_ctx``; while :meth:`add` holds it, those attributes are the originals (the probed
+    step runs uncompiled, outside any compiled frame), and the compiled ones after."""
+
+    METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self._holders = 0
+        self._compiled: dict[str, Callable] = {}
+
+    @classmethod
+    def of(cls, module: nn.Module) -> UncompiledForward:
+        """The one instance for ``module``, shared by every engine (windows nest)."""
+        shared = _UNCOMPILED.get(module)
+        if shared is None:
+            shared = _UNCOMPILED[module] = cls(module)
+        return shared
 
     def add(self, pre: Callable | None = None, post: Callable | None = None) -> Callable[[], None]:
-        context = getattr(self.module, "_compiler_ctx", None) or {}
-        original, compiled = context.get("original_forward"), self.module.__dict__.get("forward")
-        if original is None or compiled is None or self._holders:
-            self._holders += 1
-            return self._release
-        self._compiled = compiled
-        self.module.__dict__["forward"] = original
-        self._holders = 1
+        self._holders += 1
+        if self._holders == 1:
+            context = getattr(self.module, "_compiler_ctx", None) or {}
+            for name in self.METHODS:
+                original, compiled = context.get(f"original_{name}"), self.module.__dict__.get(name)
+                if original is not None and compiled is not None:
+                    self._compiled[name] = compiled
+                    self.module.__dict__[name] = original
         return self._release
 
     def _release(self) -> None:
         self._holders -= 1
-        if self._holders == 0 and hasattr(self, "_compiled"):
-            self.module.__dict__["forward"] = self._compiled
-            del self._compiled
+        if self._holders == 0:
+            compiled, self._compiled = self._compiled, {}
+            self.module.__dict__.update(compiled)
 
-    def detach(self) -> None:
-        while self._holders > 0:
-            self._release()
+
+
+_UNCOMPILED: weakref.WeakKeyDictionary[nn.Module, UncompiledForward] = weakref.WeakKeyDictionary()
 
 
 def add_forward_hooks(module: nn.Module, pre: Callable | None = None, post: Callable | None = None) -> Callable[[], None]:

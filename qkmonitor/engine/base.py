@@ -347,7 +347,7 @@ class MonitorEngine:
                 held.add(id(module))
         for root in roots:
             if getattr(root, "_compiler_ctx", None):  # Lightning compiles its forward: put aside while probed
-                self._roots.append(UncompiledForward(root))
+                self._roots.append(UncompiledForward.of(root))
             elif (switch := SwitchedForward.attach(root)) is not None:
                 self._switches.append(switch)
                 self._roots.append(switch)
@@ -382,10 +382,7 @@ class MonitorEngine:
         """Close any open probe and take out what binding put on the model (the switches under
         compile); idempotent. Called when a fit ends, on success and on failure."""
         self.abort()
-        roots, self._roots = self._roots, []
-        for root in roots:
-            if isinstance(root, UncompiledForward):
-                root.detach()
+        self._roots = []  # the roots' windows were closed by abort
         switches, self._switches = self._switches, []
         for switch in switches:
             switch.detach()
