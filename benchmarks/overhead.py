@@ -12,9 +12,10 @@ configuration (medians over rounds):
   monitors. On a shared or virtual CPU the plain step time drifts by several percent from one run
   to the next, more than the monitors cost at ``every_n_steps=50``; hence the in-run figures:
 - **per probe window, in-run**: the time the batches a monitor works in (the activation probes'
-  and the spectrum's) take beyond the median untouched batch *of the same run*, less what the
-  same batches take beyond the median in the no-monitor run (Lightning's own periodic logging
-  lands on them too), per window;
+  and the spectrum's) and the three after each probe (the visuals are drawn on a background thread
+  while they train) take beyond the median untouched batch *of the same run*, less what the same
+  batches take beyond the median in the no-monitor run (Lightning's own periodic logging lands on
+  them too), per window;
 - **hooks, untouched**: the monitors' own hook time on the batches they do not probe, per batch
   (timed directly around the hooks);
 - **in-run overhead**: window cost spread over ``every_n_steps`` untouched batches, plus the hooks;
@@ -201,13 +202,22 @@ def touched(batch: int, every: int) -> bool:
     return batch % every == 0 or (batch + 1) % every == 0
 
 
+#: batches after a probe counted in its window: the visuals are drawn and written on a background
+#: thread (qkmonitor.engine.publisher) while the next batches train, and slow them down
+SPILL = 3
+
+
 def window_cost(clock: Clock, base: Clock, every: int) -> float:
-    """Seconds per probe window, in-run: what the touched batches take beyond the run's median
-    untouched batch, less the same for the no-monitor run at the same batches."""
+    """Seconds per probe window, in-run: what the touched batches and the :data:`SPILL` batches
+    after each probe take beyond the run's median untouched batch, less the same for the
+    no-monitor run at the same batches."""
+    def counted(i: int) -> bool:
+        return touched(i, every) or 0 < i % every <= SPILL
+
     def excess(c: Clock) -> dict[int, float]:
         steps = c.steps
-        plain = statistics.median(s for i, s in enumerate(steps) if i and not touched(i, every))
-        return {i: s - plain for i, s in enumerate(steps) if i and touched(i, every)}
+        plain = statistics.median(s for i, s in enumerate(steps) if i and not counted(i))
+        return {i: s - plain for i, s in enumerate(steps) if i and counted(i)}
 
     ours, theirs = excess(clock), excess(base)
     windows = len(ours) / 2 or 1  # a window: one activation probe and one spectrum probe

@@ -20,6 +20,7 @@ import warnings
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from qkmonitor.alerts import ALERT_ACTIONS, LOSS_SMOOTHING, Alert, AlertRule, Al
 from qkmonitor.catalogue import MetricSpec, metric, names_of
 from qkmonitor.compiled import SwitchedForward, UncompiledForward, compiled_roots
 from qkmonitor.dashboards import grid_of, heatmap_image
+from qkmonitor.engine.publisher import PUBLISHER
 from qkmonitor.engine.sinks import Sink
 from qkmonitor.intercept import unmeasured_attention_like
 from qkmonitor.probes import Probe, ProbeRequest, ProbeResult
@@ -382,6 +384,7 @@ class MonitorEngine:
         """Close any open probe and take out what binding put on the model (the switches under
         compile); idempotent. Called when a fit ends, on success and on failure."""
         self.abort()
+        self._warn_publishing_errors(None, PUBLISHER.drain())  # every visual written before a logger closes
         self._roots = []  # the roots' windows were closed by abort
         switches, self._switches = self._switches, []
         for switch in switches:
@@ -459,7 +462,8 @@ class MonitorEngine:
     # -- logging ---------------------------------------------------------------------------------
 
     def record(self, host: Host, values: Values, step: int, *, validation: bool = False,
-               undefined: dict[str, list[Tensor]] | None = None, images: dict[str, np.ndarray] | None = None,
+               undefined: dict[str, list[Tensor]] | None = None,
+               images: dict[str, np.ndarray | Callable[[], np.ndarray]] | None = None,
                histograms: dict[str, Tensor] | None = None) -> list[Alert]:
         """Log one probe's values at ``step``, fire and act on alerts (not for validation).
 
@@ -467,7 +471,9 @@ class MonitorEngine:
             values: metric -> one tensor per layer.
             validation: log under ``{prefix}/val``; no alerts.
             undefined: metric -> per-layer bool tensors, True where a NaN is NaN by definition.
-            images, histograms: extra TensorBoard visuals of this probe, by tag.
+            images, histograms: extra visuals of this probe, by tag (an image may be a function
+                that draws it). Visuals are drawn and written on the publisher's thread
+                (:mod:`qkmonitor.engine.publisher`); ``release`` waits for them.
 
         Returns:
             The alerts that fired.
@@ -494,12 +500,9 @@ class MonitorEngine:
                 sink.log_scalars(scalars, step)
             drawing = [sink for sink in sinks if sink.draws]
             if drawing and not validation and self.draws_visuals(step):
-                visuals = {**self._heatmaps(values, step), **(images or {})}
-                for sink in drawing:
-                    for tag, image in visuals.items():
-                        sink.log_image(tag, image, step)
-                    for tag, data in (histograms or {}).items():
-                        sink.log_histogram(tag, data, step)
+                self._warn_publishing_errors(host, PUBLISHER.errors())
+                PUBLISHER.submit(partial(self._publish_visuals, drawing, values, step, images or {},
+                                         histograms or {}))
         for alert in alerts:
             self._act(host, alert)
         return alerts
@@ -524,6 +527,27 @@ class MonitorEngine:
                     for head, value in enumerate(row):
                         out[head_tag(prefix, name, layer, head)] = value
         return out
+
+    def _publish_visuals(self, sinks: list[Sink], values: Values, step: int,
+                         images: dict[str, np.ndarray | Callable[[], np.ndarray]], histograms: dict[str, Tensor]) -> None:
+        """Draw a probe's visuals and write them (on the publisher's thread, :mod:`.publisher`):
+        the heatmaps of ``values``, ``images`` (arrays, or functions that draw them), histograms."""
+        drawn = {**self._heatmaps(values, step),
+                 **{tag: image() if callable(image) else image for tag, image in images.items()}}
+        for sink in sinks:
+            for tag, image in drawn.items():
+                sink.log_image(tag, image, step)
+            for tag, data in histograms.items():
+                sink.log_histogram(tag, data, step)
+
+    def _warn_publishing_errors(self, host: Host | None, errors: list[BaseException]) -> None:
+        if errors:
+            message = (f"{type(self).__name__}: writing the visuals failed {len(errors)} time(s) "
+                       f"({type(errors[0]).__name__}: {errors[0]}); training goes on.")
+            if host is None:
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            else:
+                host.warn(message, RuntimeWarning)
 
     def _heatmaps(self, values: Values, step: int) -> dict[str, np.ndarray]:
         return {

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -160,7 +161,7 @@ class EffectiveRank(ActivationEngine):
     def _measure(self, results: list[ProbeResult], step: int, *, visuals: bool) -> tuple[Values, dict[str, Any]]:
         values: Values = {m: [] for m in self.metric_names}
         undefined: dict[str, list[Tensor]] = {m: [] for m in self.metric_names}
-        images: dict[str, np.ndarray] = {}
+        images: dict[str, Callable[[], np.ndarray]] = {}
         hidden, self._hidden = self._hidden, {}
         for i, result in enumerate(results):
             self._fit_heads(i, result)
@@ -185,9 +186,9 @@ class EffectiveRank(ActivationEngine):
                 samples[i].append(("attn_entropy_norm", _mean_rows(norm, n > 1), keep))
             self._update(i, samples[i])
             if result.probs and result.probs[0].numel() and visuals:
-                for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
-                    images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = attention_image(
-                        probs, title=f"layer {i}, head {h}, step {step}, sequence 0")
+                for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):  # drawn when published
+                    images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = partial(
+                        attention_image, probs, title=f"layer {i}, head {h}, step {step}, sequence 0")
             with warnings.catch_warnings():  # compute() on every rank: it is the collective
                 warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
                 means = self._means[i].compute().float().cpu()

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from qkmonitor.dashboards import LayoutSection, custom_scalars_layout
 from qkmonitor.engine.base import MonitorEngine, PlainHost
+from qkmonitor.engine.publisher import PUBLISHER
 from qkmonitor.engine.sinks import Sink, SummaryWriterSink
 from qkmonitor.tags import alert_tag
 
@@ -203,8 +204,18 @@ class Monitoring:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"Expected `step` to be an int >= 0, got {step!r}")
 
+    def flush(self) -> None:
+        """Wait for the visuals drawn in the background (:mod:`qkmonitor.engine.publisher`) and
+        flush the sinks: everything logged so far is written."""
+        PUBLISHER.drain()
+        for sink in self.host.sinks():
+            flush = getattr(sink, "flush", None)
+            if callable(flush):
+                flush()
+
     def close(self) -> None:
-        """Close any open probe and flush the writer; the engines may then join another Monitoring."""
+        """Close any open probe, wait for the visuals and flush the writer; the engines may then
+        join another Monitoring."""
         for engine in self.engines:
             engine.release()
         self.closed = True

@@ -31,10 +31,10 @@ class Block(nn.Module):
 def run(engines, steps: int, writer) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(Block(), Block())
-    monitoring = Monitoring(model, engines, writer=writer, every_n_steps=1)
-    for step in range(steps):
-        with monitoring.step(step):
-            model(torch.randn(2, 5, 8))
+    with Monitoring(model, engines, writer=writer, every_n_steps=1) as monitoring:
+        for step in range(steps):
+            with monitoring.step(step):
+                model(torch.randn(2, 5, 8))
 
 
 def engines(visuals: int) -> list:
