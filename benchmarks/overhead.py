@@ -53,6 +53,7 @@ Usage::
         --steps 60 --rounds 1 --warmup-steps 4 --json overhead.json
     python benchmarks/overhead.py --dry-run       # arguments and report only, nothing trained
     python benchmarks/overhead.py --arch nanogpt --compile --steps 300   # torch.compile'd, side by side
+    python benchmarks/overhead.py --arch nanogpt --offsets --steps 1000 --rounds 2   # a window, batch by batch
 """
 
 from __future__ import annotations
@@ -337,6 +338,39 @@ def compiled_side_by_side(args) -> dict[str, float]:
     }
 
 
+def offsets(args, every: int = 50, before: int = 3, after: int = 7) -> tuple[dict[int, float], float]:
+    """``--offsets``: where a probe window's time goes, batch by batch. The no-monitor run and the
+    defaults alternate for ``--rounds``; each batch's excess over its run's median quiet batch
+    (away from every window) is averaged over all windows of all rounds at each offset from the
+    probed batch (offset -1: the spectrum's batch, 0: the activation probes', after: what the
+    background visuals and the loggers' own threads spill over). Returns (offset -> the monitored
+    run's mean excess less the no-monitor run's, the median quiet step), in seconds."""
+    excess: dict[str, dict[int, list[float]]] = {name: {k: [] for k in range(-before, after + 1)}
+                                                 for name in ("plain", "monitored")}
+    quiet_steps: list[float] = []
+    with tempfile.TemporaryDirectory() as log_root:
+        for _ in range(args.rounds):
+            for name, config in (("plain", None), ("monitored", CONFIGS[DEFAULTS])):
+                steps = run(args, config, log_root).steps
+                quiet = statistics.median(s for i, s in enumerate(steps) if i and before < i % every < every - before
+                                          and i % every > after)
+                quiet_steps.append(quiet)
+                for probe in range(every, len(steps) - after, every):
+                    for k in excess[name]:
+                        excess[name][k].append(steps[probe + k] - quiet)
+    diffs = {k: statistics.mean(excess["monitored"][k]) - statistics.mean(excess["plain"][k]) for k in excess["plain"]}
+    return diffs, statistics.median(quiet_steps)
+
+
+def report_offsets(diffs: dict[int, float], quiet_step: float, every: int = 50) -> None:
+    print("  a window, batch by batch (the defaults less no monitor, mean over every window of every round):")
+    print("  " + "  ".join(f"{k:+d}: {1e3 * v:5.2f}" for k, v in diffs.items()) + "  (ms)")
+    total = sum(diffs.values())
+    print(f"  sum over offsets {min(diffs)}..{max(diffs)}: {1e3 * total:.1f} ms a window = "
+          f"{100 * total / every / quiet_step:.2f}% of the quiet step ({1e3 * quiet_step:.2f} ms) at every_n_steps={every} "
+          "(the hooks on other steps and the visuals of every 20th window come on top: see the default run)")
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -404,6 +438,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile'd twins stepped side by side in a plain loop, with and without monitors")
     parser.add_argument("--backend", default="inductor", help="with --compile: torch.compile's backend")
+    parser.add_argument("--offsets", action="store_true",
+                        help="where a window's time goes, batch by batch around the probe (defaults vs no monitor)")
     parser.add_argument(
         "--dry-run", action="store_true", help="build model and data, train nothing"
     )
@@ -423,6 +459,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             args.json.write_text(json.dumps({"model": args.model, "arch": args.arch, "compile": args.backend,
                                              "steps": args.steps, "figures": figures}, indent=1))
+        return
+    if args.offsets:
+        if args.dry_run:
+            return
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, arch {args.arch}, "
+              f"{args.steps} steps x {args.rounds} rounds")
+        report_offsets(*offsets(args))
         return
     figures = measure(args)
     where = torch.cuda.get_device_name() if args.device == "cuda" and not args.dry_run else (

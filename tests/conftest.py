@@ -137,3 +137,27 @@ def probe_leftovers(model: torch.nn.Module) -> list[str]:
 def leftovers():
     """:func:`probe_leftovers`, for the failure-path tests."""
     return probe_leftovers
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it is given and the calls of them, and
+    runs them unchanged (as the ``"eager"`` backend does)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.calls = 0
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs += 1
+
+        def run(*args):
+            self.calls += 1
+            return graph_module.forward(*args)
+
+        return run
+
+
+@pytest.fixture
+def counting_backend():
+    """A new :class:`CountingBackend` for each call."""
+    return CountingBackend

@@ -20,24 +20,10 @@ from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, Q
 STEPS, WARM = 10, 4
 
 
-class CountingBackend:
-    def __init__(self) -> None:
-        self.graphs = self.calls = 0
-
-    def __call__(self, graph_module, example_inputs):
-        self.graphs += 1
-
-        def run(*args):
-            self.calls += 1
-            return graph_module.forward(*args)
-
-        return run
-
-
 class Record(pl.Callback):
     """After each batch: the monitors' values of a probe at that step, and the backend's counters."""
 
-    def __init__(self, monitors, backend: CountingBackend | None) -> None:
+    def __init__(self, monitors, backend) -> None:
         self.monitors, self.backend = monitors, backend
         self.values, self.counts = {}, []
 
@@ -51,11 +37,10 @@ class Record(pl.Callback):
             self.counts.append((self.backend.graphs, self.backend.calls))
 
 
-def fit(make_task, tmp_path, *, how: str | None, monitors: bool = True):
+def fit(make_task, tmp_path, *, how: str | None, monitors: bool = True, backend=None):
     torch._dynamo.reset()
     torch.manual_seed(0)
     task, data = make_task()
-    backend = None if how is None else CountingBackend()
     if how == "wrapped":
         task.model = torch.compile(task.model, backend=backend)
     elif how == "in-place":
@@ -94,12 +79,13 @@ class LogFreeTask(pl.LightningModule):
 @pytest.mark.parametrize("how", ["wrapped", "in-place", "lightning"],
                          ids=["task.model = torch.compile(task.model)", "task.model.compile()",
                               "trainer.fit(torch.compile(task))"])
-def test_a_compiled_fit_logs_the_uncompiled_values_and_recompiles_nothing(how, make_task, tmp_path, leftovers):
+def test_a_compiled_fit_logs_the_uncompiled_values_and_recompiles_nothing(how, make_task, tmp_path, leftovers,
+                                                                          counting_backend):
     if how == "lightning":
         make_task = _log_free(make_task)
     _, eager = fit(make_task, tmp_path, how=None)
-    _, plain = fit(make_task, tmp_path, how=how, monitors=False)
-    task, compiled = fit(make_task, tmp_path, how=how)
+    _, plain = fit(make_task, tmp_path, how=how, monitors=False, backend=counting_backend())
+    task, compiled = fit(make_task, tmp_path, how=how, backend=counting_backend())
     assert compiled.counts[-1][0] > 0  # compiled
     assert eager.values.keys() == compiled.values.keys() and len(eager.values) > 0
     for key, layers in eager.values.items():
