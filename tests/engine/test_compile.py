@@ -92,6 +92,25 @@ class Llama(nn.Module):
         return self.lm(tokens).logits
 
 
+class ViT(nn.Module):
+    """timm's ``VisionTransformer`` (fused ``qkv``, SDPA) classifying 16 x 16 images of the tokens' seed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from timm.models.vision_transformer import VisionTransformer
+
+        self.vit = VisionTransformer(img_size=16, patch_size=4, embed_dim=D, depth=2, num_heads=H, num_classes=VOCAB)
+
+    def forward(self, tokens):
+        images = torch.randn(tokens.shape[0], 3, 16, 16, generator=torch.Generator().manual_seed(int(tokens.sum())))
+        return self.vit(images)[:, None]  # (B, 1, VOCAB): one "token" per image
+
+
+def vit() -> nn.Module:
+    pytest.importorskip("timm")
+    return ViT()
+
+
 def bundled() -> nn.Module:
     return DecoderLM(TransformerConfig(vocab_size=VOCAB, d_model=D, n_heads=H, n_layers=2, max_seq_len=T))
 
@@ -101,7 +120,7 @@ def llama() -> nn.Module:
     return Llama()
 
 
-MODELS = {"bundled": bundled, "nanogpt": NanoGPT, "multihead": Encoder, "llama": llama}
+MODELS = {"bundled": bundled, "nanogpt": NanoGPT, "multihead": Encoder, "llama": llama, "timm-vit": vit}
 
 
 def engines() -> list:
@@ -135,7 +154,8 @@ def train(kind: str, *, backend=None, monitor_compiled: bool = True, fail_at: in
                 try:
                     with monitoring.step(step):
                         logits = call(batch(step))
-                        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch(step + 100).reshape(-1))
+                        targets = batch(step + 100)[:, : logits.shape[1]]
+                        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
                         if step == fail_at:
                             raise RuntimeError("a failing step")
                         loss.backward()
