@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qkmonitor", description="Watch attention while a transformer trains: train a bundled model with the "
         "monitors on (qkmonitor train), or read a run back (qkmonitor report).")
+    from qkmonitor import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train", help="train a bundled model on an example task with the monitors on",
@@ -147,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show the training progress (step N/total, loss, accuracy)")
     from qkmonitor.report import add_report_parser
 
-    add_report_parser(commands)
+    add_report_parser(commands, formatter_class=_HelpFormatter)
     return parser
 
 
@@ -256,6 +259,7 @@ def _quiet_lightning():
 
 def _run_training(args: argparse.Namespace) -> int:
     import lightning.pytorch as pl
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -282,7 +286,7 @@ def _run_training(args: argparse.Namespace) -> int:
             check_val_every_n_epoch=None, enable_progress_bar=args.progress_bar, enable_model_summary=False,
             num_sanity_val_steps=0, enable_checkpointing=args.checkpoint,
         )
-    except (ValueError, RuntimeError) as err:  # e.g. an accelerator this machine does not have
+    except (ValueError, RuntimeError, MisconfigurationException) as err:  # e.g. an accelerator this machine lacks
         print(f"qkmonitor train: {err}", file=sys.stderr)
         return 2
     trainer.fit(task, datamodule=data)

@@ -666,13 +666,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="list at most this many alert messages per run (0: none)")
 
 
-def add_report_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the ``report`` command to a CLI's ``add_subparsers()`` object; returns its parser."""
+def add_report_parser(subparsers, formatter_class: type[argparse.HelpFormatter] = argparse.ArgumentDefaultsHelpFormatter,
+                      ) -> argparse.ArgumentParser:
+    """Add the ``report`` command to a CLI's ``add_subparsers()`` object; returns its parser.
+    ``formatter_class``: the CLI's help formatter (one that shows each default once)."""
     parser = subparsers.add_parser(
         "report", help="read a run back: per-layer table, alerts, PNG plots",
         description="Read qkmonitor runs back from their TensorBoard event files: a per-layer table of "
                     "every metric, the alerts, and PNG plots. Two runs are compared side by side.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=formatter_class,
     )
     _add_arguments(parser)
     return parser

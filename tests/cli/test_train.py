@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from qkmonitor.cli import main
 
@@ -129,3 +130,26 @@ def test_the_positional_choices_are_the_models():
     from qkmonitor.models.config import POSITIONAL as MODELS_POSITIONAL
 
     assert POSITIONAL == MODELS_POSITIONAL
+
+
+def test_version_prints_the_package_version(capsys):
+    import qkmonitor
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"qkmonitor {qkmonitor.__version__}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_gpu_asked_for_on_a_machine_without_one_is_one_line_not_a_traceback(tmp_path, capsys):
+    assert main(["train", "--accelerator", "gpu", "--steps", "1", "--log-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkmonitor train: ") and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_report_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    text = capsys.readouterr().out
+    blocks = re.split(r"\n(?=  --)", text[text.index("  --out"):])
+    assert len(blocks) >= 3 and all(block.count("default") <= 1 for block in blocks), blocks
