@@ -324,7 +324,9 @@ class AttentionMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.engine.release()  # a probed batch that never ended (e.g. skipped); the switches under compile
+        self.engine.abort()  # a probed batch that never ended (e.g. skipped)
+        self.engine.draw_final(LightningHost(trainer))  # the pictures show the final state
+        self.engine.release()  # the switches under compile; waits for the visuals
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

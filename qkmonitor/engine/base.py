@@ -192,6 +192,8 @@ class MonitorEngine:
         #: compile is seen (plain loops: a loop may compile the model where the monitors cannot see)
         self.switch_model_in_windows = False
         self._window_removers: list[Callable[[], None]] = []  # the roots switched on for a window
+        #: the last probe's visual inputs when it drew none: (values, step, images, histograms)
+        self._undrawn: tuple | None = None
         self.visuals_every_n_probes = visuals_every_n_probes
         self.per_head = per_head
         self.prefix = check_prefix(log_key_prefix)
@@ -393,7 +395,7 @@ class MonitorEngine:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_session"] = None  # a weak reference to the Monitoring holding it: not carried along
-        state.update(_switches=[], _roots=[], _model=None, _window_removers=[], _compiled_roots=[])
+        state.update(_switches=[], _roots=[], _model=None, _window_removers=[], _compiled_roots=[], _undrawn=None)
         return state
 
     def _start_run(self) -> None:
@@ -403,6 +405,7 @@ class MonitorEngine:
         self.tracker = AlertTracker(self.tracker.rules)
         self.latest, self.latest_step, self.latest_validation = {}, None, {}
         self._nonfinite, self._warned = set(), set()
+        self._undrawn = None
         self._losses.clear()
         self._first_losses = []
 
@@ -464,7 +467,7 @@ class MonitorEngine:
     def record(self, host: Host, values: Values, step: int, *, validation: bool = False,
                undefined: dict[str, list[Tensor]] | None = None,
                images: dict[str, np.ndarray | Callable[[], np.ndarray]] | None = None,
-               histograms: dict[str, Tensor] | None = None) -> list[Alert]:
+               histograms: dict[str, Tensor] | Callable[[], dict[str, Tensor]] | None = None) -> list[Alert]:
         """Log one probe's values at ``step``, fire and act on alerts (not for validation).
 
         Args:
@@ -472,8 +475,9 @@ class MonitorEngine:
             validation: log under ``{prefix}/val``; no alerts.
             undefined: metric -> per-layer bool tensors, True where a NaN is NaN by definition.
             images, histograms: extra visuals of this probe, by tag (an image may be a function
-                that draws it). Visuals are drawn and written on the publisher's thread
-                (:mod:`qkmonitor.engine.publisher`); ``release`` waits for them.
+                that draws it; the histograms a function that makes them). Visuals are drawn and
+                written on the publisher's thread (:mod:`qkmonitor.engine.publisher`); ``release``
+                waits for them. A probe that draws none keeps them for :meth:`draw_final`.
 
         Returns:
             The alerts that fired.
@@ -503,6 +507,9 @@ class MonitorEngine:
                 self._warn_publishing_errors(host, PUBLISHER.errors())
                 PUBLISHER.submit(partial(self._publish_visuals, drawing, values, step, images or {},
                                          histograms or {}))
+                self._undrawn = None
+            elif drawing and not validation and self.visuals_every_n_probes:
+                self._undrawn = (values, step, images or {}, histograms or {})  # drawn at the run's end
         for alert in alerts:
             self._act(host, alert)
         return alerts
@@ -529,16 +536,28 @@ class MonitorEngine:
         return out
 
     def _publish_visuals(self, sinks: list[Sink], values: Values, step: int,
-                         images: dict[str, np.ndarray | Callable[[], np.ndarray]], histograms: dict[str, Tensor]) -> None:
+                         images: dict[str, np.ndarray | Callable[[], np.ndarray]],
+                         histograms: dict[str, Tensor] | Callable[[], dict[str, Tensor]]) -> None:
         """Draw a probe's visuals and write them (on the publisher's thread, :mod:`.publisher`):
-        the heatmaps of ``values``, ``images`` (arrays, or functions that draw them), histograms."""
+        the heatmaps of ``values``, ``images`` (arrays, or functions that draw them), histograms
+        (or a function that makes them)."""
         drawn = {**self._heatmaps(values, step),
                  **{tag: image() if callable(image) else image for tag, image in images.items()}}
         for sink in sinks:
             for tag, image in drawn.items():
                 sink.log_image(tag, image, step)
-            for tag, data in histograms.items():
+            for tag, data in (histograms() if callable(histograms) else histograms).items():
                 sink.log_histogram(tag, data, step)
+
+    def draw_final(self, host: Host) -> None:
+        """At a run's end: draw the visuals of its last probe if that probe was not one of every
+        ``visuals_every_n_probes``-th (the pictures always show the final state)."""
+        undrawn, self._undrawn = self._undrawn, None
+        if undrawn is None or not host.is_logging_rank:
+            return
+        drawing = [sink for sink in host.sinks() if sink.draws]
+        if drawing:
+            PUBLISHER.submit(partial(self._publish_visuals, drawing, *undrawn))
 
     def _warn_publishing_errors(self, host: Host | None, errors: list[BaseException]) -> None:
         if errors:

@@ -185,8 +185,8 @@ class EffectiveRank(ActivationEngine):
                 keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
                 samples[i].append(("attn_entropy_norm", _mean_rows(norm, n > 1), keep))
             self._update(i, samples[i])
-            if result.probs and result.probs[0].numel() and visuals:
-                for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):  # drawn when published
+            if result.probs and result.probs[0].numel():  # drawn when published (visuals, or the run's end)
+                for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
                     images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = partial(
                         attention_image, probs, title=f"layer {i}, head {h}, step {step}, sequence 0")
             with warnings.catch_warnings():  # compute() on every rank: it is the collective

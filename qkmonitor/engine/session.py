@@ -217,6 +217,8 @@ class Monitoring:
         """Close any open probe, wait for the visuals and flush the writer; the engines may then
         join another Monitoring."""
         for engine in self.engines:
+            engine.abort()
+            engine.draw_final(self.host)  # the pictures show the final state
             engine.release()
         self.closed = True
         for sink in self.host.sinks():

@@ -13,6 +13,7 @@ Per head h, over the singular values :math:`\sigma_i` and eigenvalues :math:`\la
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -151,7 +152,7 @@ class QKSpectrum(MonitorEngine):
                                "known name); its spectrum metrics are NaN. Describe it with qkmonitor.AttentionSpec.")
 
     def _log(self, host: Host, step: int, spectra: LayerSpectra) -> None:
-        histograms = self._histograms(spectra.singular_values) if self.draws_visuals(step) else {}
+        histograms = partial(self._histograms, spectra.singular_values)  # made when drawn
         self.record(host, spectra.metrics, step, undefined=spectra.undefined, histograms=histograms)
 
     def _histograms(self, singular_values: list[Tensor]) -> dict[str, Tensor]:

@@ -116,9 +116,11 @@ def test_images_dashboard_shows_the_heatmaps_and_attention_patterns(browser, ten
     tags = tensorboard.get_json("/data/plugin/images/tags")[tensorboard.run]
     assert set(HEATMAPS) <= set(tags)
 
-    def loaded(cards):
-        shown = {card["tag"] for card in cards or [] if card["run"] == tensorboard.run and card["width"] > 0}
-        return set(HEATMAPS) <= shown and any(tag.startswith("qkmonitor/attention/") for tag in shown)
+    def loaded(cards):  # every card the checks below measure has its image (a tag may have two cards)
+        ours = [card for card in cards or [] if card["run"] == tensorboard.run]
+        shown = {card["tag"] for card in ours if card["width"] > 0}
+        return (set(HEATMAPS) <= shown and any(tag.startswith("qkmonitor/attention/") for tag in shown)
+                and all(card["width"] > 0 for card in ours if card["tag"] in HEATMAPS))
 
     size = (1920, 1120)
     # the tag filter puts the heatmaps first, above the category with every qkmonitor image

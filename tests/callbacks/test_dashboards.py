@@ -177,3 +177,18 @@ def test_layout_lists_margin_charts_only_for_per_head_metrics():
     assert list(margins) == ["kappa layer 00 (heads: min, mean, max)", "kappa layer 01 (heads: min, mean, max)"]
     assert "p: effective rank, per layer over heads" not in layout
     assert layout["p: alerts"]["alerts fired (count)"] == ["Multiline", ["^p/alerts/"]]
+
+
+def test_the_last_probe_of_a_fit_is_drawn_in_tensorboard(tmp_path, make_task):
+    """Probes at steps 0 and 2 of a 3-step fit, visuals every 3rd probe: the final state (step 2) is
+    drawn when the fit ends, for every monitor, as TensorBoard reads it back."""
+    task, data = make_task()
+    pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=TensorBoardLogger(tmp_path, "run", 0),
+               callbacks=all_monitors(visuals_every_n_probes=3), enable_progress_bar=False,
+               enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+               log_every_n_steps=1).fit(task, datamodule=data)
+    acc = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"images": 0, "histograms": 0})
+    acc.Reload()
+    for tag in ("qkmonitor/heatmap/kappa", "qkmonitor/heatmap/entropy_norm", "qkmonitor/attention/layer_01/head_01"):
+        assert [e.step for e in acc.Images(tag)] == [0, 2], tag
+    assert [e.step for e in acc.Histograms("qkmonitor/qk_singular_values/layer_01")] == [0, 2]

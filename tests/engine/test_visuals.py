@@ -97,3 +97,17 @@ def test_monitors_in_a_real_run_write_images_only_at_visual_probes(tmp_path):
     assert [e.step for e in acc.Images("qkmonitor/heatmap/kappa")] == [0, 2, 4]
     assert [e.step for e in acc.Histograms("qkmonitor/qk_singular_values/layer_00")] == [0, 2, 4]
     assert [e.step for e in acc.Scalars("qkmonitor/kappa/layer_00")] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("steps", [8, 7])
+def test_the_last_probe_of_a_run_is_always_drawn(steps):
+    """Every 3rd probe draws; a run of 8 steps ends on probe 7, which is drawn when the run ends (7
+    steps end on a drawing probe: nothing more)."""
+    sink = MemorySink()
+    run(engines(3), steps, sink)
+    expected = sorted({s for s in range(steps) if s % 3 == 0} | {steps - 1})
+    image_steps = {tag: sorted({s for t, _, s in sink.images if t == tag}) for tag, _, _ in sink.images}
+    assert len(image_steps) == 5 and all(found == expected for found in image_steps.values()), image_steps
+    assert sorted({s for _, _, s in sink.histograms}) == expected
+    final = [image for tag, image, s in sink.images if tag == "qkmonitor/heatmap/kappa" and s == steps - 1]
+    assert len(final) == 1 and final[0].ndim == 3
