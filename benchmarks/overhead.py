@@ -59,6 +59,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import math
@@ -315,7 +316,7 @@ def compiled_side_by_side(args) -> dict[str, float]:
             tokens, targets = (t.to(args.device) for t in next(batches))
             for i in (0, 1) if step % 2 else (1, 0):  # alternate which runs first
                 start = time.perf_counter()
-                with monitoring.step(step) if i else _nothing():
+                with monitoring.step(step) if i else contextlib.nullcontext():
                     loss = torch.nn.functional.cross_entropy(compiled[i](tokens).flatten(0, 1), targets.flatten(),
                                                              ignore_index=-100)
                     loss.backward()
@@ -369,14 +370,6 @@ def report_offsets(diffs: dict[int, float], quiet_step: float, every: int = 50) 
     print(f"  sum over offsets {min(diffs)}..{max(diffs)}: {1e3 * total:.1f} ms a window = "
           f"{100 * total / every / quiet_step:.2f}% of the quiet step ({1e3 * quiet_step:.2f} ms) at every_n_steps={every} "
           "(the hooks on other steps and the visuals of every 20th window come on top: see the default run)")
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def report_compiled(figures: dict[str, float], args) -> None:

@@ -15,12 +15,13 @@ probed or not). So under compile the monitors measure through switches:
   ``torch.compile`` wraps) are switched; on a probed step the root runs eagerly as a whole, so
   the one graph break is at the top, never inside a loop.
 - a LightningModule that Lightning compiles (``trainer.fit(torch.compile(module))``) has its
-  compiled ``forward`` put aside for the probed steps (:class:`UncompiledForward`).
+  compiled ``forward`` and ``*_step`` methods put aside for the probed steps
+  (:class:`UncompiledForward`).
 
 The state dynamo reads is then the same at every window: once a probed and an unprobed step have
 run, nothing recompiles, and unprobed steps run the model's own graph. A switched module pickles
 and deep-copies as its own class, without the switch. Eagerly (no compile), modules keep the
-ephemeral hooks of :mod:`qkmonitor.probes`, nothing is switched outside a window.
+ephemeral hooks of :mod:`qkmonitor.probes`: nothing is switched outside a window.
 
 :func:`compiled_roots` finds the compiled regions as the model shows them. A plain loop may compile
 the model it hands the monitors uncompiled (``compiled = torch.compile(model)``); there the bound
@@ -223,7 +224,8 @@ class UncompiledForward:
             shared = _UNCOMPILED[module] = cls(module)
         return shared
 
-    def add(self, pre: Callable | None = None, post: Callable | None = None) -> Callable[[], None]:
+    def add(self) -> Callable[[], None]:
+        """Put the originals in place until the returned function is called (windows nest)."""
         self._holders += 1
         if self._holders == 1:
             context = getattr(self.module, "_compiler_ctx", None) or {}
@@ -239,7 +241,6 @@ class UncompiledForward:
         if self._holders == 0:
             compiled, self._compiled = self._compiled, {}
             self.module.__dict__.update(compiled)
-
 
 
 _UNCOMPILED: weakref.WeakKeyDictionary[nn.Module, UncompiledForward] = weakref.WeakKeyDictionary()

@@ -38,11 +38,15 @@ class NanoBlock(nn.Module):
 
 
 class NanoAttention(nn.Module):
+    fail = False  # set by a test: the forward raises inside the attention module
+
     def __init__(self) -> None:
         super().__init__()
         self.c_attn, self.c_proj, self.n_head = nn.Linear(D, 3 * D), nn.Linear(D, D), H
 
     def forward(self, x):
+        if NanoAttention.fail:
+            raise RuntimeError("a forward that raises inside attention")
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, 2))
         return self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c))
@@ -132,10 +136,12 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (3, T), generator=torch.Generator().manual_seed(step))
 
 
-def train(kind: str, *, backend=None, monitor_compiled: bool = True, fail_at: int = -1,
-          watched: list | None = None):
-    """Train ``kind`` for STEPS steps; return (losses, values per probe, graph calls per step from
-    WARM on, graphs compiled from WARM on, model)."""
+def train(kind: str, *, backend=None, monitor_compiled: bool = True, fail_at: int = -1, fail_inside: bool = False,
+          watched: list | None = None, autocast: bool = False):
+    """Train ``kind`` for STEPS steps (the forward under bf16 autocast with ``autocast``); the step
+    ``fail_at`` raises after its forward, or inside the attention modules with ``fail_inside``.
+    Return (losses, values per probe, graph calls per step from WARM on, graphs compiled from WARM
+    on, model)."""
     torch.manual_seed(0)
     model = MODELS[kind]()
     call = model if backend is None else torch.compile(model, backend=backend)
@@ -153,9 +159,11 @@ def train(kind: str, *, backend=None, monitor_compiled: bool = True, fail_at: in
                     calls.append(backend.calls)
                 try:
                     with monitoring.step(step):
-                        logits = call(batch(step))
+                        NanoAttention.fail = fail_inside and step == fail_at
+                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                            logits = call(batch(step))
                         targets = batch(step + 100)[:, : logits.shape[1]]
-                        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+                        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
                         if step == fail_at:
                             raise RuntimeError("a failing step")
                         loss.backward()
@@ -163,7 +171,10 @@ def train(kind: str, *, backend=None, monitor_compiled: bool = True, fail_at: in
                         optimizer.zero_grad()
                 except RuntimeError:
                     optimizer.zero_grad()
+                    assert leftovers_after_a_failure(model) == [], step
                     continue
+                finally:
+                    NanoAttention.fail = False
                 losses.append(loss.item())
                 for engine in watched:
                     if engine.latest_step == step:
@@ -206,11 +217,18 @@ def test_compiled_training_logs_the_uncompiled_statistics_without_recompiling(ki
     assert leftovers(model) == []
 
 
-@pytest.mark.parametrize("kind", ["bundled", "nanogpt"])
-def test_a_failing_compiled_step_leaves_nothing_and_the_next_probes_measure(kind, leftovers, counting_backend):
+def leftovers_after_a_failure(model: nn.Module) -> list[str]:
+    """What a failed probed step could have left entered: a torch function mode, an observer."""
+    left = [f"{torch._C._len_torch_function_stack()} torch function mode(s)"] if torch._C._len_torch_function_stack() else []
+    return left + [f"observers on {name!r}" for name, m in model.named_modules() if getattr(m, "probing", False)]
+
+
+@pytest.mark.parametrize(("kind", "inside"), [("bundled", False), ("nanogpt", False), ("nanogpt", True)],
+                         ids=["bundled-after-forward", "nanogpt-after-forward", "nanogpt-inside-attention"])
+def test_a_failing_compiled_step_leaves_nothing_and_the_next_probes_measure(kind, inside, leftovers, counting_backend):
     torch._dynamo.reset()
-    _, eager_values, _, _, _ = train(kind, fail_at=4)
-    losses, values, _, recompiled, model = train(kind, backend=counting_backend(), fail_at=4)
+    _, eager_values, _, _, _ = train(kind, fail_at=4, fail_inside=inside)
+    losses, values, _, recompiled, model = train(kind, backend=counting_backend(), fail_at=4, fail_inside=inside)
     assert len(losses) == STEPS - 1 and (4, "entropy") not in values and (6, "entropy") in values
     assert_same_values(eager_values, values)
     assert recompiled == 0
@@ -255,3 +273,16 @@ def test_under_inductor_the_statistics_are_the_uncompiled_runs_to_rounding():
         for a, b in zip(layers, values[key]):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, equal_nan=True, msg=str(key))
     assert counters["stats"]["unique_graphs"] > 0
+
+
+@pytest.mark.parametrize("kind", ["bundled", "nanogpt"])
+def test_under_bf16_autocast_compiled_training_logs_the_uncompiled_statistics(kind, leftovers, counting_backend):
+    torch._dynamo.reset()
+    eager_losses, eager_values, _, _, _ = train(kind, autocast=True)
+    losses, values, _, recompiled, model = train(kind, backend=counting_backend(), autocast=True)
+    assert losses == eager_losses
+    assert_same_values(eager_values, values)
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for (_, metric), layers in values.items()
+               if metric in ("entropy", "max_prob", "kappa") for t in layers)
+    assert recompiled == 0
+    assert leftovers(model) == []
