@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 # name, optional [extras], ">=" lower bound; anything after a comma or ";" (upper bounds, markers)
 # does not change the minimum
-LOWER_BOUND = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*>=\s*([0-9][A-Za-z0-9.+!-]*)")
+LOWER_BOUND = re.compile(
+    r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*>=\s*([0-9][A-Za-z0-9.+!-]*)"
+)
 NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
@@ -36,10 +39,14 @@ def minimum_pins(pyproject: dict, torch: str | None = None) -> dict[str, str]:
             continue  # an extra that pulls in other extras
         bound = LOWER_BOUND.match(requirement)
         if bound is None:
-            raise ValueError(f"pyproject.toml: {requirement!r} declares no lower bound (`name>=version`)")
+            raise ValueError(
+                f"pyproject.toml: {requirement!r} declares no lower bound (`name>=version`)"
+            )
         version = bound.group(3)
         if pins.get(name, version) != version:
-            raise ValueError(f"pyproject.toml: {name} has two lower bounds, {pins[name]} and {version}")
+            raise ValueError(
+                f"pyproject.toml: {name} has two lower bounds, {pins[name]} and {version}"
+            )
         pins[name] = version
     if torch is not None:
         pins["torch"] = torch
@@ -49,7 +56,9 @@ def minimum_pins(pyproject: dict, torch: str | None = None) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--torch", help="pin torch to this version instead of its lower bound")
-    parser.add_argument("--pyproject", type=Path, default=Path(__file__).resolve().parents[1] / "pyproject.toml")
+    parser.add_argument(
+        "--pyproject", type=Path, default=Path(__file__).resolve().parents[1] / "pyproject.toml"
+    )
     args = parser.parse_args(argv)
     pins = minimum_pins(tomllib.loads(args.pyproject.read_text()), torch=args.torch)
     sys.stdout.write("".join(f"{name}=={version}\n" for name, version in sorted(pins.items())))

@@ -97,7 +97,10 @@ WARMUP = 50  # linear warmup steps of the warmup arm
 RECORD_VERSION = 2
 MONITORS = ("QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor")
 #: rules that are not defaults, scored alone on the sweep: (rule, the monitor that has its metric)
-OPT_IN = ((SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor"), (ENTROPY_COLLAPSE_RULE, "AttentionEntropyMonitor"))
+OPT_IN = (
+    (SPECTRAL_GROWTH_RULE, "QKSpectrumMonitor"),
+    (ENTROPY_COLLAPSE_RULE, "AttentionEntropyMonitor"),
+)
 
 
 #: The split, fixed before any rule was tuned on the suite: the rules are fitted on the
@@ -116,11 +119,19 @@ SEEDS = (0, 1, 2)
 def round_1_rules() -> dict[str, list[AlertRule]]:
     """The round-1 defaults (2026-12-01): round 2's changes undone, to score them on round 2's
     split (``--round-1-rules``)."""
-    return {"QKSpectrumMonitor": [KAPPA_RULE],
-            "AttentionEntropyMonitor": [LOGIT_GROWTH_RULE.replace(threshold=20.0),
-                                        LOGIT_BURST_RULE.replace(threshold=100.0, growth=20.0, margin=25.0)],
-            "EffectiveRankMonitor": [MALIGNANT_COLLAPSE_RULE.replace(learning_drop=None, learning_window=None,
-                                                                     solved_fraction=None), RANK_COLLAPSE_RULE]}
+    return {
+        "QKSpectrumMonitor": [KAPPA_RULE],
+        "AttentionEntropyMonitor": [
+            LOGIT_GROWTH_RULE.replace(threshold=20.0),
+            LOGIT_BURST_RULE.replace(threshold=100.0, growth=20.0, margin=25.0),
+        ],
+        "EffectiveRankMonitor": [
+            MALIGNANT_COLLAPSE_RULE.replace(
+                learning_drop=None, learning_window=None, solved_fraction=None
+            ),
+            RANK_COLLAPSE_RULE,
+        ],
+    }
 
 
 def split_of(family: str, seed: int) -> str:
@@ -174,8 +185,13 @@ class RunRecord:
     @property
     def max_logit(self) -> float:
         """The largest attention logit of any probe, layer and head over the run."""
-        values = [v for p in self.probes.values() for layer in p.get("max_logit", []) for v in layer
-                  if math.isfinite(v)]
+        values = [
+            v
+            for p in self.probes.values()
+            for layer in p.get("max_logit", [])
+            for v in layer
+            if math.isfinite(v)
+        ]
         return max(values, default=math.nan)
 
     def smoothed(self) -> list[float]:
@@ -184,7 +200,11 @@ class RunRecord:
         for i, x in enumerate(self.scored):
             total += x if math.isfinite(x) else 1e9
             if i >= SMOOTH_WINDOW:
-                total -= self.scored[i - SMOOTH_WINDOW] if math.isfinite(self.scored[i - SMOOTH_WINDOW]) else 1e9
+                total -= (
+                    self.scored[i - SMOOTH_WINDOW]
+                    if math.isfinite(self.scored[i - SMOOTH_WINDOW])
+                    else 1e9
+                )
             out.append(total / min(i + 1, SMOOTH_WINDOW))
         return out
 
@@ -195,28 +215,50 @@ class RunRecord:
 def _engines(on_alert=None, rules: dict[str, list[AlertRule]] | None = None) -> list:
     """The three monitors' engines; ``rules``: monitor name -> its rules (default: the defaults)."""
     rules = rules or {}
-    return [QKSpectrum(on_alert=on_alert, alerts=rules.get("QKSpectrumMonitor")),
-            AttentionEntropy(on_alert=on_alert, alerts=rules.get("AttentionEntropyMonitor")),
-            EffectiveRank(max_probe_tokens=32, on_alert=on_alert, alerts=rules.get("EffectiveRankMonitor"))]
+    return [
+        QKSpectrum(on_alert=on_alert, alerts=rules.get("QKSpectrumMonitor")),
+        AttentionEntropy(on_alert=on_alert, alerts=rules.get("AttentionEntropyMonitor")),
+        EffectiveRank(
+            max_probe_tokens=32, on_alert=on_alert, alerts=rules.get("EffectiveRankMonitor")
+        ),
+    ]
 
 
 def _alert_row(alert: Alert) -> dict[str, Any]:
-    return {"rule": alert.rule.name, "layer": alert.layer, "head": alert.head if alert.rule.per_head else None,
-            "step": alert.step, "value": alert.value, "message": alert.message()}
+    return {
+        "rule": alert.rule.name,
+        "layer": alert.layer,
+        "head": alert.head if alert.rule.per_head else None,
+        "step": alert.step,
+        "value": alert.value,
+        "message": alert.message(),
+    }
 
 
 def train_run(spec: RunSpec) -> RunRecord:
     """Train one run with the monitors and their default rules; record losses, probes and alerts."""
-    torch.set_num_threads(1)  # one process per core: threads only fight each other on a shared machine
-    logging.getLogger("qkmonitor").setLevel(logging.WARNING)  # the discovery line, once per run: noise here
+    torch.set_num_threads(
+        1
+    )  # one process per core: threads only fight each other on a shared machine
+    logging.getLogger("qkmonitor").setLevel(
+        logging.WARNING
+    )  # the discovery line, once per run: noise here
     torch.manual_seed(spec.seed)
     family = spec.task
     model = family.model(spec.qk_norm)
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": family.weight_decay},
-                                   {"params": others, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.98))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, spec.warmup))
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": matrices, "weight_decay": family.weight_decay},
+            {"params": others, "weight_decay": 0.0},
+        ],
+        lr=spec.lr,
+        betas=(0.9, 0.98),
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, spec.warmup)
+    )
     fired: list[Alert] = []
     engines = _engines(on_alert=lambda owner, alert: fired.append(alert))
     monitoring = Monitoring(model, engines, optimizer=optimizer, every_n_steps=EVERY)
@@ -225,7 +267,9 @@ def train_run(spec: RunSpec) -> RunRecord:
     batches = family.batches(spec.seed)
     start = time.perf_counter()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the alerts are collected by on_alert; non-finite values are recorded
+        warnings.simplefilter(
+            "ignore"
+        )  # the alerts are collected by on_alert; non-finite values are recorded
         for step in range(spec.steps):
             batch = next(batches)
             with monitoring.step(step):
@@ -242,11 +286,19 @@ def train_run(spec: RunSpec) -> RunRecord:
             for engine in engines:
                 if engine.latest_step == step:
                     probes.setdefault(step, {}).update(
-                        {name: [layer.tolist() for layer in grid] for name, grid in engine.latest.items()})
-    return RunRecord(spec, losses, scored, probes, [_alert_row(a) for a in fired], time.perf_counter() - start)
+                        {
+                            name: [layer.tolist() for layer in grid]
+                            for name, grid in engine.latest.items()
+                        }
+                    )
+    return RunRecord(
+        spec, losses, scored, probes, [_alert_row(a) for a in fired], time.perf_counter() - start
+    )
 
 
-def replay(record: RunRecord, rules: dict[str, list[AlertRule]] | None = None) -> list[dict[str, Any]]:
+def replay(
+    record: RunRecord, rules: dict[str, list[AlertRule]] | None = None
+) -> list[dict[str, Any]]:
     """The alerts the rules fire on the recorded values, through the engines' own path
     (``observe_loss`` at every step, ``MonitorEngine.record`` at the probes: tracker, actions,
     ``on_alert``); no training, no measuring.
@@ -258,7 +310,9 @@ def replay(record: RunRecord, rules: dict[str, list[AlertRule]] | None = None) -
     fired: list[Alert] = []
     engines = _engines(on_alert=lambda owner, alert: fired.append(alert), rules=rules)
     logging.getLogger("qkmonitor").setLevel(logging.WARNING)
-    monitoring = Monitoring(record.spec.task.model(record.spec.qk_norm), engines, every_n_steps=EVERY)
+    monitoring = Monitoring(
+        record.spec.task.model(record.spec.qk_norm), engines, every_n_steps=EVERY
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step, loss in enumerate(record.losses):
@@ -275,8 +329,14 @@ def replay(record: RunRecord, rules: dict[str, list[AlertRule]] | None = None) -
     return [_alert_row(a) for a in fired]
 
 
-def _replay_probe(engine, monitoring: Monitoring, probe: dict[str, list[list[float]]], step: int) -> None:
-    values = {m: [torch.tensor(layer) for layer in grid] for m, grid in probe.items() if m in engine.metric_names}
+def _replay_probe(
+    engine, monitoring: Monitoring, probe: dict[str, list[list[float]]], step: int
+) -> None:
+    values = {
+        m: [torch.tensor(layer) for layer in grid]
+        for m, grid in probe.items()
+        if m in engine.metric_names
+    }
     if values:
         engine.record(monitoring.host, values, step)
 
@@ -286,9 +346,16 @@ def _replay_probe(engine, monitoring: Monitoring, probe: dict[str, list[list[flo
 
 def _save(record: RunRecord, cache: Path) -> None:
     cache.mkdir(parents=True, exist_ok=True)
-    data = {"version": RECORD_VERSION, "spec": dataclasses.asdict(record.spec), "family": dataclasses.asdict(record.spec.task),
-            "losses": record.losses, "scored": record.scored, "probes": {str(k): v for k, v in record.probes.items()},
-            "live_alerts": record.live_alerts, "seconds": record.seconds}
+    data = {
+        "version": RECORD_VERSION,
+        "spec": dataclasses.asdict(record.spec),
+        "family": dataclasses.asdict(record.spec.task),
+        "losses": record.losses,
+        "scored": record.scored,
+        "probes": {str(k): v for k, v in record.probes.items()},
+        "live_alerts": record.live_alerts,
+        "seconds": record.seconds,
+    }
     (cache / f"{record.spec.key}.json").write_text(json.dumps(data))
 
 
@@ -297,10 +364,14 @@ def _load(spec: RunSpec, cache: Path) -> RunRecord | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    if data.get("version") != RECORD_VERSION or data.get("family") != json.loads(json.dumps(dataclasses.asdict(spec.task))):
+    if data.get("version") != RECORD_VERSION or data.get("family") != json.loads(
+        json.dumps(dataclasses.asdict(spec.task))
+    ):
         return None
     probes = {int(k): v for k, v in data["probes"].items()}
-    return RunRecord(spec, data["losses"], data["scored"], probes, data["live_alerts"], data["seconds"])
+    return RunRecord(
+        spec, data["losses"], data["scored"], probes, data["live_alerts"], data["seconds"]
+    )
 
 
 # -- scoring -------------------------------------------------------------------------------------
@@ -341,7 +412,9 @@ def separation_step(run: RunRecord, best: RunRecord) -> int | None:
     """The first step from which ``run``'s smoothed scored loss stays above ``SEPARATION_RATIO``
     x ``best``'s (both plus the family's floor)."""
     floor = run.spec.task.floor
-    above = [_ratio(a, b, floor) > SEPARATION_RATIO for a, b in zip(run.smoothed(), best.smoothed())]
+    above = [
+        _ratio(a, b, floor) > SEPARATION_RATIO for a, b in zip(run.smoothed(), best.smoothed())
+    ]
     if not above or not above[-1]:
         return None
     step = len(above)
@@ -372,7 +445,9 @@ def score(records: list[RunRecord]) -> list[Scored]:
                 status = "failed" if r.spec.lr > best_lr[_variant(r.spec)] else "slow"
             else:
                 status = "between"
-            reference = min((b for b in runs if b.spec.seed == r.spec.seed), key=lambda b: b.final_loss)
+            reference = min(
+                (b for b in runs if b.spec.seed == r.spec.seed), key=lambda b: b.final_loss
+            )
             first = min((a["step"] for a in r.alerts), default=None)
             out.append(Scored(r, status, separation_step(r, reference), first))
     return out
@@ -386,6 +461,7 @@ def _variant(spec: RunSpec) -> tuple[bool, bool]:
 def summary(scored: list[Scored]) -> dict[str, Any]:
     """Recall, precision, lead times and false alarms: per split (the validation one counts), per
     family, and over all."""
+
     def block(runs: list[Scored]) -> dict[str, Any]:
         failed = [s for s in runs if s.status == "failed"]
         alerted = [s for s in runs if s.first_alert is not None]
@@ -394,30 +470,42 @@ def summary(scored: list[Scored]) -> dict[str, Any]:
         healthy = [s for s in runs if s.status == "healthy"]
         late = [s for s in failed if s.separation is not None and s.separation > EARLY]
         early = [s for s in failed if s.separation is not None and s.separation <= EARLY]
-        rules = sorted({a["rule"] for s in runs for a in s.record.alerts} | {r.name for r in DEFAULT_RULES})
+        rules = sorted(
+            {a["rule"] for s in runs for a in s.record.alerts} | {r.name for r in DEFAULT_RULES}
+        )
         return {
-            "runs": len(runs), "failed": len(failed), "healthy": len(healthy),
-            "slow": sum(s.status == "slow" for s in runs), "between": sum(s.status == "between" for s in runs),
+            "runs": len(runs),
+            "failed": len(failed),
+            "healthy": len(healthy),
+            "slow": sum(s.status == "slow" for s in runs),
+            "between": sum(s.status == "between" for s in runs),
             "recall": len(hits) / len(failed) if failed else math.nan,
             "precision": len(hits) / len(alerted) if alerted else math.nan,
-            "min_lead": min(leads, default=None), "median_lead": statistics.median(leads) if leads else None,
+            "min_lead": min(leads, default=None),
+            "median_lead": statistics.median(leads) if leads else None,
             "in_time": sum(s.in_time for s in failed),
-            "late_separating": len(late), "late_in_time": sum(s.in_time for s in late),
-            "early_separating": len(early), "early_in_time": sum(s.in_time for s in early),
+            "late_separating": len(late),
+            "late_in_time": sum(s.in_time for s in late),
+            "early_separating": len(early),
+            "early_in_time": sum(s.in_time for s in early),
             "healthy_alerted": sum(s.first_alert is not None for s in healthy),
             "false_alarm_runs": len(alerted) - len(hits),
             "per_rule": {rule: _rule_stats(runs, rule) for rule in rules},
         }
+
     families = sorted({s.record.spec.family for s in scored})
-    out = {"validation": block([s for s in scored if s.record.spec.split == "validation"]),
-           "calibration": block([s for s in scored if s.record.spec.split == "calibration"]),
-           "all": block(scored)}
+    out = {
+        "validation": block([s for s in scored if s.record.spec.split == "validation"]),
+        "calibration": block([s for s in scored if s.record.spec.split == "calibration"]),
+        "all": block(scored),
+    }
     out.update({f: block([s for s in scored if s.record.spec.family == f]) for f in families})
     return out
 
 
 def _rule_stats(runs: list[Scored], rule: str) -> dict[str, Any]:
     """How one rule did on its own: runs it fired on, failed runs it flagged in time, false alarms."""
+
     def alone(s: Scored) -> Scored:
         first = min((a["step"] for a in s.record.alerts if a["rule"] == rule), default=None)
         return Scored(s.record, s.status, s.separation, first)
@@ -425,11 +513,17 @@ def _rule_stats(runs: list[Scored], rule: str) -> dict[str, Any]:
     fired = [alone(s) for s in runs if alone(s).first_alert is not None]
     failed = [s for s in runs if s.status == "failed"]
     not_failed = [s for s in runs if s.status != "failed"]
-    return {"runs_fired": len(fired), "failed_fired": sum(s.status == "failed" for s in fired),
-            "failed_in_time": sum(alone(s).in_time for s in failed), "failed": len(failed),
-            "false_alarms": sum(s.status != "failed" for s in fired),
-            "false_alarm_rate": sum(s.status != "failed" for s in fired) / len(not_failed) if not_failed else math.nan,
-            "healthy_fired": sum(s.status == "healthy" for s in fired)}
+    return {
+        "runs_fired": len(fired),
+        "failed_fired": sum(s.status == "failed" for s in fired),
+        "failed_in_time": sum(alone(s).in_time for s in failed),
+        "failed": len(failed),
+        "false_alarms": sum(s.status != "failed" for s in fired),
+        "false_alarm_rate": sum(s.status != "failed" for s in fired) / len(not_failed)
+        if not_failed
+        else math.nan,
+        "healthy_fired": sum(s.status == "healthy" for s in fired),
+    }
 
 
 def opt_in_stats(records: list[RunRecord], rule: AlertRule, monitor: str) -> dict[str, Any]:
@@ -438,7 +532,9 @@ def opt_in_stats(records: list[RunRecord], rule: AlertRule, monitor: str) -> dic
     try:
         for r in records:
             r.alerts = replay(r, {m: [rule] if m == monitor else [] for m in MONITORS})
-        return _rule_stats([s for s in score(records) if s.record.spec.split == "validation"], rule.name)
+        return _rule_stats(
+            [s for s in score(records) if s.record.spec.split == "validation"], rule.name
+        )
     finally:
         for r, alerts in zip(records, saved):
             r.alerts = alerts
@@ -457,8 +553,12 @@ def draw(scored: list[Scored], path: Path) -> None:
     figure = Figure(figsize=(10, 2.9 * len(families)), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(families), 2, squeeze=False)
-    styles = {(True, False): ("tab:blue", "warmup"), (False, False): ("tab:red", "no warmup"),
-              (True, True): ("tab:cyan", "warmup, QK-norm"), (False, True): ("tab:orange", "no warmup, QK-norm")}
+    styles = {
+        (True, False): ("tab:blue", "warmup"),
+        (False, False): ("tab:red", "no warmup"),
+        (True, True): ("tab:cyan", "warmup, QK-norm"),
+        (False, True): ("tab:orange", "no warmup, QK-norm"),
+    }
     for row, family in enumerate(families):
         runs = [s for s in scored if s.record.spec.family == family]
         best = min(s.record.final_loss for s in runs)
@@ -468,21 +568,47 @@ def draw(scored: list[Scored], path: Path) -> None:
             color, label = styles[variant]
             group = [s for s in runs if _variant(s.record.spec) == variant]
             lrs = sorted({s.record.spec.lr for s in group})
-            for ax, value in ((loss_ax, lambda s: s.record.final_loss), (logit_ax, lambda s: s.record.max_logit)):
-                mean = [statistics.fmean(value(s) for s in group if s.record.spec.lr == lr) for lr in lrs]
+            for ax, value in (
+                (loss_ax, lambda s: s.record.final_loss),
+                (logit_ax, lambda s: s.record.max_logit),
+            ):
+                mean = [
+                    statistics.fmean(value(s) for s in group if s.record.spec.lr == lr)
+                    for lr in lrs
+                ]
                 ax.plot(lrs, mean, "-", color=color, alpha=0.6, label=label)
                 quiet = [s for s in group if s.first_alert is None]
                 loud = [s for s in group if s.first_alert is not None]
-                ax.scatter([s.record.spec.lr for s in quiet], [value(s) for s in quiet], facecolors="none",
-                           edgecolors=color, s=24, zorder=3)
-                ax.scatter([s.record.spec.lr for s in loud], [value(s) for s in loud], color=color, marker="X",
-                           s=50, zorder=4)
-        split = "validation" if all(s.record.spec.split == "validation" for s in runs) else "seed 0 calibration"
+                ax.scatter(
+                    [s.record.spec.lr for s in quiet],
+                    [value(s) for s in quiet],
+                    facecolors="none",
+                    edgecolors=color,
+                    s=24,
+                    zorder=3,
+                )
+                ax.scatter(
+                    [s.record.spec.lr for s in loud],
+                    [value(s) for s in loud],
+                    color=color,
+                    marker="X",
+                    s=50,
+                    zorder=4,
+                )
+        split = (
+            "validation"
+            if all(s.record.spec.split == "validation" for s in runs)
+            else "seed 0 calibration"
+        )
         loss_ax.axhline(FAIL_RATIO * (best + floor) - floor, color="grey", ls="--", lw=0.8)
         loss_ax.axhline(HEALTHY_RATIO * (best + floor) - floor, color="grey", ls=":", lw=0.8)
         loss_ax.set(xscale="log", xlabel="peak learning rate", ylabel="final loss (nats)")
-        loss_ax.set_title(f"{family} ({split}): final loss; X alerted, -- failed, ·· healthy", fontsize=9)
-        logit_ax.set(xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit")
+        loss_ax.set_title(
+            f"{family} ({split}): final loss; X alerted, -- failed, ·· healthy", fontsize=9
+        )
+        logit_ax.set(
+            xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit"
+        )
         logit_ax.set_title(f"{family}: largest attention logit over training", fontsize=9)
         loss_ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -499,43 +625,97 @@ def _fmt(value: Any) -> str:
 
 def tables(scored: list[Scored], stats: dict[str, Any]) -> str:
     """Markdown: per-run verdicts, per-rule false alarms (validation), the summary per split and family."""
-    lines = ["| family | split | warmup | lr | seed | final loss | max logit | status | separates at | "
-             "first alert | in time | rules |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for s in sorted(scored, key=lambda s: (s.record.spec.family, s.record.spec.qk_norm, -s.record.spec.warmup,
-                                           s.record.spec.lr, s.record.spec.seed)):
+    lines = [
+        (
+            "| family | split | warmup | lr | seed | final loss | max logit | status | separates at | "
+            "first alert | in time | rules |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in sorted(
+        scored,
+        key=lambda s: (
+            s.record.spec.family,
+            s.record.spec.qk_norm,
+            -s.record.spec.warmup,
+            s.record.spec.lr,
+            s.record.spec.seed,
+        ),
+    ):
         spec = s.record.spec
         rules = sorted({a["rule"] for a in s.record.alerts})
-        lines.append(f"| {spec.family}{' (QK-norm)' if spec.qk_norm else ''} | {spec.split[:3]} | {spec.warmup} | "
-                     f"{spec.lr:g} | {spec.seed} | {s.record.final_loss:.3f} | {s.record.max_logit:.3g} | {s.status} | "
-                     f"{_fmt(s.separation)} | {_fmt(s.first_alert)} | {'yes' if s.in_time else '—'} | "
-                     f"{', '.join(rules) or '—'} |")
-    lines += ["", ("| rule (validation set) | runs fired | failed runs flagged (in time) | false alarms (runs not "
-                   "failed) | false-alarm rate | healthy runs fired |"), "|---|---|---|---|---|---|"]
-    rows = {**stats["validation"]["per_rule"], **{f"{k} (opt-in)": v for k, v in stats.get("opt_in", {}).items()}}
+        lines.append(
+            f"| {spec.family}{' (QK-norm)' if spec.qk_norm else ''} | {spec.split[:3]} | {spec.warmup} | "
+            f"{spec.lr:g} | {spec.seed} | {s.record.final_loss:.3f} | {s.record.max_logit:.3g} | {s.status} | "
+            f"{_fmt(s.separation)} | {_fmt(s.first_alert)} | {'yes' if s.in_time else '—'} | "
+            f"{', '.join(rules) or '—'} |"
+        )
+    lines += [
+        "",
+        (
+            "| rule (validation set) | runs fired | failed runs flagged (in time) | false alarms (runs not "
+            "failed) | false-alarm rate | healthy runs fired |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
+    rows = {
+        **stats["validation"]["per_rule"],
+        **{f"{k} (opt-in)": v for k, v in stats.get("opt_in", {}).items()},
+    }
     for rule, r in rows.items():
-        lines.append(f"| `{rule}` | {r['runs_fired']} | {r['failed_fired']}/{r['failed']} "
-                     f"({r['failed_in_time']}) | {r['false_alarms']} | {_fmt(r['false_alarm_rate'])} | "
-                     f"{r['healthy_fired']} |")
-    lines += ["", ("| set | runs | failed | healthy | recall | precision | separating after step 30: flagged "
-                   f">= {MIN_LEAD} steps ahead | separating by step 30: flagged by the next probe | "
-                   "median lead | healthy runs alerted |"), "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| `{rule}` | {r['runs_fired']} | {r['failed_fired']}/{r['failed']} "
+            f"({r['failed_in_time']}) | {r['false_alarms']} | {_fmt(r['false_alarm_rate'])} | "
+            f"{r['healthy_fired']} |"
+        )
+    lines += [
+        "",
+        (
+            "| set | runs | failed | healthy | recall | precision | separating after step 30: flagged "
+            f">= {MIN_LEAD} steps ahead | separating by step 30: flagged by the next probe | "
+            "median lead | healthy runs alerted |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, b in ((k, v) for k, v in stats.items() if k != "opt_in"):
-        lines.append(f"| {name} | {b['runs']} | {b['failed']} | {b['healthy']} | {_fmt(b['recall'])} | "
-                     f"{_fmt(b['precision'])} | {b['late_in_time']}/{b['late_separating']} | "
-                     f"{b['early_in_time']}/{b['early_separating']} | {_fmt(b['median_lead'])} | "
-                     f"{b['healthy_alerted']} |")
+        lines.append(
+            f"| {name} | {b['runs']} | {b['failed']} | {b['healthy']} | {_fmt(b['recall'])} | "
+            f"{_fmt(b['precision'])} | {b['late_in_time']}/{b['late_separating']} | "
+            f"{b['early_in_time']}/{b['early_separating']} | {_fmt(b['median_lead'])} | "
+            f"{b['healthy_alerted']} |"
+        )
     return "\n".join(lines)
 
 
-def write_json(scored: list[Scored], stats: dict[str, Any], path: Path, settings: dict[str, Any]) -> None:
-    runs = [{"family": s.record.spec.family, "split": s.record.spec.split, "lr": s.record.spec.lr,
-             "warmup": s.record.spec.warmup, "qk_norm": s.record.spec.qk_norm, "seed": s.record.spec.seed,
-             "final_loss": s.record.final_loss, "max_logit": s.record.max_logit, "status": s.status,
-             "separation": s.separation, "first_alert": s.first_alert, "lead": s.lead, "in_time": s.in_time,
-             "alerts": [{k: a[k] for k in ("rule", "layer", "head", "step", "value")} for a in s.record.alerts]}
-            for s in scored]
+def write_json(
+    scored: list[Scored], stats: dict[str, Any], path: Path, settings: dict[str, Any]
+) -> None:
+    runs = [
+        {
+            "family": s.record.spec.family,
+            "split": s.record.spec.split,
+            "lr": s.record.spec.lr,
+            "warmup": s.record.spec.warmup,
+            "qk_norm": s.record.spec.qk_norm,
+            "seed": s.record.spec.seed,
+            "final_loss": s.record.final_loss,
+            "max_logit": s.record.max_logit,
+            "status": s.status,
+            "separation": s.separation,
+            "first_alert": s.first_alert,
+            "lead": s.lead,
+            "in_time": s.in_time,
+            "alerts": [
+                {k: a[k] for k in ("rule", "layer", "head", "step", "value")}
+                for a in s.record.alerts
+            ],
+        }
+        for s in scored
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": settings, "summary": stats, "runs": runs}, indent=1) + "\n")
+    path.write_text(
+        json.dumps({"settings": settings, "summary": stats, "runs": runs}, indent=1) + "\n"
+    )
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -547,10 +727,14 @@ def sweep(args: argparse.Namespace) -> list[RunSpec]:
     for name in args.families:
         family = FAMILIES[name]
         steps = int(family.steps * 0.6) if args.quick else family.steps
-        lrs = (family.lrs[1::2] if len(family.lrs) % 2 == 0 else family.lrs[::2]) if args.quick else family.lrs
+        lrs = (
+            (family.lrs[1::2] if len(family.lrs) % 2 == 0 else family.lrs[::2])
+            if args.quick
+            else family.lrs
+        )
         for seed in args.seeds:
             for warmup in args.warmups:
-                for qk in ((False, True) if args.qk_norm else (False,)):
+                for qk in (False, True) if args.qk_norm else (False,):
                     specs += [RunSpec(name, lr, qk, seed, warmup, steps) for lr in lrs]
     return specs
 
@@ -560,16 +744,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="2 rates, 1 seed, 60 %% of the steps")
     parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
-    parser.add_argument("--warmups", type=int, nargs="+", default=[WARMUP, 0],
-                        help="linear warmup steps, then the peak rate (0: none)")
+    parser.add_argument(
+        "--warmups",
+        type=int,
+        nargs="+",
+        default=[WARMUP, 0],
+        help="linear warmup steps, then the peak rate (0: none)",
+    )
     parser.add_argument("--qk-norm", action="store_true", help="every run also with QK-norm")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
-    parser.add_argument("--cache", type=Path, default=ROOT / "runs" / "instability", help="recorded runs")
-    parser.add_argument("--replay", action="store_true", help="train nothing: score the cached runs only")
-    parser.add_argument("--round-1-rules", action="store_true",
-                        help="score with the round-1 defaults instead (figure and JSON next to the cache)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where the figure and the JSON go (default: docs/, or the cache with --quick)")
+    parser.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel"
+    )
+    parser.add_argument(
+        "--cache", type=Path, default=ROOT / "runs" / "instability", help="recorded runs"
+    )
+    parser.add_argument(
+        "--replay", action="store_true", help="train nothing: score the cached runs only"
+    )
+    parser.add_argument(
+        "--round-1-rules",
+        action="store_true",
+        help="score with the round-1 defaults instead (figure and JSON next to the cache)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the figure and the JSON go (default: docs/, or the cache with --quick)",
+    )
     args = parser.parse_args(argv)
     if args.seeds is None:
         args.seeds = [0] if args.quick else list(SEEDS)
@@ -578,18 +780,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     records = {s.key: _load(s, args.cache) for s in specs}
     missing = [s for s in specs if records[s.key] is None]
     if missing and args.replay:
-        sys.exit(f"--replay: {len(missing)} run(s) not in {args.cache}, e.g. {missing[0].key}; run without --replay")
+        sys.exit(
+            f"--replay: {len(missing)} run(s) not in {args.cache}, e.g. {missing[0].key}; run without --replay"
+        )
     fresh = set()
     if missing:
-        print(f"training {len(missing)} run(s) with {args.jobs} job(s); {len(specs) - len(missing)} cached", flush=True)
+        print(
+            f"training {len(missing)} run(s) with {args.jobs} job(s); {len(specs) - len(missing)} cached",
+            flush=True,
+        )
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
             for record in pool.map(train_run, _longest_first(missing)):
                 _save(record, args.cache)
                 records[record.spec.key] = record
                 fresh.add(record.spec.key)
-                print(f"  {record.spec.key}: final loss {record.final_loss:.3f}, max logit {record.max_logit:.3g}, "
-                      f"{len(record.live_alerts)} alert(s), {record.seconds:.0f} s", flush=True)
+                print(
+                    f"  {record.spec.key}: final loss {record.final_loss:.3f}, max logit {record.max_logit:.3g}, "
+                    f"{len(record.live_alerts)} alert(s), {record.seconds:.0f} s",
+                    flush=True,
+                )
     ordered = [records[s.key] for s in specs]
     for record in ordered:
         record.alerts = replay(record, round_1_rules() if args.round_1_rules else None)
@@ -597,7 +807,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             live = [(a["rule"], a["layer"], a["head"], a["step"]) for a in record.live_alerts]
             again = [(a["rule"], a["layer"], a["head"], a["step"]) for a in record.alerts]
             if live != again:
-                raise RuntimeError(f"{record.spec.key}: the replay fired {again}, the live run {live}")
+                raise RuntimeError(
+                    f"{record.spec.key}: the replay fired {again}, the live run {live}"
+                )
     scored = score(ordered)
     stats = summary(scored)
     stats["opt_in"] = {rule.name: opt_in_stats(ordered, rule, monitor) for rule, monitor in OPT_IN}
@@ -605,13 +817,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.out is None:
         args.out = args.cache if args.quick or args.round_1_rules else ROOT / "docs"
     draw(scored, args.out / f"instability{suffix}.png")
-    settings = {"families": {n: dataclasses.asdict(FAMILIES[n]) for n in args.families}, "seeds": args.seeds,
-                "warmups": args.warmups, "qk_norm": args.qk_norm, "every_n_steps": EVERY, "quick": args.quick,
-                "calibration": sorted(CALIBRATION)}
+    settings = {
+        "families": {n: dataclasses.asdict(FAMILIES[n]) for n in args.families},
+        "seeds": args.seeds,
+        "warmups": args.warmups,
+        "qk_norm": args.qk_norm,
+        "every_n_steps": EVERY,
+        "quick": args.quick,
+        "calibration": sorted(CALIBRATION),
+    }
     write_json(scored, stats, args.out / f"instability{suffix}.json", settings)
     print(tables(scored, stats))
-    print(f"\n{len(specs)} runs ({len(fresh)} trained now) in {time.perf_counter() - start:.0f} s; "
-          f"figure {args.out / f'instability{suffix}.png'}")
+    print(
+        f"\n{len(specs)} runs ({len(fresh)} trained now) in {time.perf_counter() - start:.0f} s; "
+        f"figure {args.out / f'instability{suffix}.png'}"
+    )
     return stats
 
 

@@ -38,7 +38,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -113,10 +115,22 @@ class NanoGPTTask(TaskModule):
     the same optimizer and warmup as :class:`~qkmonitor.models.tasks.CausalLMTask` (targets of
     ``-100`` are not scored)."""
 
-    def __init__(self, config: TransformerConfig | dict, lr: float = 3e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 100, decay_steps: int | None = None) -> None:
-        super().__init__(config, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps,
-                         decay_steps=decay_steps, arch="nanogpt")
+    def __init__(
+        self,
+        config: TransformerConfig | dict,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            decay_steps=decay_steps,
+            arch="nanogpt",
+        )
         self.model = GPT(self.config)
 
     def forward(self, tokens: Tensor) -> Tensor:

@@ -89,8 +89,12 @@ from qkmonitor.models.tasks import (
 
 VISUALS_EVERY = inspect.signature(QKSpectrumMonitor).parameters["visuals_every_n_probes"].default
 #: name -> (every_n_steps, visuals_every_n_probes), or None for no monitor
-CONFIGS = {"no monitor": None, "all monitors, every 50 steps": (50, VISUALS_EVERY),
-           "every 50 steps, visuals every probe": (50, 1), "all monitors, every step": (1, VISUALS_EVERY)}
+CONFIGS = {
+    "no monitor": None,
+    "all monitors, every 50 steps": (50, VISUALS_EVERY),
+    "every 50 steps, visuals every probe": (50, 1),
+    "all monitors, every step": (1, VISUALS_EVERY),
+}
 DEFAULTS = "all monitors, every 50 steps"
 VISUALS = "every 50 steps, visuals every probe"
 
@@ -163,12 +167,16 @@ class HookTimer:
                 return hook(trainer, pl_module, *args)
             finally:
                 batch_idx = args[-1]
-                self.seconds[batch_idx] = self.seconds.get(batch_idx, 0.0) + time.perf_counter() - start
+                self.seconds[batch_idx] = (
+                    self.seconds.get(batch_idx, 0.0) + time.perf_counter() - start
+                )
 
         return timed
 
 
-def task_and_data(model: str, steps: int, arch: str = "bundled") -> tuple[pl.LightningModule, pl.LightningDataModule]:
+def task_and_data(
+    model: str, steps: int, arch: str = "bundled"
+) -> tuple[pl.LightningModule, pl.LightningDataModule]:
     """The task and data of ``model`` (the size); ``arch`` ``nanogpt`` trains the nanoGPT-style
     decoder of the same config on the same data, with the same optimizer and warmup."""
     if model == "default":
@@ -180,7 +188,11 @@ def task_and_data(model: str, steps: int, arch: str = "bundled") -> tuple[pl.Lig
                                   train_size=batch * steps, val_size=batch, seed=0)  # fmt: skip
     config = TransformerConfig(vocab_size=data.vocab_size, d_model=768, n_layers=12, n_heads=12,
                                max_seq_len=seq_len, positional="learned")  # fmt: skip
-    return (CharLMTask(config, warmup_steps=10) if arch == "bundled" else NanoGPTTask(config, warmup_steps=10)), data
+    return (
+        CharLMTask(config, warmup_steps=10)
+        if arch == "bundled"
+        else NanoGPTTask(config, warmup_steps=10)
+    ), data
 
 
 def run(args, config: tuple[int, int] | None, log_root: str, steps: int | None = None) -> Clock:
@@ -213,6 +225,7 @@ def window_cost(clock: Clock, base: Clock, every: int) -> float:
     """Seconds per probe window, in-run: what the touched batches and the :data:`SPILL` batches
     after each probe take beyond the run's median untouched batch, less the same for the
     no-monitor run at the same batches."""
+
     def counted(i: int) -> bool:
         return touched(i, every) or 0 < i % every <= SPILL
 
@@ -259,27 +272,36 @@ def measure(args) -> dict[str, dict[str, float]]:
     figures: dict[str, dict[str, float]] = {}
     for name, config in CONFIGS.items():
         rounds = clocks[name]
-        out = {"steps_per_s": (args.steps - 1) / statistics.median(c.steady for c in rounds),
-               "overhead": statistics.median(c.steady / b.steady - 1 for c, b in zip(rounds, base))}
+        out = {
+            "steps_per_s": (args.steps - 1) / statistics.median(c.steady for c in rounds),
+            "overhead": statistics.median(c.steady / b.steady - 1 for c, b in zip(rounds, base)),
+        }
         if config is not None:
             every = config[0]
-            out["setup_s"] = statistics.median(c.first_batch_at - c.setup_at for c in rounds) - statistics.median(
-                b.first_batch_at - b.setup_at for b in base)
-            out["first_window_s"] = statistics.median(c.steps[0] for c in rounds) - statistics.median(
-                b.steps[0] for b in base)
+            out["setup_s"] = statistics.median(
+                c.first_batch_at - c.setup_at for c in rounds
+            ) - statistics.median(b.first_batch_at - b.setup_at for b in base)
+            out["first_window_s"] = statistics.median(
+                c.steps[0] for c in rounds
+            ) - statistics.median(b.steps[0] for b in base)
             out["hooks_s"] = statistics.median(hooks_untouched(c, every) for c in rounds)
         if config is not None and config[0] > 1:
             every = config[0]
-            out["window_s"] = statistics.median(window_cost(c, b, every) for c, b in zip(rounds, base))
+            out["window_s"] = statistics.median(
+                window_cost(c, b, every) for c, b in zip(rounds, base)
+            )
             out["in_run"] = statistics.median(
-                (window_cost(c, b, every) / every + hooks_untouched(c, every)) / untouched_step(c, every)
-                for c, b in zip(rounds, base))
+                (window_cost(c, b, every) / every + hooks_untouched(c, every))
+                / untouched_step(c, every)
+                for c, b in zip(rounds, base)
+            )
         figures[name] = out
     defaults, visuals = figures[DEFAULTS], figures[VISUALS]
     defaults["visuals_s"] = visuals["window_s"] - defaults["window_s"]
     every = CONFIGS[DEFAULTS][0]
-    defaults["long_run"] = defaults["in_run"] + defaults["visuals_s"] / (VISUALS_EVERY * every) / statistics.median(
-        untouched_step(c, every) for c in clocks[DEFAULTS])
+    defaults["long_run"] = defaults["in_run"] + defaults["visuals_s"] / (
+        VISUALS_EVERY * every
+    ) / statistics.median(untouched_step(c, every) for c in clocks[DEFAULTS])
     figures["no monitor"]["plain_step_s"] = plain_step
     return figures
 
@@ -305,8 +327,11 @@ def compiled_side_by_side(args) -> dict[str, float]:
     models = [task.to(args.device) for task in twins]
     compiled = [torch.compile(task, backend=args.backend) for task in models]
     optimizers = [torch.optim.AdamW(task.parameters(), lr=1e-3) for task in models]
-    engines = [QKSpectrum(every_n_steps=every), AttentionEntropy(every_n_steps=every),
-               EffectiveRank(every_n_steps=every)]
+    engines = [
+        QKSpectrum(every_n_steps=every),
+        AttentionEntropy(every_n_steps=every),
+        EffectiveRank(every_n_steps=every),
+    ]
     times: list[list[float]] = [[], []]
     warm_graphs = 0
     with Monitoring(compiled[1], engines) as monitoring:
@@ -317,8 +342,9 @@ def compiled_side_by_side(args) -> dict[str, float]:
             for i in (0, 1) if step % 2 else (1, 0):  # alternate which runs first
                 start = time.perf_counter()
                 with monitoring.step(step) if i else contextlib.nullcontext():
-                    loss = torch.nn.functional.cross_entropy(compiled[i](tokens).flatten(0, 1), targets.flatten(),
-                                                             ignore_index=-100)
+                    loss = torch.nn.functional.cross_entropy(
+                        compiled[i](tokens).flatten(0, 1), targets.flatten(), ignore_index=-100
+                    )
                     loss.backward()
                     optimizers[i].step()
                     optimizers[i].zero_grad(set_to_none=True)
@@ -334,60 +360,86 @@ def compiled_side_by_side(args) -> dict[str, float]:
         "unprobed_plain_s": median_plain,
         "unprobed_overhead": statistics.median(monitored[i] / plain[i] for i in unprobed) - 1,
         "window_s": sum(monitored[i] - plain[i] for i in windows) / (len(windows) / 2 or 1),
-        "warmup_plain_s": sum(plain[: every + 2]), "warmup_monitored_s": sum(monitored[: every + 2]),
+        "warmup_plain_s": sum(plain[: every + 2]),
+        "warmup_monitored_s": sum(monitored[: every + 2]),
         "graphs_after_warmup": counters["stats"]["unique_graphs"] - warm_graphs,
     }
 
 
-def offsets(args, every: int = 50, before: int = 3, after: int = 7) -> tuple[dict[int, float], float]:
+def offsets(
+    args, every: int = 50, before: int = 3, after: int = 7
+) -> tuple[dict[int, float], float]:
     """``--offsets``: where a probe window's time goes, batch by batch. The no-monitor run and the
     defaults alternate for ``--rounds``; each batch's excess over its run's median quiet batch
     (away from every window) is averaged over all windows of all rounds at each offset from the
     probed batch (offset -1: the spectrum's batch, 0: the activation probes', after: what the
     background visuals and the loggers' own threads spill over). Returns (offset -> the monitored
     run's mean excess less the no-monitor run's, the median quiet step), in seconds."""
-    excess: dict[str, dict[int, list[float]]] = {name: {k: [] for k in range(-before, after + 1)}
-                                                 for name in ("plain", "monitored")}
+    excess: dict[str, dict[int, list[float]]] = {
+        name: {k: [] for k in range(-before, after + 1)} for name in ("plain", "monitored")
+    }
     quiet_steps: list[float] = []
     with tempfile.TemporaryDirectory() as log_root:
         for _ in range(args.rounds):
             for name, config in (("plain", None), ("monitored", CONFIGS[DEFAULTS])):
                 steps = run(args, config, log_root).steps
-                quiet = statistics.median(s for i, s in enumerate(steps) if i and before < i % every < every - before
-                                          and i % every > after)
+                quiet = statistics.median(
+                    s
+                    for i, s in enumerate(steps)
+                    if i and before < i % every < every - before and i % every > after
+                )
                 quiet_steps.append(quiet)
                 for probe in range(every, len(steps) - after, every):
                     for k in excess[name]:
                         excess[name][k].append(steps[probe + k] - quiet)
-    diffs = {k: statistics.mean(excess["monitored"][k]) - statistics.mean(excess["plain"][k]) for k in excess["plain"]}
+    diffs = {
+        k: statistics.mean(excess["monitored"][k]) - statistics.mean(excess["plain"][k])
+        for k in excess["plain"]
+    }
     return diffs, statistics.median(quiet_steps)
 
 
 def report_offsets(diffs: dict[int, float], quiet_step: float, every: int = 50) -> None:
-    print("  a window, batch by batch (the defaults less no monitor, mean over every window of every round):")
+    print(
+        "  a window, batch by batch (the defaults less no monitor, mean over every window of every round):"
+    )
     print("  " + "  ".join(f"{k:+d}: {1e3 * v:5.2f}" for k, v in diffs.items()) + "  (ms)")
     total = sum(diffs.values())
-    print(f"  sum over offsets {min(diffs)}..{max(diffs)}: {1e3 * total:.1f} ms a window = "
-          f"{100 * total / every / quiet_step:.2f}% of the quiet step ({1e3 * quiet_step:.2f} ms) at every_n_steps={every} "
-          "(the hooks on other steps and the visuals of every 20th window come on top: see the default run)")
+    print(
+        f"  sum over offsets {min(diffs)}..{max(diffs)}: {1e3 * total:.1f} ms a window = "
+        f"{100 * total / every / quiet_step:.2f}% of the quiet step ({1e3 * quiet_step:.2f} ms) at every_n_steps={every} "
+        "(the hooks on other steps and the visuals of every 20th window come on top: see the default run)"
+    )
 
 
 def report_compiled(figures: dict[str, float], args) -> None:
     f = figures
-    print(f"  torch.compile (backend {args.backend}), two copies stepped side by side in one loop, "
-          f"all monitors every 50 steps on one:")
-    print(f"  unprobed step: {1e3 * f['unprobed_plain_s']:.2f} ms compiled without monitors; with them "
-          f"{100 * f['unprobed_overhead']:+.2f}% (median of per-step ratios)")
-    print(f"  probed window (the probed step and the spectrum's): {1e3 * f['window_s']:.1f} ms beyond the twin's steps")
-    print(f"  warm-up, steps 0-51 (compiling; the first copy to reach a graph compiles it for both): "
-          f"{f['warmup_plain_s']:.1f} s without monitors, {f['warmup_monitored_s']:.1f} s with them")
-    print(f"  graphs compiled after warm-up (a probed, an unprobed, a second probed step): "
-          f"{f['graphs_after_warmup']}")
+    print(
+        f"  torch.compile (backend {args.backend}), two copies stepped side by side in one loop, "
+        f"all monitors every 50 steps on one:"
+    )
+    print(
+        f"  unprobed step: {1e3 * f['unprobed_plain_s']:.2f} ms compiled without monitors; with them "
+        f"{100 * f['unprobed_overhead']:+.2f}% (median of per-step ratios)"
+    )
+    print(
+        f"  probed window (the probed step and the spectrum's): {1e3 * f['window_s']:.1f} ms beyond the twin's steps"
+    )
+    print(
+        f"  warm-up, steps 0-51 (compiling; the first copy to reach a graph compiles it for both): "
+        f"{f['warmup_plain_s']:.1f} s without monitors, {f['warmup_monitored_s']:.1f} s with them"
+    )
+    print(
+        f"  graphs compiled after warm-up (a probed, an unprobed, a second probed step): "
+        f"{f['graphs_after_warmup']}"
+    )
 
 
 def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
-    print(f"  {'configuration':36s} {'steps/s':>8s} {'between':>8s} {'window':>9s} {'hooks':>8s} {'in-run':>7s} "
-          f"{'setup':>7s} {'1st window':>10s}")
+    print(
+        f"  {'configuration':36s} {'steps/s':>8s} {'between':>8s} {'window':>9s} {'hooks':>8s} {'in-run':>7s} "
+        f"{'setup':>7s} {'1st window':>10s}"
+    )
     for name, f in figures.items():
         line = f"  {name:36s} {f['steps_per_s']:8.1f} {100 * f.get('overhead', math.nan):+7.1f}%"
         if "window_s" in f:
@@ -401,14 +453,20 @@ def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
         print(line)
     d = figures[DEFAULTS]
     if "long_run" in d:
-        print(f"  defaults over a long run: {1e3 * d['window_s']:.1f} ms a window + visuals {1e3 * d['visuals_s']:.1f} ms "
-              f"every {VISUALS_EVERY} windows + hooks => {100 * d['long_run']:+.2f}% of the plain step")
+        print(
+            f"  defaults over a long run: {1e3 * d['window_s']:.1f} ms a window + visuals {1e3 * d['visuals_s']:.1f} ms "
+            f"every {VISUALS_EVERY} windows + hooks => {100 * d['long_run']:+.2f}% of the plain step"
+        )
     plain = figures["no monitor"].get("plain_step_s", math.nan)
     hooks = d.get("hooks_s", math.nan)
-    print(f"  unprobed step, {arch}: {1e3 * plain:.2f} ms with no monitor; the monitors' hooks (every "
-          f"{CONFIGS[DEFAULTS][0]} steps) add {1e3 * hooks:.3f} ms => {100 * hooks / plain:+.2f}% of the plain step")
-    print("  between: steady time against the no-monitor run; window: a probe window's cost, in-run; hooks: the "
-          "monitors' hooks on an untouched batch; in-run: both over the run's own untouched batches")
+    print(
+        f"  unprobed step, {arch}: {1e3 * plain:.2f} ms with no monitor; the monitors' hooks (every "
+        f"{CONFIGS[DEFAULTS][0]} steps) add {1e3 * hooks:.3f} ms => {100 * hooks / plain:+.2f}% of the plain step"
+    )
+    print(
+        "  between: steady time against the no-monitor run; window: a probe window's cost, in-run; hooks: the "
+        "monitors' hooks on an untouched batch; in-run: both over the run's own untouched batches"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -421,18 +479,28 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--model", choices=["default", "gpt2-small"], default="default", help="the size and task")
+    parser.add_argument(
+        "--model", choices=["default", "gpt2-small"], default="default", help="the size and task"
+    )
     parser.add_argument(
         "--arch", choices=["bundled", "nanogpt"], default="bundled",
         help="qkmonitor's bundled decoder, or a nanoGPT-style SDPA decoder of the same size found by interception",
     )  # fmt: skip
     parser.add_argument("--precision", default="32-true", help="Lightning's, e.g. bf16-mixed")
     parser.add_argument("--json", type=Path, help="also write the rates to this file")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile'd twins stepped side by side in a plain loop, with and without monitors")
-    parser.add_argument("--backend", default="inductor", help="with --compile: torch.compile's backend")
-    parser.add_argument("--offsets", action="store_true",
-                        help="where a window's time goes, batch by batch around the probe (defaults vs no monitor)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile'd twins stepped side by side in a plain loop, with and without monitors",
+    )
+    parser.add_argument(
+        "--backend", default="inductor", help="with --compile: torch.compile's backend"
+    )
+    parser.add_argument(
+        "--offsets",
+        action="store_true",
+        help="where a window's time goes, batch by batch around the probe (defaults vs no monitor)",
+    )
     parser.add_argument(
         "--dry-run", action="store_true", help="build model and data, train nothing"
     )
@@ -446,18 +514,32 @@ def main(argv: list[str] | None = None) -> None:
         if args.dry_run:
             return
         figures = compiled_side_by_side(args)
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, arch {args.arch}, "
-              f"{args.steps} steps")
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, arch {args.arch}, "
+            f"{args.steps} steps"
+        )
         report_compiled(figures, args)
         if args.json:
-            args.json.write_text(json.dumps({"model": args.model, "arch": args.arch, "compile": args.backend,
-                                             "steps": args.steps, "figures": figures}, indent=1))
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "model": args.model,
+                        "arch": args.arch,
+                        "compile": args.backend,
+                        "steps": args.steps,
+                        "figures": figures,
+                    },
+                    indent=1,
+                )
+            )
         return
     if args.offsets:
         if args.dry_run:
             return
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, arch {args.arch}, "
-              f"{args.steps} steps x {args.rounds} rounds")
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, arch {args.arch}, "
+            f"{args.steps} steps x {args.rounds} rounds"
+        )
         report_offsets(*offsets(args))
         return
     figures = measure(args)

@@ -62,16 +62,42 @@ class Case:
 
 CASES = [
     Case("(a) 12 layers, d=768, 12 heads", layers=12, d=768, heads=12, kv_heads=12, d_k=64),
-    Case("(b) 1 layer, d=4096, 32 q / 8 kv heads, d_k=128", layers=1, d=4096, heads=32, kv_heads=8, d_k=128),
+    Case(
+        "(b) 1 layer, d=4096, 32 q / 8 kv heads, d_k=128",
+        layers=1,
+        d=4096,
+        heads=32,
+        kv_heads=8,
+        d_k=128,
+    ),
 ]
 QUICK = [
     Case("(a-quick) 4 layers, d=256, 4 heads", layers=4, d=256, heads=4, kv_heads=4, d_k=64),
-    Case("(b-quick) 1 layer, d=1024, 8 q / 2 kv heads", layers=1, d=1024, heads=8, kv_heads=2, d_k=128),
+    Case(
+        "(b-quick) 1 layer, d=1024, 8 q / 2 kv heads",
+        layers=1,
+        d=1024,
+        heads=8,
+        kv_heads=2,
+        d_k=128,
+    ),
 ]
-LLAMA_70B = Case("(c) 70B-shaped: 80 layers, d=8192, 64 q / 8 kv heads, d_k=128", layers=80, d=8192, heads=64,
-                 kv_heads=8, d_k=128)
-LLAMA_70B_QUICK = Case("(c-quick) 80 layers, d=1024, 16 q / 4 kv heads, d_k=64", layers=80, d=1024, heads=16,
-                       kv_heads=4, d_k=64)
+LLAMA_70B = Case(
+    "(c) 70B-shaped: 80 layers, d=8192, 64 q / 8 kv heads, d_k=128",
+    layers=80,
+    d=8192,
+    heads=64,
+    kv_heads=8,
+    d_k=128,
+)
+LLAMA_70B_QUICK = Case(
+    "(c-quick) 80 layers, d=1024, 16 q / 4 kv heads, d_k=64",
+    layers=80,
+    d=1024,
+    heads=16,
+    kv_heads=4,
+    d_k=64,
+)
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:
@@ -88,11 +114,18 @@ def best_of_with_cpu(fn: Callable[[], object], repeats: int) -> tuple[float, flo
     return min(times)
 
 
-def random_layers(case: Case, layers: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def random_layers(
+    case: Case, layers: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(w_q, w_k) per layer, float32, entries of variance 1/d (a standard initialisation)."""
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(case.heads * case.d_k, case.d, generator=gen) / case.d**0.5,
-             torch.randn(case.kv_heads * case.d_k, case.d, generator=gen) / case.d**0.5) for _ in range(layers)]
+    return [
+        (
+            torch.randn(case.heads * case.d_k, case.d, generator=gen) / case.d**0.5,
+            torch.randn(case.kv_heads * case.d_k, case.d, generator=gen) / case.d**0.5,
+        )
+        for _ in range(layers)
+    ]
 
 
 def qk_weights(case: Case, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[QKWeights]:
@@ -102,11 +135,13 @@ def qk_weights(case: Case, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> l
 # -- part 1: singular values, dense vs QR vs Gram -------------------------------------------------
 
 
-def dense_singular_values(w_q: torch.Tensor, w_k: torch.Tensor, case: Case, head: int) -> torch.Tensor:
+def dense_singular_values(
+    w_q: torch.Tensor, w_k: torch.Tensor, case: Case, head: int
+) -> torch.Tensor:
     """Top d_k singular values of the explicitly formed d x d W_QK of one head, in float64."""
     g = head // (case.heads // case.kv_heads)
-    wq_h = w_q[head * case.d_k:(head + 1) * case.d_k].double().T  # (d, d_k)
-    wk_g = w_k[g * case.d_k:(g + 1) * case.d_k].double().T
+    wq_h = w_q[head * case.d_k : (head + 1) * case.d_k].double().T  # (d, d_k)
+    wk_g = w_k[g * case.d_k : (g + 1) * case.d_k].double().T
     return torch.linalg.svdvals(wq_h @ wk_g.T)[: case.d_k]
 
 
@@ -114,8 +149,12 @@ def part_one(case: Case, dense_heads: int, repeats: int) -> None:
     layers = random_layers(case, case.layers)
     stacked_q, stacked_k = torch.stack([q for q, _ in layers]), torch.stack([k for _, k in layers])
     weights = qk_weights(case, layers)
-    qr_out = qk_singular_values(stacked_q, stacked_k, case.heads, case.kv_heads)  # warm-up, and the result
-    t_qr = best_of(lambda: qk_singular_values(stacked_q, stacked_k, case.heads, case.kv_heads), repeats)
+    qr_out = qk_singular_values(
+        stacked_q, stacked_k, case.heads, case.kv_heads
+    )  # warm-up, and the result
+    t_qr = best_of(
+        lambda: qk_singular_values(stacked_q, stacked_k, case.heads, case.kv_heads), repeats
+    )
     gram_out = spectrum_of_layers(weights).singular_values
     t_gram = best_of(lambda: spectrum_of_layers(weights), repeats)
 
@@ -127,22 +166,34 @@ def part_one(case: Case, dense_heads: int, repeats: int) -> None:
     for layer, head in timed:
         dense = dense_singular_values(*layers[layer], case, head)
         worst_qr = max(worst_qr, ((dense - qr_out[layer, head]).abs().max() / dense[0]).item())
-        worst_gram = max(worst_gram, ((dense - gram_out[layer][head]).abs().max() / dense[0]).item())
+        worst_gram = max(
+            worst_gram, ((dense - gram_out[layer][head]).abs().max() / dense[0]).item()
+        )
     t_dense = (time.perf_counter() - start) * total_heads / len(timed)
 
-    scaled = "" if len(timed) == total_heads else f" (timed on {len(timed)} of {total_heads} heads, scaled)"
+    scaled = (
+        ""
+        if len(timed) == total_heads
+        else f" (timed on {len(timed)} of {total_heads} heads, scaled)"
+    )
     print(case.name)
     print(f"  dense {case.d}x{case.d} float64 SVD per head{scaled}: {t_dense * 1e3:10.1f} ms")
-    print(f"  QR  + {case.d_k}x{case.d_k} SVD, all layers stacked, sigma only:   {t_qr * 1e3:10.1f} ms"
-          f"   speed-up {t_dense / t_qr:7.1f}x   max |dsigma| / sigma_1 vs dense: {worst_qr:.1e}")
-    print(f"  Gram, layer by layer, every metric + sigma:        {t_gram * 1e3:10.1f} ms"
-          f"   speed-up {t_dense / t_gram:7.1f}x   max |dsigma| / sigma_1 vs dense: {worst_gram:.1e}")
+    print(
+        f"  QR  + {case.d_k}x{case.d_k} SVD, all layers stacked, sigma only:   {t_qr * 1e3:10.1f} ms"
+        f"   speed-up {t_dense / t_qr:7.1f}x   max |dsigma| / sigma_1 vs dense: {worst_qr:.1e}"
+    )
+    print(
+        f"  Gram, layer by layer, every metric + sigma:        {t_gram * 1e3:10.1f} ms"
+        f"   speed-up {t_dense / t_gram:7.1f}x   max |dsigma| / sigma_1 vs dense: {worst_gram:.1e}"
+    )
 
 
 # -- part 2: a whole probe of a 70B-shaped model -------------------------------------------------
 
 
-def old_probe(case: Case, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def old_probe(
+    case: Case, layers: list[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
     """The callback's former path: stack the layers of one shape, metrics, then the SVD again."""
     w_q, w_k = torch.stack([q for q, _ in layers]), torch.stack([k for _, k in layers])
     scale = torch.full((len(layers),), case.d_k**-0.5, dtype=torch.float64)
@@ -155,15 +206,25 @@ def part_two(case: Case, timed_layers: int, repeats: int) -> None:
     layers = random_layers(case, timed_layers)
     weights = qk_weights(case, layers)
     print(case.name)
-    t_old, cpu_old = (t / timed_layers for t in best_of_with_cpu(lambda: old_probe(case, layers), repeats))
-    t_new, cpu_new = (t / timed_layers for t in best_of_with_cpu(lambda: spectrum_of_layers(weights), repeats))
-    print(f"  timed on {timed_layers} layer(s), best of {repeats}, scaled to {case.layers} layers "
-          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    t_old, cpu_old = (
+        t / timed_layers for t in best_of_with_cpu(lambda: old_probe(case, layers), repeats)
+    )
+    t_new, cpu_new = (
+        t / timed_layers for t in best_of_with_cpu(lambda: spectrum_of_layers(weights), repeats)
+    )
+    print(
+        f"  timed on {timed_layers} layer(s), best of {repeats}, scaled to {case.layers} layers "
+        f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"
+    )
     print(f"  {'':34s}{'per layer':>12s}{f'{case.layers} layers':>12s}{'CPU time':>12s}")
-    print(f"  {'old: stacked QR metrics + 2nd SVD':34s}{t_old:11.3f}s{t_old * case.layers:11.1f}s"
-          f"{cpu_old * case.layers:11.1f}s")
-    print(f"  {'new: Gram, layer by layer':34s}{t_new:11.3f}s{t_new * case.layers:11.1f}s"
-          f"{cpu_new * case.layers:11.1f}s   speed-up {t_old / t_new:.1f}x")
+    print(
+        f"  {'old: stacked QR metrics + 2nd SVD':34s}{t_old:11.3f}s{t_old * case.layers:11.1f}s"
+        f"{cpu_old * case.layers:11.1f}s"
+    )
+    print(
+        f"  {'new: Gram, layer by layer':34s}{t_new:11.3f}s{t_new * case.layers:11.1f}s"
+        f"{cpu_new * case.layers:11.1f}s   speed-up {t_old / t_new:.1f}x"
+    )
     accuracy(case, *layers[0])
 
 
@@ -171,33 +232,65 @@ def accuracy(case: Case, w_q: torch.Tensor, w_k: torch.Tensor) -> None:
     """Both paths on one layer against float64 (the QR route in float64, λ of W_K^T W_Q in float64)."""
     sigma = qk_singular_values(w_q.double(), w_k.double(), case.heads, case.kv_heads)  # (H, d_k)
     lam = qk_eigenvalues(w_q.double(), w_k.double(), case.heads, case.kv_heads)
-    reference = {"sigma": sigma, "kappa": spectral_concentration(sigma), "qk_erank": effective_rank(sigma),
-                 "kappa_eig": spectral_concentration(lam)}
+    reference = {
+        "sigma": sigma,
+        "kappa": spectral_concentration(sigma),
+        "qk_erank": effective_rank(sigma),
+        "kappa_eig": spectral_concentration(lam),
+    }
     d_k, group = case.d_k, torch.arange(case.heads) // (case.heads // case.kv_heads)
-    scale = (torch.linalg.matrix_norm(w_q.double().view(case.heads, d_k, -1), ord=2)
-             * torch.linalg.matrix_norm(w_k.double().view(case.kv_heads, d_k, -1), ord=2)[group])  # S per head
+    scale = (
+        torch.linalg.matrix_norm(w_q.double().view(case.heads, d_k, -1), ord=2)
+        * torch.linalg.matrix_norm(w_k.double().view(case.kv_heads, d_k, -1), ord=2)[group]
+    )  # S per head
     old = old_probe(case, [(w_q, w_k)])
     new = spectrum_of_layers(qk_weights(case, [(w_q, w_k)]))
-    paths = {"old (float32 QR)": {"sigma": old["singular_values"][0], **{m: old[m][0] for m in reference if m != "sigma"}},
-             "new (float32 Gram)": {"sigma": new.singular_values[0], **{m: new.metrics[m][0] for m in reference if m != "sigma"}}}
-    print(f"  accuracy on one layer against float64 (S = ||W_Q^h|| ||W_K^g||, max over {case.heads} heads):")
-    print(f"  {'':20s}{'max|dsigma|/S':>15s}{'sigma_1 rel':>13s}{'|dkappa|':>11s}{'|derank|':>11s}{'|dkappa_eig|':>14s}")
+    paths = {
+        "old (float32 QR)": {
+            "sigma": old["singular_values"][0],
+            **{m: old[m][0] for m in reference if m != "sigma"},
+        },
+        "new (float32 Gram)": {
+            "sigma": new.singular_values[0],
+            **{m: new.metrics[m][0] for m in reference if m != "sigma"},
+        },
+    }
+    print(
+        f"  accuracy on one layer against float64 (S = ||W_Q^h|| ||W_K^g||, max over {case.heads} heads):"
+    )
+    print(
+        f"  {'':20s}{'max|dsigma|/S':>15s}{'sigma_1 rel':>13s}{'|dkappa|':>11s}{'|derank|':>11s}{'|dkappa_eig|':>14s}"
+    )
     for name, got in paths.items():
         d_sigma = ((got["sigma"].double() - sigma).abs().amax(-1) / scale).max().item()
         d_top = ((got["sigma"][:, 0].double() - sigma[:, 0]).abs() / sigma[:, 0]).max().item()
-        diffs = [(got[m].double() - reference[m]).abs().max().item() for m in ("kappa", "qk_erank", "kappa_eig")]
-        print(f"  {name:20s}{d_sigma:15.1e}{d_top:13.1e}" + "".join(f"{v:11.1e}" for v in diffs[:2])
-              + f"{diffs[2]:14.1e}")
+        diffs = [
+            (got[m].double() - reference[m]).abs().max().item()
+            for m in ("kappa", "qk_erank", "kappa_eig")
+        ]
+        print(
+            f"  {name:20s}{d_sigma:15.1e}{d_top:13.1e}"
+            + "".join(f"{v:11.1e}" for v in diffs[:2])
+            + f"{diffs[2]:14.1e}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
     parser.add_argument("--part", type=int, choices=(1, 2), default=None, help="run one part only")
-    parser.add_argument("--dense-heads", type=int, default=4,
-                        help="part 1: heads to time the dense path on (0 = all); the time is scaled to all heads")
-    parser.add_argument("--layers", type=int, default=4, help="part 2: layers to time, scaled to 80")
-    parser.add_argument("--repeats", type=int, default=2, help="repeats per timing (best time kept)")
+    parser.add_argument(
+        "--dense-heads",
+        type=int,
+        default=4,
+        help="part 1: heads to time the dense path on (0 = all); the time is scaled to all heads",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=4, help="part 2: layers to time, scaled to 80"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="repeats per timing (best time kept)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()
     if args.threads:

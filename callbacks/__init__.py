@@ -5,5 +5,10 @@ from .base import ActivationMonitor, AttentionMonitor
 from .effective_rank import EffectiveRankMonitor
 from .qk_spectrum import QKSpectrumMonitor
 
-__all__ = ["ActivationMonitor", "AttentionEntropyMonitor", "AttentionMonitor", "EffectiveRankMonitor",
-           "QKSpectrumMonitor"]
+__all__ = [
+    "ActivationMonitor",
+    "AttentionEntropyMonitor",
+    "AttentionMonitor",
+    "EffectiveRankMonitor",
+    "QKSpectrumMonitor",
+]

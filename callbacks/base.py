@@ -31,8 +31,16 @@ from qkmonitor.engine import (
 )
 from qkmonitor.engine.base import ActivationEngine, Values
 
-__all__ = ["AttentionMonitor", "ActivationMonitor", "LightningHost", "LoggerSink", "MLflowSink", "TensorBoardSink",
-           "WandbSink", "logger_sink"]
+__all__ = [
+    "ActivationMonitor",
+    "AttentionMonitor",
+    "LightningHost",
+    "LoggerSink",
+    "MLflowSink",
+    "TensorBoardSink",
+    "WandbSink",
+    "logger_sink",
+]
 
 
 class LoggerSink:
@@ -138,7 +146,9 @@ class MLflowSink(LoggerSink):
     draws = True
 
     def log_image(self, tag: str, image: Any, step: int) -> None:
-        self.logger.experiment.log_image(self.logger.run_id, image, artifact_file=self._path(tag, step, "png"))
+        self.logger.experiment.log_image(
+            self.logger.run_id, image, artifact_file=self._path(tag, step, "png")
+        )
 
     def log_text(self, tag: str, text: str, step: int) -> None:
         self.logger.experiment.log_text(self.logger.run_id, text, self._path(tag, step, "txt"))
@@ -198,8 +208,10 @@ class _StateKey:
 
     def __get__(self, instance: AttentionMonitor | None, owner: type) -> str:
         if instance is None:
-            raise TypeError(f"Expected callback instances in the Trainer's `callbacks`, got the class "
-                            f"`{owner.__name__}`: pass an instance: `{owner.__name__}()`")
+            raise TypeError(
+                f"Expected callback instances in the Trainer's `callbacks`, got the class "
+                f"`{owner.__name__}`: pass an instance: `{owner.__name__}()`"
+            )
         return instance._state_key
 
 
@@ -275,8 +287,10 @@ class AttentionMonitor(Callback):
         if monitors[-1] is self:  # every monitor is bound now: one header for the run
             self._write_header(trainer, pl_module, monitors)
         if not trainer.loggers and self is monitors[0]:
-            rank_zero_warn("qkmonitor: the Trainer has no logger; metrics are kept in each monitor's `.latest` "
-                           "and alerts still fire, but nothing is written.")
+            rank_zero_warn(
+                "qkmonitor: the Trainer has no logger; metrics are kept in each monitor's `.latest` "
+                "and alerts still fire, but nothing is written."
+            )
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -287,8 +301,9 @@ class AttentionMonitor(Callback):
         self.engine.bind(pl_module, default_every_n_steps=trainer.log_every_n_steps)
         self.engine.report_discovery(LightningHost(trainer))
 
-    def _write_header(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                      monitors: list[AttentionMonitor]) -> None:
+    def _write_header(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, monitors: list[AttentionMonitor]
+    ) -> None:
         """The run's layout and hparams record, once per TensorBoard run directory, and one line
         per run for each logger that takes no images."""
         if not trainer.is_global_zero:
@@ -297,8 +312,10 @@ class AttentionMonitor(Callback):
         for sink in sinks:
             if not sink.draws and f"no images {_run_dir(sink)}" not in self._headers:
                 self._headers.add(f"no images {_run_dir(sink)}")
-                rank_zero_warn(f"qkmonitor: no images for {type(sink.logger).__name__} (the heatmaps, histograms and "
-                               "attention images go to TensorBoard, W&B and MLflow loggers); its scalars are logged.")
+                rank_zero_warn(
+                    f"qkmonitor: no images for {type(sink.logger).__name__} (the heatmaps, histograms and "
+                    "attention images go to TensorBoard, W&B and MLflow loggers); its scalars are logged."
+                )
         new = [sink for sink in sinks if sink.draws and _run_dir(sink) not in self._headers]
         if not new:
             return
@@ -319,7 +336,9 @@ class AttentionMonitor(Callback):
             self.engine.observe_loss(self._batch_step, loss)
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self.engine.release()
 
     @override
@@ -333,8 +352,9 @@ class AttentionMonitor(Callback):
         self.engine.release()
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if "callbacks" in checkpoint:  # absent from a weights-only checkpoint
             checkpoint["callbacks"][self.state_key] = self.engine.state_dict()
 
@@ -367,27 +387,52 @@ class ActivationMonitor(AttentionMonitor):
         return self.engine.latest_validation
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._batch_step = trainer.global_step
         self.engine.open(self._batch_step)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         self._observe_loss(outputs)
         if self.engine.probing:
             self.engine.finish(LightningHost(trainer))
 
     @override
-    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                                  batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self.probe_validation and batch_idx == 0 and dataloader_idx == 0 and not trainer.sanity_checking:
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if (
+            self.probe_validation
+            and batch_idx == 0
+            and dataloader_idx == 0
+            and not trainer.sanity_checking
+        ):
             self.engine.open(trainer.global_step, validation=True)
 
     @override
-    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
-                                batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self.engine.finish(LightningHost(trainer))
 
 

@@ -82,11 +82,20 @@ class EffectiveRankMonitor(ActivationMonitor):
         blocks: Sequence[nn.Module] | Callable[[nn.Module], Sequence[nn.Module]] | None = None,
         pattern_heads: int = 4,
     ) -> None:
-        engine = EffectiveRank(every_n_steps=every_n_steps, per_head=per_head, log_key_prefix=log_key_prefix,
-                               alerts=alerts, alert_action=alert_action, on_alert=on_alert, layers=layers,
-                               visuals_every_n_probes=visuals_every_n_probes,
-                               max_probe_sequences=max_probe_sequences, max_probe_tokens=max_probe_tokens,
-                               blocks=blocks, pattern_heads=pattern_heads)
+        engine = EffectiveRank(
+            every_n_steps=every_n_steps,
+            per_head=per_head,
+            log_key_prefix=log_key_prefix,
+            alerts=alerts,
+            alert_action=alert_action,
+            on_alert=on_alert,
+            layers=layers,
+            visuals_every_n_probes=visuals_every_n_probes,
+            max_probe_sequences=max_probe_sequences,
+            max_probe_tokens=max_probe_tokens,
+            blocks=blocks,
+            pattern_heads=pattern_heads,
+        )
         super().__init__(engine, probe_validation=probe_validation)
 
     @property

@@ -83,9 +83,18 @@ class QKSpectrumMonitor(AttentionMonitor):
         layers: LayerSpec | None = None,
         visuals_every_n_probes: int = 20,
     ) -> None:
-        super().__init__(QKSpectrum(every_n_steps=every_n_steps, per_head=per_head, log_key_prefix=log_key_prefix,
-                                    alerts=alerts, alert_action=alert_action, on_alert=on_alert, layers=layers,
-                                    visuals_every_n_probes=visuals_every_n_probes))
+        super().__init__(
+            QKSpectrum(
+                every_n_steps=every_n_steps,
+                per_head=per_head,
+                log_key_prefix=log_key_prefix,
+                alerts=alerts,
+                alert_action=alert_action,
+                on_alert=on_alert,
+                layers=layers,
+                visuals_every_n_probes=visuals_every_n_probes,
+            )
+        )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -93,19 +102,28 @@ class QKSpectrumMonitor(AttentionMonitor):
             self._observe(trainer, 0)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._batch_step = trainer.global_step
         self.engine.open(self._batch_step)  # layouts read by name are checked on the first batch
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         self._observe_loss(outputs)
         if self.engine.probing:
             self.engine.finish(LightningHost(trainer))
         step = trainer.global_step
-        if step > 0 and self.engine.is_probe_step(step):  # after the optimizer step: the weights of this step
+        if step > 0 and self.engine.is_probe_step(
+            step
+        ):  # after the optimizer step: the weights of this step
             self._observe(trainer, step)
 
     def _observe(self, trainer: pl.Trainer, step: int) -> None:

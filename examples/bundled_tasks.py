@@ -34,8 +34,20 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     codes = {}
     for task in args.tasks:
         print(f"\n=== {task} ===")
-        codes[task] = qkmonitor_main(["train", "--task", task, "--steps", str(args.steps), "--every-n-steps", "10",
-                                      "--log-dir", args.log_dir, "--no-progress-bar"])
+        codes[task] = qkmonitor_main(
+            [
+                "train",
+                "--task",
+                task,
+                "--steps",
+                str(args.steps),
+                "--every-n-steps",
+                "10",
+                "--log-dir",
+                args.log_dir,
+                "--no-progress-bar",
+            ]
+        )
     return codes
 
 

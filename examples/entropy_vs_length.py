@@ -17,17 +17,24 @@ import argparse
 import math
 
 import torch
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 from qkmonitor.adapters import find_attention_layers
-from qkmonitor.models import DecoderLM, TransformerConfig
 
 TRAIN_LEN = 64
 
 
 def build(policy: str, max_len: int) -> DecoderLM:
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, max_seq_len=max_len,
-                               attention_scale=policy, scale_train_len=TRAIN_LEN)
+    config = TransformerConfig(
+        vocab_size=64,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=max_len,
+        attention_scale=policy,
+        scale_train_len=TRAIN_LEN,
+    )
     model = DecoderLM(config).eval()
     with torch.no_grad():  # sharper-than-initial queries, as a trained model has
         for block in model.blocks:
@@ -40,11 +47,13 @@ def mean_entropy(model: DecoderLM, n: int) -> tuple[float, float]:
     quarter of the rows (rows that see about n keys)."""
     layer = find_attention_layers(model)[-1]
     tokens = torch.randint(64, (2, n), generator=torch.Generator().manual_seed(n))
-    with layer.open_probe() as probe:  # measures every forward until closed
-        with torch.no_grad():
-            model(tokens)
+    with (
+        layer.open_probe() as probe,
+        torch.no_grad(),
+    ):  # the probe measures every forward until closed
+        model(tokens)
     stats = probe.close().stats[0]  # per row: entropy, attended keys, ... (B, H, n)
-    entropy, keys = stats.entropy[..., n - n // 4:], stats.attended[..., n - n // 4:]
+    entropy, keys = stats.entropy[..., n - n // 4 :], stats.attended[..., n - n // 4 :]
     return entropy.mean().item(), (entropy / keys.log()).mean().item()
 
 
@@ -59,7 +68,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[tuple[int, float, floa
     print(f"last-layer attention entropy (training length L = {TRAIN_LEN})")
     print(f"{'n':>6} {'log n':>7} {'standard H':>11} {'H/log n':>8} {'log_n H':>9} {'H/log n':>8}")
     for (n, h_std, norm_std), (_, h_log, norm_log) in zip(results["standard"], results["log_n"]):
-        print(f"{n:6d} {math.log(n):7.2f} {h_std:11.3f} {norm_std:8.3f} {h_log:9.3f} {norm_log:8.3f}")
+        print(
+            f"{n:6d} {math.log(n):7.2f} {h_std:11.3f} {norm_std:8.3f} {h_log:9.3f} {norm_log:8.3f}"
+        )
     return results
 
 

@@ -15,24 +15,32 @@ import argparse
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader, TensorDataset
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.models.tasks import make_recall_batch
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 class TinyLlama(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        config = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        config = LlamaConfig(
+            vocab_size=48,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
         self.model = LlamaForCausalLM(config)
 
     def training_step(self, batch, batch_idx):
         tokens, targets = batch
         logits = self.model(input_ids=tokens).logits
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=-100
+        )
 
     def train_dataloader(self):
         tokens, targets = make_recall_batch(4096, 6, 6, 24, 24, torch.Generator().manual_seed(0))
@@ -48,11 +56,19 @@ def main(argv: list[str] | None = None) -> dict[str, list]:
     parser.add_argument("--log-dir", default="runs")
     args = parser.parse_args(argv)
     pl.seed_everything(0, verbose=False)
-    monitors = [QKSpectrumMonitor(every_n_steps=20, per_head=True), AttentionEntropyMonitor(every_n_steps=20),
-                EffectiveRankMonitor(every_n_steps=20)]
-    trainer = pl.Trainer(max_steps=args.steps, logger=TensorBoardLogger(args.log_dir, name="hf_llama"),
-                         callbacks=list(monitors), enable_checkpointing=False, enable_model_summary=False,
-                         log_every_n_steps=20)
+    monitors = [
+        QKSpectrumMonitor(every_n_steps=20, per_head=True),
+        AttentionEntropyMonitor(every_n_steps=20),
+        EffectiveRankMonitor(every_n_steps=20),
+    ]
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        logger=TensorBoardLogger(args.log_dir, name="hf_llama"),
+        callbacks=list(monitors),
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=20,
+    )
     trainer.fit(TinyLlama())
     print("layers:", ", ".join(f"{layer.name} ({layer.kind})" for layer in monitors[0].layers))
     for monitor in monitors:

@@ -14,16 +14,17 @@ import argparse
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 
 
 class MarkedTokenClassifier(pl.LightningModule):
     def __init__(self, d_model: int = 32, layers: int = 2, heads: int = 4) -> None:
         super().__init__()
-        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, batch_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d_model, 2)
 
@@ -54,10 +55,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--log-dir", default="runs")
     args = parser.parse_args(argv)
     pl.seed_everything(0, verbose=False)
-    monitors = [QKSpectrumMonitor(), AttentionEntropyMonitor(), EffectiveRankMonitor(max_probe_tokens=16)]
-    trainer = pl.Trainer(max_steps=args.steps, logger=TensorBoardLogger(args.log_dir, name="own_encoder"),
-                         callbacks=list(monitors), log_every_n_steps=20, enable_checkpointing=False,
-                         enable_model_summary=False)
+    monitors = [
+        QKSpectrumMonitor(),
+        AttentionEntropyMonitor(),
+        EffectiveRankMonitor(max_probe_tokens=16),
+    ]
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        logger=TensorBoardLogger(args.log_dir, name="own_encoder"),
+        callbacks=list(monitors),
+        log_every_n_steps=20,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     trainer.fit(MarkedTokenClassifier())
     for monitor in monitors:
         for metric, layers in monitor.latest.items():

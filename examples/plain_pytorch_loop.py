@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.models.tasks import make_recall_batch
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
-from qkmonitor.models import DecoderLM, TransformerConfig
-from qkmonitor.models.tasks import make_recall_batch
 
 PAIRS, KEYS, VALUES = 4, 16, 16
 
@@ -28,23 +28,42 @@ def build(seed: int = 0) -> tuple[DecoderLM, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens, targets = make_recall_batch(2048, PAIRS, PAIRS, KEYS, VALUES, gen)
     torch.manual_seed(seed)
-    config = TransformerConfig(vocab_size=KEYS + VALUES + 1, d_model=32, n_layers=2, n_heads=4,
-                               max_seq_len=tokens.shape[1])
+    config = TransformerConfig(
+        vocab_size=KEYS + VALUES + 1, d_model=32, n_layers=2, n_heads=4, max_seq_len=tokens.shape[1]
+    )
     return DecoderLM(config), tokens, targets
 
 
-def train(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, steps: int, writer: SummaryWriter,
-          every_n_steps: int = 25, batch_size: int = 64, lr: float = 3e-3) -> Monitoring:
+def train(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    steps: int,
+    writer: SummaryWriter,
+    every_n_steps: int = 25,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+) -> Monitoring:
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     engines = [QKSpectrum(), AttentionEntropy(), EffectiveRank(max_probe_tokens=32)]
-    monitoring = Monitoring(model, engines, writer=writer, optimizer=optimizer, every_n_steps=every_n_steps,
-                            hparams={"lr": lr, "batch_size": batch_size, "d_model": 32})
+    monitoring = Monitoring(
+        model,
+        engines,
+        writer=writer,
+        optimizer=optimizer,
+        every_n_steps=every_n_steps,
+        hparams={"lr": lr, "batch_size": batch_size, "d_model": 32},
+    )
     with monitoring:  # closes whatever is open at the end, even on an error
         for step in range(steps):
             rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(tokens)
-            with monitoring.step(step):  # weights read at the start; the forward measured on probe steps
+            with monitoring.step(
+                step
+            ):  # weights read at the start; the forward measured on probe steps
                 logits = model(tokens[rows])
-                loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets[rows].flatten(), ignore_index=-100)
+                loss = nn.functional.cross_entropy(
+                    logits.flatten(0, 1), targets[rows].flatten(), ignore_index=-100
+                )
                 monitoring.observe_loss(loss)  # the trend alerts stay quiet while the loss falls
                 loss.backward()
                 optimizer.step()
@@ -64,8 +83,10 @@ def main(argv: list[str] | None = None) -> Monitoring:
     writer = SummaryWriter(f"{args.log_dir}/plain_pytorch_loop")
     monitoring = train(model, tokens, targets, args.steps, writer)
     writer.close()
-    print(f"entropy_norm per layer at step {monitoring.engines[1].latest_step}:",
-          [round(v.mean().item(), 3) for v in monitoring.engines[1].latest["entropy_norm"]])
+    print(
+        f"entropy_norm per layer at step {monitoring.engines[1].latest_step}:",
+        [round(v.mean().item(), 3) for v in monitoring.engines[1].latest["entropy_norm"]],
+    )
     print(f"tensorboard --logdir {args.log_dir}")
     return monitoring
 

@@ -16,11 +16,11 @@ import warnings
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from qkmonitor.callbacks import EffectiveRankMonitor
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor import RankCollapseWarning
-from qkmonitor.callbacks import EffectiveRankMonitor
 
 
 class AttentionBlock(nn.Module):
@@ -60,9 +60,15 @@ class AttentionOnly(pl.LightningModule):
 def run(depth: int, skip: bool, log_dir: str) -> tuple[list[float], int]:
     pl.seed_everything(0, verbose=False)
     monitor = EffectiveRankMonitor(every_n_steps=5)
-    trainer = pl.Trainer(max_steps=10, logger=TensorBoardLogger(log_dir, name=f"rank_collapse_skip_{skip}"),
-                         callbacks=[monitor], enable_checkpointing=False, enable_model_summary=False,
-                         enable_progress_bar=False, log_every_n_steps=5)
+    trainer = pl.Trainer(
+        max_steps=10,
+        logger=TensorBoardLogger(log_dir, name=f"rank_collapse_skip_{skip}"),
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        log_every_n_steps=5,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(AttentionOnly(depth, skip))
@@ -79,7 +85,11 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[list[float], int]]:
     print("hidden_collapse = ||X - 1 mean(X)||_F / ||X||_F after each layer")
     for skip, (collapse, fired) in results.items():
         label = "with skips   " if skip else "without skips"
-        print(f"  {label}", " ".join(f"{c:8.1e}" for c in collapse), f"  rank-collapse warnings: {fired}")
+        print(
+            f"  {label}",
+            " ".join(f"{c:8.1e}" for c in collapse),
+            f"  rank-collapse warnings: {fired}",
+        )
     return {"no_skip": results[False], "skip": results[True]}
 
 

@@ -21,7 +21,13 @@ from .positional import (
     grid_coords,
     sinusoidal_encoding,
 )
-from .scaling import CriticalAttentionScaling, PolylogScale, StandardScale, make_attention_scale, stable_softmax
+from .scaling import (
+    CriticalAttentionScaling,
+    PolylogScale,
+    StandardScale,
+    make_attention_scale,
+    stable_softmax,
+)
 from .transformer import DecoderLM, EncoderClassifier, EncoderDecoder, VisionEncoder
 
 __all__ = [

@@ -42,28 +42,46 @@ class MultiHeadAttention(nn.Module):
         cross: keys and values come from ``memory`` rather than ``x``.
     """
 
-    def __init__(self, config: TransformerConfig, *, causal: bool = False, cross: bool = False) -> None:
+    def __init__(
+        self, config: TransformerConfig, *, causal: bool = False, cross: bool = False
+    ) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+        )
         self.causal, self.cross, self.backend = causal, cross, config.attention_backend
         kv_width = self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.k_proj = nn.Linear(config.d_model, kv_width, bias=config.bias)
         self.v_proj = nn.Linear(config.d_model, kv_width, bias=config.bias)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
-        self.q_norm = make_norm(config.norm, self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = make_norm(config.norm, self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.q_norm = (
+            make_norm(config.norm, self.head_dim, config.norm_eps) if config.qk_norm else None
+        )
+        self.k_norm = (
+            make_norm(config.norm, self.head_dim, config.norm_eps) if config.qk_norm else None
+        )
         self.rope = None if cross else _make_rope(config)
         self.scale_policy = make_attention_scale(
-            config.attention_scale, self.head_dim, train_len=config.scale_train_len,
-            c=config.polylog_c, p=config.polylog_p,
+            config.attention_scale,
+            self.head_dim,
+            train_len=config.scale_train_len,
+            c=config.polylog_c,
+            p=config.polylog_p,
         )
         self.logit_factor = getattr(self.rope, "attention_factor", 1.0)  # YaRN temperature
         self.train_len = config.scale_train_len
         self._observers = ObserverSet()
 
-    def forward(self, x: Tensor, memory: Tensor | None = None, key_padding_mask: Tensor | None = None,
-                coords: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        coords: Tensor | None = None,
+    ) -> Tensor:
         """Attend from ``x`` (B, N, d) to itself or to ``memory`` (B, M, d).
 
         Args:
@@ -76,39 +94,62 @@ class MultiHeadAttention(nn.Module):
             (B, N, d).
         """
         if self.cross and memory is None:
-            raise ValueError("Cross-attention needs `memory`, the encoder output of shape (B, M, d)")
+            raise ValueError(
+                "Cross-attention needs `memory`, the encoder output of shape (B, M, d)"
+            )
         source = memory if self.cross else x
         b, n, _ = x.shape
         m = source.shape[1]
         q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, D)
-        k = self.k_proj(source).view(b, m, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, M, D)
+        k = (
+            self.k_proj(source).view(b, m, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        )  # (B, H_kv, M, D)
         v = self.v_proj(source).view(b, m, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(self.rope, NDimensionalRoPE):
             if coords is None:
-                raise ValueError("Axial RoPE needs `coords`, the (N, axes) grid coordinates of the tokens")
+                raise ValueError(
+                    "Axial RoPE needs `coords`, the (N, axes) grid coordinates of the tokens"
+                )
             q, k = self.rope(q, k, coords)
         elif self.rope is not None:
             q, k = self.rope(q, k)
         scale = self._row_scale(b, n, m, key_padding_mask, q.device)
-        if isinstance(scale, Tensor):  # a temperature per row: fold it into q, the kernel scales by 1
+        if isinstance(
+            scale, Tensor
+        ):  # a temperature per row: fold it into q, the kernel scales by 1
             q, scale = q * scale.to(q.dtype), 1.0
-        kwargs = dict(causal=self.causal, key_padding_mask=key_padding_mask, scale=scale, backend=self.backend)
+        kwargs = dict(
+            causal=self.causal, key_padding_mask=key_padding_mask, scale=scale, backend=self.backend
+        )
         if self._observers:
             sink = self._observers.sink_tokens()
             out, stats = attention(q, k, v, return_stats=True, sink_tokens=sink, **kwargs)
-            self._observers.notify(KernelCall(q, k, scale=scale, causal=self.causal, key_padding_mask=key_padding_mask,
-                                              stats=stats, stats_sink=sink))
+            self._observers.notify(
+                KernelCall(
+                    q,
+                    k,
+                    scale=scale,
+                    causal=self.causal,
+                    key_padding_mask=key_padding_mask,
+                    stats=stats,
+                    stats_sink=sink,
+                )
+            )
         else:
             out = attention(q, k, v, **kwargs)  # (B, H, N, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
-    def _row_scale(self, b: int, n: int, m: int, key_padding_mask: Tensor | None, device) -> float | Tensor:
+    def _row_scale(
+        self, b: int, n: int, m: int, key_padding_mask: Tensor | None, device
+    ) -> float | Tensor:
         """The logit multiplier: a float when constant, else (B, 1, N, 1) from each row's key count."""
         if self.scale_policy.constant:
             return float(self.scale_policy(torch.tensor(float(m)))) * self.logit_factor
-        keys = attended_keys(b, 1, n, m, causal=self.causal, key_padding_mask=key_padding_mask, device=device)
+        keys = attended_keys(
+            b, 1, n, m, causal=self.causal, key_padding_mask=key_padding_mask, device=device
+        )
         return (self.scale_policy(keys.clamp_min(1.0)) * self.logit_factor)[..., None]
 
     @property
@@ -116,7 +157,9 @@ class MultiHeadAttention(nn.Module):
         """Whether a probe is registered (the forward then computes statistics)."""
         return bool(self._observers)
 
-    def register_probe(self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0) -> Callable[[], None]:
+    def register_probe(
+        self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0
+    ) -> Callable[[], None]:
         """Hand every following forward to ``observer`` until the returned function is called.
 
         The forward then asks the kernel for its per-row statistics (same pass, no N x N matrix,
@@ -136,8 +179,14 @@ class MultiHeadAttention(nn.Module):
         result says ``qk_norm=True``).
         """
         scale = float(self.scale_policy(torch.tensor(float(self.train_len)))) * self.logit_factor
-        return QKWeights(self.q_proj.weight, self.k_proj.weight, self.n_heads, self.n_kv_heads, scale,
-                         qk_norm=self.q_norm is not None)
+        return QKWeights(
+            self.q_proj.weight,
+            self.k_proj.weight,
+            self.n_heads,
+            self.n_kv_heads,
+            scale,
+            qk_norm=self.q_norm is not None,
+        )
 
 
 def _make_rope(config: TransformerConfig) -> nn.Module | None:
@@ -149,6 +198,13 @@ def _make_rope(config: TransformerConfig) -> nn.Module | None:
     scaling = None
     if config.rope_scaling is not None:
         original = max(1, int(config.max_seq_len / config.rope_scaling_factor))
-        scaling = RopeScaling(kind=config.rope_scaling, factor=config.rope_scaling_factor, original_max_len=original)
-    return RotaryEmbedding(config.head_dim, config.max_seq_len, base=config.rope_base,
-                           interleaved=kind == "rope_interleaved", scaling=scaling)
+        scaling = RopeScaling(
+            kind=config.rope_scaling, factor=config.rope_scaling_factor, original_max_len=original
+        )
+    return RotaryEmbedding(
+        config.head_dim,
+        config.max_seq_len,
+        base=config.rope_base,
+        interleaved=kind == "rope_interleaved",
+        scaling=scaling,
+    )

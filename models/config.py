@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TransformerConfig", "POSITIONAL", "ATTENTION_SCALES"]
+__all__ = ["ATTENTION_SCALES", "POSITIONAL", "TransformerConfig"]
 
 POSITIONAL = ("none", "learned", "sinusoidal", "rope", "rope_interleaved", "rope_2d", "rope_3d")
 ATTENTION_SCALES = ("standard", "log_n", "polylog")
@@ -23,12 +23,16 @@ class TransformerConfig:
     n_layers: int = 2  # two layers are the minimum for an induction (recall) circuit
     n_heads: int = 4
     n_kv_heads: int | None = None  # None = n_heads (MHA); fewer = GQA; 1 = MQA
-    d_ff: int | None = None  # MLP hidden width; None = 4 * d_model (SwiGLU: 8/3 * d_model, same params)
+    d_ff: int | None = (
+        None  # MLP hidden width; None = 4 * d_model (SwiGLU: 8/3 * d_model, same params)
+    )
     max_seq_len: int = 256  # bounds position tables; longer inputs are rejected
     dropout: float = 0.0  # small tasks overfit little; dropout slows CPU training
     # -- block layout --
     norm: str = "layernorm"  # "layernorm" or "rmsnorm" (no mean subtraction, no bias)
-    norm_position: str = "pre"  # "pre": x + f(norm(x)), stable without warmup; "post": norm(x + f(x))
+    norm_position: str = (
+        "pre"  # "pre": x + f(norm(x)), stable without warmup; "post": norm(x + f(x))
+    )
     qk_norm: bool = False  # normalize q and k per head: bounds logits, a cure for entropy collapse
     mlp: str = "gelu"  # "gelu" or "swiglu"
     tie_embeddings: bool = True  # share the token embedding with the output head
@@ -37,11 +41,15 @@ class TransformerConfig:
     # -- positions --
     positional: str = "rope"  # one of POSITIONAL; rope_2d / rope_3d are axial RoPE for grids
     rope_base: float = 10_000.0  # θ in θ^{-2i/d_k}; larger bases rotate slower
-    rope_scaling: str | None = None  # None, "linear", "ntk" or "yarn": stretch RoPE to longer contexts
+    rope_scaling: str | None = (
+        None  # None, "linear", "ntk" or "yarn": stretch RoPE to longer contexts
+    )
     rope_scaling_factor: float = 1.0  # s: the context is stretched s times beyond max_seq_len / s
     # -- attention temperature --
     attention_scale: str = "standard"  # one of ATTENTION_SCALES (see qkmonitor.models.scaling)
-    scale_train_len: int | None = None  # log_n: length beyond which logits sharpen; None = max_seq_len
+    scale_train_len: int | None = (
+        None  # log_n: length beyond which logits sharpen; None = max_seq_len
+    )
     polylog_c: float = 1.0  # polylog: f(T) = 1 + c (log T)^p
     polylog_p: float = 1.0
     # -- model family extras --
@@ -59,7 +67,9 @@ class TransformerConfig:
         if self.n_decoder_layers is None:
             self.n_decoder_layers = self.n_layers
         if self.d_ff is None:
-            self.d_ff = 4 * self.d_model if self.mlp != "swiglu" else _round_up(8 * self.d_model // 3, 8)
+            self.d_ff = (
+                4 * self.d_model if self.mlp != "swiglu" else _round_up(8 * self.d_model // 3, 8)
+            )
         if self.scale_train_len is None:
             self.scale_train_len = self.max_seq_len
         for name in ("n_kv_heads", "n_decoder_layers", "d_ff", "scale_train_len"):
@@ -68,9 +78,13 @@ class TransformerConfig:
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if self.d_model % self.n_heads:
-            raise ValueError(f"Expected `d_model` ({self.d_model}) to be divisible by `n_heads` ({self.n_heads})")
+            raise ValueError(
+                f"Expected `d_model` ({self.d_model}) to be divisible by `n_heads` ({self.n_heads})"
+            )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"Expected `n_kv_heads` ({self.n_kv_heads}) to divide `n_heads` ({self.n_heads})")
+            raise ValueError(
+                f"Expected `n_kv_heads` ({self.n_kv_heads}) to divide `n_heads` ({self.n_heads})"
+            )
         _check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
         _check_choice("norm_position", self.norm_position, ("pre", "post"))
         _check_choice("mlp", self.mlp, ("gelu", "swiglu"))
@@ -79,7 +93,9 @@ class TransformerConfig:
         _check_choice("attention_scale", self.attention_scale, ATTENTION_SCALES)
         _check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         if self.positional.startswith("rope") and self.head_dim % 2:
-            raise ValueError(f"Expected an even head dim for RoPE, got d_model / n_heads = {self.head_dim}")
+            raise ValueError(
+                f"Expected an even head dim for RoPE, got d_model / n_heads = {self.head_dim}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"Expected `dropout` in [0, 1), got {self.dropout}")
         if not self.rope_base > 1.0:

@@ -13,7 +13,7 @@ from .attention import MultiHeadAttention
 from .config import TransformerConfig
 from .norms import make_norm
 
-__all__ = ["MLP", "SwiGLU", "EncoderLayer", "DecoderLayer", "make_mlp"]
+__all__ = ["MLP", "DecoderLayer", "EncoderLayer", "SwiGLU", "make_mlp"]
 
 
 class MLP(nn.Module):
@@ -74,9 +74,13 @@ class EncoderLayer(nn.Module):
         self.mlp = make_mlp(config)
         self.attn_residual, self.mlp_residual = _Residual(config), _Residual(config)
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, coords: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, coords: Tensor | None = None
+    ) -> Tensor:
         """(B, N, d) -> (B, N, d); ``key_padding_mask`` (B, N) True where a token may be attended."""
-        x = self.attn_residual(x, lambda h: self.attn(h, key_padding_mask=key_padding_mask, coords=coords))
+        x = self.attn_residual(
+            x, lambda h: self.attn(h, key_padding_mask=key_padding_mask, coords=coords)
+        )
         return self.mlp_residual(x, self.mlp)
 
 
@@ -89,10 +93,17 @@ class DecoderLayer(nn.Module):
         self.cross_attn = MultiHeadAttention(config, cross=True)
         self.mlp = make_mlp(config)
         self.attn_residual, self.cross_residual, self.mlp_residual = (
-            _Residual(config), _Residual(config), _Residual(config))
+            _Residual(config),
+            _Residual(config),
+            _Residual(config),
+        )
 
-    def forward(self, x: Tensor, memory: Tensor, memory_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, memory: Tensor, memory_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """x (B, N, d) attends causally to itself and fully to ``memory`` (B, M, d)."""
         x = self.attn_residual(x, self.attn)
-        x = self.cross_residual(x, lambda h: self.cross_attn(h, memory=memory, key_padding_mask=memory_padding_mask))
+        x = self.cross_residual(
+            x, lambda h: self.cross_attn(h, memory=memory, key_padding_mask=memory_padding_mask)
+        )
         return self.mlp_residual(x, self.mlp)

@@ -18,7 +18,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        ) * self.weight
 
 
 def make_norm(kind: str, dim: int, eps: float = 1e-5) -> nn.Module:

@@ -280,7 +280,7 @@ def rope_inv_freq(
     if scaling is None:
         return float(base) ** -exponent
     if not isinstance(scaling, RopeScaling):  # ValueError like every other bad argument here
-        raise ValueError(  # noqa: TRY004
+        raise ValueError(
             f"Expected `scaling` to be a RopeScaling or None, got {type(scaling).__name__}"
         )
     s = float(scaling.factor)

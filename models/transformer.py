@@ -34,7 +34,11 @@ def _additive_positions(config: TransformerConfig, max_len: int) -> nn.Module | 
 
 def _final_norm(config: TransformerConfig) -> nn.Module:
     # Pre-norm leaves the residual stream unnormalized; post-norm layers already end on a norm.
-    return make_norm(config.norm, config.d_model, config.norm_eps) if config.norm_position == "pre" else nn.Identity()
+    return (
+        make_norm(config.norm, config.d_model, config.norm_eps)
+        if config.norm_position == "pre"
+        else nn.Identity()
+    )
 
 
 class _Embedding(nn.Module):
@@ -51,7 +55,9 @@ class _Embedding(nn.Module):
         if tokens.dim() != 2:
             raise ValueError(f"Expected `tokens` of shape (batch, seq), got {tuple(tokens.shape)}")
         if tokens.shape[1] > self.max_len:
-            raise ValueError(f"Sequence length {tokens.shape[1]} exceeds `max_seq_len` {self.max_len}")
+            raise ValueError(
+                f"Sequence length {tokens.shape[1]} exceeds `max_seq_len` {self.max_len}"
+            )
         x = self.tokens(tokens)  # (B, N, d)
         if self.positions is not None:
             x = self.positions(x)
@@ -65,7 +71,9 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed = _Embedding(config)
-        self.blocks = nn.ModuleList(EncoderLayer(config, causal=True) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(
+            EncoderLayer(config, causal=True) for _ in range(config.n_layers)
+        )
         self.norm = _final_norm(config)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(_init_weights)
@@ -124,14 +132,18 @@ class EncoderDecoder(nn.Module):
             x = layer(x, key_padding_mask=source_padding_mask)
         return self.encoder_norm(x)
 
-    def decode(self, target: Tensor, memory: Tensor, source_padding_mask: Tensor | None = None) -> Tensor:
+    def decode(
+        self, target: Tensor, memory: Tensor, source_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """(B, N) target tokens (shifted right) and memory -> (B, N, vocab) logits."""
         x = self.embed(target)
         for layer in self.decoder:
             x = layer(x, memory, memory_padding_mask=source_padding_mask)
         return self.head(self.decoder_norm(x))
 
-    def forward(self, source: Tensor, target: Tensor, source_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, source: Tensor, target: Tensor, source_padding_mask: Tensor | None = None
+    ) -> Tensor:
         return self.decode(target, self.encode(source, source_padding_mask), source_padding_mask)
 
 
@@ -146,12 +158,16 @@ class VisionEncoder(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         if config.grid_size is None or config.patch_dim is None or config.num_classes is None:
-            raise ValueError("Expected `grid_size`, `patch_dim` and `num_classes` to be set for VisionEncoder")
+            raise ValueError(
+                "Expected `grid_size`, `patch_dim` and `num_classes` to be set for VisionEncoder"
+            )
         self.config = config
         self.num_patches = int(torch.tensor(config.grid_size).prod())
         self.patch_embed = nn.Linear(config.patch_dim, config.d_model)
         self.positions = _additive_positions(config, self.num_patches)
-        self.register_buffer("coords", grid_coords(*config.grid_size), persistent=False)  # (P, axes)
+        self.register_buffer(
+            "coords", grid_coords(*config.grid_size), persistent=False
+        )  # (P, axes)
         self.blocks = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layers))
         self.norm = _final_norm(config)
         self.head = nn.Linear(config.d_model, config.num_classes)

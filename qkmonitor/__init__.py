@@ -6,13 +6,9 @@ rules (:mod:`qkmonitor.alerts`) and the CLI. The Lightning callbacks live in
 :mod:`qkmonitor.callbacks`, the bundled transformers and tasks in :mod:`qkmonitor.models`.
 """
 
-from qkmonitor.adapters import AttentionLayer, QKWeights, SupportsQKMonitor, find_attention_layers
-
 # the adapter families register themselves on import (qkmonitor.registry), before any discovery
 from qkmonitor import hf as _hf  # noqa: F401  (needs transformers only when a model holds its modules)
-from qkmonitor.intercept import InterceptedAttentionLayer, register_attention
-from qkmonitor.layouts import AttentionSpec
-from qkmonitor.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
+from qkmonitor.adapters import AttentionLayer, QKWeights, SupportsQKMonitor, find_attention_layers
 from qkmonitor.alerts import (
     AlertRule,
     EntropyCollapseWarning,
@@ -22,6 +18,9 @@ from qkmonitor.alerts import (
     QKMonitorWarning,
     RankCollapseWarning,
 )
+from qkmonitor.intercept import InterceptedAttentionLayer, register_attention
+from qkmonitor.layouts import AttentionSpec
+from qkmonitor.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
 
 __version__ = "0.1.0"
 
@@ -30,20 +29,20 @@ __all__ = [
     "AttentionCall",
     "AttentionLayer",
     "AttentionSpec",
+    "EntropyCollapseWarning",
     "InterceptedAttentionLayer",
     "KernelCall",
-    "Probe",
-    "ProbeRequest",
-    "ProbeResult",
-    "SupportsQKMonitor",
-    "register_attention",
-    "EntropyCollapseWarning",
     "LogitGrowthWarning",
     "MalignantCollapseWarning",
     "OverLocalizationWarning",
-    "RankCollapseWarning",
+    "Probe",
+    "ProbeRequest",
+    "ProbeResult",
     "QKMonitorWarning",
     "QKWeights",
-    "find_attention_layers",
+    "RankCollapseWarning",
+    "SupportsQKMonitor",
     "__version__",
+    "find_attention_layers",
+    "register_attention",
 ]

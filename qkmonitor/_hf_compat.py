@@ -78,7 +78,9 @@ def _dispatching_method(module: nn.Module):
     """The first method the module's class runs (as resolved) that reads the registry, or None
     (the module's own class: under compile a probed module's class is switched, qkmonitor.compiled)."""
     cls = own_class(module)
-    names = dict.fromkeys(name for base in cls.__mro__[: cls.__mro__.index(nn.Module)] for name in vars(base))
+    names = dict.fromkeys(
+        name for base in cls.__mro__[: cls.__mro__.index(nn.Module)] for name in vars(base)
+    )
     for name in names:
         for function in _reached(cls, name):
             code, scope = function.__code__, function.__globals__
@@ -106,16 +108,20 @@ def _reached(cls: type, name: str):
 
 def _table_in(scope: dict | None):
     table = (scope or {}).get(REGISTRY)
-    if callable(getattr(table, "__getitem__", None)) and callable(getattr(table, "__contains__", None)):
+    if callable(getattr(table, "__getitem__", None)) and callable(
+        getattr(table, "__contains__", None)
+    ):
         return table
     return None
 
 
 def why_no_dispatch(module: nn.Module) -> str:
     """The warning's reason for a module that :func:`dispatches` rejects: what is missing, where."""
-    return (f"transformers {transformers_version()}: {type(module).__name__} computes its attention inside "
-            f"the module without calling a function from `{REGISTRY}`, so there is no call to measure; "
-            "its query/key weight metrics still work (BERT dispatches from transformers 5.0)")
+    return (
+        f"transformers {transformers_version()}: {type(module).__name__} computes its attention inside "
+        f"the module without calling a function from `{REGISTRY}`, so there is no call to measure; "
+        "its query/key weight metrics still work (BERT dispatches from transformers 5.0)"
+    )
 
 
 def attention_function(table, name: str | None, eager: Callable | None) -> Callable:
@@ -149,8 +155,15 @@ def register(name: str, function: Callable) -> None:
     getattr(modeling_utils, REGISTRY)[name] = function
 
 
-def as_applied(module: nn.Module, query: Tensor, key: Tensor, attention_mask, kwargs: dict,
-               implementation: str | None, eager: Callable | None = None) -> tuple[object, dict]:
+def as_applied(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    attention_mask,
+    kwargs: dict,
+    implementation: str | None,
+    eager: Callable | None = None,
+) -> tuple[object, dict]:
     """The call's mask and keywords with what the implementation adds implicitly made explicit.
 
     Args:
@@ -170,7 +183,9 @@ def as_applied(module: nn.Module, query: Tensor, key: Tensor, attention_mask, kw
     """
     kwargs = dict(kwargs)
     if implementation in (None, "eager"):
-        attention_mask = _with_causal_buffer(module, query, key, attention_mask, eager or eager_default(module))
+        attention_mask = _with_causal_buffer(
+            module, query, key, attention_mask, eager or eager_default(module)
+        )
     elif kwargs.get("scaling") is None:
         kwargs["scaling"] = query.shape[-1] ** -0.5  # the default of every non-eager implementation
     return attention_mask, kwargs
@@ -184,8 +199,14 @@ def _with_causal_buffer(module: nn.Module, query: Tensor, key: Tensor, attention
     """
     buffer = getattr(module, "bias", None)
     code = getattr(inspect.unwrap(eager), "__code__", None) if eager is not None else None
-    if (code is None or "bias" not in code.co_names or getattr(module, "is_cross_attention", False)
-            or not isinstance(buffer, Tensor) or buffer.dtype != torch.bool or buffer.dim() != 4):
+    if (
+        code is None
+        or "bias" not in code.co_names
+        or getattr(module, "is_cross_attention", False)
+        or not isinstance(buffer, Tensor)
+        or buffer.dtype != torch.bool
+        or buffer.dim() != 4
+    ):
         return attention_mask
     n, m = query.shape[-2], key.shape[-2]
     causal = buffer[:, :, m - n : m, :m]  # (1, 1, N, M), True = attend
@@ -195,6 +216,9 @@ def _with_causal_buffer(module: nn.Module, query: Tensor, key: Tensor, attention
         return attention_mask  # not a mask eager takes; the statistics code says so
     if attention_mask.dtype == torch.bool:
         return attention_mask[..., :m] & causal
-    blocked = torch.tensor(torch.finfo(attention_mask.dtype).min, dtype=attention_mask.dtype,
-                           device=attention_mask.device)
+    blocked = torch.tensor(
+        torch.finfo(attention_mask.dtype).min,
+        dtype=attention_mask.dtype,
+        device=attention_mask.device,
+    )
     return torch.where(causal, attention_mask[..., :m], blocked)

@@ -30,11 +30,11 @@ from qkmonitor.probes import (
 from qkmonitor.registry import families, register_family
 
 __all__ = [
+    "AttentionLayer",
+    "MultiheadAttentionLayer",
+    "NativeAttentionLayer",
     "QKWeights",
     "SupportsQKMonitor",
-    "AttentionLayer",
-    "NativeAttentionLayer",
-    "MultiheadAttentionLayer",
     "find_attention_layers",
 ]
 
@@ -150,7 +150,9 @@ class AttentionLayer:
         """
         request = ProbeRequest() if request is None else request
         if not isinstance(request, ProbeRequest):
-            raise ValueError(f"Expected `request` to be a ProbeRequest, got {type(request).__name__}")
+            raise ValueError(
+                f"Expected `request` to be a ProbeRequest, got {type(request).__name__}"
+            )
         if request.layout and not self.needs_layout_check:
             raise ValueError(f"{type(self).__name__} {self.name!r} has no weight layout to check")
         if request.stats and not self.supports_stats:
@@ -187,7 +189,9 @@ class NativeAttentionLayer(AttentionLayer):
 
     def install(self, probe: Probe) -> Callable[[], None]:
         module = self.module
-        remove_observer = module.register_probe(probe.observe, sink_tokens=probe.request.sink_tokens)
+        remove_observer = module.register_probe(
+            probe.observe, sink_tokens=probe.request.sink_tokens
+        )
         remove_switch = add_forward_hooks(self.module)  # under compile: run eagerly while probed
 
         def remove() -> None:
@@ -236,8 +240,16 @@ class MultiheadAttentionLayer(AttentionLayer):
 
     def install(self, probe: Probe) -> Callable[[], None]:
         def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
-                     "average_attn_weights", "is_causal")
+            names = (
+                "query",
+                "key",
+                "value",
+                "key_padding_mask",
+                "need_weights",
+                "attn_mask",
+                "average_attn_weights",
+                "is_causal",
+            )
             try:
                 with torch.no_grad(), full_precision():  # float32 or better under autocast too
                     call = self._call_of(dict(zip(names, args)) | kwargs)
@@ -257,8 +269,16 @@ class MultiheadAttentionLayer(AttentionLayer):
         w_q, w_k, b_q, b_k = self._projections()
         dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         h, d_k = mha.num_heads, mha.head_dim
-        q = F.linear(query.to(dtype), w_q.to(dtype), _to(b_q, dtype)).unflatten(-1, (h, d_k)).transpose(1, 2)
-        k = F.linear(key.to(dtype), w_k.to(dtype), _to(b_k, dtype)).unflatten(-1, (h, d_k)).transpose(1, 2)
+        q = (
+            F.linear(query.to(dtype), w_q.to(dtype), _to(b_q, dtype))
+            .unflatten(-1, (h, d_k))
+            .transpose(1, 2)
+        )
+        k = (
+            F.linear(key.to(dtype), w_k.to(dtype), _to(b_k, dtype))
+            .unflatten(-1, (h, d_k))
+            .transpose(1, 2)
+        )
         extra = 0
         if mha.bias_k is not None or mha.add_zero_attn:
             k, extra = _extra_keys(mha, k)
@@ -269,14 +289,24 @@ class MultiheadAttentionLayer(AttentionLayer):
         scale = 1.0 / math.sqrt(d_k)
         causal = attn_mask is not None and extra == 0 and _is_causal_mask(attn_mask, n, m)
         if (attn_mask is None or causal) and _boolean_or_none(key_padding_mask):
-            allowed = None if key_padding_mask is None else _pad_keys(~key_padding_mask.to(q.device), m, True)
+            allowed = (
+                None
+                if key_padding_mask is None
+                else _pad_keys(~key_padding_mask.to(q.device), m, True)
+            )
             return KernelCall(q, k, scale=scale, causal=causal, key_padding_mask=allowed)
-        scores = (q @ k.transpose(-1, -2)) * scale  # an arbitrary mask: the explicit path (B, H, N, M)
+        scores = (
+            q @ k.transpose(-1, -2)
+        ) * scale  # an arbitrary mask: the explicit path (B, H, N, M)
         if attn_mask is not None:
             scores = scores + _pad_keys(_additive(attn_mask, b, h, scores), m, 0.0)
-        if key_padding_mask is not None:  # MHA: bool True = ignore; _additive's keys: True = allowed
+        if (
+            key_padding_mask is not None
+        ):  # MHA: bool True = ignore; _additive's keys: True = allowed
             kpm = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask
-            scores = scores + _pad_keys(_additive(kpm.to(q.device), None, h, scores, keys_only=True), m, 0.0)
+            scores = scores + _pad_keys(
+                _additive(kpm.to(q.device), None, h, scores, keys_only=True), m, 0.0
+            )
         return ScoresCall(scores)
 
 
@@ -309,7 +339,9 @@ def _is_causal_mask(attn_mask: Tensor, n: int, m: int) -> bool:
     return bool((blocked == future).all())
 
 
-def _additive(mask: Tensor | None, batch: int | None, heads: int, like: Tensor, keys_only: bool = False) -> Tensor:
+def _additive(
+    mask: Tensor | None, batch: int | None, heads: int, like: Tensor, keys_only: bool = False
+) -> Tensor:
     """A bool (True = blocked) or float mask as an additive bias broadcastable to (B, H, N, M)."""
     if mask is None:
         return torch.zeros((), dtype=like.dtype, device=like.device)
@@ -350,22 +382,36 @@ def _looked_for() -> str:
 
 
 def _adapt_native(name: str, module: nn.Module, index: int) -> AttentionLayer | None:
-    return NativeAttentionLayer(name, module, index) if isinstance(module, SupportsQKMonitor) else None
+    return (
+        NativeAttentionLayer(name, module, index) if isinstance(module, SupportsQKMonitor) else None
+    )
 
 
 def _adapt_mha(name: str, module: nn.Module, index: int) -> AttentionLayer | None:
-    return MultiheadAttentionLayer(name, module, index) if isinstance(module, nn.MultiheadAttention) else None
+    return (
+        MultiheadAttentionLayer(name, module, index)
+        if isinstance(module, nn.MultiheadAttention)
+        else None
+    )
 
 
-register_family("qkmonitor", _adapt_native, priority=10,
-                looked_for="qkmonitor attention modules and modules implementing SupportsQKMonitor (`qk_weights()`)")
+register_family(
+    "qkmonitor",
+    _adapt_native,
+    priority=10,
+    looked_for="qkmonitor attention modules and modules implementing SupportsQKMonitor (`qk_weights()`)",
+)
 register_family("torch", _adapt_mha, priority=20, looked_for="torch.nn.MultiheadAttention")
 
 
-LayerSpec = nn.Module | AttentionLayer | Iterable[AttentionLayer | nn.Module] | Callable[[nn.Module], Any]
+LayerSpec = (
+    nn.Module | AttentionLayer | Iterable[AttentionLayer | nn.Module] | Callable[[nn.Module], Any]
+)
 
 
-def find_attention_layers(model: nn.Module, layers: LayerSpec | None = None) -> list[AttentionLayer]:
+def find_attention_layers(
+    model: nn.Module, layers: LayerSpec | None = None
+) -> list[AttentionLayer]:
     """The attention layers of ``model``, in forward (registration) order.
 
     Args:
@@ -404,7 +450,9 @@ def find_attention_layers(model: nn.Module, layers: LayerSpec | None = None) -> 
     return found
 
 
-def _from_user(model: nn.Module, layers: LayerSpec | nn.Module | AttentionLayer) -> list[AttentionLayer]:
+def _from_user(
+    model: nn.Module, layers: LayerSpec | nn.Module | AttentionLayer
+) -> list[AttentionLayer]:
     if isinstance(layers, (nn.Module, AttentionLayer)):  # one layer (a module is callable too)
         items = [layers]
     elif callable(layers):
@@ -414,13 +462,17 @@ def _from_user(model: nn.Module, layers: LayerSpec | nn.Module | AttentionLayer)
         elif isinstance(items, Iterable) and not isinstance(items, (str, bytes)):
             items = list(items)
         else:
-            raise ValueError(f"Expected the function passed as `layers` to return a module, an AttentionLayer or a "
-                             f"list of them for the model, got {type(items).__name__}")
+            raise ValueError(
+                f"Expected the function passed as `layers` to return a module, an AttentionLayer or a "
+                f"list of them for the model, got {type(items).__name__}"
+            )
     elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)):
         items = list(layers)
     else:
-        raise ValueError(f"Expected `layers` to be a module, an AttentionLayer, a list of them or a function of "
-                         f"the model, got {type(layers).__name__}")
+        raise ValueError(
+            f"Expected `layers` to be a module, an AttentionLayer, a list of them or a function of "
+            f"the model, got {type(layers).__name__}"
+        )
     names = {id(m): n for n, m in model.named_modules()}
     result: list[AttentionLayer] = []
     for i, item in enumerate(items):

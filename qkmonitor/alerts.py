@@ -28,26 +28,26 @@ from numbers import Real
 from torch import Tensor
 
 __all__ = [
-    "QKMonitorWarning",
-    "OverLocalizationWarning",
-    "EntropyCollapseWarning",
-    "LogitGrowthWarning",
-    "RankCollapseWarning",
-    "MalignantCollapseWarning",
-    "AlertRule",
-    "Alert",
-    "AlertTracker",
-    "KAPPA_RULE",
-    "ENTROPY_COLLAPSE_RULE",
-    "LOGIT_GROWTH_RULE",
-    "LOGIT_BURST_RULE",
-    "LOGIT_JUMP_RULE",
-    "RANK_COLLAPSE_RULE",
-    "MALIGNANT_COLLAPSE_RULE",
-    "SPECTRAL_GROWTH_RULE",
-    "Condition",
     "ALERT_ACTIONS",
     "DEFAULT_RULES",
+    "ENTROPY_COLLAPSE_RULE",
+    "KAPPA_RULE",
+    "LOGIT_BURST_RULE",
+    "LOGIT_GROWTH_RULE",
+    "LOGIT_JUMP_RULE",
+    "MALIGNANT_COLLAPSE_RULE",
+    "RANK_COLLAPSE_RULE",
+    "SPECTRAL_GROWTH_RULE",
+    "Alert",
+    "AlertRule",
+    "AlertTracker",
+    "Condition",
+    "EntropyCollapseWarning",
+    "LogitGrowthWarning",
+    "MalignantCollapseWarning",
+    "OverLocalizationWarning",
+    "QKMonitorWarning",
+    "RankCollapseWarning",
 ]
 
 ALERT_ACTIONS = ("warn", "stop", "raise")
@@ -92,12 +92,18 @@ def _check_test(owner: object) -> None:
         raise ValueError(f"Expected `above` to be a bool, got {owner.above!r}")
     if not _is_real(owner.margin) or not math.isfinite(owner.margin) or owner.margin < 0:
         raise ValueError(f"Expected `margin` to be a finite number >= 0, got {owner.margin!r}")
-    if owner.growth is not None and (not _is_real(owner.growth) or not math.isfinite(owner.growth)
-                                     or owner.growth <= 1):
-        raise ValueError(f"Expected `growth` to be None or a finite factor > 1, got {owner.growth!r}")
-    if owner.window is not None and (isinstance(owner.window, bool) or not isinstance(owner.window, int)
-                                     or owner.window < 1):
-        raise ValueError(f"Expected `window` to be None or a positive int (steps), got {owner.window!r}")
+    if owner.growth is not None and (
+        not _is_real(owner.growth) or not math.isfinite(owner.growth) or owner.growth <= 1
+    ):
+        raise ValueError(
+            f"Expected `growth` to be None or a finite factor > 1, got {owner.growth!r}"
+        )
+    if owner.window is not None and (
+        isinstance(owner.window, bool) or not isinstance(owner.window, int) or owner.window < 1
+    ):
+        raise ValueError(
+            f"Expected `window` to be None or a positive int (steps), got {owner.window!r}"
+        )
 
 
 #: Steps of training loss averaged for :attr:`AlertRule.learning_drop` (one batch's loss is noisy).
@@ -120,10 +126,14 @@ def _crossed(test: Condition | AlertRule, value: float) -> bool:
 
 
 def _recovered(test: Condition | AlertRule, value: float) -> bool:
-    return value < test.threshold - test.margin if test.above else value > test.threshold + test.margin
+    return (
+        value < test.threshold - test.margin if test.above else value > test.threshold + test.margin
+    )
 
 
-def _grown(test: Condition | AlertRule, value: float, reference: tuple[int, float] | None, step: int) -> bool:
+def _grown(
+    test: Condition | AlertRule, value: float, reference: tuple[int, float] | None, step: int
+) -> bool:
     """Whether ``value`` at ``step`` grew by the factor ``growth`` (shrank, for a ``below`` test)
     from ``reference = (step, value)``.
 
@@ -169,7 +179,9 @@ class Condition:
     def __post_init__(self) -> None:
         _check_test(self)
 
-    def crossed(self, value: float, reference: tuple[int, float] | None = None, step: int = 0) -> bool:
+    def crossed(
+        self, value: float, reference: tuple[int, float] | None = None, step: int = 0
+    ) -> bool:
         """Past the threshold at ``step`` and, with ``growth``, grown from ``reference``
         (``(step, value)``, see :meth:`AlertTracker.reference`)."""
         return _crossed(self, value) and _grown(self, value, reference, step)
@@ -249,39 +261,69 @@ class AlertRule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise ValueError(f"Expected `name` to be a non-empty tag-safe string (letters, digits, '_', '.', '-'), "
-                             f"got {self.name!r}")
+            raise ValueError(
+                f"Expected `name` to be a non-empty tag-safe string (letters, digits, '_', '.', '-'), "
+                f"got {self.name!r}"
+            )
         _check_test(self)
-        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
+        if (
+            isinstance(self.patience, bool)
+            or not isinstance(self.patience, int)
+            or self.patience < 1
+        ):
             raise ValueError(f"Expected `patience` to be a positive int, got {self.patience!r}")
         if not isinstance(self.warning, type) or not issubclass(self.warning, QKMonitorWarning):
-            raise ValueError(f"Expected `warning` to be a subclass of qkmonitor.QKMonitorWarning, got {self.warning!r}")
+            raise ValueError(
+                f"Expected `warning` to be a subclass of qkmonitor.QKMonitorWarning, got {self.warning!r}"
+            )
         for field_name in ("meaning", "advice", "evidence"):
             if not isinstance(getattr(self, field_name), str):
-                raise ValueError(f"Expected `{field_name}` to be a string, got {getattr(self, field_name)!r}")
+                raise ValueError(
+                    f"Expected `{field_name}` to be a string, got {getattr(self, field_name)!r}"
+                )
         if not isinstance(self.also, tuple) or not all(isinstance(c, Condition) for c in self.also):
             raise ValueError(f"Expected `also` to be a tuple of Condition, got {self.also!r}")
         for field_name in ("per_head", "skip_qk_norm"):
             if not isinstance(getattr(self, field_name), bool):
-                raise ValueError(f"Expected `{field_name}` to be a bool, got {getattr(self, field_name)!r}")
-        if isinstance(self.grace_steps, bool) or not isinstance(self.grace_steps, int) or self.grace_steps < 0:
+                raise ValueError(
+                    f"Expected `{field_name}` to be a bool, got {getattr(self, field_name)!r}"
+                )
+        if (
+            isinstance(self.grace_steps, bool)
+            or not isinstance(self.grace_steps, int)
+            or self.grace_steps < 0
+        ):
             raise ValueError(f"Expected `grace_steps` to be an int >= 0, got {self.grace_steps!r}")
-        if self.learning_drop is not None and (not _is_real(self.learning_drop) or not 0 < self.learning_drop < 1):
-            raise ValueError(f"Expected `learning_drop` to be None or a fraction in (0, 1), got {self.learning_drop!r}")
-        if self.learning_window is not None and (isinstance(self.learning_window, bool)
-                                                 or not isinstance(self.learning_window, int) or self.learning_window < 1):
-            raise ValueError(f"Expected `learning_window` to be None or a positive int (steps), got "
-                             f"{self.learning_window!r}")
-        if self.solved_fraction is not None and (not _is_real(self.solved_fraction)
-                                                 or not 0 < self.solved_fraction < 1):
-            raise ValueError(f"Expected `solved_fraction` to be None or a fraction in (0, 1), got "
-                             f"{self.solved_fraction!r}")
+        if self.learning_drop is not None and (
+            not _is_real(self.learning_drop) or not 0 < self.learning_drop < 1
+        ):
+            raise ValueError(
+                f"Expected `learning_drop` to be None or a fraction in (0, 1), got {self.learning_drop!r}"
+            )
+        if self.learning_window is not None and (
+            isinstance(self.learning_window, bool)
+            or not isinstance(self.learning_window, int)
+            or self.learning_window < 1
+        ):
+            raise ValueError(
+                f"Expected `learning_window` to be None or a positive int (steps), got "
+                f"{self.learning_window!r}"
+            )
+        if self.solved_fraction is not None and (
+            not _is_real(self.solved_fraction) or not 0 < self.solved_fraction < 1
+        ):
+            raise ValueError(
+                f"Expected `solved_fraction` to be None or a fraction in (0, 1), got "
+                f"{self.solved_fraction!r}"
+            )
 
     def replace(self, **changes) -> AlertRule:
         """A copy with some fields changed, e.g. ``KAPPA_RULE.replace(threshold=0.3)``."""
         return dataclasses.replace(self, **changes)
 
-    def crossed(self, value: float, reference: tuple[int, float] | None = None, step: int = 0) -> bool:
+    def crossed(
+        self, value: float, reference: tuple[int, float] | None = None, step: int = 0
+    ) -> bool:
         """The rule's own test (level and trend) at one probe; ``also`` is checked by the tracker."""
         return _crossed(self, value) and _grown(self, value, reference, step)
 
@@ -291,8 +333,10 @@ class AlertRule:
     def describe(self) -> str:
         text = " and ".join([_describe(self), *(c.describe() for c in self.also)])
         if self.learning_drop is not None:
-            text += (f", unless the training loss fell by {self.learning_drop:.0%} or more over "
-                     f"{self.loss_window} steps")
+            text += (
+                f", unless the training loss fell by {self.learning_drop:.0%} or more over "
+                f"{self.loss_window} steps"
+            )
             if self.solved_fraction is not None:
                 text += f" or is below {self.solved_fraction:.0%} of its first value"
         return text
@@ -302,7 +346,9 @@ class AlertRule:
         """The steps over which :attr:`learning_drop` compares the loss."""
         return self.learning_window or self.window or LEARNING_WINDOW
 
-    def learning(self, losses: Sequence[tuple[int, float]], step: int, first: float | None = None) -> bool:
+    def learning(
+        self, losses: Sequence[tuple[int, float]], step: int, first: float | None = None
+    ) -> bool:
         """Whether the training loss ``losses`` (``(step, loss)``, oldest first) fell by
         ``learning_drop`` over the window ending at ``step``, or (``solved_fraction``) is that
         small a part of the run's ``first`` loss; False without the loss to say."""
@@ -311,7 +357,12 @@ class AlertRule:
         now = _mean_loss(losses, step)
         if now is None:
             return False
-        if self.solved_fraction is not None and first is not None and first > 0 and now <= self.solved_fraction * first:
+        if (
+            self.solved_fraction is not None
+            and first is not None
+            and first > 0
+            and now <= self.solved_fraction * first
+        ):
             return True
         then = _mean_loss(losses, step - self.loss_window)
         return then is not None and now <= (1 - self.learning_drop) * then
@@ -333,8 +384,10 @@ class AlertRule:
 # quotes the calibration figures in every message.
 
 _SWEEP = "benchmarks/instability.py"
-_REMEDY = ("lower the peak learning rate or lengthen warmup; add QK-norm (TransformerConfig(qk_norm=True)) "
-           "or sigma-reparametrization; weight decay on the query/key projections")
+_REMEDY = (
+    "lower the peak learning rate or lengthen warmup; add QK-norm (TransformerConfig(qk_norm=True)) "
+    "or sigma-reparametrization; weight decay on the query/key projections"
+)
 #: Learning, not failing: the trend rules stay quiet while the training loss falls by 5 % per 10
 #: steps, or is below a tenth of the run's first loss (the task is solved; its heads are sharp
 #: because that is the solution). On the calibration set this alone took the healthy runs alerted
@@ -357,11 +410,13 @@ KAPPA_RULE = AlertRule(
     growth=2.5,
     window=30,
     skip_qk_norm=True,
-    evidence=(f"fitted on the calibration set of {_SWEEP} (round 1: seed 0 of char-LM, recall, induction and "
-    "seq2seq; kept in round 2), where it fired on failed runs and on no healthy one. Without the loss gate it "
-    "fired on healthy induction-head formation; "
-    "without the qk_spectral_norm >= 1 condition on examples/hf_llama.py at step 40, where kappa rose "
-    "x3.5 while sigma_1(W_QK) * scale was 0.1 and attention nearly uniform"),
+    evidence=(
+        f"fitted on the calibration set of {_SWEEP} (round 1: seed 0 of char-LM, recall, induction and "
+        "seq2seq; kept in round 2), where it fired on failed runs and on no healthy one. Without the loss gate it "
+        "fired on healthy induction-head formation; "
+        "without the qk_spectral_norm >= 1 condition on examples/hf_llama.py at step 40, where kappa rose "
+        "x3.5 while sigma_1(W_QK) * scale was 0.1 and attention nearly uniform"
+    ),
     **_LEARNING,
 )
 
@@ -379,10 +434,12 @@ LOGIT_GROWTH_RULE = AlertRule(
     advice=_REMEDY,
     growth=8.0,
     window=20,
-    evidence=(f"fitted on the calibration set of {_SWEEP}. Healthy induction heads grow their logits x7 to x10 "
-    "per 20 steps while the loss falls: the loss gate, not the rate, tells them apart. At the former level 20 "
-    "it fired on a healthy vision run whose head went from 2.3 to 21 during a transient loss spike; at 30, "
-    "on no healthy run. A lower rate (x3 or x4) added 3 to 6 healthy runs alerted and one failed run in time"),
+    evidence=(
+        f"fitted on the calibration set of {_SWEEP}. Healthy induction heads grow their logits x7 to x10 "
+        "per 20 steps while the loss falls: the loss gate, not the rate, tells them apart. At the former level 20 "
+        "it fired on a healthy vision run whose head went from 2.3 to 21 during a transient loss spike; at 30, "
+        "on no healthy run. A lower rate (x3 or x4) added 3 to 6 healthy runs alerted and one failed run in time"
+    ),
     **_LEARNING,
 )
 
@@ -400,11 +457,13 @@ LOGIT_BURST_RULE = AlertRule(
     advice=_REMEDY,
     growth=10.0,
     window=10,
-    evidence=(f"fitted on the calibration set of {_SWEEP}: without warmup, 15 of the 23 failing runs jumped x10 to "
-    "x440 within their first 10 steps, to 22-1150; healthy ones at most x7, to 37 (induction at lr 0.03). At the former "
-    "level 100 and x20 it missed char-LM at lr 0.03 (x10-x12, to 57-67). It has no loss gate (the loss may "
-    "still be falling from its first value); it fired on one healthy run, at lr 0.1, which blew up at step 10 "
-    "and recovered, while the same run of the other seed failed"),
+    evidence=(
+        f"fitted on the calibration set of {_SWEEP}: without warmup, 15 of the 23 failing runs jumped x10 to "
+        "x440 within their first 10 steps, to 22-1150; healthy ones at most x7, to 37 (induction at lr 0.03). At the former "
+        "level 100 and x20 it missed char-LM at lr 0.03 (x10-x12, to 57-67). It has no loss gate (the loss may "
+        "still be falling from its first value); it fired on one healthy run, at lr 0.1, which blew up at step 10 "
+        "and recovered, while the same run of the other seed failed"
+    ),
 )
 
 LOGIT_JUMP_RULE = AlertRule(
@@ -420,9 +479,11 @@ LOGIT_JUMP_RULE = AlertRule(
     advice=_REMEDY,
     growth=5.0,
     window=10,
-    evidence=(f"fitted on the calibration set of {_SWEEP}: vision runs without warmup at lr 0.01-0.03 jumped x8 to "
-    "x34 at step 10 (to 21-89) while their loss rose, and separated 50 steps later; no other rule saw them. "
-    "Healthy induction heads rise as fast, while their loss falls: the loss gate tells them apart"),
+    evidence=(
+        f"fitted on the calibration set of {_SWEEP}: vision runs without warmup at lr 0.01-0.03 jumped x8 to "
+        "x34 at step 10 (to 21-89) while their loss rose, and separated 50 steps later; no other rule saw them. "
+        "Healthy induction heads rise as fast, while their loss falls: the loss gate tells them apart"
+    ),
     **_LEARNING,
 )
 
@@ -441,9 +502,11 @@ ENTROPY_COLLAPSE_RULE = AlertRule(
     "under logit growth. A sharp head with steady logits (previous-token, induction) is not flagged",
     advice=_REMEDY,
     also=(Condition("max_logit", 10.0, above=True, growth=2.0, window=30),),
-    evidence=(f"in {_SWEEP} (validation set), it fired on 25 of 27 failed runs but also on 7 that did not "
-    "fail, 6 of them healthy, mostly induction-head formation; on the calibration set it flagged no failed "
-    "run in time that the default rules missed"),
+    evidence=(
+        f"in {_SWEEP} (validation set), it fired on 25 of 27 failed runs but also on 7 that did not "
+        "fail, 6 of them healthy, mostly induction-head formation; on the calibration set it flagged no failed "
+        "run in time that the default rules missed"
+    ),
 )
 
 
@@ -518,8 +581,14 @@ def _trend_text(value: float, reference: tuple[int, float], step: int) -> str:
 
 
 #: Every default rule, in the order of the README's table.
-DEFAULT_RULES = (KAPPA_RULE, LOGIT_GROWTH_RULE, LOGIT_BURST_RULE, LOGIT_JUMP_RULE, MALIGNANT_COLLAPSE_RULE,
-                 RANK_COLLAPSE_RULE)
+DEFAULT_RULES = (
+    KAPPA_RULE,
+    LOGIT_GROWTH_RULE,
+    LOGIT_BURST_RULE,
+    LOGIT_JUMP_RULE,
+    MALIGNANT_COLLAPSE_RULE,
+    RANK_COLLAPSE_RULE,
+)
 
 
 @dataclass(frozen=True)
@@ -564,7 +633,9 @@ class Alert:
     def message(self, lr: float | None = None) -> str:
         """The user-facing sentence: where, what value and trend, which threshold, when, what to
         try, and what the rule's calibration measured."""
-        where = f"layer {self.layer} ({self.layer_name})" if self.layer_name else f"layer {self.layer}"
+        where = (
+            f"layer {self.layer} ({self.layer_name})" if self.layer_name else f"layer {self.layer}"
+        )
         if self.rule.per_head:
             where += f", head {self.head}"
         lr_text = f", learning rate {lr:.3g}" if lr is not None else ""
@@ -610,9 +681,16 @@ class AlertTracker:
         windows = [t.window for t in trends if t.window is not None]
         self._horizon = max(windows, default=0)
 
-    def update(self, values: dict[str, list[Tensor]], step: int, layer_names: list[str], *,
-               qk_norm_layers: Collection[int] = (), losses: Sequence[tuple[int, float]] = (),
-               first_loss: float | None = None) -> list[Alert]:
+    def update(
+        self,
+        values: dict[str, list[Tensor]],
+        step: int,
+        layer_names: list[str],
+        *,
+        qk_norm_layers: Collection[int] = (),
+        losses: Sequence[tuple[int, float]] = (),
+        first_loss: float | None = None,
+    ) -> list[Alert]:
         """Feed one probe event; return the alerts that fire now.
 
         Args:
@@ -626,8 +704,14 @@ class AlertTracker:
                 ``learning_drop``.
             first_loss: the run's first training loss (for ``solved_fraction``).
         """
-        grids = {m: [h.detach().double().cpu().reshape(-1).tolist() if isinstance(h, Tensor) else list(h)
-                     for h in values[m]] for m in values if any(m in r.metrics for r in self.rules)}
+        grids = {
+            m: [
+                h.detach().double().cpu().reshape(-1).tolist() if isinstance(h, Tensor) else list(h)
+                for h in values[m]
+            ]
+            for m in values
+            if any(m in r.metrics for r in self.rules)
+        }
         fired: list[Alert] = []
         for rule in self.rules:
             if not all(metric in grids for metric in rule.metrics):
@@ -644,17 +728,28 @@ class AlertTracker:
         self._remember(grids, step)
         return fired
 
-    def reference(self, metric: str, layer: int, head: int, step: int, window: int | None) -> tuple[int, float] | None:
+    def reference(
+        self, metric: str, layer: int, head: int, step: int, window: int | None
+    ) -> tuple[int, float] | None:
         """The (step, value) a trend at ``step`` is measured from: the newest finite value at least
         ``window`` steps old, or the run's first one for ``window=None``; None if there is none."""
         key = f"{metric}/{layer}/{head}"
         if window is None:
             start = self._start.get(key)
             return tuple(start) if start is not None and start[0] < step else None
-        return next(((s, v) for s, v in reversed(self._history.get(key, [])) if s <= step - window), None)
+        return next(
+            ((s, v) for s, v in reversed(self._history.get(key, [])) if s <= step - window), None
+        )
 
-    def _step_cell(self, rule: AlertRule, layer: int, head: int, cell: tuple[float, ...], step: int,
-                   learning: bool = False) -> Alert | None:
+    def _step_cell(
+        self,
+        rule: AlertRule,
+        layer: int,
+        head: int,
+        cell: tuple[float, ...],
+        step: int,
+        learning: bool = False,
+    ) -> Alert | None:
         if any(math.isnan(v) for v in cell):
             return None
         key = f"{rule.name}/{layer}/{head}"
@@ -663,17 +758,36 @@ class AlertTracker:
                 self._active.discard(key)
                 self._streak.pop(key, None)
             return None
-        references = [] if learning else [  # a learning run crosses nothing: no trend to measure
-            self.reference(t.metric, layer, head, step, t.window) if t.growth is not None else None for t in rule.tests]
-        crossed = not learning and all(t.crossed(v, ref, step) for t, v, ref in zip(rule.tests, cell, references))
+        references = (
+            []
+            if learning
+            else [  # a learning run crosses nothing: no trend to measure
+                self.reference(t.metric, layer, head, step, t.window)
+                if t.growth is not None
+                else None
+                for t in rule.tests
+            ]
+        )
+        crossed = not learning and all(
+            t.crossed(v, ref, step) for t, v, ref in zip(rule.tests, cell, references)
+        )
         streak = self._streak.get(key, 0) + 1 if crossed else 0
         if streak >= rule.patience and step >= rule.grace_steps:
             self._active.add(key)
             self._streak.pop(key, None)
             own = references[0]
-            return Alert(rule, layer, "", head, cell[0], step, reference=None if own is None else own[1],
-                         reference_step=None if own is None else own[0], also_values=tuple(cell[1:]),
-                         also_references=tuple(references[1:]))
+            return Alert(
+                rule,
+                layer,
+                "",
+                head,
+                cell[0],
+                step,
+                reference=None if own is None else own[1],
+                reference_step=None if own is None else own[0],
+                also_values=tuple(cell[1:]),
+                also_references=tuple(references[1:]),
+            )
         if streak:
             self._streak[key] = streak
         else:
@@ -690,18 +804,27 @@ class AlertTracker:
                         continue
                     key = f"{metric}/{layer}/{head}"
                     self._start.setdefault(key, (step, value))
-                    entries = [(s, v) for s, v in self._history.get(key, []) if s < step] + [(step, value)]
+                    entries = [(s, v) for s, v in self._history.get(key, []) if s < step] + [
+                        (step, value)
+                    ]
                     old = [i for i, (s, _) in enumerate(entries) if s <= step - self._horizon]
-                    self._history[key] = entries[old[-1]:] if old else entries
+                    self._history[key] = entries[old[-1] :] if old else entries
 
     def state_dict(self) -> dict:
-        return {"streak": dict(self._streak), "active": sorted(self._active), "counts": dict(self.counts),
-                "history": {k: [list(e) for e in v] for k, v in self._history.items()},
-                "start": {k: list(v) for k, v in self._start.items()}}
+        return {
+            "streak": dict(self._streak),
+            "active": sorted(self._active),
+            "counts": dict(self.counts),
+            "history": {k: [list(e) for e in v] for k, v in self._history.items()},
+            "start": {k: list(v) for k, v in self._start.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._streak = dict(state.get("streak", {}))
         self._active = set(state.get("active", []))
         self.counts.update(state.get("counts", {}))
-        self._history = {k: [(int(s), float(v)) for s, v in entries] for k, entries in state.get("history", {}).items()}
+        self._history = {
+            k: [(int(s), float(v)) for s, v in entries]
+            for k, entries in state.get("history", {}).items()
+        }
         self._start = {k: (int(s), float(v)) for k, (s, v) in state.get("start", {}).items()}

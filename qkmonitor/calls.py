@@ -77,9 +77,23 @@ class MaskedCall:
         n, m = query.shape[2], key.shape[2]
         bias = kwargs.get("position_bias")
         softcap = kwargs.get("softcap")
-        call = cls(query, key, scale, False, None, None, None, None, None if softcap is None else float(softcap))
-        if isinstance(mask, Tensor) and mask.dim() == 4:  # the mask says it all (sliding windows too)
-            call.allowed, mask_bias = split_mask(mask[..., :m])  # eager cuts a longer mask to the keys
+        call = cls(
+            query,
+            key,
+            scale,
+            False,
+            None,
+            None,
+            None,
+            None,
+            None if softcap is None else float(softcap),
+        )
+        if (
+            isinstance(mask, Tensor) and mask.dim() == 4
+        ):  # the mask says it all (sliding windows too)
+            call.allowed, mask_bias = split_mask(
+                mask[..., :m]
+            )  # eager cuts a longer mask to the keys
             call.bias = _add(mask_bias, bias)
             call.reduce()
             return call
@@ -124,18 +138,42 @@ class MaskedCall:
         from qkmonitor.functional import attention_stats_from_scores
         from qkmonitor.kernels import attention_stats
 
-        if self.allowed is None and self.bias is None and self.window is None and self.softcap is None:
+        if (
+            self.allowed is None
+            and self.bias is None
+            and self.window is None
+            and self.softcap is None
+        ):
             try:
                 with full_precision():
-                    return attention_stats(self.q, self.k, causal=self.causal, key_padding_mask=self.padding,
-                                           scale=self.scale, sink_tokens=sink_tokens)
+                    return attention_stats(
+                        self.q,
+                        self.k,
+                        causal=self.causal,
+                        key_padding_mask=self.padding,
+                        scale=self.scale,
+                        sink_tokens=sink_tokens,
+                    )
             except ValueError:  # a shape or dtype the kernel does not take: the explicit path below
                 pass
         b, h, n = self.q.shape[:3]
         rows = max(1, _MAX_SCORES // (h * self.k.shape[2]))
-        return _cat_stats([_cat_stats([attention_stats_from_scores(*self._scores(slice(i, i + 1), slice(r, r + rows)),
-                                                                   sink_tokens=sink_tokens)
-                                       for r in range(0, n, rows)], dim=2) for i in range(b)], dim=0)
+        return _cat_stats(
+            [
+                _cat_stats(
+                    [
+                        attention_stats_from_scores(
+                            *self._scores(slice(i, i + 1), slice(r, r + rows)),
+                            sink_tokens=sink_tokens,
+                        )
+                        for r in range(0, n, rows)
+                    ],
+                    dim=2,
+                )
+                for i in range(b)
+            ],
+            dim=0,
+        )
 
     def probs(self, sequences: int, rows: int) -> Tensor:
         """(S, H, R, M) attention probabilities of the first sequences and query rows."""
@@ -154,7 +192,9 @@ class MaskedCall:
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         n, m = self.q.shape[2], k.shape[2]
-        i = torch.arange(n, device=q.device)[rows][:, None] + (m - n)  # the row's position among the keys
+        i = torch.arange(n, device=q.device)[rows][:, None] + (
+            m - n
+        )  # the row's position among the keys
         j = torch.arange(m, device=q.device)
         allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
         if self.causal:
@@ -176,8 +216,12 @@ def _cat_stats(parts: list, dim: int):
     if len(parts) == 1:
         return parts[0]
     fields = {f.name: [getattr(p, f.name) for p in parts] for f in dataclasses.fields(parts[0])}
-    return type(parts[0])(**{name: None if values[0] is None else torch.cat(values, dim=dim)
-                             for name, values in fields.items()})
+    return type(parts[0])(
+        **{
+            name: None if values[0] is None else torch.cat(values, dim=dim)
+            for name, values in fields.items()
+        }
+    )
 
 
 def _rows_of(mask: Tensor, seqs: slice, rows: slice) -> Tensor:

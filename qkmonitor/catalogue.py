@@ -19,8 +19,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MetricSpec", "CATALOGUE", "FAMILIES", "MONITORS", "metric", "metrics_of", "names_of",
-           "markdown_table"]
+__all__ = [
+    "CATALOGUE",
+    "FAMILIES",
+    "MONITORS",
+    "MetricSpec",
+    "markdown_table",
+    "metric",
+    "metrics_of",
+    "names_of",
+]
 
 SPECTRUM, ENTROPY, RANK = "QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor"
 #: The monitors, in the order of the docs.
@@ -72,47 +80,181 @@ _SQUARE = "W_QK is not square (key input width != query input width): no eigenva
 _ZERO = "W_QK^h = 0 (e.g. a zero-initialised W_Q): 0/0"
 
 CATALOGUE: tuple[MetricSpec, ...] = (
-    MetricSpec("kappa", SPECTRUM, True, "ratio", (0.0, 1.0), "high", "QK spectrum",
-               "sigma_1 / sum_i sigma_i of W_QK^h: 1 = one direction dominates the query-key form",
-               heatmap=(0.0, 1.0), undefined=_ZERO, summary=("mean", "max")),
-    MetricSpec("kappa_eig", SPECTRUM, True, "ratio", (0.0, 1.0), "high", "QK spectrum",
-               "|lambda|_max / sum_i |lambda_i| over the eigenvalues of W_QK^h",
-               undefined=f"{_SQUARE}; {_ZERO}"),
-    MetricSpec("eig_mean", SPECTRUM, True, "logit/unit^2", (-_INF, _INF), "", "QK spectrum",
-               "mean of the eigenvalues of W_K^T W_Q (real: trace / d_k; Bao et al. 2024)",
-               undefined=_SQUARE),
-    MetricSpec("eig_var", SPECTRUM, True, "(logit/unit^2)^2", (0.0, _INF), "", "QK spectrum",
-               "variance of those eigenvalues (Bao et al. 2024 tie mean and variance to localization)",
-               undefined=_SQUARE),
-    MetricSpec("qk_erank", SPECTRUM, True, "directions", (1.0, _INF), "low", "QK spectrum",
-               "effective rank exp(-sum p_i log p_i), p_i = sigma_i / sum_j sigma_j, of W_QK^h",
-               undefined=_ZERO, summary=("mean",)),
-    MetricSpec("qk_spectral_norm", SPECTRUM, True, "logit/unit^2", (0.0, _INF), "high", "QK spectrum",
-               "sigma_1 * scale: how sharp the head's logits can get (Zhai et al. 2023, sigmaReparam)"),
-    MetricSpec("entropy", ENTROPY, True, "nats", (0.0, _INF), "low", "attention entropy",
-               "mean over rows of H_i = -sum_j p_ij log p_ij over the keys row i may attend"),
-    MetricSpec("entropy_norm", ENTROPY, True, "fraction of log n_i", (0.0, 1.0), "low", "attention entropy",
-               "mean over rows with n_i > 1 of H_i / log n_i: 1 = uniform, 0 = one-hot",
-               heatmap=(0.0, 1.0), summary=("mean", "min")),
-    MetricSpec("max_prob", ENTROPY, True, "probability", (0.0, 1.0), "high", "attention entropy",
-               "mean over rows of max_j p_ij", heatmap=(0.0, 1.0)),
-    MetricSpec("max_logit", ENTROPY, True, "logit", (-_INF, _INF), "high", "attention entropy",
-               "largest pre-softmax score max_ij s_ij (after scaling) of the probe step",
-               summary=("max",)),
-    MetricSpec("sink_mass", ENTROPY, True, "probability", (0.0, 1.0), "high", "attention entropy",
-               "mean attention mass on the first k keys (attention sinks), with sink_tokens=k",
-               optional=True),
-    MetricSpec("hidden_erank", RANK, False, "directions", (1.0, _INF), "low", "effective rank",
-               "effective rank of each sequence's block output X (n x d), mean over probe sequences"),
-    MetricSpec("hidden_collapse", RANK, False, "ratio", (0.0, 1.0), "low", "effective rank",
-               "||X - 1 mean(X)^T||_F / ||X||_F: -> 0 under rank collapse (Dong et al. 2021)",
-               summary=("mean",)),
-    MetricSpec("attn_erank", RANK, True, "directions", (1.0, _INF), "low", "effective rank",
-               "effective rank of the head's attention matrix A on the probe slice", summary=("mean",)),
-    MetricSpec("attn_erank_norm", RANK, True, "ratio", (0.0, 1.0), "low", "effective rank",
-               "attn_erank / min(rows, keys) of the probe slice"),
-    MetricSpec("attn_entropy_norm", RANK, True, "fraction of log n_i", (0.0, 1.0), "low", "effective rank",
-               "entropy_norm of the same probe slice (the malignant_collapse rule pairs it with attn_erank)"),
+    MetricSpec(
+        "kappa",
+        SPECTRUM,
+        True,
+        "ratio",
+        (0.0, 1.0),
+        "high",
+        "QK spectrum",
+        "sigma_1 / sum_i sigma_i of W_QK^h: 1 = one direction dominates the query-key form",
+        heatmap=(0.0, 1.0),
+        undefined=_ZERO,
+        summary=("mean", "max"),
+    ),
+    MetricSpec(
+        "kappa_eig",
+        SPECTRUM,
+        True,
+        "ratio",
+        (0.0, 1.0),
+        "high",
+        "QK spectrum",
+        "|lambda|_max / sum_i |lambda_i| over the eigenvalues of W_QK^h",
+        undefined=f"{_SQUARE}; {_ZERO}",
+    ),
+    MetricSpec(
+        "eig_mean",
+        SPECTRUM,
+        True,
+        "logit/unit^2",
+        (-_INF, _INF),
+        "",
+        "QK spectrum",
+        "mean of the eigenvalues of W_K^T W_Q (real: trace / d_k; Bao et al. 2024)",
+        undefined=_SQUARE,
+    ),
+    MetricSpec(
+        "eig_var",
+        SPECTRUM,
+        True,
+        "(logit/unit^2)^2",
+        (0.0, _INF),
+        "",
+        "QK spectrum",
+        "variance of those eigenvalues (Bao et al. 2024 tie mean and variance to localization)",
+        undefined=_SQUARE,
+    ),
+    MetricSpec(
+        "qk_erank",
+        SPECTRUM,
+        True,
+        "directions",
+        (1.0, _INF),
+        "low",
+        "QK spectrum",
+        "effective rank exp(-sum p_i log p_i), p_i = sigma_i / sum_j sigma_j, of W_QK^h",
+        undefined=_ZERO,
+        summary=("mean",),
+    ),
+    MetricSpec(
+        "qk_spectral_norm",
+        SPECTRUM,
+        True,
+        "logit/unit^2",
+        (0.0, _INF),
+        "high",
+        "QK spectrum",
+        "sigma_1 * scale: how sharp the head's logits can get (Zhai et al. 2023, sigmaReparam)",
+    ),
+    MetricSpec(
+        "entropy",
+        ENTROPY,
+        True,
+        "nats",
+        (0.0, _INF),
+        "low",
+        "attention entropy",
+        "mean over rows of H_i = -sum_j p_ij log p_ij over the keys row i may attend",
+    ),
+    MetricSpec(
+        "entropy_norm",
+        ENTROPY,
+        True,
+        "fraction of log n_i",
+        (0.0, 1.0),
+        "low",
+        "attention entropy",
+        "mean over rows with n_i > 1 of H_i / log n_i: 1 = uniform, 0 = one-hot",
+        heatmap=(0.0, 1.0),
+        summary=("mean", "min"),
+    ),
+    MetricSpec(
+        "max_prob",
+        ENTROPY,
+        True,
+        "probability",
+        (0.0, 1.0),
+        "high",
+        "attention entropy",
+        "mean over rows of max_j p_ij",
+        heatmap=(0.0, 1.0),
+    ),
+    MetricSpec(
+        "max_logit",
+        ENTROPY,
+        True,
+        "logit",
+        (-_INF, _INF),
+        "high",
+        "attention entropy",
+        "largest pre-softmax score max_ij s_ij (after scaling) of the probe step",
+        summary=("max",),
+    ),
+    MetricSpec(
+        "sink_mass",
+        ENTROPY,
+        True,
+        "probability",
+        (0.0, 1.0),
+        "high",
+        "attention entropy",
+        "mean attention mass on the first k keys (attention sinks), with sink_tokens=k",
+        optional=True,
+    ),
+    MetricSpec(
+        "hidden_erank",
+        RANK,
+        False,
+        "directions",
+        (1.0, _INF),
+        "low",
+        "effective rank",
+        "effective rank of each sequence's block output X (n x d), mean over probe sequences",
+    ),
+    MetricSpec(
+        "hidden_collapse",
+        RANK,
+        False,
+        "ratio",
+        (0.0, 1.0),
+        "low",
+        "effective rank",
+        "||X - 1 mean(X)^T||_F / ||X||_F: -> 0 under rank collapse (Dong et al. 2021)",
+        summary=("mean",),
+    ),
+    MetricSpec(
+        "attn_erank",
+        RANK,
+        True,
+        "directions",
+        (1.0, _INF),
+        "low",
+        "effective rank",
+        "effective rank of the head's attention matrix A on the probe slice",
+        summary=("mean",),
+    ),
+    MetricSpec(
+        "attn_erank_norm",
+        RANK,
+        True,
+        "ratio",
+        (0.0, 1.0),
+        "low",
+        "effective rank",
+        "attn_erank / min(rows, keys) of the probe slice",
+    ),
+    MetricSpec(
+        "attn_entropy_norm",
+        RANK,
+        True,
+        "fraction of log n_i",
+        (0.0, 1.0),
+        "low",
+        "effective rank",
+        "entropy_norm of the same probe slice (the malignant_collapse rule pairs it with attn_erank)",
+    ),
 )
 
 _BY_NAME = {spec.name: spec for spec in CATALOGUE}
@@ -133,7 +275,9 @@ def metric(name: str) -> MetricSpec:
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise KeyError(f"Unknown metric {name!r}; the catalogue has {', '.join(_BY_NAME)}") from None
+        raise KeyError(
+            f"Unknown metric {name!r}; the catalogue has {', '.join(_BY_NAME)}"
+        ) from None
 
 
 def metrics_of(monitor: str, *, optional: bool = False) -> tuple[MetricSpec, ...]:
@@ -152,12 +296,16 @@ def _fmt_bound(value: float) -> str:
 
 def markdown_table() -> str:
     """The README's table of every metric (generated here; a test keeps the README in step)."""
-    lines = ["| metric | monitor | per | range | unit | worse | meaning | undefined when |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| metric | monitor | per | range | unit | worse | meaning | undefined when |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in CATALOGUE:
         lo, hi = s.range
         rng = f"[{_fmt_bound(lo)}, {_fmt_bound(hi)}]"
         name = f"`{s.name}`" + (" (optional)" if s.optional else "")
-        lines.append(f"| {name} | {s.monitor} | {'head' if s.per_head else 'layer'} | {rng} | {s.unit} | "
-                     f"{s.worse or '—'} | {s.meaning} | {s.undefined or '—'} |")
+        lines.append(
+            f"| {name} | {s.monitor} | {'head' if s.per_head else 'layer'} | {rng} | {s.unit} | "
+            f"{s.worse or '—'} | {s.meaning} | {s.undefined or '—'} |"
+        )
     return "\n".join(lines)

@@ -18,7 +18,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 
 def _number(text: str, kind: type, what: str, ok) -> int | float:
@@ -54,18 +54,72 @@ def _any_int(text: str) -> int:
 #: Per-task defaults of the shared options: each task learns with ``qkmonitor train --task X``
 #: on a 2-core CPU in about a minute or two. An option given on the command line wins.
 TASK_DEFAULTS: dict[str, dict[str, object]] = {
-    "recall": {"steps": 1500, "d_model": 64, "layers": 2, "heads": 4, "batch_size": 64, "lr": 3e-3,
-               "lr_decay": "constant", "weight_decay": 0.1, "positional": "rope"},
-    "copy": {"steps": 600, "d_model": 64, "layers": 2, "heads": 4, "batch_size": 64, "lr": 3e-3,
-             "lr_decay": "cosine", "weight_decay": 0.1, "positional": "learned"},
-    "reverse": {"steps": 800, "d_model": 64, "layers": 2, "heads": 4, "batch_size": 64, "lr": 3e-3,
-                "lr_decay": "cosine", "weight_decay": 0.1, "positional": "learned"},
-    "modular": {"steps": 2500, "d_model": 64, "layers": 1, "heads": 4, "batch_size": None, "lr": 3e-3,
-                "lr_decay": "cosine", "weight_decay": 1.0, "positional": "rope"},
-    "charlm": {"steps": 400, "d_model": 128, "layers": 2, "heads": 4, "batch_size": 32, "lr": 3e-3,
-               "lr_decay": "cosine", "weight_decay": 0.1, "positional": "rope"},
-    "grid": {"steps": 400, "d_model": 64, "layers": 2, "heads": 4, "batch_size": 64, "lr": 3e-3,
-             "lr_decay": "cosine", "weight_decay": 0.1, "positional": "rope_2d"},
+    "recall": {
+        "steps": 1500,
+        "d_model": 64,
+        "layers": 2,
+        "heads": 4,
+        "batch_size": 64,
+        "lr": 3e-3,
+        "lr_decay": "constant",
+        "weight_decay": 0.1,
+        "positional": "rope",
+    },
+    "copy": {
+        "steps": 600,
+        "d_model": 64,
+        "layers": 2,
+        "heads": 4,
+        "batch_size": 64,
+        "lr": 3e-3,
+        "lr_decay": "cosine",
+        "weight_decay": 0.1,
+        "positional": "learned",
+    },
+    "reverse": {
+        "steps": 800,
+        "d_model": 64,
+        "layers": 2,
+        "heads": 4,
+        "batch_size": 64,
+        "lr": 3e-3,
+        "lr_decay": "cosine",
+        "weight_decay": 0.1,
+        "positional": "learned",
+    },
+    "modular": {
+        "steps": 2500,
+        "d_model": 64,
+        "layers": 1,
+        "heads": 4,
+        "batch_size": None,
+        "lr": 3e-3,
+        "lr_decay": "cosine",
+        "weight_decay": 1.0,
+        "positional": "rope",
+    },
+    "charlm": {
+        "steps": 400,
+        "d_model": 128,
+        "layers": 2,
+        "heads": 4,
+        "batch_size": 32,
+        "lr": 3e-3,
+        "lr_decay": "cosine",
+        "weight_decay": 0.1,
+        "positional": "rope",
+    },
+    "grid": {
+        "steps": 400,
+        "d_model": 64,
+        "layers": 2,
+        "heads": 4,
+        "batch_size": 64,
+        "lr": 3e-3,
+        "lr_decay": "cosine",
+        "weight_decay": 0.1,
+        "positional": "rope_2d",
+    },
 }
 TASKS = tuple(TASK_DEFAULTS)
 _PER_TASK = "default: per task, see below"
@@ -89,7 +143,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def _defaults_table() -> str:
     names = list(TASK_DEFAULTS["recall"])
-    rows = [["task", *names]] + [[task, *(str(d[n]) for n in names)] for task, d in TASK_DEFAULTS.items()]
+    rows = [["task", *names]] + [
+        [task, *(str(d[n]) for n in names)] for task, d in TASK_DEFAULTS.items()
+    ]
     widths = [max(len(r[c]) for r in rows) for c in range(len(names) + 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "per-task defaults (batch_size None = the whole training set):\n  " + "\n  ".join(lines)
@@ -97,57 +153,136 @@ def _defaults_table() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="qkmonitor", description="Watch attention while a transformer trains: train a bundled model with the "
-        "monitors on (qkmonitor train), or read a run back (qkmonitor report).")
+        prog="qkmonitor",
+        description="Watch attention while a transformer trains: train a bundled model with the "
+        "monitors on (qkmonitor train), or read a run back (qkmonitor report).",
+    )
     from qkmonitor import __version__
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
-        "train", help="train a bundled model on an example task with the monitors on",
-        formatter_class=_HelpFormatter, epilog=_defaults_table(),
+        "train",
+        help="train a bundled model on an example task with the monitors on",
+        formatter_class=_HelpFormatter,
+        epilog=_defaults_table(),
     )
     per_task = {"default": argparse.SUPPRESS}  # resolved from TASK_DEFAULTS once the task is known
     train.add_argument("--task", choices=TASKS, default="recall", help="the task to learn")
-    train.add_argument("--steps", type=_positive_int, **per_task, help=f"optimizer steps ({_PER_TASK})")
-    train.add_argument("--d-model", type=_positive_int, **per_task, help=f"residual width ({_PER_TASK})")
-    train.add_argument("--layers", type=_positive_int, **per_task,
-                       help=f"transformer blocks; encoder-decoder: each side ({_PER_TASK})")
-    train.add_argument("--heads", type=_positive_int, **per_task, help=f"query heads per layer ({_PER_TASK})")
-    train.add_argument("--kv-heads", type=_positive_int, default=None,
-                       help="key/value heads for grouped-query attention; must divide --heads (default: as many as "
-                       "--heads)")
-    train.add_argument("--batch-size", type=_positive_int, **per_task, help=f"examples per training batch ({_PER_TASK})")
-    train.add_argument("--lr", type=_positive_float, **per_task, help=f"peak AdamW learning rate ({_PER_TASK})")
-    train.add_argument("--lr-decay", choices=["constant", "cosine"], **per_task,
-                       help=f"after warmup: keep the peak rate, or cosine to a tenth of it at the end ({_PER_TASK})")
-    train.add_argument("--weight-decay", type=_non_negative_float, **per_task,
-                       help=f"AdamW weight decay on matrices ({_PER_TASK})")
-    train.add_argument("--positional", choices=POSITIONAL, **per_task,
-                       help=f"position encoding of the model ({_PER_TASK})")
-    train.add_argument("--pairs", type=_positive_int, default=6, help="recall: key-value pairs per sequence")
+    train.add_argument(
+        "--steps", type=_positive_int, **per_task, help=f"optimizer steps ({_PER_TASK})"
+    )
+    train.add_argument(
+        "--d-model", type=_positive_int, **per_task, help=f"residual width ({_PER_TASK})"
+    )
+    train.add_argument(
+        "--layers",
+        type=_positive_int,
+        **per_task,
+        help=f"transformer blocks; encoder-decoder: each side ({_PER_TASK})",
+    )
+    train.add_argument(
+        "--heads", type=_positive_int, **per_task, help=f"query heads per layer ({_PER_TASK})"
+    )
+    train.add_argument(
+        "--kv-heads",
+        type=_positive_int,
+        default=None,
+        help="key/value heads for grouped-query attention; must divide --heads (default: as many as "
+        "--heads)",
+    )
+    train.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        **per_task,
+        help=f"examples per training batch ({_PER_TASK})",
+    )
+    train.add_argument(
+        "--lr", type=_positive_float, **per_task, help=f"peak AdamW learning rate ({_PER_TASK})"
+    )
+    train.add_argument(
+        "--lr-decay",
+        choices=["constant", "cosine"],
+        **per_task,
+        help=f"after warmup: keep the peak rate, or cosine to a tenth of it at the end ({_PER_TASK})",
+    )
+    train.add_argument(
+        "--weight-decay",
+        type=_non_negative_float,
+        **per_task,
+        help=f"AdamW weight decay on matrices ({_PER_TASK})",
+    )
+    train.add_argument(
+        "--positional",
+        choices=POSITIONAL,
+        **per_task,
+        help=f"position encoding of the model ({_PER_TASK})",
+    )
+    train.add_argument(
+        "--pairs", type=_positive_int, default=6, help="recall: key-value pairs per sequence"
+    )
     train.add_argument("--modulus", type=_positive_int, default=23, help="modular: the modulus p")
-    train.add_argument("--train-fraction", type=_fraction, default=0.6, help="modular: share of the p^2 pairs trained on")
-    train.add_argument("--length", type=_positive_int, default=10, help="copy/reverse: longest source string")
-    train.add_argument("--grid-size", type=_positive_int, default=8, help="grid: rows = columns of the grid")
-    train.add_argument("--chars", type=_positive_int, default=1_000_000,
-                       help="charlm: characters read from the standard library's .py files")
+    train.add_argument(
+        "--train-fraction",
+        type=_fraction,
+        default=0.6,
+        help="modular: share of the p^2 pairs trained on",
+    )
+    train.add_argument(
+        "--length", type=_positive_int, default=10, help="copy/reverse: longest source string"
+    )
+    train.add_argument(
+        "--grid-size", type=_positive_int, default=8, help="grid: rows = columns of the grid"
+    )
+    train.add_argument(
+        "--chars",
+        type=_positive_int,
+        default=1_000_000,
+        help="charlm: characters read from the standard library's .py files",
+    )
     train.add_argument("--seq-len", type=_positive_int, default=128, help="charlm: context length")
-    train.add_argument("--every-n-steps", type=_positive_int, default=25,
-                       help="the monitors probe every this many optimizer steps")
-    train.add_argument("--per-head", action=argparse.BooleanOptionalAction, default=True,
-                       help="log every head's value too (the heatmaps of `qkmonitor report` need them)")
-    train.add_argument("--precision", choices=PRECISIONS, default="32-true",
-                       help="Lightning precision; the mixed modes autocast on CPU as on CUDA")
-    train.add_argument("--accelerator", default="auto",
-                       help="Lightning accelerator: auto (a GPU where there is one), cpu, cuda, ...")
+    train.add_argument(
+        "--every-n-steps",
+        type=_positive_int,
+        default=25,
+        help="the monitors probe every this many optimizer steps",
+    )
+    train.add_argument(
+        "--per-head",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="log every head's value too (the heatmaps of `qkmonitor report` need them)",
+    )
+    train.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="32-true",
+        help="Lightning precision; the mixed modes autocast on CPU as on CUDA",
+    )
+    train.add_argument(
+        "--accelerator",
+        default="auto",
+        help="Lightning accelerator: auto (a GPU where there is one), cpu, cuda, ...",
+    )
     train.add_argument("--log-dir", default="runs", help="TensorBoard root directory")
-    train.add_argument("--name", default=None, help="run name under the log dir (default: the task's name)")
-    train.add_argument("--seed", type=_any_int, default=0, help="seed of the data and the initialization")
-    train.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
-                       help="save the last weights under the run's checkpoints/ folder")
-    train.add_argument("--progress-bar", action=argparse.BooleanOptionalAction, default=True,
-                       help="show the training progress (step N/total, loss, accuracy)")
+    train.add_argument(
+        "--name", default=None, help="run name under the log dir (default: the task's name)"
+    )
+    train.add_argument(
+        "--seed", type=_any_int, default=0, help="seed of the data and the initialization"
+    )
+    train.add_argument(
+        "--checkpoint",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="save the last weights under the run's checkpoints/ folder",
+    )
+    train.add_argument(
+        "--progress-bar",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show the training progress (step N/total, loss, accuracy)",
+    )
     from qkmonitor.report import add_report_parser
 
     add_report_parser(commands, formatter_class=_HelpFormatter)
@@ -172,21 +307,36 @@ def _config(args: argparse.Namespace, **fields):
     """The model config from the shared options; ``fields`` are the task's own (vocabulary, ...)."""
     from qkmonitor.models import TransformerConfig
 
-    return TransformerConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                             n_kv_heads=args.kv_heads, positional=args.positional, **fields)
+    return TransformerConfig(
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        positional=args.positional,
+        **fields,
+    )
 
 
 def _optim(args: argparse.Namespace) -> dict:
-    return {"lr": args.lr, "weight_decay": args.weight_decay, "warmup_steps": min(100, args.steps // 10),
-            "decay_steps": args.steps if args.lr_decay == "cosine" else None}
+    return {
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "warmup_steps": min(100, args.steps // 10),
+        "decay_steps": args.steps if args.lr_decay == "cosine" else None,
+    }
 
 
 def _build_recall(args: argparse.Namespace):
     from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
 
-    data = AssociativeRecallDataModule(num_pairs=args.pairs, num_queries=args.pairs,
-                                       num_keys=4 * args.pairs, num_values=4 * args.pairs,
-                                       batch_size=args.batch_size, seed=args.seed)
+    data = AssociativeRecallDataModule(
+        num_pairs=args.pairs,
+        num_queries=args.pairs,
+        num_keys=4 * args.pairs,
+        num_values=4 * args.pairs,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
     config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
     return data, CausalLMTask(config, **_optim(args))
 
@@ -194,8 +344,12 @@ def _build_recall(args: argparse.Namespace):
 def _build_modular(args: argparse.Namespace):
     from qkmonitor.models.tasks import CausalLMTask, ModularAdditionDataModule
 
-    data = ModularAdditionDataModule(modulus=args.modulus, train_fraction=args.train_fraction,
-                                     batch_size=args.batch_size, seed=args.seed)
+    data = ModularAdditionDataModule(
+        modulus=args.modulus,
+        train_fraction=args.train_fraction,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
     config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
     return data, CausalLMTask(config, **_optim(args))
 
@@ -203,8 +357,13 @@ def _build_modular(args: argparse.Namespace):
 def _build_seq2seq(args: argparse.Namespace):
     from qkmonitor.models.tasks import CopyReverseDataModule, Seq2SeqTask
 
-    data = CopyReverseDataModule(reverse=args.task == "reverse", min_len=min(3, args.length), max_len=args.length,
-                                 batch_size=args.batch_size, seed=args.seed)
+    data = CopyReverseDataModule(
+        reverse=args.task == "reverse",
+        min_len=min(3, args.length),
+        max_len=args.length,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
     config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
     return data, Seq2SeqTask(config, **_optim(args))
 
@@ -212,24 +371,38 @@ def _build_seq2seq(args: argparse.Namespace):
 def _build_grid(args: argparse.Namespace):
     from qkmonitor.models.tasks import GridRelationDataModule, VisionClassificationTask
 
-    data = GridRelationDataModule(height=args.grid_size, width=args.grid_size, batch_size=args.batch_size,
-                                  seed=args.seed)
-    config = _config(args, vocab_size=1, max_seq_len=args.grid_size**2, grid_size=data.grid_size,
-                     patch_dim=data.patch_dim, num_classes=data.num_classes)
+    data = GridRelationDataModule(
+        height=args.grid_size, width=args.grid_size, batch_size=args.batch_size, seed=args.seed
+    )
+    config = _config(
+        args,
+        vocab_size=1,
+        max_seq_len=args.grid_size**2,
+        grid_size=data.grid_size,
+        patch_dim=data.patch_dim,
+        num_classes=data.num_classes,
+    )
     return data, VisionClassificationTask(config, **_optim(args))
 
 
 def _build_charlm(args: argparse.Namespace):
     from qkmonitor.models.tasks import CharLMTask, PythonSourceDataModule
 
-    data = PythonSourceDataModule(max_chars=args.chars, seq_len=args.seq_len, batch_size=args.batch_size,
-                                  seed=args.seed)
+    data = PythonSourceDataModule(
+        max_chars=args.chars, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+    )
     config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
     return data, CharLMTask(config, **_optim(args))
 
 
-_BUILDERS = {"recall": _build_recall, "copy": _build_seq2seq, "reverse": _build_seq2seq, "charlm": _build_charlm,
-             "modular": _build_modular, "grid": _build_grid}
+_BUILDERS = {
+    "recall": _build_recall,
+    "copy": _build_seq2seq,
+    "reverse": _build_seq2seq,
+    "charlm": _build_charlm,
+    "modular": _build_modular,
+    "grid": _build_grid,
+}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -250,7 +423,9 @@ def _quiet_lightning():
         logger.setLevel(logging.WARNING)
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+            warnings.filterwarnings(
+                "ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*"
+            )
             yield
     finally:
         for logger, level in zip(loggers, levels):
@@ -278,15 +453,32 @@ def _run_training(args: argparse.Namespace) -> int:
         EffectiveRankMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
     ]
     checkpoint = ModelCheckpoint(save_last=False) if args.checkpoint else None
-    callbacks = [*monitors, *([checkpoint] if checkpoint else []), *([_StepProgress()] if args.progress_bar else [])]
+    callbacks = [
+        *monitors,
+        *([checkpoint] if checkpoint else []),
+        *([_StepProgress()] if args.progress_bar else []),
+    ]
     try:
         trainer = pl.Trainer(
-            max_steps=args.steps, accelerator=args.accelerator, devices=1, precision=args.precision, logger=logger,
-            callbacks=callbacks, log_every_n_steps=args.every_n_steps, val_check_interval=min(250, args.steps),
-            check_val_every_n_epoch=None, enable_progress_bar=args.progress_bar, enable_model_summary=False,
-            num_sanity_val_steps=0, enable_checkpointing=args.checkpoint,
+            max_steps=args.steps,
+            accelerator=args.accelerator,
+            devices=1,
+            precision=args.precision,
+            logger=logger,
+            callbacks=callbacks,
+            log_every_n_steps=args.every_n_steps,
+            val_check_interval=min(250, args.steps),
+            check_val_every_n_epoch=None,
+            enable_progress_bar=args.progress_bar,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            enable_checkpointing=args.checkpoint,
         )
-    except (ValueError, RuntimeError, MisconfigurationException) as err:  # e.g. an accelerator this machine lacks
+    except (
+        ValueError,
+        RuntimeError,
+        MisconfigurationException,
+    ) as err:  # e.g. an accelerator this machine lacks
         print(f"qkmonitor train: {err}", file=sys.stderr)
         return 2
     trainer.fit(task, datamodule=data)
@@ -333,12 +525,14 @@ def _step_progress_class():
         def get_metrics(self, trainer, pl_module):
             metrics = super().get_metrics(trainer, pl_module)
             metrics.pop("v_num", None)
-            return {k.removeprefix("train_"): v for k, v in metrics.items() if k.startswith("train_")}
+            return {
+                k.removeprefix("train_"): v for k, v in metrics.items() if k.startswith("train_")
+            }
 
     return StepProgress
 
 
-def _StepProgress():  # noqa: N802 -- a factory: Lightning is imported only when training
+def _StepProgress():
     return _step_progress_class()()
 
 
@@ -367,17 +561,28 @@ def _summary(monitors: list, final: dict[str, float], log_dir: str) -> str:
             cells.append("nan" if math.isnan(value) else f"{value:.4g}")
         rows.append(cells)
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
     counts = {name: n for m in monitors for name, n in m.tracker.counts.items()}
     alerts = ", ".join(f"{name}: {n}" for name, n in counts.items()) or "none"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
-    short = {"QKSpectrumMonitor": "spectrum", "AttentionEntropyMonitor": "entropy", "EffectiveRankMonitor": "rank"}
-    steps = ", ".join(f"{short.get(m.engine.monitor, m.engine.monitor)} at step {m.latest_step}" for m in monitors)
-    return "\n".join([
-        f"\nqkmonitor summary ({steps}; {log_dir})",
-        line(header), line(["-" * w for w in widths]), *map(line, rows),
-        f"alerts fired: {alerts}", f"final validation: {scores}",
-    ])
+    short = {
+        "QKSpectrumMonitor": "spectrum",
+        "AttentionEntropyMonitor": "entropy",
+        "EffectiveRankMonitor": "rank",
+    }
+    steps = ", ".join(
+        f"{short.get(m.engine.monitor, m.engine.monitor)} at step {m.latest_step}" for m in monitors
+    )
+    return "\n".join(
+        [
+            f"\nqkmonitor summary ({steps}; {log_dir})",
+            line(header),
+            line(["-" * w for w in widths]),
+            *map(line, rows),
+            f"alerts fired: {alerts}",
+            f"final validation: {scores}",
+        ]
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -39,8 +39,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["NeverCompiled", "SwitchedForward", "UncompiledForward", "add_forward_hooks", "compiled_roots", "own_class",
-           "switch_of"]
+__all__ = [
+    "NeverCompiled",
+    "SwitchedForward",
+    "UncompiledForward",
+    "add_forward_hooks",
+    "compiled_roots",
+    "own_class",
+    "switch_of",
+]
 
 _STATE = "_qkmonitor_switch"
 
@@ -54,7 +61,9 @@ def compiled_roots(model: nn.Module) -> list[nn.Module]:
     for module in model.modules():
         if optimized is not None and isinstance(module, optimized):
             roots.append(module._orig_mod)
-        elif getattr(module, "_compiled_call_impl", None) is not None or getattr(module, "_compiler_ctx", None):
+        elif getattr(module, "_compiled_call_impl", None) is not None or getattr(
+            module, "_compiler_ctx", None
+        ):
             roots.append(module)
     return list({id(m): m for m in roots}.values())
 
@@ -142,10 +151,17 @@ def _switched_class(base: type) -> type:
                 return _run_eagerly(switch, args, kwargs)
             return own_forward(self, *args, **kwargs)
 
-        switched = type(base.__name__, (base,), {
-            "forward": forward, "__reduce_ex__": _reduce_as_base, "__module__": base.__module__,
-            "__qualname__": base.__qualname__, "__doc__": base.__doc__,
-        })
+        switched = type(
+            base.__name__,
+            (base,),
+            {
+                "forward": forward,
+                "__reduce_ex__": _reduce_as_base,
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+            },
+        )
         _CLASSES[base] = switched
     return switched
 
@@ -246,7 +262,9 @@ class UncompiledForward:
 _UNCOMPILED: weakref.WeakKeyDictionary[nn.Module, UncompiledForward] = weakref.WeakKeyDictionary()
 
 
-def add_forward_hooks(module: nn.Module, pre: Callable | None = None, post: Callable | None = None) -> Callable[[], None]:
+def add_forward_hooks(
+    module: nn.Module, pre: Callable | None = None, post: Callable | None = None
+) -> Callable[[], None]:
     """What a probe installs on ``module`` for its window: ``pre(module, args, kwargs)`` before
     and ``post(module, args, output)`` after each forward (also when it raises, with ``output``
     None). Through the module's :class:`SwitchedForward` when it has one (compile), else as

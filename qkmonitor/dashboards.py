@@ -30,7 +30,15 @@ from torch import Tensor
 from qkmonitor.catalogue import FAMILIES, metric
 from qkmonitor.tags import layer_tag, worst_tag
 
-__all__ = ["FAMILIES", "LayoutSection", "custom_scalars_layout", "heatmap_image", "attention_image", "grid_of"]
+__all__ = [
+    "FAMILIES",
+    "LayoutSection",
+    "attention_image",
+    "custom_scalars_layout",
+    "grid_of",
+    "heatmap_image",
+]
+
 
 @dataclass(frozen=True)
 class LayoutSection:
@@ -59,7 +67,9 @@ def custom_scalars_layout(sections: Sequence[LayoutSection]) -> dict:
         merged["rules"] += [r for r in section.alert_rules if r not in merged["rules"]]
     layout: dict[str, dict[str, list]] = {}
     for prefix, merged in by_prefix.items():
-        layout.update(_prefix_layout(prefix, merged["metrics"], merged["num_layers"], merged["rules"]))
+        layout.update(
+            _prefix_layout(prefix, merged["metrics"], merged["num_layers"], merged["rules"])
+        )
     return layout
 
 
@@ -72,19 +82,28 @@ def _prefix_layout(prefix: str, metrics: list[str], num_layers: int, rules: list
         if not present:
             continue
         layout[f"{prefix}: {family}"] = {
-            f"{m} (a line per layer)": ["Multiline", [f"^{re.escape(prefix)}/{m}/layer_\\d+$"]] for m in present
+            f"{m} (a line per layer)": ["Multiline", [f"^{re.escape(prefix)}/{m}/layer_\\d+$"]]
+            for m in present
         }
         margins = {
             f"{m} layer {layer:02d} (heads: min, mean, max)": [
                 "Margin",
-                [layer_tag(prefix, m, layer), worst_tag(prefix, m, "min", layer), worst_tag(prefix, m, "max", layer)],
+                [
+                    layer_tag(prefix, m, layer),
+                    worst_tag(prefix, m, "min", layer),
+                    worst_tag(prefix, m, "max", layer),
+                ],
             ]
-            for m in present if _per_head(m) for layer in range(num_layers)
+            for m in present
+            if _per_head(m)
+            for layer in range(num_layers)
         }
         if margins:
             layout[f"{prefix}: {family}, per layer over heads"] = margins
     if rules:
-        layout[f"{prefix}: alerts"] = {"alerts fired (count)": ["Multiline", [f"^{re.escape(prefix)}/alerts/"]]}
+        layout[f"{prefix}: alerts"] = {
+            "alerts fired (count)": ["Multiline", [f"^{re.escape(prefix)}/alerts/"]]
+        }
     return layout
 
 
@@ -97,7 +116,10 @@ def _per_head(name: str) -> bool:
 
 def _colormap(values: np.ndarray, vmin: float, vmax: float) -> np.ndarray:
     """A viridis-like colour ramp (dark blue -> green -> yellow) in pure numpy; NaN is grey."""
-    stops = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=np.float64)
+    stops = np.array(
+        [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]],
+        dtype=np.float64,
+    )
     span = vmax - vmin if vmax > vmin else 1.0
     t = np.clip((values - vmin) / span, 0.0, 1.0) * (len(stops) - 1)
     low = np.floor(np.nan_to_num(t)).astype(int).clip(0, len(stops) - 2)
@@ -107,8 +129,15 @@ def _colormap(values: np.ndarray, vmin: float, vmax: float) -> np.ndarray:
     return rgb.astype(np.uint8)
 
 
-def heatmap_image(grid: Tensor, vmin: float | None = None, vmax: float | None = None, *, title: str = "",
-                  cell: int | None = None, annotate: bool | None = None) -> np.ndarray:
+def heatmap_image(
+    grid: Tensor,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    *,
+    title: str = "",
+    cell: int | None = None,
+    annotate: bool | None = None,
+) -> np.ndarray:
     """(layers, heads) values as a readable HWC uint8 image: layers downwards, heads across.
 
     Axes labelled ``layer`` and ``head`` with their indices, a colour bar with its range, NaN cells
@@ -126,12 +155,28 @@ def heatmap_image(grid: Tensor, vmin: float | None = None, vmax: float | None = 
     lo, hi = _range(values, vmin, vmax)
     rows, cols = values.shape
     annotate = max(rows, cols) <= 12 if annotate is None else annotate
-    cell = cell or (max(32, min(48, 480 // max(cols, 1))) if annotate else max(6, min(24, 480 // max(cols, rows, 1))))
+    cell = cell or (
+        max(32, min(48, 480 // max(cols, 1)))
+        if annotate
+        else max(6, min(24, 480 // max(cols, rows, 1)))
+    )
     cells = np.repeat(np.repeat(_colormap(values, lo, hi), cell, axis=0), cell, axis=1)
-    canvas = _Canvas(cells, title, xlabel="head", ylabel="layer", xticks=cols, yticks=rows, cell=cell, lo=lo, hi=hi)
+    canvas = _Canvas(
+        cells,
+        title,
+        xlabel="head",
+        ylabel="layer",
+        xticks=cols,
+        yticks=rows,
+        cell=cell,
+        lo=lo,
+        hi=hi,
+    )
     if annotate:
         for (i, j), value in np.ndenumerate(values):
-            canvas.cell_text(i, j, _short(value), dark=_is_dark(_colormap(np.array([value]), lo, hi)[0]))
+            canvas.cell_text(
+                i, j, _short(value), dark=_is_dark(_colormap(np.array([value]), lo, hi)[0])
+            )
     return canvas.image()
 
 
@@ -146,8 +191,17 @@ def attention_image(probs: Tensor, size: int = 192, *, title: str = "") -> np.nd
     peak = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
     scale = max(1, size // max(values.shape))
     cells = np.repeat(np.repeat(_colormap(values, 0.0, peak), scale, axis=0), scale, axis=1)
-    canvas = _Canvas(cells, title, xlabel="key", ylabel="query", xticks=values.shape[1], yticks=values.shape[0],
-                     cell=scale, lo=0.0, hi=peak)
+    canvas = _Canvas(
+        cells,
+        title,
+        xlabel="key",
+        ylabel="query",
+        xticks=values.shape[1],
+        yticks=values.shape[0],
+        cell=scale,
+        lo=0.0,
+        hi=peak,
+    )
     return canvas.image()
 
 
@@ -178,8 +232,19 @@ class _Canvas:
 
     MARGIN_LEFT, MARGIN_TOP, MARGIN_BOTTOM, BAR = 60, 22, 34, 64
 
-    def __init__(self, cells: np.ndarray, title: str, *, xlabel: str, ylabel: str, xticks: int, yticks: int,
-                 cell: int, lo: float, hi: float) -> None:
+    def __init__(
+        self,
+        cells: np.ndarray,
+        title: str,
+        *,
+        xlabel: str,
+        ylabel: str,
+        xticks: int,
+        yticks: int,
+        cell: int,
+        lo: float,
+        hi: float,
+    ) -> None:
         from PIL import Image, ImageDraw
 
         h, w = cells.shape[:2]
@@ -192,12 +257,18 @@ class _Canvas:
         if title:
             self.draw.text((self.left, 4), title, fill=(0, 0, 0), font=self.font)
         x, height = self.left + w + 10 + 13, max(h, 60)
-        for value, at in ((hi, self.top), ((lo + hi) / 2, self.top + height / 2), (lo, self.top + height - 1)):
+        for value, at in (
+            (hi, self.top),
+            ((lo + hi) / 2, self.top + height / 2),
+            (lo, self.top + height - 1),
+        ):
             self.draw.text((x, at), _short(value), fill=(0, 0, 0), font=self.font, anchor="lm")
 
     def cell_text(self, i: int, j: int, text: str, dark: bool) -> None:
         x, y = self.left + j * self.cell + self.cell / 2, self.top + i * self.cell + self.cell / 2
-        self.draw.text((x, y), text, fill=(255, 255, 255) if dark else (0, 0, 0), font=self.font, anchor="mm")
+        self.draw.text(
+            (x, y), text, fill=(255, 255, 255) if dark else (0, 0, 0), font=self.font, anchor="mm"
+        )
 
     def image(self) -> np.ndarray:
         return np.asarray(self.canvas, dtype=np.uint8).copy()
@@ -217,11 +288,15 @@ def _frame(h: int, w: int, cell: int, xticks: int, yticks: int, xlabel: str, yla
 
     left, top = _Canvas.MARGIN_LEFT, _Canvas.MARGIN_TOP
     height = max(h, 60)
-    canvas = Image.new("RGB", (left + w + _Canvas.BAR, top + height + _Canvas.MARGIN_BOTTOM), (255, 255, 255))
+    canvas = Image.new(
+        "RGB", (left + w + _Canvas.BAR, top + height + _Canvas.MARGIN_BOTTOM), (255, 255, 255)
+    )
     draw, font, ink = ImageDraw.Draw(canvas), _font(), (0, 0, 0)
     step_x = max(1, math.ceil(xticks / max(1, w // 24)))
     for j in range(0, xticks, step_x):
-        draw.text((left + j * cell + cell / 2, top + h + 8), str(j), fill=ink, font=font, anchor="mm")
+        draw.text(
+            (left + j * cell + cell / 2, top + h + 8), str(j), fill=ink, font=font, anchor="mm"
+        )
     step_y = max(1, math.ceil(yticks / max(1, h // 14)))
     for i in range(0, yticks, step_y):
         draw.text((left - 6, top + i * cell + cell / 2), str(i), fill=ink, font=font, anchor="rm")
@@ -235,5 +310,8 @@ def _frame(h: int, w: int, cell: int, xticks: int, yticks: int, xlabel: str, yla
 def grid_of(per_layer: list[Tensor]) -> Tensor:
     """Stack per-layer (heads,) tensors into (layers, max_heads), padding short layers with NaN."""
     width = max(t.numel() for t in per_layer)
-    rows = [torch.cat([t.reshape(-1).float(), torch.full((width - t.numel(),), math.nan)]) for t in per_layer]
+    rows = [
+        torch.cat([t.reshape(-1).float(), torch.full((width - t.numel(),), math.nan)])
+        for t in per_layer
+    ]
     return torch.stack(rows)

@@ -29,20 +29,20 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "qk_singular_values",
-    "qk_eigenvalues",
-    "spectral_concentration",
-    "effective_rank",
-    "stable_rank",
-    "spectral_energy_concentration",
-    "eigenvalue_moments",
-    "qk_spectrum_metrics",
     "attention_entropy",
-    "attention_stats_from_scores",
-    "masked_softmax",
     "attention_probs",
-    "hidden_state_metrics",
+    "attention_stats_from_scores",
+    "effective_rank",
+    "eigenvalue_moments",
     "gram_singular_values",
+    "hidden_state_metrics",
+    "masked_softmax",
+    "qk_eigenvalues",
+    "qk_singular_values",
+    "qk_spectrum_metrics",
+    "spectral_concentration",
+    "spectral_energy_concentration",
+    "stable_rank",
 ]
 
 
@@ -82,7 +82,9 @@ def _split_heads(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | N
         )
     lead = w_q.shape[:-2]
     wq = w_q.reshape(*lead, num_heads, d_k, w_q.shape[-1]).transpose(-1, -2)  # (..., H, d, d_k)
-    wk = w_k.reshape(*lead, num_kv_heads, d_k, w_k.shape[-1]).transpose(-1, -2)  # (..., H_kv, d', d_k)
+    wk = w_k.reshape(*lead, num_kv_heads, d_k, w_k.shape[-1]).transpose(
+        -1, -2
+    )  # (..., H_kv, d', d_k)
     group = torch.arange(num_heads, device=w_k.device) // (num_heads // num_kv_heads)
     return wq, wk, group
 
@@ -122,7 +124,9 @@ def qk_singular_values(
         tensor([[3., 1.]])
     """
     dtype = _compute_dtype(w_q, w_k)
-    wq, wk, group = _split_heads(w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads)
+    wq, wk, group = _split_heads(
+        w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads
+    )
     wq, wk, finite = _finite_heads(wq, wk, group)
     r_q = torch.linalg.qr(wq, mode="r").R  # (..., H, d_k, d_k) when d >= d_k
     r_k = torch.linalg.qr(wk, mode="r").R.index_select(-3, group)  # one QR per KV head, shared
@@ -157,7 +161,9 @@ def qk_eigenvalues(
             f"Eigenvalues need a square W_QK: `w_q` and `w_k` input dims differ ({w_q.shape[-1]} vs {w_k.shape[-1]})"
         )
     dtype = _compute_dtype(w_q, w_k)
-    wq, wk, group = _split_heads(w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads)
+    wq, wk, group = _split_heads(
+        w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads
+    )
     wq, wk, finite = _finite_heads(wq, wk, group)
     eig = torch.linalg.eigvals(wk.index_select(-3, group).transpose(-1, -2) @ wq)  # (..., H, d_k)
     order = eig.abs().argsort(dim=-1, descending=True)
@@ -328,7 +334,9 @@ def attention_entropy(probs: Tensor, normalize: bool = False, mask: Tensor | Non
     if not torch.is_floating_point(probs):
         raise ValueError(f"Expected floating-point `probs`, got dtype {probs.dtype}")
     p = probs if probs.dtype == torch.float64 else probs.float()
-    allowed = torch.ones_like(p, dtype=torch.bool) if mask is None else mask.to(torch.bool).expand_as(p)
+    allowed = (
+        torch.ones_like(p, dtype=torch.bool) if mask is None else mask.to(torch.bool).expand_as(p)
+    )
     plogp = torch.where(~allowed | (p == 0), 0.0, p * p.log())  # NaN stays NaN
     entropy = 0.0 - plogp.sum(dim=-1)
     if not normalize:
@@ -480,6 +488,8 @@ def hidden_state_metrics(x: Tensor) -> tuple[Tensor, Tensor]:
     x = x.detach().double()
     erank = effective_rank(gram_singular_values(x))  # NaN for a sequence holding NaN/Inf
     centered = x - x.mean(dim=-2, keepdim=True)
-    collapse = torch.linalg.vector_norm(centered, dim=(-2, -1)) / torch.linalg.vector_norm(x, dim=(-2, -1))
+    collapse = torch.linalg.vector_norm(centered, dim=(-2, -1)) / torch.linalg.vector_norm(
+        x, dim=(-2, -1)
+    )
     undefined = erank.isnan() | (x.shape[-2] < 2)
     return erank, torch.where(undefined, float("nan"), collapse)

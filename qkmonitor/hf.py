@@ -65,11 +65,11 @@ from qkmonitor.registry import register_family
 
 __all__ = [
     "PROBE_IMPLEMENTATION",
-    "HFAttentionLayer",
-    "LlamaAttentionLayer",
-    "GPT2AttentionLayer",
     "BertAttentionLayer",
+    "GPT2AttentionLayer",
+    "HFAttentionLayer",
     "HFLayoutAttentionLayer",
+    "LlamaAttentionLayer",
     "adapt_hf_module",
 ]
 
@@ -105,8 +105,11 @@ class HFAttentionLayer(AttentionLayer):
             _warn(self.name, _hf_compat.why_no_dispatch(self.module))
             return False
         if not hasattr(getattr(self.module, "config", None), "_attn_implementation"):
-            _warn(self.name, f"transformers {_hf_compat.transformers_version()}: {type(self.module).__name__} "
-                             "has no `config._attn_implementation` to route its attention call by")
+            _warn(
+                self.name,
+                f"transformers {_hf_compat.transformers_version()}: {type(self.module).__name__} "
+                "has no `config._attn_implementation` to route its attention call by",
+            )
             return False
         return True
 
@@ -139,8 +142,12 @@ class LlamaAttentionLayer(HFAttentionLayer):
         m = self.module
         heads, kv_heads, head_dim = _llama_shape(m)
         scale = m.scaling if _is_number(getattr(m, "scaling", None)) else head_dim**-0.5
-        qk_norm = isinstance(getattr(m, "q_norm", None), nn.Module) and isinstance(getattr(m, "k_norm", None), nn.Module)
-        return QKWeights(m.q_proj.weight, m.k_proj.weight, heads, kv_heads, float(scale), qk_norm=qk_norm)
+        qk_norm = isinstance(getattr(m, "q_norm", None), nn.Module) and isinstance(
+            getattr(m, "k_norm", None), nn.Module
+        )
+        return QKWeights(
+            m.q_proj.weight, m.k_proj.weight, heads, kv_heads, float(scale), qk_norm=qk_norm
+        )
 
 
 class GPT2AttentionLayer(HFAttentionLayer):
@@ -205,14 +212,21 @@ def adapt_hf_module(name: str, module: nn.Module, index: int) -> HFAttentionLaye
 
 def _adapt_if_imported(name: str, module: nn.Module, index: int) -> HFAttentionLayer | None:
     # a transformers module implies transformers imported: without it nothing here is looked for
-    return adapt_hf_module(name, module, index) if sys.modules.get("transformers") is not None else None
+    return (
+        adapt_hf_module(name, module, index)
+        if sys.modules.get("transformers") is not None
+        else None
+    )
 
 
 register_family(
-    "transformers", _adapt_if_imported, priority=30,
+    "transformers",
+    _adapt_if_imported,
+    priority=30,
     looked_for="Hugging Face transformers attention (LLaMA-family `q_proj`/`k_proj`, GPT-2 `c_attn` Conv1D, "
-               "BERT `query`/`key`, and any module dispatching through ALL_ATTENTION_FUNCTIONS with projections "
-               "of a known name; needs the `hf` extra)")
+    "BERT `query`/`key`, and any module dispatching through ALL_ATTENTION_FUNCTIONS with projections "
+    "of a known name; needs the `hf` extra)",
+)
 
 
 # --- recognising the modules -------------------------------------------------------------------
@@ -235,9 +249,15 @@ def _llama_shape(module: nn.Module) -> tuple[int, int, int] | None:
     """(num_heads, num_kv_heads, head_dim) of a q_proj/k_proj attention module, or None."""
     q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
     config = getattr(module, "config", None)
-    if not isinstance(q, nn.Linear) or not isinstance(k, nn.Linear) or not hasattr(config, "num_attention_heads"):
+    if (
+        not isinstance(q, nn.Linear)
+        or not isinstance(k, nn.Linear)
+        or not hasattr(config, "num_attention_heads")
+    ):
         return None
-    heads = _int_attr((module, "num_heads"), (module, "num_attention_heads"), (config, "num_attention_heads"))
+    heads = _int_attr(
+        (module, "num_heads"), (module, "num_attention_heads"), (config, "num_attention_heads")
+    )
     if heads is None or q.out_features % heads:
         return None
     head_dim = _int_attr((module, "head_dim"), (config, "head_dim")) or q.out_features // heads
@@ -245,7 +265,11 @@ def _llama_shape(module: nn.Module) -> tuple[int, int, int] | None:
     groups = _int_attr((module, "num_key_value_groups"))
     if kv_heads is None:
         kv_heads = heads // groups if groups else k.out_features // head_dim
-    if q.out_features != heads * head_dim or k.out_features != kv_heads * head_dim or heads % kv_heads:
+    if (
+        q.out_features != heads * head_dim
+        or k.out_features != kv_heads * head_dim
+        or heads % kv_heads
+    ):
         return None
     return heads, kv_heads, head_dim
 
@@ -254,13 +278,25 @@ def _is_gpt2(module: nn.Module) -> bool:
     c_attn = getattr(module, "c_attn", None)
     e, heads = _int_attr((module, "embed_dim")), _int_attr((module, "num_heads"))
     weight = getattr(c_attn, "weight", None)
-    if e is None or heads is None or not isinstance(weight, Tensor) or weight.dim() != 2 or e % heads:
+    if (
+        e is None
+        or heads is None
+        or not isinstance(weight, Tensor)
+        or weight.dim() != 2
+        or e % heads
+    ):
         return False
     cross = bool(getattr(module, "is_cross_attention", False))
     packed = 2 * e if cross else 3 * e
     # Conv1D keeps (in, out) and says so through `nf` (out); nn.Linear would be (out, in)
-    return getattr(c_attn, "nf", None) == packed and weight.shape[1] == packed and (
-        not cross or isinstance(getattr(getattr(module, "q_attn", None), "weight", None), Tensor))
+    return (
+        getattr(c_attn, "nf", None) == packed
+        and weight.shape[1] == packed
+        and (
+            not cross
+            or isinstance(getattr(getattr(module, "q_attn", None), "weight", None), Tensor)
+        )
+    )
 
 
 def _gpt2_scale(module: nn.Module) -> float:
@@ -276,9 +312,14 @@ def _is_bert(module: nn.Module) -> bool:
     q, k = getattr(module, "query", None), getattr(module, "key", None)
     heads = _int_attr((module, "num_attention_heads"))
     head_dim = _int_attr((module, "attention_head_size"))
-    return (isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and heads is not None
-            and head_dim is not None and q.out_features == heads * head_dim
-            and k.out_features == heads * head_dim)
+    return (
+        isinstance(q, nn.Linear)
+        and isinstance(k, nn.Linear)
+        and heads is not None
+        and head_dim is not None
+        and q.out_features == heads * head_dim
+        and k.out_features == heads * head_dim
+    )
 
 
 # --- probing: install, dispatch, restore -------------------------------------------------------
@@ -305,10 +346,15 @@ def _route_module(layer: HFAttentionLayer) -> Callable[[], None] | None:
     if original in (None, "eager") and getattr(module, "reorder_and_upcast_attn", False):
         return _route_gpt2_upcast(layer)  # this path never reaches the dispatch
     if original in (None, "eager") and _eager_default(module) is None:
-        _warn(layer.name, f"no `eager_attention_forward` next to {type(module).__name__} to hand the call to")
+        _warn(
+            layer.name,
+            f"no `eager_attention_forward` next to {type(module).__name__} to hand the call to",
+        )
         return None
     _register()
-    probe_config = copy.copy(config)  # shallow: only this module's view of the implementation changes
+    probe_config = copy.copy(
+        config
+    )  # shallow: only this module's view of the implementation changes
     probe_config.__dict__["_attn_implementation_internal"] = PROBE_IMPLEMENTATION
     probe_config.__dict__[_ORIGINAL_KEY] = original
     if probe_config._attn_implementation != PROBE_IMPLEMENTATION:
@@ -327,9 +373,15 @@ def _route_gpt2_upcast(layer: HFAttentionLayer) -> Callable[[], None]:
     own = type(module)._upcast_and_reordered_attn.__get__(module)
 
     def upcast_and_reordered_attn(query, key, value, attention_mask=None, *args, **kwargs):
-        mask, seen = _hf_compat.as_applied(module, query, key, attention_mask,
-                                           {"scaling": getattr(module, "scaling", None)}, "eager",
-                                           eager=type(module)._upcast_and_reordered_attn)
+        mask, seen = _hf_compat.as_applied(
+            module,
+            query,
+            key,
+            attention_mask,
+            {"scaling": getattr(module, "scaling", None)},
+            "eager",
+            eager=type(module)._upcast_and_reordered_attn,
+        )
         _capture(module, query, key, mask, seen, original="eager")
         return own(query, key, value, attention_mask, *args, **kwargs)  # head_mask before 5.0
 
@@ -341,29 +393,43 @@ def _route_gpt2_upcast(layer: HFAttentionLayer) -> Callable[[], None]:
     return restore
 
 
-def _probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                     attention_mask, *args, **kwargs):
+def _probe_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, *args, **kwargs
+):
     """The registered attention function: measure on the side, then run the model's own."""
     original = getattr(module.config, _ORIGINAL_KEY, None)
     mask, seen = _hf_compat.as_applied(module, query, key, attention_mask, kwargs, original)
     _capture(module, query, key, mask, seen, original=original)
-    attend = _hf_compat.attention_function(_dispatch_table(module), original, _eager_default(module))
+    attend = _hf_compat.attention_function(
+        _dispatch_table(module), original, _eager_default(module)
+    )
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
 
 
-def _capture(module: nn.Module, query: Tensor, key: Tensor, attention_mask, kwargs: dict, original) -> None:
+def _capture(
+    module: nn.Module, query: Tensor, key: Tensor, attention_mask, kwargs: dict, original
+) -> None:
     route = module.__dict__.get(_ROUTE_KEY)
     if route is None or not route.observers:
         return
     try:
         with torch.no_grad(), side_computation():
             scale = kwargs.get("scaling")
-            call = MaskedCall.of(module, query, key, attention_mask, kwargs, original,
-                            scale=route.default_scale() if scale is None else float(scale))
+            call = MaskedCall.of(
+                module,
+                query,
+                key,
+                attention_mask,
+                kwargs,
+                original,
+                scale=route.default_scale() if scale is None else float(scale),
+            )
     except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
         call = FailedCall(err)
     route.observers.notify(call)
 
 
 def _warn(name: str, why: str) -> None:
-    warnings.warn(f"qkmonitor: no attention statistics for {name!r} ({why})", RuntimeWarning, stacklevel=2)
+    warnings.warn(
+        f"qkmonitor: no attention statistics for {name!r} ({why})", RuntimeWarning, stacklevel=2
+    )

@@ -55,14 +55,30 @@ class QKMonitorCallback(TrainerCallback):
             Trainer(model, args, train_dataset=data, callbacks=[monitor]).train()
     """
 
-    def __init__(self, engines: Sequence[MonitorEngine] | None = None, *, writer: Any = None,
-                 every_n_steps: int | None = None) -> None:
-        engines = [QKSpectrum(), AttentionEntropy(), EffectiveRank()] if engines is None else list(engines)
+    def __init__(
+        self,
+        engines: Sequence[MonitorEngine] | None = None,
+        *,
+        writer: Any = None,
+        every_n_steps: int | None = None,
+    ) -> None:
+        engines = (
+            [QKSpectrum(), AttentionEntropy(), EffectiveRank()]
+            if engines is None
+            else list(engines)
+        )
         if not engines or not all(isinstance(e, MonitorEngine) for e in engines):
-            raise ValueError(f"Expected `engines` to be a non-empty list of MonitorEngine or None, got {engines!r}")
-        if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
-                                          or every_n_steps < 1):
-            raise ValueError(f"Expected `every_n_steps` to be a positive int or None, got {every_n_steps!r}")
+            raise ValueError(
+                f"Expected `engines` to be a non-empty list of MonitorEngine or None, got {engines!r}"
+            )
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool)
+            or not isinstance(every_n_steps, int)
+            or every_n_steps < 1
+        ):
+            raise ValueError(
+                f"Expected `every_n_steps` to be a positive int or None, got {every_n_steps!r}"
+            )
         self.engines = engines
         self.writer = writer
         self.every_n_steps = every_n_steps
@@ -81,8 +97,14 @@ class QKMonitorCallback(TrainerCallback):
         if every is None:
             steps = args.logging_steps
             every = int(steps) if float(steps) >= 1 and float(steps).is_integer() else 50
-        self.monitoring = Monitoring(model, self.engines, writer=writer, hparams=args.to_sanitized_dict(),
-                                     optimizer=optimizer, every_n_steps=every)
+        self.monitoring = Monitoring(
+            model,
+            self.engines,
+            writer=writer,
+            hparams=args.to_sanitized_dict(),
+            optimizer=optimizer,
+            every_n_steps=every,
+        )
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         if self.monitoring is not None:
@@ -97,7 +119,9 @@ class QKMonitorCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs) -> None:
         if self.monitoring is not None:
             self.monitoring.end()  # no-op when on_substep_end closed it
-            self.monitoring.observe_weights(state.global_step)  # after the update, as Lightning's does
+            self.monitoring.observe_weights(
+                state.global_step
+            )  # after the update, as Lightning's does
             if self.monitoring.should_stop:
                 control.should_training_stop = True
 
@@ -126,5 +150,7 @@ class QKMonitorCallback(TrainerCallback):
     def _default_writer(args) -> Any:
         from torch.utils.tensorboard import SummaryWriter
 
-        log_dir = os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(args.output_dir, "runs", "qkmonitor")
+        log_dir = os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(
+            args.output_dir, "runs", "qkmonitor"
+        )
         return SummaryWriter(log_dir=os.path.expanduser(log_dir))

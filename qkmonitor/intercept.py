@@ -59,16 +59,25 @@ from qkmonitor.layouts import (
 from qkmonitor.probes import ObserverSet, Probe, in_side_computation, side_computation
 from qkmonitor.registry import register_family
 
-__all__ = ["InterceptedAttentionLayer", "LayoutChecked", "LayoutEvidence", "LayoutUnknownError", "check_layout",
-           "looks_like_attention", "register_attention",
-           "unmeasured_attention_like"]
+__all__ = [
+    "InterceptedAttentionLayer",
+    "LayoutChecked",
+    "LayoutEvidence",
+    "LayoutUnknownError",
+    "check_layout",
+    "looks_like_attention",
+    "register_attention",
+    "unmeasured_attention_like",
+]
 
 _ROUTE_KEY = "_qkmonitor_intercept"
 #: the ways a softmax is called from Python (``F.softmax``, ``torch.softmax``, ``x.softmax``)
 _SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax)
 _ATTENTION_NAME = re.compile(r"attn|attention|attend", re.IGNORECASE)
 # a call or a reference in code (``F.softmax``, ``x.softmax(``), not the word in a docstring
-_SDPA_IN_CODE = re.compile(r"[.\w]scaled_dot_product_attention\b|\bscaled_dot_product_attention\s*\(")
+_SDPA_IN_CODE = re.compile(
+    r"[.\w]scaled_dot_product_attention\b|\bscaled_dot_product_attention\s*\("
+)
 _SOFTMAX_IN_CODE = re.compile(r"\.softmax\b|\bsoftmax\s*\(")
 
 
@@ -124,14 +133,19 @@ def _fit(observed: Tensor, predicted: Tensor) -> tuple[float, float]:
     return c, (float((observed - c * predicted).norm()) / norm if norm > 0 else float("inf"))
 
 
-def _predict(module: nn.Module, layout: QKLayout, evidence: LayoutEvidence) -> tuple[Tensor, Tensor] | str:
+def _predict(
+    module: nn.Module, layout: QKLayout, evidence: LayoutEvidence
+) -> tuple[Tensor, Tensor] | str:
     """Position-0 queries ``(B, H, D)`` and keys ``(B, H_kv, D)`` in float64, or why not."""
     sources = layout.sources(module)
     x_q = evidence.inputs.get(id(sources[0]))
     x_k = evidence.inputs.get(id(sources[-1]))
     if x_q is None or x_k is None:
         return "the projections were not called in the forward (their inputs are unknown)"
-    x_q, x_k = _position0(x_q, evidence.batch, evidence.queries), _position0(x_k, evidence.batch, evidence.keys)
+    x_q, x_k = (
+        _position0(x_q, evidence.batch, evidence.queries),
+        _position0(x_k, evidence.batch, evidence.keys),
+    )
     if x_q is None or x_k is None:
         return "the projection inputs are not (batch, sequence, features)"
     w_q, b_q, w_k, b_k = layout.read(module)
@@ -155,7 +169,9 @@ def _normed(norm: nn.Module, x: Tensor) -> Tensor:
     return norm(x.flatten(1).to(dtype)).view_as(x).double()
 
 
-def check_layout(module: nn.Module, candidates: list[QKLayout], evidence: LayoutEvidence) -> QKLayout | str:
+def check_layout(
+    module: nn.Module, candidates: list[QKLayout], evidence: LayoutEvidence
+) -> QKLayout | str:
     """The candidate layout that reproduces what the module computed, or what did not match.
 
     Returns:
@@ -171,7 +187,11 @@ def check_layout(module: nn.Module, candidates: list[QKLayout], evidence: Layout
             failures.append(predicted)
             continue
         q, k = predicted
-        found = _match_sdpa(layout, q, k, evidence) if evidence.q is not None else _match_logits(layout, q, k, evidence)
+        found = (
+            _match_sdpa(layout, q, k, evidence)
+            if evidence.q is not None
+            else _match_logits(layout, q, k, evidence)
+        )
         if isinstance(found, str):
             failures.append(found)
         elif best is None or found[0] < best[0]:
@@ -180,16 +200,22 @@ def check_layout(module: nn.Module, candidates: list[QKLayout], evidence: Layout
         return failures[0] if failures else "no candidate layout"
     residual, layout = best
     if residual > tolerance:
-        return (f"the weights read as {layout.describe()} give queries/keys {residual:.2g} (relative) away from "
-                f"those the module computed (tolerance {tolerance:g})")
+        return (
+            f"the weights read as {layout.describe()} give queries/keys {residual:.2g} (relative) away from "
+            f"those the module computed (tolerance {tolerance:g})"
+        )
     return layout
 
 
-def _match_sdpa(layout: QKLayout, q: Tensor, k: Tensor, ev: LayoutEvidence) -> tuple[float, QKLayout] | str:
+def _match_sdpa(
+    layout: QKLayout, q: Tensor, k: Tensor, ev: LayoutEvidence
+) -> tuple[float, QKLayout] | str:
     q_obs, k_obs = ev.q.double(), ev.k.double()
     if q_obs.shape != q.shape:
-        return (f"the call's queries have {q_obs.shape[1]} heads of {q_obs.shape[2]}, the weights "
-                f"{layout.num_heads} of {layout.head_dim}")
+        return (
+            f"the call's queries have {q_obs.shape[1]} heads of {q_obs.shape[2]}, the weights "
+            f"{layout.num_heads} of {layout.head_dim}"
+        )
     c_q, r_q = _fit(q_obs, q)
     kv_obs = k_obs.shape[1]
     if kv_obs == layout.num_kv_heads:
@@ -207,13 +233,17 @@ def _match_sdpa(layout: QKLayout, q: Tensor, k: Tensor, ev: LayoutEvidence) -> t
     if not (c_q > 0 and c_k > 0):
         return "the weights' queries or keys point the other way from the call's"
     nominal = ev.scale if ev.scale is not None else layout.head_dim**-0.5
-    scale = nominal if abs(c_q * c_k - 1.0) < 1e-4 else nominal * c_q * c_k  # a module that pre-scales q or k
+    scale = (
+        nominal if abs(c_q * c_k - 1.0) < 1e-4 else nominal * c_q * c_k
+    )  # a module that pre-scales q or k
     if index is not None and index == grouped_index(layout.num_heads, layout.num_kv_heads):
         index = None
     return max(r_q, r_k), replace(layout, kv_index=index, scale=scale)
 
 
-def _match_logits(layout: QKLayout, q: Tensor, k: Tensor, ev: LayoutEvidence) -> tuple[float, QKLayout] | str:
+def _match_logits(
+    layout: QKLayout, q: Tensor, k: Tensor, ev: LayoutEvidence
+) -> tuple[float, QKLayout] | str:
     logits = ev.logits.double()
     if logits.shape[1] != layout.num_heads:
         return f"the softmax has {logits.shape[1]} heads, the weights {layout.num_heads}"
@@ -317,16 +347,21 @@ class _Route:
     def on_sdpa(self, args, kwargs) -> None:
         call = dict(zip(_SDPA_ARGS, args)) | kwargs
         q, k = call["query"], call["key"]
-        self._notify(lambda: _sdpa_call(q, k, call.get("attn_mask"), bool(call.get("is_causal", False)),
-                                        call.get("scale")),
-                     lambda: self._evidence(q, k, None, call.get("scale")))
+        self._notify(
+            lambda: _sdpa_call(
+                q, k, call.get("attn_mask"), bool(call.get("is_causal", False)), call.get("scale")
+            ),
+            lambda: self._evidence(q, k, None, call.get("scale")),
+        )
 
     def on_softmax(self, args, kwargs) -> None:
         x = args[0] if args else kwargs.get("input")
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if not isinstance(x, Tensor) or x.dim() != 4 or dim not in (-1, 3):
             return
-        if self.heads is not None and x.shape[1] != self.heads:  # not (B, H, N, M): heads folded elsewhere
+        if (
+            self.heads is not None and x.shape[1] != self.heads
+        ):  # not (B, H, N, M): heads folded elsewhere
             return
         qk = self._qk
         if qk is not None and qk[0].shape[:3] == x.shape[:3] and qk[1].shape[2] == x.shape[3]:
@@ -347,14 +382,22 @@ class _Route:
             call = FailedCall(err)
         self.observers.notify(call)
 
-    def _evidence(self, q: Tensor | None, k: Tensor | None, logits: Tensor | None, scale) -> LayoutEvidence:
+    def _evidence(
+        self, q: Tensor | None, k: Tensor | None, logits: Tensor | None, scale
+    ) -> LayoutEvidence:
         like = q if q is not None else logits
         b, n, m = like.shape[0], like.shape[2], (k.shape[2] if k is not None else logits.shape[3])
         return LayoutEvidence(
-            dict(self._inputs), None if q is None else q[:, :, 0].detach().clone(),
+            dict(self._inputs),
+            None if q is None else q[:, :, 0].detach().clone(),
             None if k is None else k[:, :, 0].detach().clone(),
             None if logits is None else logits[:, :, 0, 0].detach().clone(),
-            None if scale is None else float(scale), b, n, m, like.dtype)
+            None if scale is None else float(scale),
+            b,
+            n,
+            m,
+            like.dtype,
+        )
 
 
 def _sdpa_call(q: Tensor, k: Tensor, attn_mask, is_causal: bool, scale) -> MaskedCall:
@@ -388,8 +431,13 @@ def _scores_call(logits: Tensor) -> ScoresCall:
     return ScoresCall(scores.masked_fill(blocked, float("-inf")))
 
 
-def _route_probe(module: nn.Module, probe: Probe, weights: list[Tensor],
-                 observe: Callable | None = None, heads: int | None = None) -> Callable[[], None]:
+def _route_probe(
+    module: nn.Module,
+    probe: Probe,
+    weights: list[Tensor],
+    observe: Callable | None = None,
+    heads: int | None = None,
+) -> Callable[[], None]:
     """Route the module's attention calls to ``observe`` (default ``probe.observe``), and keep the
     inputs of ``weights`` for a layout check."""
     route = module.__dict__.get(_ROUTE_KEY)
@@ -425,8 +473,9 @@ class LayoutChecked:
     name: str
     module: nn.Module
 
-    def set_layouts(self, candidates: list[QKLayout], *, trusted: bool = False,
-                    heads_from_call: bool = False) -> None:
+    def set_layouts(
+        self, candidates: list[QKLayout], *, trusted: bool = False, heads_from_call: bool = False
+    ) -> None:
         """The candidate layouts; ``trusted``: the first one is used until a forward checks it;
         ``heads_from_call``: the projections are known but not the head counts (taken from the call)."""
         self.layout_candidates = list(candidates)
@@ -477,7 +526,9 @@ class LayoutChecked:
             probe.observe(call)
 
         self._verdict = None
-        return _route_probe(self.module, probe, self._layout_sources(), observe, self._known_heads())
+        return _route_probe(
+            self.module, probe, self._layout_sources(), observe, self._known_heads()
+        )
 
     def _known_heads(self) -> int | None:
         """H where the layout candidates agree on it before any call (a softmax over another dim 1
@@ -492,7 +543,9 @@ class LayoutChecked:
     @property
     def num_heads_hint(self) -> int:
         layout = self.layout or (self.layout_candidates[0] if self.layout_candidates else None)
-        return layout.num_heads if layout is not None else (attribute(self.module, HEADS_NAMES) or 1)
+        return (
+            layout.num_heads if layout is not None else (attribute(self.module, HEADS_NAMES) or 1)
+        )
 
     @property
     def has_qk_norm(self) -> bool:
@@ -502,7 +555,9 @@ class LayoutChecked:
         """A CPU copy of the projection weights the candidates read (``(out, in)`` layout), which
         ``layout.qk_weights`` reads like the module: values as they are now, for a check to come."""
         copy = SimpleNamespace()
-        paths = self._paths or {p for layout in self.layout_candidates for p in (layout.q, layout.k) if p}
+        paths = self._paths or {
+            p for layout in self.layout_candidates for p in (layout.q, layout.k) if p
+        }
         for path in paths:
             if path is None:
                 continue
@@ -521,7 +576,11 @@ class LayoutChecked:
         candidates = self.layout_candidates
         if self._paths is not None:  # counts from the call: H from the queries, H_kv from the keys
             heads = (evidence.q if evidence.q is not None else evidence.logits).shape[1]
-            kv = evidence.k.shape[1] if evidence.k is not None and evidence.k.shape[1] < heads else None
+            kv = (
+                evidence.k.shape[1]
+                if evidence.k is not None and evidence.k.shape[1] < heads
+                else None
+            )
             candidates = infer_layouts(self.module, heads=heads, kv_heads=kv, paths=self._paths)
             if not candidates:
                 return f"its projections {self._paths} do not split into the {heads} heads of its attention call"
@@ -537,7 +596,11 @@ class LayoutChecked:
         if isinstance(verdict, QKLayout):
             self.layout, self.layout_error = verdict, None
             return None
-        why = verdict if verdict is not None else "no SDPA or 4-D softmax call was seen in its forward"
+        why = (
+            verdict
+            if verdict is not None
+            else "no SDPA or 4-D softmax call was seen in its forward"
+        )
         if verdict == _UNSEEN_PROJECTIONS or verdict is None:
             if self._trusted:
                 return f"layer {self.name!r}: {why}, so its AttentionSpec layout is used unchecked"
@@ -567,8 +630,17 @@ class InterceptedAttentionLayer(LayoutChecked, AttentionLayer):
         heads_from_call: the projections are known, the head counts come from the first call.
     """
 
-    def __init__(self, name: str, module: nn.Module, index: int = 0, *, candidates: list[QKLayout] = (),
-                 kind: str = "intercepted", trusted: bool = False, heads_from_call: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        index: int = 0,
+        *,
+        candidates: list[QKLayout] = (),
+        kind: str = "intercepted",
+        trusted: bool = False,
+        heads_from_call: bool = False,
+    ) -> None:
         AttentionLayer.__init__(self, name, module, index)
         self.kind = kind
         self.set_layouts(list(candidates), trusted=trusted, heads_from_call=heads_from_call)
@@ -584,8 +656,14 @@ class InterceptedAttentionLayer(LayoutChecked, AttentionLayer):
 # --- recognising modules -------------------------------------------------------------------------
 
 
-_FRAMEWORKS = ("transformers.modeling_utils", "transformers.generation", "transformers.integrations", "torch.",
-               "lightning.", "pytorch_lightning.")
+_FRAMEWORKS = (
+    "transformers.modeling_utils",
+    "transformers.generation",
+    "transformers.integrations",
+    "torch.",
+    "lightning.",
+    "pytorch_lightning.",
+)
 
 
 @cache
@@ -615,10 +693,21 @@ def _child_computes(module: nn.Module) -> str | None:
 
 def looks_like_attention(module: nn.Module) -> bool:
     """An attention-like class name, or a forward that calls SDPA."""
-    return bool(_ATTENTION_NAME.search(type(module).__name__)) or _computes_attention(type(module)) == "sdpa"
+    return (
+        bool(_ATTENTION_NAME.search(type(module).__name__))
+        or _computes_attention(type(module)) == "sdpa"
+    )
 
 
-_NOT_ATTENTION = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.Dropout, nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_NOT_ATTENTION = (
+    nn.Linear,
+    nn.Embedding,
+    nn.LayerNorm,
+    nn.Dropout,
+    nn.ModuleList,
+    nn.ModuleDict,
+    nn.Sequential,
+)
 
 
 def _library(module: nn.Module) -> str:
@@ -635,8 +724,12 @@ def adapt_intercepted(name: str, module: nn.Module, index: int) -> InterceptedAt
     named = bool(_ATTENTION_NAME.search(type(module).__name__))
     paths = projections_of(module)
     kind = f"{_library(module)}.{type(module).__name__}"
-    if paths is None:  # statistics only (its weights are not found), if its own code computes attention
-        inner = any(projections_of(child) is not None for child in module.modules() if child is not module)
+    if (
+        paths is None
+    ):  # statistics only (its weights are not found), if its own code computes attention
+        inner = any(
+            projections_of(child) is not None for child in module.modules() if child is not module
+        )
         if not inner and (own == "sdpa" or (own and named)):
             return InterceptedAttentionLayer(name, module, index, kind=kind)
         return None
@@ -646,21 +739,36 @@ def adapt_intercepted(name: str, module: nn.Module, index: int) -> InterceptedAt
     if not (own or named or _child_computes(module)):
         return None
     candidates = infer_layouts(module)
-    return InterceptedAttentionLayer(name, module, index, candidates=candidates, kind=kind,
-                                     heads_from_call=not candidates)
+    return InterceptedAttentionLayer(
+        name, module, index, candidates=candidates, kind=kind, heads_from_call=not candidates
+    )
 
 
-def unmeasured_attention_like(model: nn.Module, layers: list[AttentionLayer]) -> list[tuple[str, str]]:
+def unmeasured_attention_like(
+    model: nn.Module, layers: list[AttentionLayer]
+) -> list[tuple[str, str]]:
     """``(name, class)`` of modules that look like attention (:func:`looks_like_attention`) but are
     neither a found layer, inside one, nor around one (a block holding a found layer)."""
     found = [layer.name for layer in layers]
 
     def related(name: str) -> bool:
-        return any(name == f or name.startswith(f + ".") or f.startswith(name + ".") or name == "" or f == ""
-                   for f in found)
+        return any(
+            name == f
+            or name.startswith(f + ".")
+            or f.startswith(name + ".")
+            or name == ""
+            or f == ""
+            for f in found
+        )
 
-    return [(name, type(module).__name__) for name, module in model.named_modules()
-            if name and not related(name) and not isinstance(module, _NOT_ATTENTION) and looks_like_attention(module)]
+    return [
+        (name, type(module).__name__)
+        for name, module in model.named_modules()
+        if name
+        and not related(name)
+        and not isinstance(module, _NOT_ATTENTION)
+        and looks_like_attention(module)
+    ]
 
 
 def register_attention(spec: AttentionSpec) -> None:
@@ -672,20 +780,30 @@ def register_attention(spec: AttentionSpec) -> None:
         ValueError: if ``spec`` is not an :class:`AttentionSpec`.
     """
     if not isinstance(spec, AttentionSpec):
-        raise ValueError(f"Expected `spec` to be a qkmonitor.AttentionSpec, got {type(spec).__name__}")
+        raise ValueError(
+            f"Expected `spec` to be a qkmonitor.AttentionSpec, got {type(spec).__name__}"
+        )
 
     def adapt(name: str, module: nn.Module, index: int) -> InterceptedAttentionLayer | None:
         if not spec.matches(name, module):
             return None
-        return InterceptedAttentionLayer(name, module, index, candidates=[spec.layout(module)], kind=spec.family,
-                                         trusted=True)
+        return InterceptedAttentionLayer(
+            name, module, index, candidates=[spec.layout(module)], kind=spec.family, trusted=True
+        )
 
-    register_family(spec.family, adapt, priority=0, looked_for=f"modules matching the AttentionSpec {spec.family!r}")
+    register_family(
+        spec.family,
+        adapt,
+        priority=0,
+        looked_for=f"modules matching the AttentionSpec {spec.family!r}",
+    )
 
 
 register_family(
-    "intercepted", adapt_intercepted, priority=90,
+    "intercepted",
+    adapt_intercepted,
+    priority=90,
     looked_for="any module calling F.scaled_dot_product_attention or a 4-D softmax with query/key projections "
-               "named q_proj/k_proj, query/key, to_q/to_k, wq/wk, q/k, q_lin/k_lin, or fused qkv, c_attn, "
-               "query_key_value, Wqkv, qkv_proj (timm, litgpt, x-transformers, nanoGPT-style modules)")
-
+    "named q_proj/k_proj, query/key, to_q/to_k, wq/wk, q/k, q_lin/k_lin, or fused qkv, c_attn, "
+    "query_key_value, Wqkv, qkv_proj (timm, litgpt, x-transformers, nanoGPT-style modules)",
+)

@@ -31,26 +31,78 @@ from torch import Tensor, nn
 
 from qkmonitor.adapters import QKWeights
 
-__all__ = ["FUSED_ORDERS", "PAIRINGS", "AttentionSpec", "QKLayout", "infer_layouts", "qk_norm_modules"]
+__all__ = [
+    "FUSED_ORDERS",
+    "PAIRINGS",
+    "AttentionSpec",
+    "QKLayout",
+    "infer_layouts",
+    "qk_norm_modules",
+]
 
 FUSED_ORDERS = ("blocks", "heads", "groups")
 PAIRINGS = ("grouped", "modulo")
 
 #: Separate query/key projections, by the names the field gives them.
-SEPARATE_NAMES = (("q_proj", "k_proj"), ("query", "key"), ("to_q", "to_k"), ("wq", "wk"), ("q", "k"),
-                  ("q_lin", "k_lin"), ("query_proj", "key_proj"), ("linear_q", "linear_k"))
+SEPARATE_NAMES = (
+    ("q_proj", "k_proj"),
+    ("query", "key"),
+    ("to_q", "to_k"),
+    ("wq", "wk"),
+    ("q", "k"),
+    ("q_lin", "k_lin"),
+    ("query_proj", "key_proj"),
+    ("linear_q", "linear_k"),
+)
 #: One fused q/k/v projection.
-FUSED_NAMES = ("qkv", "c_attn", "query_key_value", "Wqkv", "qkv_proj", "in_proj", "attn", "to_qkv", "wqkv")
+FUSED_NAMES = (
+    "qkv",
+    "c_attn",
+    "query_key_value",
+    "Wqkv",
+    "qkv_proj",
+    "in_proj",
+    "attn",
+    "to_qkv",
+    "wqkv",
+)
 #: Head counts and sizes, on the module or its ``config``.
-HEADS_NAMES = ("num_heads", "n_head", "n_heads", "heads", "num_attention_heads", "nhead", "n_heads_q")
-KV_HEADS_NAMES = ("num_kv_heads", "n_kv_heads", "num_key_value_heads", "kv_heads", "n_query_groups", "n_kv_head",
-                  "num_kv")
-HEAD_DIM_NAMES = ("head_dim", "head_size", "dim_head", "attention_head_size", "key_value_proj_dim", "d_head",
-                  "head_dim_qk")
+HEADS_NAMES = (
+    "num_heads",
+    "n_head",
+    "n_heads",
+    "heads",
+    "num_attention_heads",
+    "nhead",
+    "n_heads_q",
+)
+KV_HEADS_NAMES = (
+    "num_kv_heads",
+    "n_kv_heads",
+    "num_key_value_heads",
+    "kv_heads",
+    "n_query_groups",
+    "n_kv_head",
+    "num_kv",
+)
+HEAD_DIM_NAMES = (
+    "head_dim",
+    "head_size",
+    "dim_head",
+    "attention_head_size",
+    "key_value_proj_dim",
+    "d_head",
+    "head_dim_qk",
+)
 SCALE_NAMES = ("scale", "scaling", "softmax_scale")
 #: QK-norm modules (applied per head, or over the whole projection, after the projections).
-QK_NORM_NAMES = (("q_norm", "k_norm"), ("norm_q", "norm_k"), ("q_layernorm", "k_layernorm"),
-                 ("query_norm", "key_norm"), ("q_ln", "k_ln"))
+QK_NORM_NAMES = (
+    ("q_norm", "k_norm"),
+    ("norm_q", "norm_k"),
+    ("q_layernorm", "k_layernorm"),
+    ("query_norm", "key_norm"),
+    ("q_ln", "k_ln"),
+)
 
 
 @dataclass(frozen=True)
@@ -92,7 +144,12 @@ class QKLayout:
         if self.k is not None:
             w_q, b_q = projection(module, self.q)
             w_k, b_k = projection(module, self.k)
-            return w_q[: h * d], _rows(b_q, slice(0, h * d)), w_k[: kv * d], _rows(b_k, slice(0, kv * d))
+            return (
+                w_q[: h * d],
+                _rows(b_q, slice(0, h * d)),
+                w_k[: kv * d],
+                _rows(b_k, slice(0, kv * d)),
+            )
         w, b = projection(module, self.q)
         q_rows, k_rows = fused_rows(self.fused, h, kv, d, device=w.device)
         return w[q_rows], _rows(b, q_rows), w[k_rows], _rows(b, k_rows)
@@ -100,7 +157,9 @@ class QKLayout:
     def qk_weights(self, module: nn.Module) -> QKWeights:
         w_q, _, w_k, _ = self.read(module)
         kv_heads = self.num_kv_heads
-        if self.kv_index is not None and tuple(self.kv_index) != grouped_index(self.num_heads, kv_heads):
+        if self.kv_index is not None and tuple(self.kv_index) != grouped_index(
+            self.num_heads, kv_heads
+        ):
             # a pairing of its own: one key head per query head, in the query heads' order
             index = torch.tensor(self.kv_index, device=w_k.device)
             w_k = w_k.view(kv_heads, self.head_dim, -1)[index].flatten(0, 1)
@@ -123,7 +182,9 @@ def modulo_index(heads: int, kv_heads: int) -> tuple[int, ...]:
     return tuple(h % kv_heads for h in range(heads))
 
 
-def fused_rows(order: str, heads: int, kv_heads: int, head_dim: int, device=None) -> tuple[Tensor, Tensor]:
+def fused_rows(
+    order: str, heads: int, kv_heads: int, head_dim: int, device=None
+) -> tuple[Tensor, Tensor]:
     """Row indices of W_Q and W_K in a fused projection of the given order."""
     d, r = head_dim, heads // kv_heads
     if order == "blocks":
@@ -157,8 +218,12 @@ def _get(module: nn.Module, path: str):
 def _is_conv1d(proj: nn.Module) -> bool:
     """GPT-2's ``Conv1D``: weight ``(in, out)``, out features in ``nf``."""
     weight = getattr(proj, "weight", None)
-    return (type(proj).__name__ == "Conv1D" and isinstance(weight, Tensor) and weight.dim() == 2
-            and getattr(proj, "nf", None) == weight.shape[1])
+    return (
+        type(proj).__name__ == "Conv1D"
+        and isinstance(weight, Tensor)
+        and weight.dim() == 2
+        and getattr(proj, "nf", None) == weight.shape[1]
+    )
 
 
 def projection(module: nn.Module, path: str) -> tuple[Tensor, Tensor | None]:
@@ -169,7 +234,9 @@ def projection(module: nn.Module, path: str) -> tuple[Tensor, Tensor | None]:
         return obj, None
     weight = getattr(obj, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
-        raise ValueError(f"`{path}` of {type(module).__name__} is not a projection with a 2-D weight")
+        raise ValueError(
+            f"`{path}` of {type(module).__name__} is not a projection with a 2-D weight"
+        )
     bias = getattr(obj, "bias", None)
     bias = bias if isinstance(bias, Tensor) else None
     return (weight.T, bias) if _is_conv1d(obj) else (weight, bias)
@@ -183,7 +250,11 @@ def _weight_param(module: nn.Module, path: str) -> Tensor:
 def _out_features(module: nn.Module, path: str) -> int | None:
     obj = _get(module, path)
     weight = getattr(obj, "weight", None) if isinstance(obj, nn.Module) else None
-    if isinstance(weight, Tensor) and weight.dim() == 2 and not isinstance(obj, (nn.Embedding, nn.MultiheadAttention)):
+    if (
+        isinstance(weight, Tensor)
+        and weight.dim() == 2
+        and not isinstance(obj, (nn.Embedding, nn.MultiheadAttention))
+    ):
         return weight.shape[1] if _is_conv1d(obj) else weight.shape[0]
     return None
 
@@ -230,10 +301,17 @@ def projections_of(module: nn.Module) -> tuple[str, str | None] | None:
     return None
 
 
-def infer_layouts(module: nn.Module, *, heads: int | None = None, kv_heads: int | None = None,
-                  head_dim: int | None = None, paths: tuple[str, str | None] | None = None,
-                  fused: str | None = None, kv_index: tuple[int, ...] | None = None,
-                  scale: float | None = None) -> list[QKLayout]:
+def infer_layouts(
+    module: nn.Module,
+    *,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    paths: tuple[str, str | None] | None = None,
+    fused: str | None = None,
+    kv_index: tuple[int, ...] | None = None,
+    scale: float | None = None,
+) -> list[QKLayout]:
     """Every layout of ``module`` that its projections' shapes and attributes allow.
 
     Counts given as arguments win over the module's attributes (``num_heads``, ``n_head``,
@@ -255,7 +333,11 @@ def infer_layouts(module: nn.Module, *, heads: int | None = None, kv_heads: int 
     if q_out is None:
         return []
     if k_path is not None:
-        head_dim = head_dim or attribute(module, HEAD_DIM_NAMES) or (q_out // heads if q_out % heads == 0 else None)
+        head_dim = (
+            head_dim
+            or attribute(module, HEAD_DIM_NAMES)
+            or (q_out // heads if q_out % heads == 0 else None)
+        )
     else:
         head_dim = head_dim or attribute(module, HEAD_DIM_NAMES)
     kv_heads = kv_heads or attribute(module, KV_HEADS_NAMES)
@@ -277,22 +359,35 @@ def infer_layouts(module: nn.Module, *, heads: int | None = None, kv_heads: int 
             head_dim = next((q_out // width for width in widths if q_out % width == 0), None)
         if head_dim is None:
             return []
-        if kv_heads is None:  # (H + 2 H_kv) d_k rows hold q, k, v; 2 H d_k may also be q and k alone
+        if (
+            kv_heads is None
+        ):  # (H + 2 H_kv) d_k rows hold q, k, v; 2 H d_k may also be q and k alone
             rest = q_out // head_dim - heads if q_out % head_dim == 0 else 0
             kv_options = [rest // 2] if rest > 0 and rest % 2 == 0 else []
             kv_options += [heads] if rest == heads and heads not in kv_options else []
         else:
             kv_options = [kv_heads]
-        kv_options = [kv for kv in kv_options if kv > 0 and heads % kv == 0 and q_out >= (heads + kv) * head_dim]
+        kv_options = [
+            kv
+            for kv in kv_options
+            if kv > 0 and heads % kv == 0 and q_out >= (heads + kv) * head_dim
+        ]
         if not kv_options:
             return []
         layouts = []
         for kv in kv_options:
-            orders = (fused,) if fused else (("blocks", "heads") if kv == heads else ("blocks", "groups"))
+            orders = (
+                (fused,)
+                if fused
+                else (("blocks", "heads") if kv == heads else ("blocks", "groups"))
+            )
             layouts += [(order, kv) for order in orders]
         norm = qk_norm_modules(module) is not None
         scale = scale if scale is not None else _scale(module)
-        return [QKLayout(q_path, None, order, heads, kv, head_dim, kv_index, scale, norm) for order, kv in layouts]
+        return [
+            QKLayout(q_path, None, order, heads, kv, head_dim, kv_index, scale, norm)
+            for order, kv in layouts
+        ]
     norm = qk_norm_modules(module) is not None
     scale = scale if scale is not None else _scale(module)
     return [QKLayout(q_path, k_path, "blocks", heads, kv_heads, head_dim, kv_index, scale, norm)]
@@ -340,15 +435,23 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         if not (callable(self.match) or isinstance(self.match, tuple)):
-            raise ValueError(f"Expected `match` to be a module class, a tuple of them or a function "
-                             f"(name, module) -> bool, got {self.match!r}")
-        if (self.qkv is None) == (self.q is None or self.k is None) or (self.qkv and (self.q or self.k)):
-            raise ValueError("Expected either `q` and `k` (separate projections) or `qkv` (a fused one), "
-                             f"got q={self.q!r}, k={self.k!r}, qkv={self.qkv!r}")
+            raise ValueError(
+                f"Expected `match` to be a module class, a tuple of them or a function "
+                f"(name, module) -> bool, got {self.match!r}"
+            )
+        if (self.qkv is None) == (self.q is None or self.k is None) or (
+            self.qkv and (self.q or self.k)
+        ):
+            raise ValueError(
+                "Expected either `q` and `k` (separate projections) or `qkv` (a fused one), "
+                f"got q={self.q!r}, k={self.k!r}, qkv={self.qkv!r}"
+            )
         for field_name in ("q", "k", "qkv"):
             value = getattr(self, field_name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"Expected `{field_name}` to be a module path such as 'wq', got {value!r}")
+                raise ValueError(
+                    f"Expected `{field_name}` to be a module path such as 'wq', got {value!r}"
+                )
         if self.fused not in FUSED_ORDERS:
             raise ValueError(f"Expected `fused` to be one of {FUSED_ORDERS}, got {self.fused!r}")
         if self.pairing not in PAIRINGS:
@@ -356,11 +459,22 @@ class AttentionSpec:
         for field_name in ("num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, field_name)
             if value is not None and not isinstance(value, str) and _positive_int(value) is None:
-                raise ValueError(f"Expected `{field_name}` to be a positive int, an attribute name or None, "
-                                 f"got {value!r}")
-        if self.scale is not None and not isinstance(self.scale, str) and not (
-                isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool) and self.scale > 0):
-            raise ValueError(f"Expected `scale` to be a positive float, an attribute name or None, got {self.scale!r}")
+                raise ValueError(
+                    f"Expected `{field_name}` to be a positive int, an attribute name or None, "
+                    f"got {value!r}"
+                )
+        if (
+            self.scale is not None
+            and not isinstance(self.scale, str)
+            and not (
+                isinstance(self.scale, (int, float))
+                and not isinstance(self.scale, bool)
+                and self.scale > 0
+            )
+        ):
+            raise ValueError(
+                f"Expected `scale` to be a positive float, an attribute name or None, got {self.scale!r}"
+            )
 
     @property
     def family(self) -> str:
@@ -381,31 +495,48 @@ class AttentionSpec:
         Raises:
             ValueError: naming the field that the module does not have or that does not fit.
         """
+
         def count(field_name: str) -> int | None:
             value = getattr(self, field_name)
             if isinstance(value, str):
                 found = _positive_int(_get(module, value))
                 if found is None:
-                    raise ValueError(f"`{field_name}={value!r}`: {type(module).__name__} has no positive int there")
+                    raise ValueError(
+                        f"`{field_name}={value!r}`: {type(module).__name__} has no positive int there"
+                    )
                 return found
             return value
 
         paths = (self.qkv, None) if self.qkv is not None else (self.q, self.k)
         for path in paths:
-            if path is not None and _out_features(module, path) is None and not isinstance(_get(module, path), Tensor):
-                raise ValueError(f"`{path}` is not a projection of {type(module).__name__} (expected a module "
-                                 "with a 2-D weight, or a 2-D parameter)")
+            if (
+                path is not None
+                and _out_features(module, path) is None
+                and not isinstance(_get(module, path), Tensor)
+            ):
+                raise ValueError(
+                    f"`{path}` is not a projection of {type(module).__name__} (expected a module "
+                    "with a 2-D weight, or a 2-D parameter)"
+                )
         scale = _get(module, self.scale) if isinstance(self.scale, str) else self.scale
         heads = count("num_heads")
         kv_heads = count("num_kv_heads")
-        candidates = infer_layouts(module, heads=heads, kv_heads=kv_heads, head_dim=count("head_dim"), paths=paths,
-                                   fused=self.fused if self.qkv else None, scale=scale)
+        candidates = infer_layouts(
+            module,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=count("head_dim"),
+            paths=paths,
+            fused=self.fused if self.qkv else None,
+            scale=scale,
+        )
         if not candidates:
-            raise ValueError(f"{type(module).__name__}: the projections {paths} do not split into the given heads "
-                             f"(num_heads={heads}, num_kv_heads={kv_heads}); give `num_heads`, `num_kv_heads` and "
-                             "`head_dim`")
+            raise ValueError(
+                f"{type(module).__name__}: the projections {paths} do not split into the given heads "
+                f"(num_heads={heads}, num_kv_heads={kv_heads}); give `num_heads`, `num_kv_heads` and "
+                "`head_dim`"
+            )
         layout = candidates[0]
         if self.pairing == "modulo" and layout.num_kv_heads < layout.num_heads:
             layout = replace(layout, kv_index=modulo_index(layout.num_heads, layout.num_kv_heads))
         return layout
-

@@ -55,11 +55,21 @@ class AttentionStatistics(_PerHeadMetric):
     def __init__(self, num_heads: int, **kwargs) -> None:
         super().__init__(num_heads, **kwargs)
         zeros = torch.zeros(num_heads, dtype=torch.float64)
-        for name in ("entropy_sum", "entropy_norm_sum", "max_prob_sum", "sink_mass_sum",
-                     "rows", "norm_rows", "sink_rows"):
+        for name in (
+            "entropy_sum",
+            "entropy_norm_sum",
+            "max_prob_sum",
+            "sink_mass_sum",
+            "rows",
+            "norm_rows",
+            "sink_rows",
+        ):
             self.add_state(name, default=zeros.clone(), dist_reduce_fx="sum")
-        self.add_state("max_logit", default=torch.full((num_heads,), float("-inf"), dtype=torch.float64),
-                       dist_reduce_fx="max")
+        self.add_state(
+            "max_logit",
+            default=torch.full((num_heads,), float("-inf"), dtype=torch.float64),
+            dist_reduce_fx="max",
+        )
 
     def update(self, stats: AttentionStats) -> None:
         """Add the rows of one forward: every field (B, H, N)."""
@@ -73,12 +83,19 @@ class AttentionStatistics(_PerHeadMetric):
         live = n >= 1  # fully masked rows are left out of every aggregate
         spread = n > 1  # entropy_norm is undefined for a single key
         entropy = stats.entropy.double()
-        columns = [entropy, stats.max_prob.double(), torch.ones_like(n), entropy / n.clamp_min(2.0).log(),
-                   spread.double()]
+        columns = [
+            entropy,
+            stats.max_prob.double(),
+            torch.ones_like(n),
+            entropy / n.clamp_min(2.0).log(),
+            spread.double(),
+        ]
         if stats.sink_mass is not None:
             columns += [stats.sink_mass.double(), torch.ones_like(n)]
         keep = torch.stack([live, live, live, spread, live] + [live] * (len(columns) - 5))
-        sums = torch.where(keep, torch.stack(columns), 0.0).sum(dim=(1, 3))  # (fields, H): one reduction
+        sums = torch.where(keep, torch.stack(columns), 0.0).sum(
+            dim=(1, 3)
+        )  # (fields, H): one reduction
         self.entropy_sum += sums[0]
         self.max_prob_sum += sums[1]
         self.rows += sums[2]
@@ -119,10 +136,16 @@ class HeadMean(_PerHeadMetric):
 
     def __init__(self, num_heads: int, **kwargs) -> None:
         super().__init__(num_heads, **kwargs)
-        self.add_state("total", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state(
+            "total", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum"
+        )
+        self.add_state(
+            "count", default=torch.zeros(num_heads, dtype=torch.float64), dist_reduce_fx="sum"
+        )
 
-    def update(self, values: Tensor, keep: Tensor | None = None, columns: slice | None = None) -> None:
+    def update(
+        self, values: Tensor, keep: Tensor | None = None, columns: slice | None = None
+    ) -> None:
         """``values``: (S, width) samples, or (width,) for one; ``keep``: same shape, bool.
 
         ``columns``: the slots updated (a range of width ``width``); all of them by default. One
@@ -132,7 +155,11 @@ class HeadMean(_PerHeadMetric):
         target = slice(0, self.num_heads) if columns is None else columns
         width = len(range(self.num_heads)[target])
         values = values.detach().double().reshape(-1, width)
-        keep = torch.ones_like(values, dtype=torch.bool) if keep is None else keep.reshape(values.shape)
+        keep = (
+            torch.ones_like(values, dtype=torch.bool)
+            if keep is None
+            else keep.reshape(values.shape)
+        )
         self.total[target] += torch.where(keep, values, 0.0).sum(0)
         self.count[target] += keep.sum(0).double()
 

@@ -31,7 +31,15 @@ from torch import Tensor
 from qkmonitor.compiled import NeverCompiled
 from qkmonitor.kernels import AttentionStats, attention_stats
 
-__all__ = ["ProbeRequest", "ProbeResult", "Probe", "AttentionCall", "KernelCall", "ObserverSet", "full_precision"]
+__all__ = [
+    "AttentionCall",
+    "KernelCall",
+    "ObserverSet",
+    "Probe",
+    "ProbeRequest",
+    "ProbeResult",
+    "full_precision",
+]
 
 
 _SIDE = threading.local()
@@ -92,14 +100,23 @@ class ProbeRequest:
         for name in ("stats", "layout"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Expected `{name}` to be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+        if (
+            isinstance(self.sink_tokens, bool)
+            or not isinstance(self.sink_tokens, int)
+            or self.sink_tokens < 0
+        ):
             raise ValueError(f"Expected `sink_tokens` to be an int >= 0, got {self.sink_tokens!r}")
         if self.probs_slice is not None and not (
-            isinstance(self.probs_slice, tuple) and len(self.probs_slice) == 2
-            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.probs_slice)
+            isinstance(self.probs_slice, tuple)
+            and len(self.probs_slice) == 2
+            and all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.probs_slice
+            )
         ):
-            raise ValueError(f"Expected `probs_slice` to be (sequences, rows) positive ints or None, "
-                             f"got {self.probs_slice!r}")
+            raise ValueError(
+                f"Expected `probs_slice` to be (sequences, rows) positive ints or None, "
+                f"got {self.probs_slice!r}"
+            )
 
 
 @runtime_checkable
@@ -141,7 +158,9 @@ class Probe:
         remove: undoes what opening installed; called once, by the first :meth:`close`.
     """
 
-    def __init__(self, name: str, request: ProbeRequest, remove: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, name: str, request: ProbeRequest, remove: Callable[[], None] | None = None
+    ) -> None:
         self.name = name
         self.request = request
         self._remove = remove
@@ -198,7 +217,9 @@ class ObserverSet:
         self._next = 0
         self._sink = 0
 
-    def add(self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0) -> Callable[[], None]:
+    def add(
+        self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0
+    ) -> Callable[[], None]:
         _notify.prepare()  # eagerly, before dynamo may trace a forward that notifies
         key, self._next = self._next, self._next + 1
         self._observers[key] = (observer, sink_tokens)
@@ -249,9 +270,17 @@ class KernelCall:
         stats: statistics the forward already computed, and ``stats_sink`` the sink keys in them.
     """
 
-    def __init__(self, q: Tensor, k: Tensor, *, scale: float, causal: bool = False,
-                 key_padding_mask: Tensor | None = None, stats: AttentionStats | None = None,
-                 stats_sink: int = 0) -> None:
+    def __init__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        *,
+        scale: float,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        stats: AttentionStats | None = None,
+        stats_sink: int = 0,
+    ) -> None:
         self.q, self.k = q.detach(), k.detach()
         self.scale, self.causal, self.key_padding_mask = scale, causal, key_padding_mask
         self._stats = {stats_sink: stats} if stats is not None else {}
@@ -263,9 +292,14 @@ class KernelCall:
         if cached is None:
             # the kernel accumulates in float32 whatever the inputs; no enclosing autocast applies
             with full_precision():
-                cached = attention_stats(self.q, self.k, causal=self.causal,
-                                         key_padding_mask=self.key_padding_mask, scale=self.scale,
-                                         sink_tokens=sink_tokens)
+                cached = attention_stats(
+                    self.q,
+                    self.k,
+                    causal=self.causal,
+                    key_padding_mask=self.key_padding_mask,
+                    scale=self.scale,
+                    sink_tokens=sink_tokens,
+                )
             self._stats[sink_tokens] = cached
         return cached
 
@@ -276,7 +310,11 @@ class KernelCall:
         n, m = self.q.shape[2], self.k.shape[2]
         bias = None
         if self.causal:  # rows [:R] of the full N x M matrix keep the bottom-right offset
-            allowed = torch.ones(q.shape[2], m, dtype=torch.bool, device=q.device).tril(diagonal=m - n)
+            allowed = torch.ones(q.shape[2], m, dtype=torch.bool, device=q.device).tril(
+                diagonal=m - n
+            )
             bias = torch.zeros(q.shape[2], m, device=q.device).masked_fill(~allowed, -math.inf)
         pad = None if self.key_padding_mask is None else self.key_padding_mask[:sequences]
-        return attention_probs(q, self.k[:sequences], scale=self.scale, key_padding_mask=pad, bias=bias)
+        return attention_probs(
+            q, self.k[:sequences], scale=self.scale, key_padding_mask=pad, bias=bias
+        )

@@ -55,7 +55,9 @@ def register_family(name: str, adapt: Adapt, *, priority: int, looked_for: str) 
     if not isinstance(name, str) or not name:
         raise ValueError(f"Expected `name` to be a non-empty str, got {name!r}")
     if not callable(adapt):
-        raise ValueError(f"Expected `adapt` to be callable (name, module, index) -> layer, got {adapt!r}")
+        raise ValueError(
+            f"Expected `adapt` to be callable (name, module, index) -> layer, got {adapt!r}"
+        )
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"Expected `priority` to be an int, got {priority!r}")
     family = Family(name, adapt, priority, looked_for)

@@ -166,7 +166,9 @@ def _has_events(folder: Path) -> bool:
 
 
 def _newest_mtime(folder: Path) -> float:
-    return max(p.stat().st_mtime for p in folder.iterdir() if _EVENT_MARKER in p.name and p.is_file())
+    return max(
+        p.stat().st_mtime for p in folder.iterdir() if _EVENT_MARKER in p.name and p.is_file()
+    )
 
 
 def _natural_key(path: Path) -> list:
@@ -191,12 +193,20 @@ def resolve_run_dir(path: str | Path) -> tuple[Path, str | None]:
         )
     if given.is_file():
         if _EVENT_MARKER not in given.name:
-            raise ValueError(f"`{given}` is a file but not a TensorBoard event file (events.out.tfevents.*).")
+            raise ValueError(
+                f"`{given}` is a file but not a TensorBoard event file (events.out.tfevents.*)."
+            )
         return given, None
     if _has_events(given):
         return given, None
-    found = sorted((Path(root) for root, _, files in os.walk(given)
-                    if any(_EVENT_MARKER in name for name in files)), key=_natural_key)
+    found = sorted(
+        (
+            Path(root)
+            for root, _, files in os.walk(given)
+            if any(_EVENT_MARKER in name for name in files)
+        ),
+        key=_natural_key,
+    )
     if not found:
         raise ValueError(
             f"Run directory `{given}` holds no TensorBoard event files (events.out.tfevents.*) in it or "
@@ -207,8 +217,10 @@ def resolve_run_dir(path: str | Path) -> tuple[Path, str | None]:
     newest = max(found, key=lambda folder: (_newest_mtime(folder), _natural_key(folder)))
     names = [str(folder.relative_to(given)) for folder in found]
     listed = ", ".join(names) if len(names) <= 6 else ", ".join(names[:3] + ["..."] + names[-2:])
-    note = (f"`{given}` holds {len(found)} runs ({listed}); reporting the newest, "
-            f"`{newest.relative_to(given)}` (give its folder to report another).")
+    note = (
+        f"`{given}` holds {len(found)} runs ({listed}); reporting the newest, "
+        f"`{newest.relative_to(given)}` (give its folder to report another)."
+    )
     return newest, note
 
 
@@ -216,7 +228,14 @@ def _accumulator(path: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # 0 keeps every event: the defaults sample scalars down to 10,000 and tensors (text) to 10
-    keep = {"scalars": 0, "tensors": 0, "images": 1, "histograms": 1, "compressedHistograms": 1, "audio": 1}
+    keep = {
+        "scalars": 0,
+        "tensors": 0,
+        "images": 1,
+        "histograms": 1,
+        "compressedHistograms": 1,
+        "audio": 1,
+    }
     acc = EventAccumulator(str(path), size_guidance=keep)
     acc.Reload()
     return acc
@@ -246,7 +265,7 @@ def read_run(path: str | Path, prefix: str = "qkmonitor") -> RunData:
             continue
         events = acc.Scalars(tag)
         series = Series(tuple(e.step for e in events), tuple(float(e.value) for e in events))
-        rest = tag[len(head):]
+        rest = tag[len(head) :]
         if rest.startswith("alerts/") and rest.count("/") == 1:
             run.alert_counts[rest.split("/", 1)[1]] = series
             continue
@@ -272,12 +291,19 @@ def read_run(path: str | Path, prefix: str = "qkmonitor") -> RunData:
 
 
 def _no_scalars_message(folder: Path, prefix: str, tags: Sequence[str]) -> str:
-    message = (f"Run directory `{folder}` holds no qkmonitor scalars: expected tags like "
-               f"`{prefix}/kappa/layer_00` (written by the qkmonitor callbacks with `log_key_prefix="
-               f"'{prefix}'`)")
-    others = sorted({m["prefix"] for tag in tags if (m := re.match(r"^(?P<prefix>.+?)/[^/]+/layer_\d+$", tag))})
+    message = (
+        f"Run directory `{folder}` holds no qkmonitor scalars: expected tags like "
+        f"`{prefix}/kappa/layer_00` (written by the qkmonitor callbacks with `log_key_prefix="
+        f"'{prefix}'`)"
+    )
+    others = sorted(
+        {m["prefix"] for tag in tags if (m := re.match(r"^(?P<prefix>.+?)/[^/]+/layer_\d+$", tag))}
+    )
     if others:
-        return message + f"; found layer tags under the prefix {', '.join(f'`{p}`' for p in others)} (try `--prefix`)."
+        return (
+            message
+            + f"; found layer tags under the prefix {', '.join(f'`{p}`' for p in others)} (try `--prefix`)."
+        )
     shown = ", ".join(f"`{t}`" for t in sorted(tags)[:5]) or "none"
     return message + f"; its scalar tags: {shown}{', ...' if len(tags) > 5 else ''}."
 
@@ -294,14 +320,18 @@ def _read_alerts(acc, prefix: str) -> list[AlertEntry]:
     for tag in sorted(text_tags & set(acc.Tags().get("tensors", []))):
         # torch's SummaryWriter.add_text(tag) stores the string tensor under `{tag}/text_summary`
         name = tag.removesuffix("/text_summary")
-        if not name.startswith(f"{prefix}/alerts/") or "/" in name[len(prefix) + 8:]:
+        if not name.startswith(f"{prefix}/alerts/") or "/" in name[len(prefix) + 8 :]:
             continue
-        rule = name[len(prefix) + 8:]
+        rule = name[len(prefix) + 8 :]
         for event in acc.Tensors(tag):
             cells = tensor_util.make_ndarray(event.tensor_proto).reshape(-1)
-            text = "\n".join(c.decode("utf-8", "replace") if isinstance(c, bytes) else str(c) for c in cells)
+            text = "\n".join(
+                c.decode("utf-8", "replace") if isinstance(c, bytes) else str(c) for c in cells
+            )
             entries.append(AlertEntry(step=int(event.step), message=text, rule=rule))
-    return sorted(entries, key=lambda entry: entry.step)  # stable: same-step alerts keep their order
+    return sorted(
+        entries, key=lambda entry: entry.step
+    )  # stable: same-step alerts keep their order
 
 
 # -- the text ----------------------------------------------------------------------------------
@@ -332,8 +362,9 @@ def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
 
@@ -352,10 +383,15 @@ def _band_text(run: RunData, metric: str, layer: int) -> str:
 
 def _run_summary(run: RunData) -> str:
     counts = {len(h) for per_layer in run.heads.values() for h in per_layer.values()}
-    heads = (f"; per-head tags for {len(run.heads)} metric(s), {max(counts)} heads"
-             if run.heads else "; no per-head tags")
-    return (f"steps {run.first_step}-{run.final_step}, {run.num_layers} layer(s), "
-            f"{len(run.layers)} metric(s){heads}")
+    heads = (
+        f"; per-head tags for {len(run.heads)} metric(s), {max(counts)} heads"
+        if run.heads
+        else "; no per-head tags"
+    )
+    return (
+        f"steps {run.first_step}-{run.final_step}, {run.num_layers} layer(s), "
+        f"{len(run.layers)} metric(s){heads}"
+    )
 
 
 def _single_table(run: RunData) -> list[str]:
@@ -363,13 +399,22 @@ def _single_table(run: RunData) -> list[str]:
     rows = []
     for metric in run.metrics:
         for layer, series in sorted(run.layers[metric].items()):
-            rows.append([metric, str(layer), str(series.final_step), _fmt(series.final), _fmt(series.min),
-                         _fmt(series.max), _band_text(run, metric, layer)])
+            rows.append(
+                [
+                    metric,
+                    str(layer),
+                    str(series.final_step),
+                    _fmt(series.final),
+                    _fmt(series.min),
+                    _fmt(series.max),
+                    _band_text(run, metric, layer),
+                ]
+            )
     return _table(header, rows, left=1)
 
 
 def _comparison_table(runs: list[RunData]) -> list[str]:
-    letters = _RUN_LETTERS[:len(runs)]
+    letters = _RUN_LETTERS[: len(runs)]
     header = ["metric", "layer", *(f"{letter} final" for letter in letters)]
     if len(runs) == 2:
         header.append("B - A")
@@ -378,7 +423,9 @@ def _comparison_table(runs: list[RunData]) -> list[str]:
     for metric in metrics:
         layers = sorted({layer for run in runs for layer in run.layers.get(metric, {})})
         for layer in layers:
-            finals = [s.final if (s := run.layers.get(metric, {}).get(layer)) else None for run in runs]
+            finals = [
+                s.final if (s := run.layers.get(metric, {}).get(layer)) else None for run in runs
+            ]
             cells = [metric, str(layer), *map(_fmt, finals)]
             if len(runs) == 2:
                 a, b = finals
@@ -395,20 +442,30 @@ def _alert_lines(run: RunData, max_alerts: int | None) -> list[str]:
     if not finals:
         head = "alerts: no alert counters logged"
     elif fired:
-        head = f"alerts: {run.alerts_fired} fired: {fired}" + (f" (none of {quiet})" if quiet else "")
+        head = f"alerts: {run.alerts_fired} fired: {fired}" + (
+            f" (none of {quiet})" if quiet else ""
+        )
     else:
         head = f"alerts: none fired (rules counted: {quiet})"
-    lines = [head + f"; {len(run.alerts)} message(s)" + (":" if run.alerts and max_alerts != 0 else "")]
+    lines = [
+        head + f"; {len(run.alerts)} message(s)" + (":" if run.alerts and max_alerts != 0 else "")
+    ]
     shown = run.alerts if max_alerts is None else run.alerts[:max_alerts]
     width = len(str(max((a.step for a in shown), default=0)))
     lines += [f"  step {str(a.step).rjust(width)}  {a.message}" for a in shown]
     if len(shown) < len(run.alerts):
-        lines.append(f"  ... and {len(run.alerts) - len(shown)} more (raise `--max-alerts` to list them)")
+        lines.append(
+            f"  ... and {len(run.alerts) - len(shown)} more (raise `--max-alerts` to list them)"
+        )
     return lines
 
 
-def format_report(runs: Sequence[RunData], plots: Sequence[Path] = (), out_dir: Path | None = None,
-                  max_alerts: int | None = 20) -> str:
+def format_report(
+    runs: Sequence[RunData],
+    plots: Sequence[Path] = (),
+    out_dir: Path | None = None,
+    max_alerts: int | None = 20,
+) -> str:
     """The text of a report: per-layer table (or side-by-side finals), alerts, where the plots are.
 
     Args:
@@ -427,16 +484,24 @@ def format_report(runs: Sequence[RunData], plots: Sequence[Path] = (), out_dir: 
         run = runs[0]
         lines += [f"qkmonitor report: {run.path}"]
         lines += [f"  note: {run.note}"] if run.note else []
-        lines += [f"  {_run_summary(run)}", "",
-                  "final value, min and max over steps of the per-layer mean; the heads' range at the final step",
-                  *_single_table(run), "", *_alert_lines(run, max_alerts)]
+        lines += [
+            f"  {_run_summary(run)}",
+            "",
+            "final value, min and max over steps of the per-layer mean; the heads' range at the final step",
+            *_single_table(run),
+            "",
+            *_alert_lines(run, max_alerts),
+        ]
     else:
         lines += [f"qkmonitor report: comparing {len(runs)} runs"]
         for letter, run in zip(_RUN_LETTERS, runs):
             lines += [f"  {letter}: {run.path} ({_run_summary(run)})"]
             lines += [f"     note: {run.note}"] if run.note else []
-        lines += ["", "final value of the per-layer mean (at each run's last logged step)",
-                  *_comparison_table(list(runs))]
+        lines += [
+            "",
+            "final value of the per-layer mean (at each run's last logged step)",
+            *_comparison_table(list(runs)),
+        ]
         for letter, run in zip(_RUN_LETTERS, runs):
             first, *rest = _alert_lines(run, max_alerts)
             lines += ["", f"{letter}: {first}", *rest]
@@ -501,26 +566,53 @@ def _plot_metric(runs: Sequence[RunData], metric: str, path: Path) -> Path:
     ax = figure.add_subplot()
     num_layers = max(1 + max(run.layers[metric]) for run in runs if metric in run.layers)
     colors = _layer_colors(num_layers)
-    many_points = max(len(s.steps) for run in runs for s in run.layers.get(metric, {}).values()) > 60
+    many_points = (
+        max(len(s.steps) for run in runs for s in run.layers.get(metric, {}).values()) > 60
+    )
     shown: list[float] = []  # every value drawn, for the y range
     for index, run in enumerate(runs):
         style = _LINE_STYLES[index % len(_LINE_STYLES)]
         for layer, series in sorted(run.layers.get(metric, {}).items()):
-            ax.plot(series.steps, _finite(series.values), linestyle=style, color=colors[layer], linewidth=1.6,
-                    marker=None if many_points else "o", markersize=3)
+            ax.plot(
+                series.steps,
+                _finite(series.values),
+                linestyle=style,
+                color=colors[layer],
+                linewidth=1.6,
+                marker=None if many_points else "o",
+                markersize=3,
+            )
             shown += series.values
             band = run.bands.get(metric, {}).get(layer, {})
-            if len(runs) == 1 and "min" in band and "max" in band and band["min"].steps == series.steps:
-                ax.fill_between(series.steps, _finite(band["min"].values), _finite(band["max"].values),
-                                color=colors[layer], alpha=0.15, linewidth=0)
+            if (
+                len(runs) == 1
+                and "min" in band
+                and "max" in band
+                and band["min"].steps == series.steps
+            ):
+                ax.fill_between(
+                    series.steps,
+                    _finite(band["min"].values),
+                    _finite(band["max"].values),
+                    color=colors[layer],
+                    alpha=0.15,
+                    linewidth=0,
+                )
                 shown += band["min"].values + band["max"].values
     has_heads = any(metric in run.bands or metric in run.heads for run in runs)
     what = "mean over heads" if has_heads else "per layer"
-    shaded = ", shaded: lowest to highest head" if len(runs) == 1 and any(metric in r.bands for r in runs) else ""
+    shaded = (
+        ", shaded: lowest to highest head"
+        if len(runs) == 1 and any(metric in r.bands for r in runs)
+        else ""
+    )
     ax.set_title(f"{metric} ({what}{shaded})")
     finite = [v for v in shown if math.isfinite(v)]
     span = _span(finite)
-    if span is not None and span != (min(finite), max(finite)):  # flat lines: no axis of float noise
+    if span is not None and span != (
+        min(finite),
+        max(finite),
+    ):  # flat lines: no axis of float noise
         ax.set_ylim(*span)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
@@ -533,10 +625,20 @@ def _plot_metric(runs: Sequence[RunData], metric: str, path: Path) -> Path:
         from matplotlib.cm import ScalarMappable
         from matplotlib.colors import Normalize
 
-        figure.colorbar(ScalarMappable(Normalize(0, num_layers - 1), "viridis"), ax=ax, label="layer")
+        figure.colorbar(
+            ScalarMappable(Normalize(0, num_layers - 1), "viridis"), ax=ax, label="layer"
+        )
     if len(runs) > 1:
-        handles += [Line2D([], [], color="0.3", linestyle=_LINE_STYLES[i % len(_LINE_STYLES)],
-                           label=_run_label(_RUN_LETTERS[i], run)) for i, run in enumerate(runs)]
+        handles += [
+            Line2D(
+                [],
+                [],
+                color="0.3",
+                linestyle=_LINE_STYLES[i % len(_LINE_STYLES)],
+                label=_run_label(_RUN_LETTERS[i], run),
+            )
+            for i, run in enumerate(runs)
+        ]
     if handles:
         ax.legend(handles=handles, fontsize="small", loc="best", ncol=2 if len(handles) > 8 else 1)
     figure.savefig(path)
@@ -546,7 +648,10 @@ def _plot_metric(runs: Sequence[RunData], metric: str, path: Path) -> Path:
 def _head_grid(run: RunData, metric: str) -> tuple[list[list[float]], int]:
     """(layers x heads) final values, NaN where a head is missing, and the last step among them."""
     per_layer = run.heads[metric]
-    num_layers, num_heads = 1 + max(per_layer), 1 + max(h for heads in per_layer.values() for h in heads)
+    num_layers, num_heads = (
+        1 + max(per_layer),
+        1 + max(h for heads in per_layer.values() for h in heads),
+    )
     grid = [[math.nan] * num_heads for _ in range(num_layers)]
     step = 0
     for layer, heads in per_layer.items():
@@ -566,26 +671,41 @@ def _plot_heads(runs: Sequence[RunData], metric: str, path: Path) -> Path:
     cmap = colormaps["viridis"].with_extremes(bad="0.85")
     widest = max(len(grid[0]) for _, _, grid, _ in grids)
     tallest = max(len(grid) for _, _, grid, _ in grids)
-    figure = _new_figure(min(16, 1.5 + len(grids) * (1.2 + 0.55 * widest)), min(12, 2.0 + 0.45 * tallest))
+    figure = _new_figure(
+        min(16, 1.5 + len(grids) * (1.2 + 0.55 * widest)), min(12, 2.0 + 0.45 * tallest)
+    )
     axes = figure.subplots(1, len(grids), squeeze=False)[0]
     for ax, (letter, run, grid, step) in zip(axes, grids):
         data = np.ma.masked_invalid(np.asarray(grid, dtype=float))
-        image = ax.imshow(data, cmap=cmap, vmin=low, vmax=high, aspect="auto", interpolation="nearest")
+        image = ax.imshow(
+            data, cmap=cmap, vmin=low, vmax=high, aspect="auto", interpolation="nearest"
+        )
         rows, cols = data.shape
         if rows * cols <= 256:  # the numbers stay readable up to about 16 x 16
             for r in range(rows):
                 for c in range(cols):
                     value = grid[r][c]
-                    red, green, blue, _ = cmap(0.0 if not math.isfinite(value) else (value - low) / (high - low))
+                    red, green, blue, _ = cmap(
+                        0.0 if not math.isfinite(value) else (value - low) / (high - low)
+                    )
                     dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5 and math.isfinite(value)
-                    ax.text(c, r, _fmt(value) if len(_fmt(value)) <= 6 else f"{value:.2g}", ha="center",
-                            va="center", fontsize=8, color="white" if dark else "black")
+                    ax.text(
+                        c,
+                        r,
+                        _fmt(value) if len(_fmt(value)) <= 6 else f"{value:.2g}",
+                        ha="center",
+                        va="center",
+                        fontsize=8,
+                        color="white" if dark else "black",
+                    )
         ax.set_xticks(range(cols))
         ax.set_yticks(range(rows))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         title = f"{metric} per head at step {step}"
-        ax.set_title(title if len(grids) == 1 else f"{_run_label(letter, run)}\n{title}", fontsize="medium")
+        ax.set_title(
+            title if len(grids) == 1 else f"{_run_label(letter, run)}\n{title}", fontsize="medium"
+        )
     figure.colorbar(image, ax=list(axes), label=metric)
     figure.savefig(path)
     return path
@@ -616,8 +736,13 @@ def plot_runs(runs: Sequence[RunData], out_dir: str | Path) -> list[Path]:
 # -- the public entry points -------------------------------------------------------------------
 
 
-def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None, prefix: str = "qkmonitor",
-                 plots: bool = True, max_alerts: int | None = 20) -> Report:
+def build_report(
+    run_dirs: Sequence[str | Path],
+    out_dir: str | Path | None = None,
+    prefix: str = "qkmonitor",
+    plots: bool = True,
+    max_alerts: int | None = 20,
+) -> Report:
     """Read runs back and tell their story: table, alerts, PNG plots.
 
     Args:
@@ -636,15 +761,26 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = No
         ValueError: no run directory given, one missing or empty, or one without qkmonitor scalars.
     """
     if isinstance(run_dirs, (str, Path)) or not run_dirs:
-        raise ValueError(f"Expected `run_dirs` to be a non-empty list of run folders, got {run_dirs!r}")
+        raise ValueError(
+            f"Expected `run_dirs` to be a non-empty list of run folders, got {run_dirs!r}"
+        )
     runs = [read_run(path, prefix) for path in run_dirs]
     written: list[Path] = []
     out: Path | None = None
     if plots:
-        out = Path(out_dir) if out_dir is not None else (
-            runs[0].path / "report" if len(runs) == 1 and runs[0].path.is_dir() else Path("report"))
+        out = (
+            Path(out_dir)
+            if out_dir is not None
+            else (
+                runs[0].path / "report"
+                if len(runs) == 1 and runs[0].path.is_dir()
+                else Path("report")
+            )
+        )
         written = plot_runs(runs, out)
-    return Report(runs=runs, text=format_report(runs, written, out, max_alerts), plots=written, out_dir=out)
+    return Report(
+        runs=runs, text=format_report(runs, written, out, max_alerts), plots=written, out_dir=out
+    )
 
 
 def _non_negative_int(text: str) -> int:
@@ -655,25 +791,40 @@ def _non_negative_int(text: str) -> int:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                        help="a run folder (runs/recall/version_0) or a folder above one (the newest run "
-                             "is taken); give two to compare them")
-    parser.add_argument("--out", default=None, metavar="DIR",
-                        help="where the PNG plots go (default: RUN_DIR/report, or ./report for several runs)")
+    parser.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="a run folder (runs/recall/version_0) or a folder above one (the newest run "
+        "is taken); give two to compare them",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where the PNG plots go (default: RUN_DIR/report, or ./report for several runs)",
+    )
     parser.add_argument("--prefix", default="qkmonitor", help="the monitors' log_key_prefix")
     parser.add_argument("--no-plots", action="store_true", help="print the text only, write no PNG")
-    parser.add_argument("--max-alerts", type=_non_negative_int, default=20,
-                        help="list at most this many alert messages per run (0: none)")
+    parser.add_argument(
+        "--max-alerts",
+        type=_non_negative_int,
+        default=20,
+        help="list at most this many alert messages per run (0: none)",
+    )
 
 
-def add_report_parser(subparsers, formatter_class: type[argparse.HelpFormatter] = argparse.ArgumentDefaultsHelpFormatter,
-                      ) -> argparse.ArgumentParser:
+def add_report_parser(
+    subparsers,
+    formatter_class: type[argparse.HelpFormatter] = argparse.ArgumentDefaultsHelpFormatter,
+) -> argparse.ArgumentParser:
     """Add the ``report`` command to a CLI's ``add_subparsers()`` object; returns its parser.
     ``formatter_class``: the CLI's help formatter (one that shows each default once)."""
     parser = subparsers.add_parser(
-        "report", help="read a run back: per-layer table, alerts, PNG plots",
+        "report",
+        help="read a run back: per-layer table, alerts, PNG plots",
         description="Read qkmonitor runs back from their TensorBoard event files: a per-layer table of "
-                    "every metric, the alerts, and PNG plots. Two runs are compared side by side.",
+        "every metric, the alerts, and PNG plots. Two runs are compared side by side.",
         formatter_class=formatter_class,
     )
     _add_arguments(parser)
@@ -683,8 +834,13 @@ def add_report_parser(subparsers, formatter_class: type[argparse.HelpFormatter] 
 def run_report(args: argparse.Namespace) -> int:
     """Run the ``report`` command from parsed arguments: print the report; 0, or 2 on a bad run."""
     try:
-        report = build_report(args.run_dirs, out_dir=args.out, prefix=args.prefix, plots=not args.no_plots,
-                              max_alerts=args.max_alerts)
+        report = build_report(
+            args.run_dirs,
+            out_dir=args.out,
+            prefix=args.prefix,
+            plots=not args.no_plots,
+            max_alerts=args.max_alerts,
+        )
     except ValueError as err:
         print(f"qkmonitor report: {err}", file=sys.stderr)
         return 2
@@ -694,8 +850,11 @@ def run_report(args: argparse.Namespace) -> int:
 
 def main_report(argv: Sequence[str] | None = None) -> int:
     """``qkmonitor report`` on its own: parse ``argv`` and run it."""
-    parser = argparse.ArgumentParser(prog="qkmonitor report", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="qkmonitor report",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     _add_arguments(parser)
     return run_report(parser.parse_args(argv))
 

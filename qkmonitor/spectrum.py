@@ -138,12 +138,18 @@ class LayerSpectra:
               docstring): 0/0. Its ``eig_mean``, ``eig_var`` and ``qk_spectral_norm`` are 0.
     """
 
-    metrics: dict[str, list[Tensor]] = field(default_factory=lambda: {m: [] for m in SPECTRUM_METRICS})
+    metrics: dict[str, list[Tensor]] = field(
+        default_factory=lambda: {m: [] for m in SPECTRUM_METRICS}
+    )
     singular_values: list[Tensor] = field(default_factory=list)
-    undefined: dict[str, list[Tensor]] = field(default_factory=lambda: {m: [] for m in SPECTRUM_METRICS})
+    undefined: dict[str, list[Tensor]] = field(
+        default_factory=lambda: {m: [] for m in SPECTRUM_METRICS}
+    )
 
 
-def qk_head_spectra(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | None = None) -> HeadSpectra:
+def qk_head_spectra(
+    w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | None = None
+) -> HeadSpectra:
     r"""Singular values and eigenvalues of every head's ``W_QK^h`` of one layer, from Gram matrices.
 
     See the module docstring for the method and its accuracy bound.
@@ -173,12 +179,16 @@ def qk_head_spectra(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int 
         )
     dtype = _gram_dtype(_compute_dtype(w_q, w_k), w_q.device)
     with torch.no_grad():
-        wq, wk, group = _split_heads(w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads)
+        wq, wk, group = _split_heads(
+            w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads
+        )
         q_rows, k_rows = wq.mT, wk.mT  # (H, d_k, d), (H_kv, d_k, d'): views of the weights' rows
         rounding = torch.finfo(dtype).eps / 2 * math.sqrt(max(w_q.shape[-1], w_k.shape[-1]))  # ε
         square = w_q.shape[-1] == w_k.shape[-1]
         chunks = _head_chunks(q_rows, k_rows.shape[-1], group.cpu())
-        solve = lambda heads: _spectra_of_heads(q_rows[heads], k_rows, group[heads], rounding, square)
+        solve = lambda heads: _spectra_of_heads(
+            q_rows[heads], k_rows, group[heads], rounding, square
+        )
         parts = _on_threads(solve, chunks)
     singular_values = torch.cat([sv for sv, _ in parts])
     eigenvalues = torch.cat([eig for _, eig in parts]) if square else None
@@ -201,7 +211,9 @@ def _spectra_of_heads(
     finite = _finite(gram_q) & finite_k[group]  # (h,)
     if cross is not None:
         finite &= _finite(cross)
-    singular_values = _singular_values(_small(gram_q, finite), _small(gram_k, finite_k), group, rounding)
+    singular_values = _singular_values(
+        _small(gram_q, finite), _small(gram_k, finite_k), group, rounding
+    )
     singular_values[~finite] = float("nan")
     eigenvalues = None
     if cross is not None:
@@ -266,7 +278,9 @@ def full_parameters(model: nn.Module | None) -> AbstractContextManager:
         return nullcontext()
     wrapped = _HOLDS_FSDP.get(model)
     if wrapped is None:  # read once per model: walking a large model at every probe adds up
-        wrapped = _HOLDS_FSDP[model] = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+        wrapped = _HOLDS_FSDP[model] = any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()
+        )
     if wrapped:
         return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True)
     return nullcontext()
@@ -302,8 +316,12 @@ def _runs(weights: Sequence[QKWeights]) -> list[list[tuple[int, QKWeights]]]:
     for index, layer in enumerate(weights):
         kind = _run_kind(layer)
         previous = runs[-1][-1][1] if runs else None
-        if kind is not None and previous is not None and _run_kind(previous) == kind \
-                and size + layer.w_q.numel() <= _RUN_ELEMENTS:
+        if (
+            kind is not None
+            and previous is not None
+            and _run_kind(previous) == kind
+            and size + layer.w_q.numel() <= _RUN_ELEMENTS
+        ):
             runs[-1].append((index, layer))
             size += layer.w_q.numel()
         else:
@@ -314,13 +332,27 @@ def _runs(weights: Sequence[QKWeights]) -> list[list[tuple[int, QKWeights]]]:
 
 def _run_kind(layer: QKWeights) -> tuple | None:
     w_q, w_k = layer.w_q, layer.w_k
-    if not isinstance(layer.num_heads, int) or callable(getattr(w_q, "full_tensor", None)) \
-            or callable(getattr(w_k, "full_tensor", None)) or w_q.numel() > _RUN_ELEMENTS:
+    if (
+        not isinstance(layer.num_heads, int)
+        or callable(getattr(w_q, "full_tensor", None))
+        or callable(getattr(w_k, "full_tensor", None))
+        or w_q.numel() > _RUN_ELEMENTS
+    ):
         return None
-    return (w_q.shape, w_k.shape, w_q.dtype, w_k.dtype, w_q.device, layer.num_heads, layer.num_kv_heads)
+    return (
+        w_q.shape,
+        w_k.shape,
+        w_q.dtype,
+        w_k.dtype,
+        w_q.device,
+        layer.num_heads,
+        layer.num_kv_heads,
+    )
 
 
-def _run_metrics(run: list[tuple[int, QKWeights]]) -> list[tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]]:
+def _run_metrics(
+    run: list[tuple[int, QKWeights]],
+) -> list[tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]]:
     """Per layer of a run: (metric -> (H,) float64, (H, d_k) singular values, metric -> (H,)
     undefined mask)."""
     square = run[0][1].w_q.shape[-1] == run[0][1].w_k.shape[-1]
@@ -328,22 +360,36 @@ def _run_metrics(run: list[tuple[int, QKWeights]]) -> list[tuple[dict[str, Tenso
         layers = [layer for _, layer in run]
         heads, kv_heads = layers[0].num_heads, layers[0].num_kv_heads or layers[0].num_heads
         try:
-            spectra = qk_head_spectra(torch.cat([layer.w_q.detach() for layer in layers]),
-                                      torch.cat([layer.w_k.detach() for layer in layers]), heads * len(layers),
-                                      kv_heads * len(layers))
+            spectra = qk_head_spectra(
+                torch.cat([layer.w_q.detach() for layer in layers]),
+                torch.cat([layer.w_k.detach() for layer in layers]),
+                heads * len(layers),
+                kv_heads * len(layers),
+            )
         except torch.linalg.LinAlgError:  # solve the layers one by one, to name the failing one
             return [one for item in run for one in _run_metrics([item])]
         scale = torch.cat([_head_scale(layer.scale, heads) for layer in layers])
         metrics, sv, undefined = _metrics(spectra, scale, square)
-        return [({n: v[i * heads:(i + 1) * heads] for n, v in metrics.items()}, sv[i * heads:(i + 1) * heads],
-                 {n: v[i * heads:(i + 1) * heads] for n, v in undefined.items()}) for i in range(len(layers))]
+        return [
+            (
+                {n: v[i * heads : (i + 1) * heads] for n, v in metrics.items()},
+                sv[i * heads : (i + 1) * heads],
+                {n: v[i * heads : (i + 1) * heads] for n, v in undefined.items()},
+            )
+            for i in range(len(layers))
+        ]
     index, layer = run[0]
     num_heads = layer.num_heads
     try:
-        spectra = qk_head_spectra(full_tensor(layer.w_q), full_tensor(layer.w_k), num_heads, layer.num_kv_heads)
+        spectra = qk_head_spectra(
+            full_tensor(layer.w_q), full_tensor(layer.w_k), num_heads, layer.num_kv_heads
+        )
     except torch.linalg.LinAlgError as err:  # an eigen-solver that did not converge
-        warnings.warn(f"QK spectrum of layer {index}: {err}; the layer's metrics are NaN.", RuntimeWarning,
-                      stacklevel=4)
+        warnings.warn(
+            f"QK spectrum of layer {index}: {err}; the layer's metrics are NaN.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         d_k = layer.w_q.shape[0] // num_heads
         nan = torch.full((num_heads, d_k), float("nan"), dtype=torch.float64)
         spectra = HeadSpectra(nan, nan.to(torch.complex128) if square else None)
@@ -354,17 +400,28 @@ def _head_scale(scale: float | Tensor, num_heads: int) -> Tensor:
     return torch.as_tensor(scale, dtype=torch.float64).detach().cpu().expand(num_heads)
 
 
-def _metrics(spectra: HeadSpectra, scale: Tensor, square: bool) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
+def _metrics(
+    spectra: HeadSpectra, scale: Tensor, square: bool
+) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
     """The metrics of some heads from their spectra; ``scale`` (heads,)."""
     sv, eig = spectra
     num_heads = sv.shape[0]
-    metrics = {"kappa": spectral_concentration(sv), "qk_erank": effective_rank(sv), "qk_spectral_norm": sv[:, 0] * scale}
+    metrics = {
+        "kappa": spectral_concentration(sv),
+        "qk_erank": effective_rank(sv),
+        "qk_spectral_norm": sv[:, 0] * scale,
+    }
     if eig is not None:
         eig = eig.to(torch.complex128)
         metrics["eig_mean"], metrics["eig_var"] = eigenvalue_moments(eig)
         metrics["kappa_eig"] = spectral_concentration(eig)
     else:
-        metrics.update({name: torch.full((num_heads,), float("nan"), dtype=torch.float64) for name in _EIGEN_METRICS})
+        metrics.update(
+            {
+                name: torch.full((num_heads,), float("nan"), dtype=torch.float64)
+                for name in _EIGEN_METRICS
+            }
+        )
     zero = sv[:, 0] == 0  # False for NaN heads: broken, not undefined
     undefined = {name: torch.zeros(num_heads, dtype=torch.bool) for name in SPECTRUM_METRICS}
     for name in _RATIOS_OF_SIGMA:
@@ -385,7 +442,11 @@ def _gram_dtype(compute_dtype: torch.dtype, device: torch.device) -> torch.dtype
 def _cpu_float32_matmul_is_ieee() -> bool:
     # The most specific flag that is set wins (torch >= 2.9); `set_float32_matmul_precision`
     # writes the matmul one. Reading the legacy getter instead can raise once both APIs were used.
-    for owner in (getattr(torch.backends.mkldnn, "matmul", None), torch.backends.mkldnn, torch.backends):
+    for owner in (
+        getattr(torch.backends.mkldnn, "matmul", None),
+        torch.backends.mkldnn,
+        torch.backends,
+    ):
         precision = getattr(owner, "fp32_precision", "none")
         if precision != "none":
             return precision == "ieee"
@@ -413,7 +474,9 @@ def _cross_products(q_rows: Tensor, k_rows: Tensor, group: Tensor) -> Tensor:
         return q_rows @ k_rows.mT
     out, start = [], 0
     for g, count in enumerate(torch.bincount(group, minlength=k_rows.shape[0]).tolist()):
-        grouped = q_rows[start:start + count].reshape(count * d_k, d)  # the group's heads, stacked rows
+        grouped = q_rows[start : start + count].reshape(
+            count * d_k, d
+        )  # the group's heads, stacked rows
         out.append((grouped @ k_rows[g].mT).reshape(count, d_k, d_k))
         start += count
     return torch.cat(out)
@@ -438,7 +501,9 @@ def _singular_values(gram_q: Tensor, gram_k: Tensor, group: Tensor, rounding: fl
     factor = _gram_factor(gram_k).index_select(0, group)  # (H, d_k, d_k)
     # F G F^T is symmetric positive semi-definite by construction, so a symmetric solver applies.
     squared = torch.linalg.eigvalsh(factor @ gram_q @ factor.mT).flip(-1)  # descending
-    scale_squared = _largest_eigenvalue(gram_q) * _largest_eigenvalue(gram_k).index_select(0, group)  # S²
+    scale_squared = _largest_eigenvalue(gram_q) * _largest_eigenvalue(gram_k).index_select(
+        0, group
+    )  # S²
     noise = squared <= 3 * rounding * scale_squared[:, None]
     return torch.where(noise, 0.0, squared).sqrt()
 
@@ -454,10 +519,14 @@ def _largest_eigenvalue(gram: Tensor, steps: int = 4) -> Tensor:
     to ``_EXACT_WORK``) get the exact value from one symmetric eigensolve instead: a dozen small
     matmuls cost more than that there.
     """
-    if gram.shape[0] * gram.shape[-1] ** 3 <= _EXACT_WORK:  # small: one LAPACK call is cheaper, and exact
+    if (
+        gram.shape[0] * gram.shape[-1] ** 3 <= _EXACT_WORK
+    ):  # small: one LAPACK call is cheaper, and exact
         return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0.0)
     start = gram.diagonal(dim1=-2, dim2=-1).argmax(dim=-1)
-    vector = torch.nn.functional.one_hot(start, gram.shape[-1]).to(gram.dtype)[..., None]  # (B, n, 1)
+    vector = torch.nn.functional.one_hot(start, gram.shape[-1]).to(gram.dtype)[
+        ..., None
+    ]  # (B, n, 1)
     for _ in range(steps):
         vector = torch.nn.functional.normalize(gram @ vector, dim=-2)  # a zero G stays zero
     return (vector.mT @ gram @ vector)[..., 0, 0]
@@ -500,7 +569,9 @@ def _head_chunks(q_rows: Tensor, d_kv: int, group: Tensor) -> list[slice]:
     count = min(2 * threads, heads)
     groups = int(group[-1]) + 1
     if groups >= count:  # whole groups per chunk
-        starts = [int((group == g).nonzero()[0]) for g in (i * groups // count for i in range(count))]
+        starts = [
+            int((group == g).nonzero()[0]) for g in (i * groups // count for i in range(count))
+        ]
     else:
         starts = [i * heads // count for i in range(count)]
     return [slice(a, b) for a, b in zip(starts, [*starts[1:], heads])]

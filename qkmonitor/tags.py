@@ -12,7 +12,7 @@ reads both.
 
 from __future__ import annotations
 
-__all__ = ["layer_tag", "worst_tag", "head_tag", "alert_tag"]
+__all__ = ["alert_tag", "head_tag", "layer_tag", "worst_tag"]
 
 
 def layer_tag(prefix: str, metric: str, layer: int) -> str:

@@ -62,8 +62,15 @@ class TaskModule(pl.LightningModule):
         **extra: further hyper-parameters of the subclass, saved alongside.
     """
 
-    def __init__(self, config: TransformerConfig | dict, lr: float = 3e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 100, decay_steps: int | None = None, **extra: Any) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig | dict,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+        **extra: Any,
+    ) -> None:
         super().__init__()
         if isinstance(config, dict):
             config = TransformerConfig(**config)
@@ -76,9 +83,16 @@ class TaskModule(pl.LightningModule):
         if decay_steps is not None:
             check_positive_int("decay_steps", decay_steps)
         self.config = config
-        self.save_hyperparameters({"config": dataclasses.asdict(config), "lr": lr,
-                                   "weight_decay": weight_decay, "warmup_steps": warmup_steps,
-                                   "decay_steps": decay_steps, **extra})
+        self.save_hyperparameters(
+            {
+                "config": dataclasses.asdict(config),
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "warmup_steps": warmup_steps,
+                "decay_steps": decay_steps,
+                **extra,
+            }
+        )
 
     def token_loss(self, logits: torch.Tensor, targets: torch.Tensor, stage: str) -> torch.Tensor:
         """Cross-entropy over the positions whose target is not ``IGNORE_INDEX``; logs
@@ -98,10 +112,17 @@ class TaskModule(pl.LightningModule):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr, betas=(0.9, 0.98),
+            [
+                {"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.hparams.lr,
+            betas=(0.9, 0.98),
         )
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, partial(lr_factor, warmup=self.hparams.warmup_steps, decay=self.hparams.get("decay_steps")))
+            optimizer,
+            partial(
+                lr_factor, warmup=self.hparams.warmup_steps, decay=self.hparams.get("decay_steps")
+            ),
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -45,8 +45,11 @@ def python_source_files(root: str | Path | None = None) -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
     if not root.is_dir():
         raise ValueError(f"Expected `root` to be a directory, got {str(root)!r}")
-    files = sorted(p for p in root.rglob("*.py")
-                   if p.is_file() and not THIRD_PARTY.intersection(p.relative_to(root).parts))
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if p.is_file() and not THIRD_PARTY.intersection(p.relative_to(root).parts)
+    )
     if not files:
         raise ValueError(f"Expected `root` to hold .py files, found none below {str(root)!r}")
     return files
@@ -63,7 +66,7 @@ class _Windows(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         start = int(self.offsets[index])
-        window = self.text[start:start + self.seq_len + 1]
+        window = self.text[start : start + self.seq_len + 1]
         return window[:-1], window[1:]
 
 
@@ -83,13 +86,27 @@ class PythonSourceDataModule(pl.LightningDataModule):
         root: read ``.py`` files below this directory instead of the standard library.
     """
 
-    def __init__(self, max_chars: int = 1_000_000, val_fraction: float = 0.1, seq_len: int = 128,
-                 batch_size: int = 32, train_size: int = 100_000, val_size: int = 256, max_file_chars: int = 20_000, seed: int = 0,
-                 root: str | None = None) -> None:
+    def __init__(
+        self,
+        max_chars: int = 1_000_000,
+        val_fraction: float = 0.1,
+        seq_len: int = 128,
+        batch_size: int = 32,
+        train_size: int = 100_000,
+        val_size: int = 256,
+        max_file_chars: int = 20_000,
+        seed: int = 0,
+        root: str | None = None,
+    ) -> None:
         super().__init__()
-        for name, value in (("max_chars", max_chars), ("seq_len", seq_len), ("batch_size", batch_size),
-                            ("train_size", train_size), ("val_size", val_size),
-                            ("max_file_chars", max_file_chars)):
+        for name, value in (
+            ("max_chars", max_chars),
+            ("seq_len", seq_len),
+            ("batch_size", batch_size),
+            ("train_size", train_size),
+            ("val_size", val_size),
+            ("max_file_chars", max_file_chars),
+        ):
             check_positive_int(name, value)
         check_fraction("val_fraction", val_fraction)
         if min(val_fraction, 1 - val_fraction) * max_chars <= seq_len:
@@ -104,7 +121,9 @@ class PythonSourceDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
-        order = torch.randperm(len(self.files), generator=torch.Generator().manual_seed(hp.seed)).tolist()
+        order = torch.randperm(
+            len(self.files), generator=torch.Generator().manual_seed(hp.seed)
+        ).tolist()
         val_budget = round(hp.val_fraction * hp.max_chars)
         chunks: dict[str, list[bytes]] = {"val": [], "train": []}
         used: dict[str, list[Path]] = {"val": [], "train": []}
@@ -122,10 +141,14 @@ class PythonSourceDataModule(pl.LightningDataModule):
         self.val_text = _as_tokens(b"".join(chunks["val"]))
         for split, text in (("training", self.train_text), ("validation", self.val_text)):
             if len(text) <= hp.seq_len:
-                raise ValueError(f"The {split} text ({len(text)} characters) is shorter than `seq_len`+1; "
-                                 f"raise `max_chars` or lower `seq_len`")
+                raise ValueError(
+                    f"The {split} text ({len(text)} characters) is shorter than `seq_len`+1; "
+                    f"raise `max_chars` or lower `seq_len`"
+                )
         gen = torch.Generator().manual_seed(hp.seed + 1)
-        train_offsets = torch.randint(len(self.train_text) - hp.seq_len, (hp.train_size,), generator=gen)
+        train_offsets = torch.randint(
+            len(self.train_text) - hp.seq_len, (hp.train_size,), generator=gen
+        )
         tiles = torch.arange(0, len(self.val_text) - hp.seq_len, hp.seq_len)  # non-overlapping
         pick = torch.linspace(0, len(tiles) - 1, min(hp.val_size, len(tiles))).round().long()
         val_offsets = tiles[pick]  # spread over every held-out file, not just the first
@@ -133,15 +156,23 @@ class PythonSourceDataModule(pl.LightningDataModule):
         self.val_set = _Windows(self.val_text, val_offsets, hp.seq_len)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(self.hparams.seed))
+        return DataLoader(
+            self.train_set,
+            batch_size=self.hparams.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.hparams.seed),
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=64)
 
 
 def _as_tokens(data: bytes) -> Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        if data
+        else torch.zeros(0, dtype=torch.long)
+    )
 
 
 class CharLMTask(CausalLMTask):

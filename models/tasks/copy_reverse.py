@@ -26,14 +26,23 @@ from ..config import TransformerConfig
 from ..transformer import EncoderDecoder
 from .base import IGNORE_INDEX, TaskModule, check_positive_int
 
-__all__ = ["BOS", "EOS", "NUM_SPECIAL", "PAD", "CopyReverseDataModule", "Seq2SeqTask", "make_copy_batch"]
+__all__ = [
+    "BOS",
+    "EOS",
+    "NUM_SPECIAL",
+    "PAD",
+    "CopyReverseDataModule",
+    "Seq2SeqTask",
+    "make_copy_batch",
+]
 
 PAD, BOS, EOS = 0, 1, 2
 NUM_SPECIAL = 3  # symbols start after PAD, BOS, EOS
 
 
-def make_copy_batch(n: int, min_len: int, max_len: int, num_symbols: int, reverse: bool,
-                    generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+def make_copy_batch(
+    n: int, min_len: int, max_len: int, num_symbols: int, reverse: bool, generator: torch.Generator
+) -> tuple[Tensor, Tensor, Tensor]:
     """``n`` copy (or reverse) examples.
 
     Returns:
@@ -72,11 +81,26 @@ class CopyReverseDataModule(pl.LightningDataModule):
         seed: generator seed; the same seed gives the same data.
     """
 
-    def __init__(self, reverse: bool = False, num_symbols: int = 10, min_len: int = 3, max_len: int = 10,
-                 batch_size: int = 64, train_size: int = 50_000, val_size: int = 1_024, seed: int = 0) -> None:
+    def __init__(
+        self,
+        reverse: bool = False,
+        num_symbols: int = 10,
+        min_len: int = 3,
+        max_len: int = 10,
+        batch_size: int = 64,
+        train_size: int = 50_000,
+        val_size: int = 1_024,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
-        for name, value in (("num_symbols", num_symbols), ("min_len", min_len), ("max_len", max_len),
-                            ("batch_size", batch_size), ("train_size", train_size), ("val_size", val_size)):
+        for name, value in (
+            ("num_symbols", num_symbols),
+            ("min_len", min_len),
+            ("max_len", max_len),
+            ("batch_size", batch_size),
+            ("train_size", train_size),
+            ("val_size", val_size),
+        ):
             check_positive_int(name, value)
         if min_len > max_len:
             raise ValueError(f"Expected `min_len` <= `max_len` ({max_len}), got {min_len}")
@@ -87,12 +111,20 @@ class CopyReverseDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
         shape = (hp.min_len, hp.max_len, hp.num_symbols, hp.reverse)
-        self.train_set = TensorDataset(*make_copy_batch(hp.train_size, *shape, torch.Generator().manual_seed(hp.seed)))
-        self.val_set = TensorDataset(*make_copy_batch(hp.val_size, *shape, torch.Generator().manual_seed(hp.seed + 1)))
+        self.train_set = TensorDataset(
+            *make_copy_batch(hp.train_size, *shape, torch.Generator().manual_seed(hp.seed))
+        )
+        self.val_set = TensorDataset(
+            *make_copy_batch(hp.val_size, *shape, torch.Generator().manual_seed(hp.seed + 1))
+        )
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(self.hparams.seed))
+        return DataLoader(
+            self.train_set,
+            batch_size=self.hparams.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.hparams.seed),
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256)
@@ -110,10 +142,21 @@ class Seq2SeqTask(TaskModule):
     Args: see :class:`~qkmonitor.models.tasks.TaskModule`.
     """
 
-    def __init__(self, config: TransformerConfig | dict, lr: float = 3e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 100, decay_steps: int | None = None) -> None:
-        super().__init__(config, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps,
-                         decay_steps=decay_steps)
+    def __init__(
+        self,
+        config: TransformerConfig | dict,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            decay_steps=decay_steps,
+        )
         self.model = EncoderDecoder(self.config)
 
     def forward(self, source: Tensor, decoder_input: Tensor) -> Tensor:

@@ -60,7 +60,10 @@ def make_grid_batch(labels: Tensor, height: int, width: int, generator: torch.Ge
         generator: the random source.
     """
     n = len(labels)
-    same_r, same_c = torch.randint(height, (n,), generator=generator), torch.randint(width, (n,), generator=generator)
+    same_r, same_c = (
+        torch.randint(height, (n,), generator=generator),
+        torch.randint(width, (n,), generator=generator),
+    )
     r1, r2 = _distinct_pair(n, height, generator)
     c1, c2 = _distinct_pair(n, width, generator)
     row_a = torch.where(labels == SAME_ROW, same_r, r1)
@@ -86,17 +89,33 @@ class GridRelationDataModule(pl.LightningDataModule):
         seed: generator seed; the same seed gives the same data.
     """
 
-    def __init__(self, height: int = 4, width: int = 4, batch_size: int = 64, train_size: int = 50_000,
-                 val_size: int = 1_023, seed: int = 0) -> None:
+    def __init__(
+        self,
+        height: int = 4,
+        width: int = 4,
+        batch_size: int = 64,
+        train_size: int = 50_000,
+        val_size: int = 1_023,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
-        for name, value in (("height", height), ("width", width), ("batch_size", batch_size),
-                            ("train_size", train_size), ("val_size", val_size)):
+        for name, value in (
+            ("height", height),
+            ("width", width),
+            ("batch_size", batch_size),
+            ("train_size", train_size),
+            ("val_size", val_size),
+        ):
             check_positive_int(name, value)
         for name, value in (("height", height), ("width", width)):
             if value < 2:
-                raise ValueError(f"Expected `{name}` >= 2 (two cells must fit in a row and a column), got {value}")
+                raise ValueError(
+                    f"Expected `{name}` >= 2 (two cells must fit in a row and a column), got {value}"
+                )
         if val_size % NUM_CLASSES:
-            raise ValueError(f"Expected `val_size` to be a multiple of {NUM_CLASSES} (balanced classes), got {val_size}")
+            raise ValueError(
+                f"Expected `val_size` to be a multiple of {NUM_CLASSES} (balanced classes), got {val_size}"
+            )
         self.save_hyperparameters()
         self.grid_size = (height, width)
         self.patch_dim, self.num_classes = PATCH_DIM, NUM_CLASSES
@@ -105,14 +124,22 @@ class GridRelationDataModule(pl.LightningDataModule):
         hp = self.hparams
         gen = torch.Generator().manual_seed(hp.seed)
         train_labels = torch.randint(NUM_CLASSES, (hp.train_size,), generator=gen)
-        self.train_set = TensorDataset(make_grid_batch(train_labels, hp.height, hp.width, gen), train_labels)
+        self.train_set = TensorDataset(
+            make_grid_batch(train_labels, hp.height, hp.width, gen), train_labels
+        )
         gen = torch.Generator().manual_seed(hp.seed + 1)
         val_labels = torch.arange(hp.val_size) % NUM_CLASSES
-        self.val_set = TensorDataset(make_grid_batch(val_labels, hp.height, hp.width, gen), val_labels)
+        self.val_set = TensorDataset(
+            make_grid_batch(val_labels, hp.height, hp.width, gen), val_labels
+        )
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(self.hparams.seed))
+        return DataLoader(
+            self.train_set,
+            batch_size=self.hparams.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.hparams.seed),
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=512)
@@ -128,10 +155,21 @@ class VisionClassificationTask(TaskModule):
     ``patch_dim`` and ``num_classes``.
     """
 
-    def __init__(self, config: TransformerConfig | dict, lr: float = 3e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 100, decay_steps: int | None = None) -> None:
-        super().__init__(config, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps,
-                         decay_steps=decay_steps)
+    def __init__(
+        self,
+        config: TransformerConfig | dict,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            decay_steps=decay_steps,
+        )
         self.model = VisionEncoder(self.config)
 
     def forward(self, patches: Tensor) -> Tensor:

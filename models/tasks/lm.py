@@ -27,10 +27,21 @@ class CausalLMTask(TaskModule):
             at that step (see :func:`~qkmonitor.models.tasks.base.lr_factor`).
     """
 
-    def __init__(self, config: TransformerConfig | dict, lr: float = 3e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 100, decay_steps: int | None = None) -> None:
-        super().__init__(config, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps,
-                         decay_steps=decay_steps)
+    def __init__(
+        self,
+        config: TransformerConfig | dict,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            decay_steps=decay_steps,
+        )
         self.model = DecoderLM(self.config)
 
     def forward(self, tokens: Tensor) -> Tensor:

@@ -55,8 +55,13 @@ class ModularAdditionDataModule(pl.LightningDataModule):
         seed: the split's (and the shuffling's) seed.
     """
 
-    def __init__(self, modulus: int = 23, train_fraction: float = 0.5, batch_size: int | None = None,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        modulus: int = 23,
+        train_fraction: float = 0.5,
+        batch_size: int | None = None,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         check_positive_int("modulus", modulus)
         if modulus < 2:
@@ -75,14 +80,20 @@ class ModularAdditionDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         tokens, targets = make_modular_addition(self.hparams.modulus)
-        order = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(self.hparams.seed))
-        train, val = order[: self.num_train], order[self.num_train:]
+        order = torch.randperm(
+            len(tokens), generator=torch.Generator().manual_seed(self.hparams.seed)
+        )
+        train, val = order[: self.num_train], order[self.num_train :]
         self.train_set = TensorDataset(tokens[train], targets[train])
         self.val_set = TensorDataset(tokens[val], targets[val])
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size or self.num_train, shuffle=True,
-                          generator=torch.Generator().manual_seed(self.hparams.seed))
+        return DataLoader(
+            self.train_set,
+            batch_size=self.hparams.batch_size or self.num_train,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.hparams.seed),
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=1024)

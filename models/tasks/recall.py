@@ -19,11 +19,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from .base import IGNORE_INDEX
 
-__all__ = ["make_recall_batch", "AssociativeRecallDataModule"]
+__all__ = ["AssociativeRecallDataModule", "make_recall_batch"]
 
 
 def make_recall_batch(
-    n: int, num_pairs: int, num_queries: int, num_keys: int, num_values: int, generator: torch.Generator
+    n: int,
+    num_pairs: int,
+    num_queries: int,
+    num_keys: int,
+    num_values: int,
+    generator: torch.Generator,
 ) -> tuple[Tensor, Tensor]:
     """``n`` recall sequences.
 
@@ -39,7 +44,7 @@ def make_recall_batch(
     context = torch.stack((keys, values), dim=2).flatten(1)  # k1 v1 k2 v2 ...
     tokens = torch.cat((context, keys.gather(1, asked)), dim=1)
     targets = torch.full_like(tokens, IGNORE_INDEX)
-    targets[:, 2 * num_pairs:] = values.gather(1, asked)
+    targets[:, 2 * num_pairs :] = values.gather(1, asked)
     return tokens, targets
 
 
@@ -69,15 +74,25 @@ class AssociativeRecallDataModule(pl.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (("num_pairs", num_pairs), ("num_queries", num_queries), ("num_keys", num_keys),
-                            ("num_values", num_values), ("batch_size", batch_size),
-                            ("train_size", train_size), ("val_size", val_size)):
+        for name, value in (
+            ("num_pairs", num_pairs),
+            ("num_queries", num_queries),
+            ("num_keys", num_keys),
+            ("num_values", num_values),
+            ("batch_size", batch_size),
+            ("train_size", train_size),
+            ("val_size", val_size),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
         if num_queries > num_pairs:
-            raise ValueError(f"Expected `num_queries` <= `num_pairs` ({num_pairs}), got {num_queries}")
+            raise ValueError(
+                f"Expected `num_queries` <= `num_pairs` ({num_pairs}), got {num_queries}"
+            )
         if num_keys < num_pairs:
-            raise ValueError(f"Expected `num_keys` >= `num_pairs` ({num_pairs}) for distinct keys, got {num_keys}")
+            raise ValueError(
+                f"Expected `num_keys` >= `num_pairs` ({num_pairs}) for distinct keys, got {num_keys}"
+            )
         self.save_hyperparameters()
         self.vocab_size = num_keys + num_values
         self.seq_len = 2 * num_pairs + num_queries
@@ -85,12 +100,20 @@ class AssociativeRecallDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
         shape = (hp.num_pairs, hp.num_queries, hp.num_keys, hp.num_values)
-        self.train_set = TensorDataset(*make_recall_batch(hp.train_size, *shape, torch.Generator().manual_seed(hp.seed)))
-        self.val_set = TensorDataset(*make_recall_batch(hp.val_size, *shape, torch.Generator().manual_seed(hp.seed + 1)))
+        self.train_set = TensorDataset(
+            *make_recall_batch(hp.train_size, *shape, torch.Generator().manual_seed(hp.seed))
+        )
+        self.val_set = TensorDataset(
+            *make_recall_batch(hp.val_size, *shape, torch.Generator().manual_seed(hp.seed + 1))
+        )
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(self.hparams.seed))
+        return DataLoader(
+            self.train_set,
+            batch_size=self.hparams.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.hparams.seed),
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256)

@@ -77,7 +77,9 @@ class Host:
 
 def _console_logger() -> logging.Logger:
     logger = logging.getLogger("qkmonitor")
-    if not logger.handlers and logger.level == logging.NOTSET:  # as Lightning does for its own logger
+    if (
+        not logger.handlers and logger.level == logging.NOTSET
+    ):  # as Lightning does for its own logger
         logger.setLevel(logging.INFO)
         logger.addHandler(logging.StreamHandler())
     return logger
@@ -89,8 +91,12 @@ class PlainHost(Host):
     ``should_stop`` turns True when an alert with action ``"stop"`` fires.
     """
 
-    def __init__(self, sinks: Sequence[Sink] = (), optimizer: torch.optim.Optimizer | None = None,
-                 owner: Any = None) -> None:
+    def __init__(
+        self,
+        sinks: Sequence[Sink] = (),
+        optimizer: torch.optim.Optimizer | None = None,
+        owner: Any = None,
+    ) -> None:
         self._sinks = list(sinks)
         self.optimizer = optimizer
         self.owner = owner
@@ -168,22 +174,37 @@ class MonitorEngine:
         visuals_every_n_probes: int = 20,
     ) -> None:
         _check_optional_positive_int("every_n_steps", every_n_steps)
-        if isinstance(visuals_every_n_probes, bool) or not isinstance(visuals_every_n_probes, int) \
-                or visuals_every_n_probes < 0:
-            raise ValueError(f"Expected `visuals_every_n_probes` to be an int >= 0, got {visuals_every_n_probes!r}")
+        if (
+            isinstance(visuals_every_n_probes, bool)
+            or not isinstance(visuals_every_n_probes, int)
+            or visuals_every_n_probes < 0
+        ):
+            raise ValueError(
+                f"Expected `visuals_every_n_probes` to be an int >= 0, got {visuals_every_n_probes!r}"
+            )
         _check_bool("per_head", per_head)
         if alert_action not in ALERT_ACTIONS:
-            raise ValueError(f"Expected `alert_action` to be one of {ALERT_ACTIONS}, got {alert_action!r}")
+            raise ValueError(
+                f"Expected `alert_action` to be one of {ALERT_ACTIONS}, got {alert_action!r}"
+            )
         if on_alert is not None and not callable(on_alert):
-            raise ValueError(f"Expected `on_alert` to be a callable (owner, alert) or None, got {on_alert!r}")
+            raise ValueError(
+                f"Expected `on_alert` to be a callable (owner, alert) or None, got {on_alert!r}"
+            )
         if isinstance(alerts, AlertRule):
             alerts = [alerts]
-        if alerts is not None and (isinstance(alerts, (str, bytes)) or not isinstance(alerts, Sequence)):
-            raise ValueError(f"Expected `alerts` to be a list of AlertRule or None, got {type(alerts).__name__}")
+        if alerts is not None and (
+            isinstance(alerts, (str, bytes)) or not isinstance(alerts, Sequence)
+        ):
+            raise ValueError(
+                f"Expected `alerts` to be a list of AlertRule or None, got {type(alerts).__name__}"
+            )
         self.every_n_steps = every_n_steps
         self._every_n_steps_given = every_n_steps
         self._restored = False  # a checkpoint's state was loaded and the next bind keeps it
-        self._session: Callable[[], Any] | None = None  # the plain-loop Monitoring holding it (a weakref)
+        self._session: Callable[[], Any] | None = (
+            None  # the plain-loop Monitoring holding it (a weakref)
+        )
         self._switches: list[SwitchedForward] = []  # under torch.compile, held from bind to release
         self._roots: list[SwitchedForward | UncompiledForward] = []  # the compiled regions' tops
         self._model: Callable[[], nn.Module | None] | None = None  # the bound model (a weakref)
@@ -199,11 +220,21 @@ class MonitorEngine:
         self.prefix = check_prefix(log_key_prefix)
         self.alert_action = alert_action
         self.on_alert = on_alert
-        if not (layers is None or callable(layers) or isinstance(layers, (nn.Module, AttentionLayer))
-                or (isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)))):
-            raise ValueError(f"Expected `layers` to be a module, an AttentionLayer, a list of them or a function of "
-                             f"the model, got {type(layers).__name__}")
-        if isinstance(layers, Iterable) and not isinstance(layers, (nn.Module, AttentionLayer)) and not callable(layers):
+        if not (
+            layers is None
+            or callable(layers)
+            or isinstance(layers, (nn.Module, AttentionLayer))
+            or (isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)))
+        ):
+            raise ValueError(
+                f"Expected `layers` to be a module, an AttentionLayer, a list of them or a function of "
+                f"the model, got {type(layers).__name__}"
+            )
+        if (
+            isinstance(layers, Iterable)
+            and not isinstance(layers, (nn.Module, AttentionLayer))
+            and not callable(layers)
+        ):
             layers = list(layers)  # a generator is read once, here
         self.layer_spec = layers
         rules = list(self.default_rules if alerts is None else alerts)
@@ -221,9 +252,13 @@ class MonitorEngine:
         self._warned: set[str] = set()
         #: whether a rule reads the training loss (``learning_drop``); the loss is kept only then
         self.reads_loss = any(rule.learning_drop is not None for rule in rules)
-        horizon = max((rule.loss_window for rule in rules if rule.learning_drop is not None), default=0)
+        horizon = max(
+            (rule.loss_window for rule in rules if rule.learning_drop is not None), default=0
+        )
         self._loss_horizon = horizon + LOSS_SMOOTHING  # steps before a probe whose loss it reads
-        self._losses: deque[tuple[int, Tensor | float]] = deque(maxlen=4 * (horizon + LOSS_SMOOTHING))
+        self._losses: deque[tuple[int, Tensor | float]] = deque(
+            maxlen=4 * (horizon + LOSS_SMOOTHING)
+        )
         self._first_losses: list[Tensor | float] = []
 
     # -- the training loss -------------------------------------------------------------------
@@ -246,8 +281,12 @@ class MonitorEngine:
             return False
         every = self.every_n_steps
         # also the first steps after a multiple: the probe step of a multiple that is skipped (two optimizers)
-        return (every is None or step < LOSS_SMOOTHING or (-step) % every <= self._loss_horizon
-                or step % every < LOSS_SMOOTHING)
+        return (
+            every is None
+            or step < LOSS_SMOOTHING
+            or (-step) % every <= self._loss_horizon
+            or step % every < LOSS_SMOOTHING
+        )
 
     def first_loss(self) -> float | None:
         """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen
@@ -280,7 +319,9 @@ class MonitorEngine:
     def _check_rules(self, rules: list) -> None:
         for i, rule in enumerate(rules):
             if not isinstance(rule, AlertRule):
-                raise ValueError(f"Expected `alerts[{i}]` to be an AlertRule, got {type(rule).__name__}")
+                raise ValueError(
+                    f"Expected `alerts[{i}]` to be an AlertRule, got {type(rule).__name__}"
+                )
             unknown = [m for m in rule.metrics if m not in self.metric_names]
             if unknown:
                 raise ValueError(
@@ -293,8 +334,13 @@ class MonitorEngine:
         params: dict[str, float | int | str] = {}
         for rule in self.tracker.rules:
             key = f"{self.prefix}/alert_{rule.name}"
-            params.update({f"{key}/threshold": rule.threshold, f"{key}/patience": rule.patience,
-                           f"{key}/margin": rule.margin})
+            params.update(
+                {
+                    f"{key}/threshold": rule.threshold,
+                    f"{key}/patience": rule.patience,
+                    f"{key}/margin": rule.margin,
+                }
+            )
             if rule.growth is not None:
                 params.update({f"{key}/growth": rule.growth, f"{key}/window": rule.window or 0})
         params[f"{self.prefix}/{self.monitor}/every_n_steps"] = self.every_n_steps or 0
@@ -309,7 +355,9 @@ class MonitorEngine:
         if callable(spec) and not isinstance(spec, nn.Module):
             return getattr(spec, "__qualname__", repr(spec))
         items = [spec] if isinstance(spec, (nn.Module, AttentionLayer)) else spec
-        return ",".join(item.name if isinstance(item, AttentionLayer) else type(item).__name__ for item in items)
+        return ",".join(
+            item.name if isinstance(item, AttentionLayer) else type(item).__name__ for item in items
+        )
 
     # -- binding to a model --------------------------------------------------------------------
 
@@ -328,11 +376,17 @@ class MonitorEngine:
             self.every_n_steps = max(1, int(default_every_n_steps))
         self.release()  # an earlier bind's switches (validate, then fit)
         self.layers = find_attention_layers(model, self.layer_spec)
-        self.unmeasured = unmeasured_attention_like(model, self.layers) if self.layer_spec is None else []
-        self.qk_norm_layers = frozenset(i for i, layer in enumerate(self.layers) if layer.has_qk_norm)
+        self.unmeasured = (
+            unmeasured_attention_like(model, self.layers) if self.layer_spec is None else []
+        )
+        self.qk_norm_layers = frozenset(
+            i for i, layer in enumerate(self.layers) if layer.has_qk_norm
+        )
         self._prepare(model)
         self._model = weakref.ref(model)
-        self._compiled_roots = compiled_roots(model)  # switched at the first window, after every engine's discovery
+        self._compiled_roots = compiled_roots(
+            model
+        )  # switched at the first window, after every engine's discovery
 
     # -- torch.compile (qkmonitor.compiled) ------------------------------------------------------
 
@@ -350,7 +404,9 @@ class MonitorEngine:
                 self._switches.append(switch)
                 held.add(id(module))
         for root in roots:
-            if getattr(root, "_compiler_ctx", None):  # Lightning compiles its forward: put aside while probed
+            if getattr(
+                root, "_compiler_ctx", None
+            ):  # Lightning compiles its forward: put aside while probed
                 self._roots.append(UncompiledForward.of(root))
             elif (switch := SwitchedForward.attach(root)) is not None:
                 self._switches.append(switch)
@@ -381,12 +437,13 @@ class MonitorEngine:
         for remove in reversed(removers):
             remove()
 
-
     def release(self) -> None:
         """Close any open probe and take out what binding put on the model (the switches under
         compile); idempotent. Called when a fit ends, on success and on failure."""
         self.abort()
-        self._warn_publishing_errors(None, PUBLISHER.drain())  # every visual written before a logger closes
+        self._warn_publishing_errors(
+            None, PUBLISHER.drain()
+        )  # every visual written before a logger closes
         self._roots = []  # the roots' windows were closed by abort
         switches, self._switches = self._switches, []
         for switch in switches:
@@ -395,7 +452,14 @@ class MonitorEngine:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_session"] = None  # a weak reference to the Monitoring holding it: not carried along
-        state.update(_switches=[], _roots=[], _model=None, _window_removers=[], _compiled_roots=[], _undrawn=None)
+        state.update(
+            _switches=[],
+            _roots=[],
+            _model=None,
+            _window_removers=[],
+            _compiled_roots=[],
+            _undrawn=None,
+        )
         return state
 
     def _start_run(self) -> None:
@@ -417,13 +481,18 @@ class MonitorEngine:
         is not measured."""
         kinds = Counter(layer.kind for layer in self.layers)
         found = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
-        host.info(f"qkmonitor: {type(self).__name__} ({self.prefix}) measures {len(self.layers)} attention "
-                  f"layer{'s' if len(self.layers) != 1 else ''}: {found}")
+        host.info(
+            f"qkmonitor: {type(self).__name__} ({self.prefix}) measures {len(self.layers)} attention "
+            f"layer{'s' if len(self.layers) != 1 else ''}: {found}"
+        )
         for name, cls in self.unmeasured:
-            self.warn_once(host, f"unmeasured:{name}",
-                           f"{name!r} ({cls}) looks like attention but no rule reads it, so it is not measured; "
-                           "describe it with qkmonitor.register_attention(qkmonitor.AttentionSpec(...)) "
-                           "(README, 'Use it on your model')")
+            self.warn_once(
+                host,
+                f"unmeasured:{name}",
+                f"{name!r} ({cls}) looks like attention but no rule reads it, so it is not measured; "
+                "describe it with qkmonitor.register_attention(qkmonitor.AttentionSpec(...)) "
+                "(README, 'Use it on your model')",
+            )
 
     def is_probe_step(self, step: int) -> bool:
         """Whether ``step`` (optimizer steps so far) is probed: the first step at or after each
@@ -433,13 +502,17 @@ class MonitorEngine:
         every = self.every_n_steps
         if every is None or step == self.latest_step:
             return False
-        return step % every == 0 or (self.latest_step is not None and step // every > self.latest_step // every)
+        return step % every == 0 or (
+            self.latest_step is not None and step // every > self.latest_step // every
+        )
 
     def draws_visuals(self, step: int) -> bool:
         """Whether the probe at ``step`` draws the visuals: every ``visuals_every_n_probes``-th
         probe, counting the one at step 0."""
         every = self.every_n_steps or 1
-        return self.visuals_every_n_probes > 0 and (step // every) % self.visuals_every_n_probes == 0
+        return (
+            self.visuals_every_n_probes > 0 and (step // every) % self.visuals_every_n_probes == 0
+        )
 
     # -- the probe window (weights engines ignore it) -------------------------------------------
 
@@ -464,10 +537,17 @@ class MonitorEngine:
 
     # -- logging ---------------------------------------------------------------------------------
 
-    def record(self, host: Host, values: Values, step: int, *, validation: bool = False,
-               undefined: dict[str, list[Tensor]] | None = None,
-               images: dict[str, np.ndarray | Callable[[], np.ndarray]] | None = None,
-               histograms: dict[str, Tensor] | Callable[[], dict[str, Tensor]] | None = None) -> list[Alert]:
+    def record(
+        self,
+        host: Host,
+        values: Values,
+        step: int,
+        *,
+        validation: bool = False,
+        undefined: dict[str, list[Tensor]] | None = None,
+        images: dict[str, np.ndarray | Callable[[], np.ndarray]] | None = None,
+        histograms: dict[str, Tensor] | Callable[[], dict[str, Tensor]] | None = None,
+    ) -> list[Alert]:
         """Log one probe's values at ``step``, fire and act on alerts (not for validation).
 
         Args:
@@ -483,21 +563,31 @@ class MonitorEngine:
             The alerts that fired.
         """
         rows = _rows(values)  # every tensor read once; the rest is in Python
-        self._warn_nonfinite(host, rows, {name: _rows_of(masks) for name, masks in (undefined or {}).items()}, step)
+        self._warn_nonfinite(
+            host, rows, {name: _rows_of(masks) for name, masks in (undefined or {}).items()}, step
+        )
         prefix = f"{self.prefix}/val" if validation else self.prefix
         alerts: list[Alert] = []
         if validation:
             self.latest_validation = values
         else:
             self.latest, self.latest_step = values, step
-            alerts = self.tracker.update(rows, step, [layer.name for layer in self.layers],
-                                         qk_norm_layers=self.qk_norm_layers,
-                                         losses=self.loss_history() if self.reads_loss else (),
-                                         first_loss=self.first_loss() if self.reads_loss else None)
+            alerts = self.tracker.update(
+                rows,
+                step,
+                [layer.name for layer in self.layers],
+                qk_norm_layers=self.qk_norm_layers,
+                losses=self.loss_history() if self.reads_loss else (),
+                first_loss=self.first_loss() if self.reads_loss else None,
+            )
         scalars = self.scalars(rows, prefix)
         if not validation:
-            scalars.update({alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
-                            for r in self.tracker.rules})
+            scalars.update(
+                {
+                    alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
+                    for r in self.tracker.rules
+                }
+            )
         if host.is_logging_rank:
             sinks = host.sinks()
             for sink in sinks:
@@ -505,16 +595,26 @@ class MonitorEngine:
             drawing = [sink for sink in sinks if sink.draws]
             if drawing and not validation and self.draws_visuals(step):
                 self._warn_publishing_errors(host, PUBLISHER.errors())
-                PUBLISHER.submit(partial(self._publish_visuals, drawing, values, step, images or {},
-                                         histograms or {}))
+                PUBLISHER.submit(
+                    partial(
+                        self._publish_visuals, drawing, values, step, images or {}, histograms or {}
+                    )
+                )
                 self._undrawn = None
             elif drawing and not validation and self.visuals_every_n_probes:
-                self._undrawn = (values, step, images or {}, histograms or {})  # drawn at the run's end
+                self._undrawn = (
+                    values,
+                    step,
+                    images or {},
+                    histograms or {},
+                )  # drawn at the run's end
         for alert in alerts:
             self._act(host, alert)
         return alerts
 
-    def scalars(self, values: Values | dict[str, list[list[float]]], prefix: str) -> dict[str, float]:
+    def scalars(
+        self, values: Values | dict[str, list[list[float]]], prefix: str
+    ) -> dict[str, float]:
         """The scalar tags of one probe: layer mean, lowest and highest head, and (``per_head``) heads.
 
         Args:
@@ -525,24 +625,37 @@ class MonitorEngine:
             per_head = metric(name).per_head
             for layer, row in enumerate(grid):
                 nan = any(math.isnan(v) for v in row)  # a NaN head makes mean and band NaN
-                out[layer_tag(prefix, name, layer)] = math.nan if nan or not row else sum(row) / len(row)
+                out[layer_tag(prefix, name, layer)] = (
+                    math.nan if nan or not row else sum(row) / len(row)
+                )
                 if not per_head:
                     continue
-                out[worst_tag(prefix, name, "min", layer)] = math.nan if nan or not row else min(row)
-                out[worst_tag(prefix, name, "max", layer)] = math.nan if nan or not row else max(row)
+                out[worst_tag(prefix, name, "min", layer)] = (
+                    math.nan if nan or not row else min(row)
+                )
+                out[worst_tag(prefix, name, "max", layer)] = (
+                    math.nan if nan or not row else max(row)
+                )
                 if self.per_head:
                     for head, value in enumerate(row):
                         out[head_tag(prefix, name, layer, head)] = value
         return out
 
-    def _publish_visuals(self, sinks: list[Sink], values: Values, step: int,
-                         images: dict[str, np.ndarray | Callable[[], np.ndarray]],
-                         histograms: dict[str, Tensor] | Callable[[], dict[str, Tensor]]) -> None:
+    def _publish_visuals(
+        self,
+        sinks: list[Sink],
+        values: Values,
+        step: int,
+        images: dict[str, np.ndarray | Callable[[], np.ndarray]],
+        histograms: dict[str, Tensor] | Callable[[], dict[str, Tensor]],
+    ) -> None:
         """Draw a probe's visuals and write them (on the publisher's thread, :mod:`.publisher`):
         the heatmaps of ``values``, ``images`` (arrays, or functions that draw them), histograms
         (or a function that makes them)."""
-        drawn = {**self._heatmaps(values, step),
-                 **{tag: image() if callable(image) else image for tag, image in images.items()}}
+        drawn = {
+            **self._heatmaps(values, step),
+            **{tag: image() if callable(image) else image for tag, image in images.items()},
+        }
         for sink in sinks:
             for tag, image in drawn.items():
                 sink.log_image(tag, image, step)
@@ -561,8 +674,10 @@ class MonitorEngine:
 
     def _warn_publishing_errors(self, host: Host | None, errors: list[BaseException]) -> None:
         if errors:
-            message = (f"{type(self).__name__}: writing the visuals failed {len(errors)} time(s) "
-                       f"({type(errors[0]).__name__}: {errors[0]}); training goes on.")
+            message = (
+                f"{type(self).__name__}: writing the visuals failed {len(errors)} time(s) "
+                f"({type(errors[0]).__name__}: {errors[0]}); training goes on."
+            )
             if host is None:
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
             else:
@@ -570,9 +685,11 @@ class MonitorEngine:
 
     def _heatmaps(self, values: Values, step: int) -> dict[str, np.ndarray]:
         return {
-            f"{self.prefix}/heatmap/{spec.name}": heatmap_image(grid_of(values[spec.name]), *spec.heatmap,
-                                                                title=f"{spec.name} at step {step}")
-            for spec in self.specs if spec.heatmap is not None and spec.name in values
+            f"{self.prefix}/heatmap/{spec.name}": heatmap_image(
+                grid_of(values[spec.name]), *spec.heatmap, title=f"{spec.name} at step {step}"
+            )
+            for spec in self.specs
+            if spec.heatmap is not None and spec.name in values
         }
 
     def _act(self, host: Host, alert: Alert) -> None:
@@ -594,8 +711,13 @@ class MonitorEngine:
             self._warned.add(key)
             host.warn(f"{type(self).__name__}: {message}", RuntimeWarning)
 
-    def _warn_nonfinite(self, host: Host, rows: dict[str, list[list[float]]], undefined: dict[str, list[list]],
-                        step: int) -> None:
+    def _warn_nonfinite(
+        self,
+        host: Host,
+        rows: dict[str, list[list[float]]],
+        undefined: dict[str, list[list]],
+        step: int,
+    ) -> None:
         """Name the layers and heads whose values are not finite (and not undefined by definition);
         warn again only when a layer goes bad that had not before. ``rows``: metric -> per layer, the
         heads' values; ``undefined``: the same shape, True where a NaN is NaN by definition."""
@@ -604,7 +726,11 @@ class MonitorEngine:
             masks = undefined.get(name, [])
             for layer, heads in enumerate(grid):
                 mask = masks[layer] if layer < len(masks) else ()
-                broken = [h for h, v in enumerate(heads) if not math.isfinite(v) and not (h < len(mask) and mask[h])]
+                broken = [
+                    h
+                    for h, v in enumerate(heads)
+                    if not math.isfinite(v) and not (h < len(mask) and mask[h])
+                ]
                 if broken:
                     bad.setdefault(layer, {})[name] = broken
         new = sorted(set(bad) - self._nonfinite)
@@ -614,10 +740,14 @@ class MonitorEngine:
         parts = []
         for layer in new:
             name = self.layers[layer].name if layer < len(self.layers) else ""
-            cells = "; ".join(f"{m}" + (f" heads {h}" if metric(m).per_head else "") for m, h in bad[layer].items())
+            cells = "; ".join(
+                f"{m}" + (f" heads {h}" if metric(m).per_head else "")
+                for m, h in bad[layer].items()
+            )
             parts.append(f"layer {layer}{f' ({name})' if name else ''}: {cells}")
         host.warn(
-            f"{type(self).__name__}: non-finite values at step {step} in " + " | ".join(parts)
+            f"{type(self).__name__}: non-finite values at step {step} in "
+            + " | ".join(parts)
             + ". They are logged as NaN and fire no alert (are the weights or activations NaN/Inf?). "
             "Warned again only if another layer goes bad.",
             RuntimeWarning,
@@ -626,8 +756,11 @@ class MonitorEngine:
     # -- resume ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"alerts": self.tracker.state_dict(), "latest_step": self.latest_step,
-                 "nonfinite_layers": sorted(self._nonfinite)}
+        state = {
+            "alerts": self.tracker.state_dict(),
+            "latest_step": self.latest_step,
+            "nonfinite_layers": sorted(self._nonfinite),
+        }
         if self.reads_loss:  # a resumed run tells learning from failing from its first probe on
             state["losses"] = [list(pair) for pair in self.loss_history()]
             state["first_loss"] = self.first_loss()
@@ -651,7 +784,10 @@ def _rows(values: Values | dict[str, list[list[float]]]) -> dict[str, list[list[
 
 
 def _rows_of(grid: list[Tensor] | list[list]) -> list[list]:
-    return [heads.reshape(-1).tolist() if isinstance(heads, Tensor) else list(heads) for heads in grid]
+    return [
+        heads.reshape(-1).tolist() if isinstance(heads, Tensor) else list(heads) for heads in grid
+    ]
+
 
 class ActivationEngine(MonitorEngine):
     """An engine that measures the forward pass through probes (:mod:`qkmonitor.probes`).
@@ -682,24 +818,36 @@ class ActivationEngine(MonitorEngine):
                 "qkmonitor.AttentionLayer subclasses that define `supports_stats` and `install(probe)`"
             )
         if unsupported:  # the adapters said why; the others are measured, these stay NaN
-            warnings.warn(f"{type(self).__name__}: layers {unsupported} give no attention statistics here; their "
-                          "activation metrics are logged as NaN.", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"{type(self).__name__}: layers {unsupported} give no attention statistics here; their "
+                "activation metrics are logged as NaN.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _request(self) -> ProbeRequest:
         return ProbeRequest()
 
     def _probed_modules(self) -> list[nn.Module]:
-        return [layer.module for layer, measurable in zip(self.layers, self._measurable) if measurable]
+        return [
+            layer.module for layer, measurable in zip(self.layers, self._measurable) if measurable
+        ]
 
     def open(self, step: int, *, validation: bool = False) -> bool:
-        if self._window is not None or not self.layers or (not validation and not self.is_probe_step(step)):
+        if (
+            self._window is not None
+            or not self.layers
+            or (not validation and not self.is_probe_step(step))
+        ):
             return False
         self._switch_if_compiled()
         self._window = (step, validation)
         try:
             request = self._request()
             for layer, measurable in zip(self.layers, self._measurable):
-                self._probes.append(layer.open_probe(request) if measurable else Probe(layer.name, request))
+                self._probes.append(
+                    layer.open_probe(request) if measurable else Probe(layer.name, request)
+                )
             self._open_extra()
             self._open_roots()
         except BaseException:
@@ -740,25 +888,39 @@ class ActivationEngine(MonitorEngine):
         results = self.close_probes()
         self._report_missing(host, results)
         with torch.no_grad():
-            values, extra = self._measure(results, step, visuals=not validation and self.draws_visuals(step))
+            values, extra = self._measure(
+                results, step, visuals=not validation and self.draws_visuals(step)
+            )
         self.record(host, values, step, validation=validation, **extra)
 
     def _report_missing(self, host: Host, results: list[ProbeResult]) -> None:
         measured = [t for r in results for t in [*(s.entropy for s in r.stats), *r.probs]]
         if measured and all(t.numel() == 0 for t in measured):
-            self.warn_once(host, "empty", "a probed batch held no token (an empty batch): nothing was measured and "
-                           "its values are NaN. This warning is shown once.")
+            self.warn_once(
+                host,
+                "empty",
+                "a probed batch held no token (an empty batch): nothing was measured and "
+                "its values are NaN. This warning is shown once.",
+            )
         for layer, result, measurable in zip(self.layers, results, self._measurable):
             if result.calls == 0 and measurable:
-                self.warn_once(host, f"missing:{layer.name}",
-                               f"layer {layer.name!r} did not run in the probed forward; its values are NaN. "
-                               "This warning is shown once per layer.")
+                self.warn_once(
+                    host,
+                    f"missing:{layer.name}",
+                    f"layer {layer.name!r} did not run in the probed forward; its values are NaN. "
+                    "This warning is shown once per layer.",
+                )
             for reason in result.failures[:1]:
-                self.warn_once(host, f"failed:{layer.name}",
-                               f"no statistics for layer {layer.name!r} in {len(result.failures)} call(s) "
-                               f"({reason}); they are left out. This warning is shown once per layer.")
+                self.warn_once(
+                    host,
+                    f"failed:{layer.name}",
+                    f"no statistics for layer {layer.name!r} in {len(result.failures)} call(s) "
+                    f"({reason}); they are left out. This warning is shown once per layer.",
+                )
 
-    def _measure(self, results: list[ProbeResult], step: int, *, visuals: bool) -> tuple[Values, dict[str, Any]]:
+    def _measure(
+        self, results: list[ProbeResult], step: int, *, visuals: bool
+    ) -> tuple[Values, dict[str, Any]]:
         """Values from the closed probes' results (one per layer, of the window at ``step``), plus
         extra ``record`` arguments; images only where ``visuals``."""
         raise NotImplementedError

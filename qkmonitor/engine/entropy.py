@@ -63,12 +63,18 @@ class AttentionEntropy(ActivationEngine):
         # created on the CPU; each update moves them to where the statistics are
         self._aggregators = [AttentionStatistics(layer.num_heads_hint) for layer in self.layers]
 
-    def _measure(self, results: list[ProbeResult], step: int, *, visuals: bool) -> tuple[Values, dict[str, Any]]:
+    def _measure(
+        self, results: list[ProbeResult], step: int, *, visuals: bool
+    ) -> tuple[Values, dict[str, Any]]:
         values: Values = {name: [] for name in self.metric_names}
         undefined: dict[str, list[Tensor]] = {name: [] for name in self.metric_names}
         for i, result in enumerate(results):
             heads = [stats.entropy.shape[1] for stats in result.stats]
-            if heads and heads[0] != self._aggregators[i].num_heads and not self.layers[i].layout_ready:
+            if (
+                heads
+                and heads[0] != self._aggregators[i].num_heads
+                and not self.layers[i].layout_ready
+            ):
                 # a layer read by interception: its calls tell its head count
                 self._aggregators[i] = AttentionStatistics(heads[0])
             aggregator = self._aggregators[i]
@@ -79,7 +85,9 @@ class AttentionEntropy(ActivationEngine):
             # compute() on every rank, updated or not: it is the collective that sums the states
             # across processes (a rank that saw no rows adds zeros; no rows at all gives NaN)
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+                warnings.filterwarnings(
+                    "ignore", message=".*was called before the ``update`` method.*"
+                )
                 computed = aggregator.compute()
             aggregator.reset()
             nan = torch.full((aggregator.num_heads,), math.nan)

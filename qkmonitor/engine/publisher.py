@@ -34,7 +34,9 @@ class Publisher:
         """Run ``job()`` on the background thread, after every job submitted before it."""
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="qkmonitor-publisher", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="qkmonitor-publisher", daemon=True
+                )
                 self._thread.start()
         self._jobs.put(job)
 

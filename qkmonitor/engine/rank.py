@@ -62,16 +62,32 @@ class EffectiveRank(ActivationEngine):
     monitor = RANK
     default_rules = (RANK_COLLAPSE_RULE, MALIGNANT_COLLAPSE_RULE)
 
-    def __init__(self, *, max_probe_sequences: int = 4, max_probe_tokens: int = 128,
-                 blocks: BlocksSpec | None = None, pattern_heads: int = 4, **kwargs: Any) -> None:
-        for name, value in (("max_probe_sequences", max_probe_sequences), ("max_probe_tokens", max_probe_tokens)):
+    def __init__(
+        self,
+        *,
+        max_probe_sequences: int = 4,
+        max_probe_tokens: int = 128,
+        blocks: BlocksSpec | None = None,
+        pattern_heads: int = 4,
+        **kwargs: Any,
+    ) -> None:
+        for name, value in (
+            ("max_probe_sequences", max_probe_sequences),
+            ("max_probe_tokens", max_probe_tokens),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
-        if isinstance(pattern_heads, bool) or not isinstance(pattern_heads, int) or pattern_heads < 0:
+        if (
+            isinstance(pattern_heads, bool)
+            or not isinstance(pattern_heads, int)
+            or pattern_heads < 0
+        ):
             raise ValueError(f"Expected `pattern_heads` to be an int >= 0, got {pattern_heads!r}")
         if blocks is not None and not callable(blocks) and not isinstance(blocks, Sequence):
-            raise ValueError(f"Expected `blocks` to be a list of modules, a function of the model or None, "
-                             f"got {type(blocks).__name__}")
+            raise ValueError(
+                f"Expected `blocks` to be a list of modules, a function of the model or None, "
+                f"got {type(blocks).__name__}"
+            )
         super().__init__(**kwargs)
         self.max_probe_sequences = max_probe_sequences
         self._probe_sequences = max_probe_sequences  # this rank's share, set at bind
@@ -84,7 +100,9 @@ class EffectiveRank(ActivationEngine):
 
     def _request(self) -> ProbeRequest:
         sequences = self._probe_sequences
-        return ProbeRequest(stats=True, probs_slice=(sequences, self.max_probe_tokens) if sequences else None)
+        return ProbeRequest(
+            stats=True, probs_slice=(sequences, self.max_probe_tokens) if sequences else None
+        )
 
     def _prepare(self, model: nn.Module) -> None:
         super()._prepare(model)
@@ -114,10 +132,14 @@ class EffectiveRank(ActivationEngine):
 
     def _find_blocks(self, model: nn.Module) -> list[nn.Module]:
         if self._blocks_spec is not None:
-            blocks = list(self._blocks_spec(model) if callable(self._blocks_spec) else self._blocks_spec)
+            blocks = list(
+                self._blocks_spec(model) if callable(self._blocks_spec) else self._blocks_spec
+            )
             if len(blocks) != len(self.layers) or not all(isinstance(b, nn.Module) for b in blocks):
-                raise ValueError(f"Expected `blocks` to give one module per attention layer ({len(self.layers)}), "
-                                 f"got {[type(b).__name__ for b in blocks]}")
+                raise ValueError(
+                    f"Expected `blocks` to give one module per attention layer ({len(self.layers)}), "
+                    f"got {[type(b).__name__ for b in blocks]}"
+                )
             return blocks
         found = []
         for layer in self.layers:
@@ -132,7 +154,10 @@ class EffectiveRank(ActivationEngine):
 
     def _open_extra(self) -> None:
         self._hidden = {}
-        self._hooks = [add_forward_hooks(block, post=self._hidden_hook(i)) for i, block in enumerate(self.blocks)]
+        self._hooks = [
+            add_forward_hooks(block, post=self._hidden_hook(i))
+            for i, block in enumerate(self.blocks)
+        ]
 
     def _close_extra(self) -> None:
         hooks, self._hooks = self._hooks, []
@@ -158,7 +183,9 @@ class EffectiveRank(ActivationEngine):
 
         return hook
 
-    def _measure(self, results: list[ProbeResult], step: int, *, visuals: bool) -> tuple[Values, dict[str, Any]]:
+    def _measure(
+        self, results: list[ProbeResult], step: int, *, visuals: bool
+    ) -> tuple[Values, dict[str, Any]]:
         values: Values = {m: [] for m in self.metric_names}
         undefined: dict[str, list[Tensor]] = {m: [] for m in self.metric_names}
         images: dict[str, Callable[[], np.ndarray]] = {}
@@ -167,16 +194,27 @@ class EffectiveRank(ActivationEngine):
             self._fit_heads(i, result)
         # the spectra of every layer's cuts in a few batched calls (layers of one shape together)
         streams = [(i, x) for i in sorted(hidden) for x in hidden[i]]
-        stream_metrics = _batched(hidden_state_metrics, [x for _, x in streams])  # per cut: (S,), (S,)
-        patterns = [(i, probs) for i, result in enumerate(results) for probs in result.probs]  # (S, H, R, M)
-        pattern_ranks = _batched(_attention_erank, [probs for _, probs in patterns])  # per pattern: (S, H)
+        stream_metrics = _batched(
+            hidden_state_metrics, [x for _, x in streams]
+        )  # per cut: (S,), (S,)
+        patterns = [
+            (i, probs) for i, result in enumerate(results) for probs in result.probs
+        ]  # (S, H, R, M)
+        pattern_ranks = _batched(
+            _attention_erank, [probs for _, probs in patterns]
+        )  # per pattern: (S, H)
         samples: list[list[tuple[str, Tensor, Tensor | None]]] = [[] for _ in results]
         for (i, x), (erank, collapse) in zip(streams, stream_metrics):
             single = torch.full(collapse[:, None].shape, x.shape[-2] < 2, device=collapse.device)
-            samples[i] += [("hidden_erank", erank[:, None], None),
-                           ("hidden_collapse", collapse[:, None], ~single)]  # one token: undefined, left out
+            samples[i] += [
+                ("hidden_erank", erank[:, None], None),
+                ("hidden_collapse", collapse[:, None], ~single),
+            ]  # one token: undefined, left out
         for (i, probs), (rank,) in zip(patterns, pattern_ranks):
-            samples[i] += [("attn_erank", rank, None), ("attn_erank_norm", rank / min(probs.shape[-2:]), None)]
+            samples[i] += [
+                ("attn_erank", rank, None),
+                ("attn_erank_norm", rank / min(probs.shape[-2:]), None),
+            ]
         for i, result in enumerate(results):
             for stats in result.stats:
                 s, r = self._probe_sequences, self.max_probe_tokens
@@ -185,20 +223,31 @@ class EffectiveRank(ActivationEngine):
                 keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
                 samples[i].append(("attn_entropy_norm", _mean_rows(norm, n > 1), keep))
             self._update(i, samples[i])
-            if result.probs and result.probs[0].numel():  # drawn when published (visuals, or the run's end)
+            if (
+                result.probs and result.probs[0].numel()
+            ):  # drawn when published (visuals, or the run's end)
                 for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
                     images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = partial(
-                        attention_image, probs, title=f"layer {i}, head {h}, step {step}, sequence 0")
+                        attention_image,
+                        probs,
+                        title=f"layer {i}, head {h}, step {step}, sequence 0",
+                    )
             with warnings.catch_warnings():  # compute() on every rank: it is the collective
-                warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+                warnings.filterwarnings(
+                    "ignore", message=".*was called before the ``update`` method.*"
+                )
                 means = self._means[i].compute().float().cpu()
-            counted = self._means[i].count.cpu() > 0  # no sample (an empty batch, one token): undefined
+            counted = (
+                self._means[i].count.cpu() > 0
+            )  # no sample (an empty batch, one token): undefined
             self._means[i].reset()
             for name, columns in self._columns[i].items():
                 values[name].append(means[columns])
                 undefined[name].append(~counted[columns])
-        return ({name: values[name] for name in self.metric_names},
-                {"images": images, "undefined": {name: undefined[name] for name in self.metric_names}})
+        return (
+            {name: values[name] for name in self.metric_names},
+            {"images": images, "undefined": {name: undefined[name] for name in self.metric_names}},
+        )
 
     def _update(self, layer: int, samples: list[tuple[str, Tensor, Tensor | None]]) -> None:
         """Add one layer's samples, ``(metric, (S, width) values, keep or None)``, to its aggregator:
@@ -210,14 +259,22 @@ class EffectiveRank(ActivationEngine):
             if values.shape[0] == 0:  # an empty batch: no sample
                 continue
             values = values.reshape(values.shape[0], -1)
-            slot = next((r for r in rounds if name not in r and next(iter(r.values()))[0].shape[0] == values.shape[0]),
-                        None)
+            slot = next(
+                (
+                    r
+                    for r in rounds
+                    if name not in r and next(iter(r.values()))[0].shape[0] == values.shape[0]
+                ),
+                None,
+            )
             if slot is None:
                 rounds.append(slot := {})
             slot[name] = (values, keep)
         for parts in rounds:
             first = next(iter(parts.values()))[0]
-            block = torch.zeros(first.shape[0], aggregate.num_heads, dtype=torch.float64, device=first.device)
+            block = torch.zeros(
+                first.shape[0], aggregate.num_heads, dtype=torch.float64, device=first.device
+            )
             kept = torch.zeros(block.shape, dtype=torch.bool, device=first.device)
             for name, (values, keep) in parts.items():
                 block[:, columns[name]] = values
@@ -241,7 +298,9 @@ def _attention_erank(probs: Tensor) -> tuple[Tensor]:
     return (effective_rank(gram_singular_values(probs)),)
 
 
-def _batched(measure: Callable[[Tensor], tuple[Tensor, ...]], tensors: list[Tensor]) -> list[tuple[Tensor, ...]]:
+def _batched(
+    measure: Callable[[Tensor], tuple[Tensor, ...]], tensors: list[Tensor]
+) -> list[tuple[Tensor, ...]]:
     """``[measure(t) for t in tensors]`` in one call per shape: tensors of one shape, dtype and
     device are concatenated along dim 0 (``measure`` works batch-wise along it) and split back."""
     out: list[tuple[Tensor, ...] | None] = [None] * len(tensors)

@@ -23,7 +23,7 @@ from qkmonitor.engine.publisher import PUBLISHER
 from qkmonitor.engine.sinks import Sink, SummaryWriterSink
 from qkmonitor.tags import alert_tag
 
-__all__ = ["Monitoring", "write_run_header", "check_tag_collisions"]
+__all__ = ["Monitoring", "check_tag_collisions", "write_run_header"]
 
 
 def check_tag_collisions(engines: Sequence[MonitorEngine]) -> None:
@@ -40,8 +40,9 @@ def check_tag_collisions(engines: Sequence[MonitorEngine]) -> None:
         seen[key] = engine
 
 
-def write_run_header(sinks: Sequence[Sink], engines: Sequence[MonitorEngine],
-                     hparams: dict[str, Any] | None = None) -> None:
+def write_run_header(
+    sinks: Sequence[Sink], engines: Sequence[MonitorEngine], hparams: dict[str, Any] | None = None
+) -> None:
     """One layout and one hparams record for the run, to every sink that draws.
 
     TensorBoard keeps the first hparams record of a run, so this goes first. A sink with a
@@ -55,11 +56,24 @@ def write_run_header(sinks: Sequence[Sink], engines: Sequence[MonitorEngine],
         if not sink.draws:
             continue
         tag_prefix = getattr(sink, "tag_prefix", "")
-        sections = [LayoutSection(tag_prefix + e.prefix, e.metric_names, len(e.layers),
-                                  tuple(r.name for r in e.tracker.rules)) for e in engines]
+        sections = [
+            LayoutSection(
+                tag_prefix + e.prefix,
+                e.metric_names,
+                len(e.layers),
+                tuple(r.name for r in e.tracker.rules),
+            )
+            for e in engines
+        ]
         sink.log_layout(custom_scalars_layout(sections))
-        sink.log_hparams(params, {alert_tag(tag_prefix + e.prefix, r.name): 0.0
-                                  for e in engines for r in e.tracker.rules})
+        sink.log_hparams(
+            params,
+            {
+                alert_tag(tag_prefix + e.prefix, r.name): 0.0
+                for e in engines
+                for r in e.tracker.rules
+            },
+        )
 
 
 class Monitoring:
@@ -94,27 +108,52 @@ class Monitoring:
         monitoring.close()
     """
 
-    def __init__(self, model: nn.Module, engines: Sequence[MonitorEngine], *, writer: Any = None,
-                 hparams: dict[str, Any] | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 every_n_steps: int = 50) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        engines: Sequence[MonitorEngine],
+        *,
+        writer: Any = None,
+        hparams: dict[str, Any] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        every_n_steps: int = 50,
+    ) -> None:
         if not isinstance(model, nn.Module):
-            raise ValueError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+            raise ValueError(
+                f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}"
+            )
         engines = list(engines)
         for engine in engines:
             if isinstance(engine, type) and issubclass(engine, MonitorEngine):
-                raise TypeError(f"Expected engine instances in `engines`, got the class `{engine.__name__}`: pass an "
-                                f"instance: `{engine.__name__}()`")
+                raise TypeError(
+                    f"Expected engine instances in `engines`, got the class `{engine.__name__}`: pass an "
+                    f"instance: `{engine.__name__}()`"
+                )
         if not engines or not all(isinstance(e, MonitorEngine) for e in engines):
-            raise ValueError(f"Expected `engines` to be a non-empty list of MonitorEngine, got {engines!r}")
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"Expected `every_n_steps` to be a positive int, got {every_n_steps!r}")
+            raise ValueError(
+                f"Expected `engines` to be a non-empty list of MonitorEngine, got {engines!r}"
+            )
+        if (
+            isinstance(every_n_steps, bool)
+            or not isinstance(every_n_steps, int)
+            or every_n_steps < 1
+        ):
+            raise ValueError(
+                f"Expected `every_n_steps` to be a positive int, got {every_n_steps!r}"
+            )
         for engine in engines:
             owner = engine._session() if engine._session is not None else None
             if owner is not None and owner is not self and not owner.closed:
-                raise ValueError(f"{type(engine).__name__} (prefix {engine.prefix!r}) is already used by another "
-                                 "Monitoring that is not closed: give each Monitoring its own engines, or call "
-                                 "close() on the first one")
-        sinks = [] if writer is None else [writer if isinstance(writer, Sink) else SummaryWriterSink(writer)]
+                raise ValueError(
+                    f"{type(engine).__name__} (prefix {engine.prefix!r}) is already used by another "
+                    "Monitoring that is not closed: give each Monitoring its own engines, or call "
+                    "close() on the first one"
+                )
+        sinks = (
+            []
+            if writer is None
+            else [writer if isinstance(writer, Sink) else SummaryWriterSink(writer)]
+        )
         self.engines = engines
         self.closed = False
         for engine in engines:
@@ -175,7 +214,9 @@ class Monitoring:
         it reads nothing from the device until a probe needs it."""
         step = self._step if step is None else step
         if step is None:
-            raise ValueError("Expected `step`: observe_loss outside a step window needs the step it belongs to")
+            raise ValueError(
+                "Expected `step`: observe_loss outside a step window needs the step it belongs to"
+            )
         self._check_step(step)
         for engine in self.engines:
             engine.observe_loss(step, loss)
@@ -238,4 +279,3 @@ class Monitoring:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for engine in self.engines:
             engine.load_state_dict(state.get(f"{engine.monitor}[{engine.prefix}]", {}))
-

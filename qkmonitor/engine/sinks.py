@@ -17,7 +17,7 @@ import numpy as np
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch import Tensor
 
-__all__ = ["Sink", "SummaryWriterSink", "MemorySink", "flatten_hparams"]
+__all__ = ["MemorySink", "Sink", "SummaryWriterSink", "flatten_hparams"]
 
 
 @runtime_checkable
@@ -64,7 +64,9 @@ class SummaryWriterSink:
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         if self._scalars and scalars:
-            values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]
+            values = [
+                Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()
+            ]
             self.writer._get_file_writer().add_summary(Summary(value=values), step)
 
     def log_text(self, tag: str, text: str, step: int) -> None:
@@ -75,12 +77,20 @@ class SummaryWriterSink:
         from PIL import Image
 
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
-            raise ValueError(f"Expected `image` to be an (H, W, 3) uint8 array, got {image.dtype} {image.shape}")
+            raise ValueError(
+                f"Expected `image` to be an (H, W, 3) uint8 array, got {image.dtype} {image.shape}"
+            )
         png = io.BytesIO()
         Image.fromarray(image).save(png, format="PNG", compress_level=1)
-        encoded = Summary.Image(height=image.shape[0], width=image.shape[1], colorspace=3,
-                                encoded_image_string=png.getvalue())
-        self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=encoded)]), step)
+        encoded = Summary.Image(
+            height=image.shape[0],
+            width=image.shape[1],
+            colorspace=3,
+            encoded_image_string=png.getvalue(),
+        )
+        self.writer._get_file_writer().add_summary(
+            Summary(value=[Summary.Value(tag=tag, image=encoded)]), step
+        )
 
     def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
         self.writer.add_histogram(tag, values, global_step=step)

@@ -60,7 +60,8 @@ class QKSpectrum(MonitorEngine):
         if len(blind) == len(self.layers):
             raise ValueError(
                 f"{type(self).__name__}: the query/key weights of {blind} are not found (no projection of a known "
-                "name); describe them with qkmonitor.AttentionSpec (README, 'Use it on your model')")
+                "name); describe them with qkmonitor.AttentionSpec (README, 'Use it on your model')"
+            )
 
     # -- the layout check of layers read by name ------------------------------------------------
 
@@ -77,7 +78,9 @@ class QKSpectrum(MonitorEngine):
         self._layouts_waiting = bool(waiting)  # a check only ends the wait: none waiting stays none
         try:
             for layer in waiting:
-                self._checks.append((layer, layer.open_probe(ProbeRequest(stats=False, layout=True))))
+                self._checks.append(
+                    (layer, layer.open_probe(ProbeRequest(stats=False, layout=True)))
+                )
             if waiting:
                 self._open_roots()
         except BaseException:
@@ -96,7 +99,9 @@ class QKSpectrum(MonitorEngine):
         if self._pending is not None:
             step, spectra, copies = self._pending
             self._pending = None
-            self._log(host, step, _merged(self.layers, spectra, self._spectra_of_copies(host, copies)))
+            self._log(
+                host, step, _merged(self.layers, spectra, self._spectra_of_copies(host, copies))
+            )
 
     def abort(self) -> None:
         checks, self._checks = self._checks, []
@@ -109,7 +114,9 @@ class QKSpectrum(MonitorEngine):
 
     # -- reading the weights ---------------------------------------------------------------------
 
-    def observe_weights(self, host: Host, step: int, *, full_model: nn.Module | None = None, **kwargs: Any) -> None:
+    def observe_weights(
+        self, host: Host, step: int, *, full_model: nn.Module | None = None, **kwargs: Any
+    ) -> None:
         """Measure and log the weights after ``step`` optimizer steps if that is a probe step.
 
         Args:
@@ -118,7 +125,11 @@ class QKSpectrum(MonitorEngine):
         if not self.is_probe_step(step):
             return
         self._warn_blind(host)
-        ready = {i: layer for i, layer in enumerate(self.layers) if layer.supports_weights and layer.layout_ready}
+        ready = {
+            i: layer
+            for i, layer in enumerate(self.layers)
+            if layer.supports_weights and layer.layout_ready
+        }
         waiting = {i: layer for i, layer in enumerate(self.layers) if layer.needs_layout_check}
         with torch.no_grad(), full_parameters(full_model):
             spectra = spectrum_of_layers([layer.qk_weights() for layer in ready.values()])
@@ -135,10 +146,15 @@ class QKSpectrum(MonitorEngine):
         for i, copy in copies.items():
             layer = self.layers[i]
             if layer.layout is None:
-                if layer.needs_layout_check:  # still unchecked: it did not run in the first probed forward
-                    self.warn_once(host, f"layout:{layer.name}",
-                                   f"layer {layer.name!r} gave no forward to check its weight layout against; its "
-                                   "spectrum metrics are NaN until one does")
+                if (
+                    layer.needs_layout_check
+                ):  # still unchecked: it did not run in the first probed forward
+                    self.warn_once(
+                        host,
+                        f"layout:{layer.name}",
+                        f"layer {layer.name!r} gave no forward to check its weight layout against; its "
+                        "spectrum metrics are NaN until one does",
+                    )
                 continue
             with torch.no_grad():
                 out[i] = _layer_of(spectrum_of_layers([layer.layout.qk_weights(copy)]), 0)
@@ -147,9 +163,12 @@ class QKSpectrum(MonitorEngine):
     def _warn_blind(self, host: Host) -> None:
         for layer in self.layers:
             if not layer.supports_weights:
-                self.warn_once(host, f"blind:{layer.name}",
-                               f"the query/key weights of layer {layer.name!r} are not found (no projection of a "
-                               "known name); its spectrum metrics are NaN. Describe it with qkmonitor.AttentionSpec.")
+                self.warn_once(
+                    host,
+                    f"blind:{layer.name}",
+                    f"the query/key weights of layer {layer.name!r} are not found (no projection of a "
+                    "known name); its spectrum metrics are NaN. Describe it with qkmonitor.AttentionSpec.",
+                )
 
     def _log(self, host: Host, step: int, spectra: LayerSpectra) -> None:
         histograms = partial(self._histograms, spectra.singular_values)  # made when drawn
@@ -158,15 +177,20 @@ class QKSpectrum(MonitorEngine):
     def _histograms(self, singular_values: list[Tensor]) -> dict[str, Tensor]:
         out = {}
         for i, sv in enumerate(singular_values):
-            finite = sv[torch.isfinite(sv)]  # NaN heads are in the scalars; a histogram needs numbers
+            finite = sv[
+                torch.isfinite(sv)
+            ]  # NaN heads are in the scalars; a histogram needs numbers
             if finite.numel():
                 out[f"{self.prefix}/qk_singular_values/layer_{i:02d}"] = finite
         return out
 
 
 def _layer_of(spectra: LayerSpectra, j: int) -> tuple[dict, dict, Tensor]:
-    return ({name: values[j] for name, values in spectra.metrics.items()},
-            {name: values[j] for name, values in spectra.undefined.items()}, spectra.singular_values[j])
+    return (
+        {name: values[j] for name, values in spectra.metrics.items()},
+        {name: values[j] for name, values in spectra.undefined.items()},
+        spectra.singular_values[j],
+    )
 
 
 def _merged(layers: list[AttentionLayer], *parts: dict[int, tuple]) -> LayerSpectra:
@@ -177,9 +201,11 @@ def _merged(layers: list[AttentionLayer], *parts: dict[int, tuple]) -> LayerSpec
         found = next((part[i] for part in parts if i in part), None)
         if found is None:
             heads = layer.num_heads_hint
-            found = ({m: torch.full((heads,), float("nan")) for m in SPECTRUM_METRICS},
-                     {m: torch.ones(heads, dtype=torch.bool) for m in SPECTRUM_METRICS},
-                     torch.full((heads, 1), float("nan")))
+            found = (
+                {m: torch.full((heads,), float("nan")) for m in SPECTRUM_METRICS},
+                {m: torch.ones(heads, dtype=torch.bool) for m in SPECTRUM_METRICS},
+                torch.full((heads, 1), float("nan")),
+            )
         metrics, undefined, sv = found
         for name in SPECTRUM_METRICS:
             out.metrics[name].append(metrics[name])

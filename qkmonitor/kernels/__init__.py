@@ -118,8 +118,17 @@ def attention(
         out, stats = attention(q, k, v, causal=True, return_stats=True)
         stats.entropy  # (B, H, N) nats per query row
     """
-    return _attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                      return_stats=return_stats, sink_tokens=sink_tokens, backend=backend)
+    return _attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        return_stats=return_stats,
+        sink_tokens=sink_tokens,
+        backend=backend,
+    )
 
 
 def attention_stats(
@@ -139,11 +148,23 @@ def attention_stats(
     ``v = k`` and drops it). Arguments as :func:`attention`.
     """
     with torch.no_grad():
-        return _attention(q, k, k, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                          return_stats=True, sink_tokens=sink_tokens, backend=backend, output=False)[1]
+        return _attention(
+            q,
+            k,
+            k,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=scale,
+            return_stats=True,
+            sink_tokens=sink_tokens,
+            backend=backend,
+            output=False,
+        )[1]
 
 
-def _attention(q, k, v, *, causal, key_padding_mask, scale, return_stats, sink_tokens, backend, output=True):
+def _attention(
+    q, k, v, *, causal, key_padding_mask, scale, return_stats, sink_tokens, backend, output=True
+):
     q, k, v = _autocast_inputs(q, k, v)
     _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_tokens)
     if key_padding_mask is not None:
@@ -217,9 +238,7 @@ def _autocast_inputs(q, k, v):
 def _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_tokens) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
-            raise ValueError(  # noqa: TRY004 (the contract: bad inputs are ValueErrors)
-                f"Expected `{name}` to be a torch.Tensor, got {type(x).__name__}"
-            )
+            raise ValueError(f"Expected `{name}` to be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
             layout = "(B, H, N, D)" if name == "q" else "(B, H_kv, M, D)"
             raise ValueError(
@@ -254,10 +273,10 @@ def _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_t
     if key_padding_mask is not None:
         _check_mask(key_padding_mask, q, k)
     if not isinstance(causal, bool):
-        raise ValueError(f"Expected `causal` to be a bool, got {causal!r}")  # noqa: TRY004
+        raise ValueError(f"Expected `causal` to be a bool, got {causal!r}")
     if not isinstance(return_stats, bool):
         msg = f"Expected `return_stats` to be a bool, got {return_stats!r}"
-        raise ValueError(msg)  # noqa: TRY004
+        raise ValueError(msg)
     if scale is not None and (
         isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale)
     ):
@@ -268,7 +287,7 @@ def _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_t
 
 def _check_mask(mask, q, k) -> None:
     if not isinstance(mask, torch.Tensor):
-        raise ValueError(  # noqa: TRY004 (the contract: bad inputs are ValueErrors)
+        raise ValueError(
             f"Expected `key_padding_mask` to be a (B, M) bool tensor, got {type(mask).__name__}"
         )
     expected = (k.shape[0], k.shape[2])
@@ -297,8 +316,12 @@ def _choose_backend(backend: str, q: torch.Tensor) -> bool:
             return False
         missing = _triton_missing()
         if missing:
-            warnings.warn(f"qkmonitor: the fused Triton kernel is not used: {missing}; "
-                          "attention runs on the torch backend", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"qkmonitor: the fused Triton kernel is not used: {missing}; "
+                "attention runs on the torch backend",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return not missing
     if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(
@@ -330,17 +353,23 @@ def _triton_missing() -> str:
     once per process, as the installed packages do not change under it.
     """
     if importlib.util.find_spec("triton") is None:
-        return ("the `triton` package is not installed (CUDA builds of torch bring it; on a CPU-only "
-                "machine `pip install 'qkmonitor[triton]'` gives the interpreter)")
+        return (
+            "the `triton` package is not installed (CUDA builds of torch bring it; on a CPU-only "
+            "machine `pip install 'qkmonitor[triton]'` gives the interpreter)"
+        )
     try:
         version = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:  # a differently named build (e.g. pytorch-triton)
+    except (
+        importlib.metadata.PackageNotFoundError
+    ):  # a differently named build (e.g. pytorch-triton)
         return ""
     numbers = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
     if numbers < TRITON_MIN_VERSION:
         need = ".".join(map(str, TRITON_MIN_VERSION))
-        return (f"triton {version} is installed and the kernels need triton >= {need} "
-                f"(`triton.knobs`; CUDA builds of torch >= 2.8 bring it)")
+        return (
+            f"triton {version} is installed and the kernels need triton >= {need} "
+            f"(`triton.knobs`; CUDA builds of torch >= 2.8 bring it)"
+        )
     return ""
 
 

@@ -97,7 +97,16 @@ def torch_attention(
             return out, None
         with torch.no_grad():
             _, lse, entropy, max_prob, max_logit, sink = _forward_blocks(
-                q, k, v, key_padding_mask, causal, scale, sink_tokens, True, block_size, output=False
+                q,
+                k,
+                v,
+                key_padding_mask,
+                causal,
+                scale,
+                sink_tokens,
+                True,
+                block_size,
+                output=False,
             )
         return out, (lse, entropy, max_prob, max_logit, sink if sink_tokens > 0 else None)
     out, lse, entropy, max_prob, max_logit, sink = _BlockwiseAttention.apply(
@@ -211,7 +220,9 @@ def _first_row(start: int, diag: int, causal: bool) -> int:
     return max(0, start - diag) if causal else 0
 
 
-def _forward_blocks(q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size, output=True):
+def _forward_blocks(
+    q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size, output=True
+):
     """The online forward; returns out in the compute dtype (None unless ``output``) and float32
     (B, H, N) statistics (all None but lse when ``stats`` is False)."""
     batch, heads, n, _ = q.shape
@@ -288,8 +299,12 @@ def _one_block_stats(q_g, k, key_padding_mask, causal, sink_tokens, heads):
     the same sums without the online rescaling (``q_g`` scaled, (B, H_kv, G, N, D))."""
     n, m_keys = q_g.shape[-2], k.shape[2]
     s = q_g @ k[:, :, None].to(q_g.dtype).transpose(-1, -2)  # (B, H_kv, G, N, M)
-    allowed = _allowed(torch.arange(n, device=q_g.device), 0, m_keys, m_keys - n, causal, key_padding_mask)
-    if allowed is not None:  # torch.where: the same numbers as masked_fill_, faster on a broadcast mask
+    allowed = _allowed(
+        torch.arange(n, device=q_g.device), 0, m_keys, m_keys - n, causal, key_padding_mask
+    )
+    if (
+        allowed is not None
+    ):  # torch.where: the same numbers as masked_fill_, faster on a broadcast mask
         s = torch.where(allowed, s, _NEG_INF)
     largest = torch.finfo(s.dtype).max
     m = s.amax(dim=-1)

@@ -52,17 +52,34 @@ class Chromium:
         to_browser_r, to_browser_w = os.pipe()
         from_browser_r, from_browser_w = os.pipe()
 
-        args = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--hide-scrollbars", "--no-first-run", "--no-default-browser-check", "--disable-extensions",
-                "--mute-audio", "--force-device-scale-factor=1", "--window-size=1920,1400",
-                f"--user-data-dir={profile_dir}", "--remote-debugging-pipe", "about:blank"]
+        args = [
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-extensions",
+            "--mute-audio",
+            "--force-device-scale-factor=1",
+            "--window-size=1920,1400",
+            f"--user-data-dir={profile_dir}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
         # The browser reads commands on fd 3 and writes replies on fd 4; bash puts the pipes there
         # (dash, /bin/sh on Debian, takes one-digit descriptors only).
         wiring = f'exec "$0" "$@" 3<&{to_browser_r} 4>&{from_browser_w}'
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(["/bin/bash", "-c", wiring, executable, *args], stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=log, pass_fds=(to_browser_r, from_browser_w),
-                                         env={**os.environ, "TZ": "UTC", "LANG": "en_US.UTF-8"})
+            self.proc = subprocess.Popen(
+                ["/bin/bash", "-c", wiring, executable, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                pass_fds=(to_browser_r, from_browser_w),
+                env={**os.environ, "TZ": "UTC", "LANG": "en_US.UTF-8"},
+            )
         os.close(to_browser_r)
         os.close(from_browser_w)
         self._out = to_browser_w
@@ -72,7 +89,9 @@ class Chromium:
         self._init_scripts: list[str] = []
         try:
             target = self.call("Target.createTarget", url="about:blank")["targetId"]
-            self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+            self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)[
+                "sessionId"
+            ]
             self.page("Page.enable")
         except BaseException:
             self.close()
@@ -103,7 +122,9 @@ class Chromium:
         while b"\0" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._in], [], [], left)[0]:
-                raise BrowserGone(f"no answer from Chromium within {self.timeout} s\n{self.log_tail()}")
+                raise BrowserGone(
+                    f"no answer from Chromium within {self.timeout} s\n{self.log_tail()}"
+                )
             chunk = os.read(self._in, 1 << 20)
             if not chunk:
                 raise BrowserGone(f"Chromium closed the DevTools pipe\n{self.log_tail()}")
@@ -114,22 +135,37 @@ class Chromium:
     def page(self, method: str, **params):
         return self.call(method, session=self.session, **params)
 
-    def open(self, url: str, width: int, height: int, local_storage: dict[str, str] | None = None) -> None:
+    def open(
+        self, url: str, width: int, height: int, local_storage: dict[str, str] | None = None
+    ) -> None:
         """Load `url` in a `width` x `height` viewport, with `local_storage` set before its scripts run."""
         for identifier in self._init_scripts:
             self.page("Page.removeScriptToEvaluateOnNewDocument", identifier=identifier)
         self._init_scripts = []
         if local_storage:
-            script = "".join(f"localStorage.setItem({json.dumps(k)}, {json.dumps(v)});"
-                             for k, v in local_storage.items())
-            self._init_scripts.append(self.page("Page.addScriptToEvaluateOnNewDocument", source=script)["identifier"])
-        self.page("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
-                  mobile=False)
-        self.page("Page.navigate", url="about:blank")  # a hash change alone would not reload the app
+            script = "".join(
+                f"localStorage.setItem({json.dumps(k)}, {json.dumps(v)});"
+                for k, v in local_storage.items()
+            )
+            self._init_scripts.append(
+                self.page("Page.addScriptToEvaluateOnNewDocument", source=script)["identifier"]
+            )
+        self.page(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+        self.page(
+            "Page.navigate", url="about:blank"
+        )  # a hash change alone would not reload the app
         self.page("Page.navigate", url=url)
 
     def evaluate(self, expression: str):
-        result = self.page("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        result = self.page(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         if "exceptionDetails" in result:
             raise CDPError(f"page script failed: {result['exceptionDetails']}")
         return result["result"].get("value")
@@ -153,7 +189,9 @@ class Chromium:
 
     def screenshot(self, path: Path) -> Path:
         """A PNG of the viewport, taken after the page has painted two more frames."""
-        self.evaluate("new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))")
+        self.evaluate(
+            "new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
+        )
         data = self.page("Page.captureScreenshot", format="png")["data"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(data))
@@ -189,18 +227,37 @@ def write_run(root: Path) -> Path:
     from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
 
     pl.seed_everything(0, verbose=False)
-    data = AssociativeRecallDataModule(num_pairs=3, num_queries=2, num_keys=8, num_values=8,
-                                       batch_size=8, train_size=64, val_size=16, seed=0)
-    config = TransformerConfig(vocab_size=data.vocab_size, d_model=32, n_layers=2, n_heads=4,
-                               max_seq_len=data.seq_len)
+    data = AssociativeRecallDataModule(
+        num_pairs=3,
+        num_queries=2,
+        num_keys=8,
+        num_values=8,
+        batch_size=8,
+        train_size=64,
+        val_size=16,
+        seed=0,
+    )
+    config = TransformerConfig(
+        vocab_size=data.vocab_size, d_model=32, n_layers=2, n_heads=4, max_seq_len=data.seq_len
+    )
     task = CausalLMTask(config, lr=3e-3, warmup_steps=0)
-    monitors = [QKSpectrumMonitor(every_n_steps=2), AttentionEntropyMonitor(every_n_steps=2),
-                EffectiveRankMonitor(every_n_steps=2, pattern_heads=2)]
+    monitors = [
+        QKSpectrumMonitor(every_n_steps=2),
+        AttentionEntropyMonitor(every_n_steps=2),
+        EffectiveRankMonitor(every_n_steps=2, pattern_heads=2),
+    ]
     name, version = RUN_NAME.split("/")
-    pl.Trainer(default_root_dir=root, max_steps=6, logger=TensorBoardLogger(root, name, version),
-               callbacks=monitors, enable_progress_bar=False, enable_model_summary=False,
-               enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1,
-               ).fit(task, datamodule=data)
+    pl.Trainer(
+        default_root_dir=root,
+        max_steps=6,
+        logger=TensorBoardLogger(root, name, version),
+        callbacks=monitors,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+    ).fit(task, datamodule=data)
     return root
 
 
@@ -229,8 +286,10 @@ def tensorboard_ready(url: str) -> bool:
 def chromium_executable() -> str:
     path = find_chromium()
     if path is None:
-        pytest.skip("headless Chromium not found at /usr/bin/chromium (Debian package `chromium`; "
-                    ".ci/run installs it)")
+        pytest.skip(
+            "headless Chromium not found at /usr/bin/chromium (Debian package `chromium`; "
+            ".ci/run installs it)"
+        )
     return path
 
 
@@ -258,18 +317,37 @@ def tensorboard(chromium_executable, tmp_path_factory):
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 # run from `root` with a relative --logdir: the page shows "runs", as after `qkmonitor train`
-                [sys.executable, "-m", "tensorboard.main", "--logdir", "runs", "--host", "127.0.0.1",
-                 "--port", str(port), "--load_fast=false", "--reload_interval=0"],
-                cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                [
+                    sys.executable,
+                    "-m",
+                    "tensorboard.main",
+                    "--logdir",
+                    "runs",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--load_fast=false",
+                    "--reload_interval=0",
+                ],
+                cwd=root,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
         try:
             deadline = time.monotonic() + 60
-            while proc.poll() is None and time.monotonic() < deadline and not tensorboard_ready(url):
+            while (
+                proc.poll() is None and time.monotonic() < deadline and not tensorboard_ready(url)
+            ):
                 time.sleep(0.25)
             if proc.poll() is None and tensorboard_ready(url):
                 yield TensorBoard(url)
                 return
             if proc.poll() is None:
-                pytest.fail(f"TensorBoard did not serve the run within 60 s:\n{log_path.read_text()[-3000:]}")
+                pytest.fail(
+                    f"TensorBoard did not serve the run within 60 s:\n{log_path.read_text()[-3000:]}"
+                )
         finally:
             if proc.poll() is None:
                 proc.terminate()

@@ -13,10 +13,21 @@ from PIL import Image
 
 pytestmark = pytest.mark.browser
 
-HEATMAPS = ["qkmonitor/heatmap/kappa", "qkmonitor/heatmap/entropy_norm", "qkmonitor/heatmap/max_prob"]
-LINE_CHARTS = ["kappa (a line per layer)", "entropy_norm (a line per layer)", "attn_erank (a line per layer)"]
-MARGIN_CHARTS = ["kappa layer 00 (heads: min, mean, max)", "entropy_norm layer 01 (heads: min, mean, max)",
-                 "attn_entropy_norm layer 01 (heads: min, mean, max)"]
+HEATMAPS = [
+    "qkmonitor/heatmap/kappa",
+    "qkmonitor/heatmap/entropy_norm",
+    "qkmonitor/heatmap/max_prob",
+]
+LINE_CHARTS = [
+    "kappa (a line per layer)",
+    "entropy_norm (a line per layer)",
+    "attn_erank (a line per layer)",
+]
+MARGIN_CHARTS = [
+    "kappa layer 00 (heads: min, mean, max)",
+    "entropy_norm layer 01 (heads: min, mean, max)",
+    "attn_entropy_norm layer 01 (heads: min, mean, max)",
+]
 
 # Every custom-scalars card in the page, through the shadow roots: its kind, its title, and how
 # many line and band (area) paths with geometry its chart has drawn.
@@ -92,35 +103,51 @@ def test_custom_scalars_dashboard_draws_the_per_layer_charts(browser, tensorboar
 
     def drawn(cards):
         by_title = {card["title"]: card for card in cards or []}
-        return (all(by_title.get(t, {}).get("lines", 0) >= 2 for t in LINE_CHARTS)       # two layers
-                and all(by_title.get(t, {}).get("areas", 0) >= 1 for t in MARGIN_CHARTS))  # min-max band
+        return (
+            all(by_title.get(t, {}).get("lines", 0) >= 2 for t in LINE_CHARTS)  # two layers
+            and all(by_title.get(t, {}).get("areas", 0) >= 1 for t in MARGIN_CHARTS)
+        )  # min-max band
 
     size = (1640, 1320)
     # no smoothing and no outlier clipping: with four points per line, the raw values are the picture
-    browser.open(f"{tensorboard.url}/#custom_scalars&_smoothingWeight=0", *size,
-                 local_storage={"_ignoreYOutliers": "false"})
+    browser.open(
+        f"{tensorboard.url}/#custom_scalars&_smoothingWeight=0",
+        *size,
+        local_storage={"_ignoreYOutliers": "false"},
+    )
     cards = browser.wait_for(CUSTOM_SCALAR_CARDS, drawn)
     text = browser.evaluate(PAGE_TEXT)
     shot = browser.screenshot(screenshot_dir / "custom_scalars.png")
     assert drawn(cards), f"charts not drawn (screenshot: {shot}): {cards}"
     # every chart of the layout is a card in the page, each kind as the layout says
     assert sorted(card["title"] for card in cards) == sorted(titles)
-    assert {card["title"] for card in cards if card["kind"] == "margin"} == {t for t in titles if "(heads:" in t}
+    assert {card["title"] for card in cards if card["kind"] == "margin"} == {
+        t for t in titles if "(heads:" in t
+    }
     for category in categories:
         assert category in text
-    assert "qkmonitor/kappa/layer_00" in text and "qkmonitor/kappa/layer_01" in text  # the lines' tags
+    assert (
+        "qkmonitor/kappa/layer_00" in text and "qkmonitor/kappa/layer_01" in text
+    )  # the lines' tags
     check_screenshot(shot, size)
 
 
-def test_images_dashboard_shows_the_heatmaps_and_attention_patterns(browser, tensorboard, screenshot_dir):
+def test_images_dashboard_shows_the_heatmaps_and_attention_patterns(
+    browser, tensorboard, screenshot_dir
+):
     tags = tensorboard.get_json("/data/plugin/images/tags")[tensorboard.run]
     assert set(HEATMAPS) <= set(tags)
 
-    def loaded(cards):  # every card the checks below measure has its image (a tag may have two cards)
+    def loaded(
+        cards,
+    ):  # every card the checks below measure has its image (a tag may have two cards)
         ours = [card for card in cards or [] if card["run"] == tensorboard.run]
         shown = {card["tag"] for card in ours if card["width"] > 0}
-        return (set(HEATMAPS) <= shown and any(tag.startswith("qkmonitor/attention/") for tag in shown)
-                and all(card["width"] > 0 for card in ours if card["tag"] in HEATMAPS))
+        return (
+            set(HEATMAPS) <= shown
+            and any(tag.startswith("qkmonitor/attention/") for tag in shown)
+            and all(card["width"] > 0 for card in ours if card["tag"] in HEATMAPS)
+        )
 
     size = (1920, 1120)
     # the tag filter puts the heatmaps first, above the category with every qkmonitor image
@@ -133,12 +160,17 @@ def test_images_dashboard_shows_the_heatmaps_and_attention_patterns(browser, ten
 
     from qkmonitor.dashboards import heatmap_image
 
-    height, width = heatmap_image(torch.zeros(2, 4), 0.0, 1.0).shape[:2]  # 2 layers x 4 heads, framed
+    height, width = heatmap_image(torch.zeros(2, 4), 0.0, 1.0).shape[
+        :2
+    ]  # 2 layers x 4 heads, framed
     for card in cards:
         if card["tag"] in HEATMAPS:
             assert (card["width"], card["height"]) == (width, height)
     assert {c["tag"] for c in cards if c["tag"].startswith("qkmonitor/attention/")} == {
-        f"qkmonitor/attention/layer_{layer:02d}/head_{head:02d}" for layer in range(2) for head in range(2)}
+        f"qkmonitor/attention/layer_{layer:02d}/head_{head:02d}"
+        for layer in range(2)
+        for head in range(2)
+    }
     for tag in HEATMAPS:
         assert tag in text
     check_screenshot(shot, size)

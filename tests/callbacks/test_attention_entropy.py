@@ -25,7 +25,12 @@ def explicit_probs(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.double()
     h, g, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
     q = (x @ attn.q_proj.weight.double().T).view(b, n, h, d).transpose(1, 2)
-    k = (x @ attn.k_proj.weight.double().T).view(b, n, g, d).transpose(1, 2).repeat_interleave(h // g, dim=1)
+    k = (
+        (x @ attn.k_proj.weight.double().T)
+        .view(b, n, g, d)
+        .transpose(1, 2)
+        .repeat_interleave(h // g, dim=1)
+    )
     cos, sin = attn.rope.cos[:n].double(), attn.rope.sin[:n].double()
     q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)  # standard scale, written out
@@ -36,8 +41,10 @@ def explicit_probs(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def reference_head_values(model, batch_tokens: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     """Per layer: entropy, entropy_norm, max_prob, max_logit per head, from explicit attention."""
     inputs = {}
-    hooks = [block.attn.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
-             for i, block in enumerate(model.blocks)]
+    hooks = [
+        block.attn.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+        for i, block in enumerate(model.blocks)
+    ]
     with torch.no_grad():
         model(batch_tokens)
     for hook in hooks:
@@ -48,17 +55,21 @@ def reference_head_values(model, batch_tokens: torch.Tensor) -> list[dict[str, t
         n = torch.arange(1, p.shape[-1] + 1, dtype=torch.float64)  # keys row i may attend
         entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)  # (B, H, N)
         norm = entropy[..., 1:] / n[1:].log()  # rows with one key are left out
-        out.append({
-            "entropy": entropy.mean(dim=(0, 2)),
-            "entropy_norm": norm.mean(dim=(0, 2)),
-            "max_prob": p.amax(-1).mean(dim=(0, 2)),
-            "max_logit": s.amax(-1).amax(dim=(0, 2)),
-            "sink_mass": p[..., :2].sum(-1).mean(dim=(0, 2)),  # mass on the first two keys
-        })
+        out.append(
+            {
+                "entropy": entropy.mean(dim=(0, 2)),
+                "entropy_norm": norm.mean(dim=(0, 2)),
+                "max_prob": p.amax(-1).mean(dim=(0, 2)),
+                "max_logit": s.amax(-1).amax(dim=(0, 2)),
+                "sink_mass": p[..., :2].sum(-1).mean(dim=(0, 2)),  # mass on the first two keys
+            }
+        )
     return out
 
 
-def test_logged_entropy_equals_explicit_attention_of_the_probed_batch(tmp_path, make_task, scalars_of):
+def test_logged_entropy_equals_explicit_attention_of_the_probed_batch(
+    tmp_path, make_task, scalars_of
+):
     task, data = make_task(n_kv_heads=2)
     data.setup()
     first_batch = next(iter(data.train_dataloader()))[0]
@@ -66,9 +77,17 @@ def test_logged_entropy_equals_explicit_attention_of_the_probed_batch(tmp_path, 
     expected = reference_head_values(initial, first_batch)
 
     monitor = AttentionEntropyMonitor(every_n_steps=2, per_head=True, sink_tokens=2)
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=TensorBoardLogger(tmp_path, "run", 0),
-                         callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        logger=TensorBoardLogger(tmp_path, "run", 0),
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+    )
     trainer.fit(task, datamodule=data)
     scalars = scalars_of(tmp_path / "run" / "version_0")
     for layer, values in enumerate(expected):
@@ -80,9 +99,11 @@ def test_logged_entropy_equals_explicit_attention_of_the_probed_batch(tmp_path, 
                 got = scalars[f"{tag}_head_{head:02d}"][0][1]
                 assert got == pytest.approx(heads[head].item(), rel=1e-4, abs=1e-5), (tag, head)
         assert scalars[f"qkmonitor/entropy_norm_min/layer_{layer:02d}"][0][1] == pytest.approx(
-            values["entropy_norm"].min().item(), rel=1e-4)
+            values["entropy_norm"].min().item(), rel=1e-4
+        )
         assert scalars[f"qkmonitor/max_logit_max/layer_{layer:02d}"][0][1] == pytest.approx(
-            values["max_logit"].max().item(), rel=1e-4)
+            values["max_logit"].max().item(), rel=1e-4
+        )
     # probing is off again after the probe, and validation-free training ran to the end
     assert trainer.global_step == 3 and not any(block.attn.probing for block in task.model.blocks)
 
@@ -107,13 +128,27 @@ def test_multihead_attention_statistics_match_its_own_attention_weights(batch_fi
     layer = find_attention_layers(mha)[0]
     probe = layer.open_probe(ProbeRequest(sink_tokens=1))
     with torch.no_grad():
-        mha(inp, inp, inp, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)
+        mha(
+            inp,
+            inp,
+            inp,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            need_weights=False,
+        )
     stats = probe.close().stats[0]
     assert not mha._forward_pre_hooks  # the hook is gone
 
     with torch.no_grad():
-        _, p = mha(inp, inp, inp, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                   need_weights=True, average_attn_weights=False)  # (B, H, N, M), torch's own softmax
+        _, p = mha(
+            inp,
+            inp,
+            inp,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            need_weights=True,
+            average_attn_weights=False,
+        )  # (B, H, N, M), torch's own softmax
     p = torch.nan_to_num(p.double())  # torch gives NaN for fully masked rows
     entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
     torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=1e-5)
@@ -142,9 +177,16 @@ def test_entropy_monitor_on_a_user_transformer_encoder(tmp_path, scalars_of):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     model = Encoder()
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, logger=TensorBoardLogger(tmp_path, "run", 0),
-                         callbacks=[AttentionEntropyMonitor(every_n_steps=1)], enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=2,
+        logger=TensorBoardLogger(tmp_path, "run", 0),
+        callbacks=[AttentionEntropyMonitor(every_n_steps=1)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+    )
     trainer.fit(model)
     scalars = scalars_of(tmp_path / "run" / "version_0")
     for layer in range(2):
@@ -167,8 +209,12 @@ class GrowQueries(pl.Callback):
                 block.attn.q_proj.weight.mul_(self.factor)
 
 
-@pytest.mark.parametrize(("q_scale", "growth", "collapses"), [(30.0, 1.0, False), (0.1, 1.0, False), (30.0, 1.05, True)])
-def test_entropy_collapse_needs_sharp_heads_whose_logits_keep_growing(tmp_path, make_task, q_scale, growth, collapses):
+@pytest.mark.parametrize(
+    ("q_scale", "growth", "collapses"), [(30.0, 1.0, False), (0.1, 1.0, False), (30.0, 1.05, True)]
+)
+def test_entropy_collapse_needs_sharp_heads_whose_logits_keep_growing(
+    tmp_path, make_task, q_scale, growth, collapses
+):
     # 30x queries make every head near one-hot; at lr 0 with steady weights that is a sharp head,
     # not a collapse in progress (the rule also needs max_logit growing x2 per 30 steps). Queries
     # growing 5 % a step grow the logits x4.3 per 30 steps: the rule fires at the first probe 30
@@ -179,9 +225,16 @@ def test_entropy_collapse_needs_sharp_heads_whose_logits_keep_growing(tmp_path, 
         for block in task.model.blocks:
             block.attn.q_proj.weight.mul_(q_scale)
     monitor = AttentionEntropyMonitor(every_n_steps=10, alerts=[ENTROPY_COLLAPSE_RULE])
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=31, logger=False, callbacks=[GrowQueries(growth), monitor],
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         limit_val_batches=0)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=31,
+        logger=False,
+        callbacks=[GrowQueries(growth), monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(task, datamodule=data)
@@ -203,7 +256,14 @@ def test_layers_without_statistics_are_an_error_that_says_so(tmp_path, make_task
 
     task, data = make_task()
     monitor = AttentionEntropyMonitor(layers=lambda m: [WeightsOnly("a", m.model.blocks[0].attn)])
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=1, logger=False, callbacks=[monitor],
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=1,
+        logger=False,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     with pytest.raises(ValueError, match="give no attention statistics"):
         trainer.fit(task, datamodule=data)

@@ -46,14 +46,29 @@ def fit(make_task, tmp_path, *, how: str | None, monitors: bool = True, backend=
     elif how == "in-place":
         task.model.compile(backend=backend)
     fitted = torch.compile(task, backend=backend) if how == "lightning" else task
-    callbacks = ([QKSpectrumMonitor(every_n_steps=2, per_head=True), AttentionEntropyMonitor(every_n_steps=2),
-                  EffectiveRankMonitor(every_n_steps=2, max_probe_tokens=6)] if monitors else [])
+    callbacks = (
+        [
+            QKSpectrumMonitor(every_n_steps=2, per_head=True),
+            AttentionEntropyMonitor(every_n_steps=2),
+            EffectiveRankMonitor(every_n_steps=2, max_probe_tokens=6),
+        ]
+        if monitors
+        else []
+    )
     record = Record(callbacks, backend)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pl.Trainer(default_root_dir=tmp_path, max_steps=STEPS, logger=False, callbacks=[*callbacks, record],
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                   limit_val_batches=0, log_every_n_steps=1).fit(fitted, datamodule=data)
+        pl.Trainer(
+            default_root_dir=tmp_path,
+            max_steps=STEPS,
+            logger=False,
+            callbacks=[*callbacks, record],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            limit_val_batches=0,
+            log_every_n_steps=1,
+        ).fit(fitted, datamodule=data)
     return task, record
 
 
@@ -70,17 +85,26 @@ class LogFreeTask(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         tokens, targets = batch
-        return torch.nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return torch.nn.functional.cross_entropy(
+            self(tokens).flatten(0, 1), targets.flatten(), ignore_index=-100
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("how", ["wrapped", "in-place", "lightning"],
-                         ids=["task.model = torch.compile(task.model)", "task.model.compile()",
-                              "trainer.fit(torch.compile(task))"])
-def test_a_compiled_fit_logs_the_uncompiled_values_and_recompiles_nothing(how, make_task, tmp_path, leftovers,
-                                                                          counting_backend):
+@pytest.mark.parametrize(
+    "how",
+    ["wrapped", "in-place", "lightning"],
+    ids=[
+        "task.model = torch.compile(task.model)",
+        "task.model.compile()",
+        "trainer.fit(torch.compile(task))",
+    ],
+)
+def test_a_compiled_fit_logs_the_uncompiled_values_and_recompiles_nothing(
+    how, make_task, tmp_path, leftovers, counting_backend
+):
     if how == "lightning":
         make_task = _log_free(make_task)
     _, eager = fit(make_task, tmp_path, how=None)
@@ -92,11 +116,15 @@ def test_a_compiled_fit_logs_the_uncompiled_values_and_recompiles_nothing(how, m
         for a, b in zip(layers, compiled.values[key]):
             assert torch.allclose(a, b, rtol=0, atol=0, equal_nan=True), (key, a, b)
     graphs = [g for g, _ in compiled.counts]
-    assert graphs[WARM:] == [graphs[WARM]] * (STEPS - WARM), graphs  # nothing compiled after warm-up
+    assert graphs[WARM:] == [graphs[WARM]] * (STEPS - WARM), (
+        graphs
+    )  # nothing compiled after warm-up
     calls = [c for _, c in compiled.counts]
     plain_calls = [c for _, c in plain.counts]
     steps = range(WARM + 1, STEPS, 2)  # unprobed batches (the probes fall on even steps)
-    assert [calls[i] - calls[i - 1] for i in steps] == [plain_calls[i] - plain_calls[i - 1] for i in steps]
+    assert [calls[i] - calls[i - 1] for i in steps] == [
+        plain_calls[i] - plain_calls[i - 1] for i in steps
+    ]
     assert leftovers(task) == []
 
 

@@ -16,16 +16,35 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE, KAPPA_RULE
 
-COMMON = ["every_n_steps", "per_head", "log_key_prefix", "alerts", "alert_action", "on_alert", "layers",
-          "visuals_every_n_probes"]
+COMMON = [
+    "every_n_steps",
+    "per_head",
+    "log_key_prefix",
+    "alerts",
+    "alert_action",
+    "on_alert",
+    "layers",
+    "visuals_every_n_probes",
+]
 
 
-@pytest.mark.parametrize("cls, extra", [
-    (QKSpectrumMonitor, []),
-    (AttentionEntropyMonitor, ["probe_validation", "sink_tokens"]),
-    (EffectiveRankMonitor, ["probe_validation", "max_probe_sequences", "max_probe_tokens", "blocks",
-                            "pattern_heads"]),
-])
+@pytest.mark.parametrize(
+    "cls, extra",
+    [
+        (QKSpectrumMonitor, []),
+        (AttentionEntropyMonitor, ["probe_validation", "sink_tokens"]),
+        (
+            EffectiveRankMonitor,
+            [
+                "probe_validation",
+                "max_probe_sequences",
+                "max_probe_tokens",
+                "blocks",
+                "pattern_heads",
+            ],
+        ),
+    ],
+)
 def test_every_parameter_is_explicit_and_keyword_only(cls, extra):
     params = inspect.signature(cls).parameters
     assert list(params) == COMMON + extra
@@ -37,13 +56,16 @@ class TinyLM(pl.LightningModule):
 
     def __init__(self, d_model: int = 16) -> None:
         super().__init__()
-        self.model = DecoderLM(TransformerConfig(vocab_size=16, d_model=d_model, n_layers=1, n_heads=2,
-                                                 max_seq_len=8))
+        self.model = DecoderLM(
+            TransformerConfig(vocab_size=16, d_model=d_model, n_layers=1, n_heads=2, max_seq_len=8)
+        )
 
     def training_step(self, batch, batch_idx):
         tokens = batch[0]
         logits = self.model(tokens)
-        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 16), tokens[:, 1:].reshape(-1))
+        return nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, 16), tokens[:, 1:].reshape(-1)
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -82,36 +104,67 @@ def test_bad_prefixes_are_refused():
     assert QKSpectrumMonitor(log_key_prefix="runs/enc-1.v2").prefix == "runs/enc-1.v2"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("name", ""), ("name", "a b"), ("metric", ""), ("threshold", "high"), ("threshold", float("nan")),
-    ("above", "yes"), ("patience", 0), ("patience", 1.5), ("margin", -1.0), ("warning", int),
-    ("meaning", None), ("advice", 3), ("also", [1]), ("per_head", 1),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("name", ""),
+        ("name", "a b"),
+        ("metric", ""),
+        ("threshold", "high"),
+        ("threshold", float("nan")),
+        ("above", "yes"),
+        ("patience", 0),
+        ("patience", 1.5),
+        ("margin", -1.0),
+        ("warning", int),
+        ("meaning", None),
+        ("advice", 3),
+        ("also", [1]),
+        ("per_head", 1),
+    ],
+)
 def test_every_alert_rule_field_is_checked_by_name(field, value):
     with pytest.raises(ValueError, match=f"Expected `{field}`"):
         KAPPA_RULE.replace(**{field: value})
 
 
 def test_a_rule_for_a_metric_the_monitor_does_not_log_lists_the_ones_it_does():
-    with pytest.raises(ValueError, match=r"'entropy_norm', 'max_logit', which QKSpectrumMonitor does not log; it logs kappa, kappa_eig"):
+    with pytest.raises(
+        ValueError,
+        match=r"'entropy_norm', 'max_logit', which QKSpectrumMonitor does not log; it logs kappa, kappa_eig",
+    ):
         QKSpectrumMonitor(alerts=[ENTROPY_COLLAPSE_RULE])
     with pytest.raises(ValueError, match="'kapa'"):
         QKSpectrumMonitor(alerts=[KAPPA_RULE.replace(metric="kapa")])
     with pytest.raises(ValueError, match="'sink_mass'"):  # logged only with sink_tokens > 0
-        AttentionEntropyMonitor(alerts=[ENTROPY_COLLAPSE_RULE.replace(name="sink", metric="sink_mass")])
-    AttentionEntropyMonitor(sink_tokens=1, alerts=[ENTROPY_COLLAPSE_RULE.replace(name="sink", metric="sink_mass")])
+        AttentionEntropyMonitor(
+            alerts=[ENTROPY_COLLAPSE_RULE.replace(name="sink", metric="sink_mass")]
+        )
+    AttentionEntropyMonitor(
+        sink_tokens=1, alerts=[ENTROPY_COLLAPSE_RULE.replace(name="sink", metric="sink_mass")]
+    )
 
 
 @pytest.mark.parametrize("cls", [QKSpectrumMonitor, AttentionEntropyMonitor, EffectiveRankMonitor])
 def test_a_class_in_the_callbacks_instead_of_an_instance_says_to_pass_an_instance(tmp_path, cls):
     name = cls.__name__
     try:
-        trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=1, callbacks=[cls], logger=False,
-                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        trainer = pl.Trainer(
+            default_root_dir=tmp_path,
+            max_steps=1,
+            callbacks=[cls],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
     except ValueError as err:  # Lightning before 2.6 refuses a class itself, inside Trainer(...), before any qkmonitor code
         assert str(err) == "Expected a parent" and Version(lightning.__version__) < Version("2.6")
         return
-    with pytest.raises(TypeError, match=rf"Trainer's `callbacks`, got the class `{name}`: pass an instance: `{name}\(\)`"):
+    with pytest.raises(
+        TypeError,
+        match=rf"Trainer's `callbacks`, got the class `{name}`: pass an instance: `{name}\(\)`",
+    ):
         trainer.fit(TinyLM())
 
 
@@ -119,20 +172,39 @@ def fit_with(tmp_path, monitor, model=None):
     task = TinyLM()
     if model is not None:
         task.model = model
-    pl.Trainer(default_root_dir=tmp_path, max_steps=1, callbacks=[monitor], logger=False, enable_progress_bar=False,
-               enable_model_summary=False, enable_checkpointing=False).fit(task)
+    pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=1,
+        callbacks=[monitor],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    ).fit(task)
     return task
 
 
 def test_layers_takes_one_module_or_a_list_and_refuses_modules_outside_the_model(tmp_path):
     task = TinyLM()
     one = QKSpectrumMonitor(layers=task.model.blocks[0].attn)
-    pl.Trainer(default_root_dir=tmp_path, max_steps=1, callbacks=[one], logger=False, enable_progress_bar=False,
-               enable_model_summary=False, enable_checkpointing=False).fit(task)
+    pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=1,
+        callbacks=[one],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    ).fit(task)
     assert [layer.name for layer in one.layers] == ["model.blocks.0.attn"]
 
     stranger = nn.MultiheadAttention(16, 2)
-    with pytest.raises(ValueError, match=r"`layers\[0\]` \(MultiheadAttention\) is not a submodule of the monitored TinyLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"`layers\[0\]` \(MultiheadAttention\) is not a submodule of the monitored TinyLM",
+    ):
         fit_with(tmp_path, QKSpectrumMonitor(layers=[stranger]))
-    with pytest.raises(ValueError, match="Expected `layers` to be a module, an AttentionLayer, a list"):
+    with pytest.raises(
+        ValueError, match="Expected `layers` to be a module, an AttentionLayer, a list"
+    ):
         QKSpectrumMonitor(layers=3)

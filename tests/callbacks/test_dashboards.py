@@ -24,15 +24,26 @@ from qkmonitor.dashboards import (
 
 
 def all_monitors(**kwargs):
-    return [QKSpectrumMonitor(every_n_steps=2, **kwargs), AttentionEntropyMonitor(every_n_steps=2, **kwargs),
-            EffectiveRankMonitor(every_n_steps=2, max_probe_tokens=6, pattern_heads=2, **kwargs)]
+    return [
+        QKSpectrumMonitor(every_n_steps=2, **kwargs),
+        AttentionEntropyMonitor(every_n_steps=2, **kwargs),
+        EffectiveRankMonitor(every_n_steps=2, max_probe_tokens=6, pattern_heads=2, **kwargs),
+    ]
 
 
 def fit(tmp_path, make_task, logger, **kwargs):
     task, data = make_task()
-    pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=logger, callbacks=all_monitors(**kwargs),
-               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-               limit_val_batches=0, log_every_n_steps=1).fit(task, datamodule=data)
+    pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        logger=logger,
+        callbacks=all_monitors(**kwargs),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+    ).fit(task, datamodule=data)
 
 
 def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_path, make_task):
@@ -44,12 +55,18 @@ def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_
     tags = acc.Tags()
 
     images = set(tags["images"])
-    assert {"qkmonitor/heatmap/kappa", "qkmonitor/heatmap/entropy_norm", "qkmonitor/heatmap/max_prob",
-            "qkmonitor/attention/layer_01/head_01"} <= images
+    assert {
+        "qkmonitor/heatmap/kappa",
+        "qkmonitor/heatmap/entropy_norm",
+        "qkmonitor/heatmap/max_prob",
+        "qkmonitor/attention/layer_01/head_01",
+    } <= images
     assert "qkmonitor/attention/layer_00/head_02" not in images  # pattern_heads=2
     heat = acc.Images("qkmonitor/heatmap/kappa")
     assert [e.step for e in heat] == [0, 2]
-    assert heat[0].height > heat[0].width / 4  # a readable picture of 2 layers x 4 heads, not a strip
+    assert (
+        heat[0].height > heat[0].width / 4
+    )  # a readable picture of 2 layers x 4 heads, not a strip
 
     hist = acc.Histograms("qkmonitor/qk_singular_values/layer_01")
     assert hist[-1].histogram_value.num == 4 * 8  # every singular value of 4 heads with d_k = 8
@@ -61,10 +78,17 @@ def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_
     charts = {chart.title: chart for category in layout.category for chart in category.chart}
     kappa = charts["kappa (a line per layer)"].multiline.tag[0]
     assert sorted(t for t in tags["scalars"] if re.search(kappa, t)) == [
-        "qkmonitor/kappa/layer_00", "qkmonitor/kappa/layer_01"]
+        "qkmonitor/kappa/layer_00",
+        "qkmonitor/kappa/layer_01",
+    ]
     margin = charts["entropy_norm layer 01 (heads: min, mean, max)"].margin.series
-    assert [(s.value, s.lower, s.upper) for s in margin] == [(
-        "qkmonitor/entropy_norm/layer_01", "qkmonitor/entropy_norm_min/layer_01", "qkmonitor/entropy_norm_max/layer_01")]
+    assert [(s.value, s.lower, s.upper) for s in margin] == [
+        (
+            "qkmonitor/entropy_norm/layer_01",
+            "qkmonitor/entropy_norm_min/layer_01",
+            "qkmonitor/entropy_norm_max/layer_01",
+        )
+    ]
     assert {margin[0].value, margin[0].lower, margin[0].upper} <= set(tags["scalars"])
     assert "hidden_collapse layer 00 (heads: min, mean, max)" not in charts  # one value per layer
 
@@ -94,39 +118,69 @@ def test_a_tensorboard_logger_with_a_prefix_keeps_it_on_the_monitors_scalars(tmp
         acc.Reload()
         tags[run] = set(acc.Tags()["scalars"])
     assert "qkmonitor/kappa/layer_00" in tags["plain"]
-    assert "train-qkmonitor/kappa/layer_00" in tags["prefixed"] and "qkmonitor/kappa/layer_00" not in tags["prefixed"]
+    assert (
+        "train-qkmonitor/kappa/layer_00" in tags["prefixed"]
+        and "qkmonitor/kappa/layer_00" not in tags["prefixed"]
+    )
     assert {t.removeprefix("train-") for t in tags["prefixed"]} == tags["plain"]
 
 
-def test_a_logger_prefix_applies_to_everything_and_every_chart_finds_its_scalars(tmp_path, make_task):
+def test_a_logger_prefix_applies_to_everything_and_every_chart_finds_its_scalars(
+    tmp_path, make_task
+):
     """Images, histograms, alert texts, the custom-scalars layout and the hparams metrics carry the
     logger's prefix as its scalars do, so that no dashboard is empty."""
     from qkmonitor.alerts import KAPPA_RULE
 
-    always = KAPPA_RULE.replace(threshold=0.0, margin=0.0, growth=None, window=None, also=(), learning_drop=None,
-                                learning_window=None, solved_fraction=None)  # an alert text to write
+    always = KAPPA_RULE.replace(
+        threshold=0.0,
+        margin=0.0,
+        growth=None,
+        window=None,
+        also=(),
+        learning_drop=None,
+        learning_window=None,
+        solved_fraction=None,
+    )  # an alert text to write
     task, data = make_task()
     monitors = all_monitors(visuals_every_n_probes=1)
     monitors[0] = QKSpectrumMonitor(every_n_steps=2, visuals_every_n_probes=1, alerts=[always])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=TensorBoardLogger(tmp_path, "run", 0, prefix="train"),
-                   callbacks=monitors, enable_progress_bar=False, enable_model_summary=False,
-                   enable_checkpointing=False, limit_val_batches=0, log_every_n_steps=1).fit(task, datamodule=data)
-    acc = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"images": 0, "histograms": 0, "tensors": 0})
+        pl.Trainer(
+            default_root_dir=tmp_path,
+            max_steps=3,
+            logger=TensorBoardLogger(tmp_path, "run", 0, prefix="train"),
+            callbacks=monitors,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            limit_val_batches=0,
+            log_every_n_steps=1,
+        ).fit(task, datamodule=data)
+    acc = EventAccumulator(
+        str(tmp_path / "run" / "version_0"),
+        size_guidance={"images": 0, "histograms": 0, "tensors": 0},
+    )
     acc.Reload()
     tags = acc.Tags()
     scalars = set(tags["scalars"])
     ours = [t for kind in ("images", "histograms") for t in tags[kind]]
     texts = [t for t in tags["tensors"] if "alerts" in t]
     assert ours and texts and all(t.startswith("train-qkmonitor/") for t in ours + texts)
-    layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    layout = layout_pb2.Layout.FromString(
+        acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0]
+    )
     charts = [chart for category in layout.category for chart in category.chart]
     for chart in charts:
         if chart.HasField("multiline"):
-            assert all(any(re.search(p, t) for t in scalars) for p in chart.multiline.tag), chart.title
+            assert all(any(re.search(p, t) for t in scalars) for p in chart.multiline.tag), (
+                chart.title
+            )
         else:
-            assert all({x.value, x.lower, x.upper} <= scalars for x in chart.margin.series), chart.title
+            assert all({x.value, x.lower, x.upper} <= scalars for x in chart.margin.series), (
+                chart.title
+            )
     assert "train-qkmonitor/alerts/kappa" in scalars
 
 
@@ -143,10 +197,12 @@ def test_non_tensorboard_logger_gets_scalars_and_one_message_about_images(tmp_pa
 def test_heatmap_colours_follow_the_values_nan_is_grey_and_the_frame_has_labels_and_a_colour_bar():
     from qkmonitor.dashboards import _Canvas
 
-    img = heatmap_image(torch.tensor([[0.0, 1.0], [float("nan"), 0.5]]), 0.0, 1.0, cell=40, annotate=False)
+    img = heatmap_image(
+        torch.tensor([[0.0, 1.0], [float("nan"), 0.5]]), 0.0, 1.0, cell=40, annotate=False
+    )
     assert img.dtype == np.uint8 and img.ndim == 3
     top, left = _Canvas.MARGIN_TOP, _Canvas.MARGIN_LEFT
-    cell = lambda i, j: img[top + 40 * i + 20, left + 40 * j + 20]  # noqa: E731  (a cell's centre)
+    cell = lambda i, j: img[top + 40 * i + 20, left + 40 * j + 20]
     assert tuple(cell(1, 0)) == (128, 128, 128)
     assert cell(0, 0).sum() < cell(0, 1).sum()  # dark for 0, bright for 1
     bar = img[top + 5 : top + 75, left + 2 * 40 + 15]  # the colour bar: bright on top, dark below
@@ -154,7 +210,9 @@ def test_heatmap_colours_follow_the_values_nan_is_grey_and_the_frame_has_labels_
     frame = img[:, :left]  # the left margin holds text (the layer label and indices): dark pixels
     assert (frame.sum(-1) < 200).any()
     annotated = heatmap_image(torch.tensor([[0.25]]), 0.0, 1.0, cell=40)
-    assert not np.array_equal(annotated, heatmap_image(torch.tensor([[0.25]]), 0.0, 1.0, cell=40, annotate=False))
+    assert not np.array_equal(
+        annotated, heatmap_image(torch.tensor([[0.25]]), 0.0, 1.0, cell=40, annotate=False)
+    )
     pattern = attention_image(torch.eye(4), size=40, title="layer 0, head 1, step 3")
     assert tuple(pattern[top + 5, left + 5]) != tuple(pattern[top + 5, left + 35])
 
@@ -172,9 +230,14 @@ def test_the_shared_frame_of_one_shape_carries_nothing_from_one_image_to_the_nex
 
 
 def test_layout_lists_margin_charts_only_for_per_head_metrics():
-    layout = custom_scalars_layout([LayoutSection("p", ("kappa", "hidden_collapse"), 2, ("kappa",))])
+    layout = custom_scalars_layout(
+        [LayoutSection("p", ("kappa", "hidden_collapse"), 2, ("kappa",))]
+    )
     margins = layout["p: QK spectrum, per layer over heads"]
-    assert list(margins) == ["kappa layer 00 (heads: min, mean, max)", "kappa layer 01 (heads: min, mean, max)"]
+    assert list(margins) == [
+        "kappa layer 00 (heads: min, mean, max)",
+        "kappa layer 01 (heads: min, mean, max)",
+    ]
     assert "p: effective rank, per layer over heads" not in layout
     assert layout["p: alerts"]["alerts fired (count)"] == ["Multiline", ["^p/alerts/"]]
 
@@ -183,12 +246,25 @@ def test_the_last_probe_of_a_fit_is_drawn_in_tensorboard(tmp_path, make_task):
     """Probes at steps 0 and 2 of a 3-step fit, visuals every 3rd probe: the final state (step 2) is
     drawn when the fit ends, for every monitor, as TensorBoard reads it back."""
     task, data = make_task()
-    pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=TensorBoardLogger(tmp_path, "run", 0),
-               callbacks=all_monitors(visuals_every_n_probes=3), enable_progress_bar=False,
-               enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-               log_every_n_steps=1).fit(task, datamodule=data)
-    acc = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"images": 0, "histograms": 0})
+    pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        logger=TensorBoardLogger(tmp_path, "run", 0),
+        callbacks=all_monitors(visuals_every_n_probes=3),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+    ).fit(task, datamodule=data)
+    acc = EventAccumulator(
+        str(tmp_path / "run" / "version_0"), size_guidance={"images": 0, "histograms": 0}
+    )
     acc.Reload()
-    for tag in ("qkmonitor/heatmap/kappa", "qkmonitor/heatmap/entropy_norm", "qkmonitor/attention/layer_01/head_01"):
+    for tag in (
+        "qkmonitor/heatmap/kappa",
+        "qkmonitor/heatmap/entropy_norm",
+        "qkmonitor/attention/layer_01/head_01",
+    ):
         assert [e.step for e in acc.Images(tag)] == [0, 2], tag
     assert [e.step for e in acc.Histograms("qkmonitor/qk_singular_values/layer_01")] == [0, 2]

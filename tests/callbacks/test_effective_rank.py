@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
+from qkmonitor.models.positional import apply_rotary_pos_emb
 from torch import nn
 
 from qkmonitor.alerts import MalignantCollapseWarning, RankCollapseWarning
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
-from qkmonitor.models.positional import apply_rotary_pos_emb
 
 
 def np_erank(s: np.ndarray) -> float:
@@ -34,33 +34,61 @@ def test_logged_ranks_equal_naive_float64_on_the_probe_slice(tmp_path, make_task
     hooks = []
     for i, block in enumerate(initial.blocks):
         hooks.append(block.register_forward_hook(lambda m, a, o, i=i: outputs.__setitem__(i, o)))
-        hooks.append(block.attn.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0])))
+        hooks.append(
+            block.attn.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+        )
     with torch.no_grad():
         initial(batch)
     for hook in hooks:
         hook.remove()
 
-    monitor = EffectiveRankMonitor(every_n_steps=5, per_head=True, max_probe_sequences=3, max_probe_tokens=6)
-    pl.Trainer(default_root_dir=tmp_path, max_steps=1, logger=TensorBoardLogger(tmp_path, "run", 0),
-               callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
-               enable_checkpointing=False, limit_val_batches=0).fit(task, datamodule=data)
+    monitor = EffectiveRankMonitor(
+        every_n_steps=5, per_head=True, max_probe_sequences=3, max_probe_tokens=6
+    )
+    pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=1,
+        logger=TensorBoardLogger(tmp_path, "run", 0),
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    ).fit(task, datamodule=data)
     scalars = scalars_of(tmp_path / "run" / "version_0")
 
     for layer, block in enumerate(initial.blocks):
-        x = outputs[layer][:3, :6].detach().double().numpy()  # the capped slice: 3 sequences, 6 tokens
+        x = (
+            outputs[layer][:3, :6].detach().double().numpy()
+        )  # the capped slice: 3 sequences, 6 tokens
         erank = np.mean([np_erank(np.linalg.svd(xs, compute_uv=False)) for xs in x])
         collapse = np.mean([np.linalg.norm(xs - xs.mean(0)) / np.linalg.norm(xs) for xs in x])
-        assert scalars[f"qkmonitor/hidden_erank/layer_{layer:02d}"][0] == (0, pytest.approx(erank, rel=1e-4))
-        assert scalars[f"qkmonitor/hidden_collapse/layer_{layer:02d}"][0] == (0, pytest.approx(collapse, rel=1e-4))
-        assert f"qkmonitor/hidden_erank/layer_{layer:02d}_head_00" not in scalars  # one value per layer
+        assert scalars[f"qkmonitor/hidden_erank/layer_{layer:02d}"][0] == (
+            0,
+            pytest.approx(erank, rel=1e-4),
+        )
+        assert scalars[f"qkmonitor/hidden_collapse/layer_{layer:02d}"][0] == (
+            0,
+            pytest.approx(collapse, rel=1e-4),
+        )
+        assert (
+            f"qkmonitor/hidden_erank/layer_{layer:02d}_head_00" not in scalars
+        )  # one value per layer
 
         attn, h_in = block.attn, inputs[layer].detach().double()
         n = h_in.shape[1]
         q = (h_in @ attn.q_proj.weight.detach().double().T).view(-1, n, 4, 8).transpose(1, 2)
-        k = (h_in @ attn.k_proj.weight.detach().double().T).view(-1, n, 2, 8).transpose(1, 2).repeat_interleave(2, 1)
+        k = (
+            (h_in @ attn.k_proj.weight.detach().double().T)
+            .view(-1, n, 2, 8)
+            .transpose(1, 2)
+            .repeat_interleave(2, 1)
+        )
         cos, sin = attn.rope.cos[:n].double(), attn.rope.sin[:n].double()
         q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
-        s = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
+        s = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(
+            ~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf
+        )
         p = s.softmax(-1)[:3, :, :6].numpy()  # (3, H, 6 rows, all n keys)
         for head in range(4):
             ranks = [np_erank(np.linalg.svd(p[seq, head], compute_uv=False)) for seq in range(3)]
@@ -86,8 +114,14 @@ class AttentionStack(pl.LightningModule):
             out = self.attn(x, x, x, need_weights=False)[0]
             return x + out if self.skip else out
 
-    def __init__(self, skip: bool, depth: int = 6, d: int = 32, inputs: torch.Tensor | None = None,
-                 blocks: list[nn.Module] | None = None):
+    def __init__(
+        self,
+        skip: bool,
+        depth: int = 6,
+        d: int = 32,
+        inputs: torch.Tensor | None = None,
+        blocks: list[nn.Module] | None = None,
+    ):
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList(blocks or [self.Block(d, 4, skip) for _ in range(depth)])
@@ -102,15 +136,26 @@ class AttentionStack(pl.LightningModule):
         return self(batch[0]).square().mean()
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.inputs), batch_size=8)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(self.inputs), batch_size=8
+        )
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)  # frozen: the probes see the built weights
+        return torch.optim.SGD(
+            self.parameters(), lr=0.0
+        )  # frozen: the probes see the built weights
 
 
 def fit_and_catch(model, monitor, tmp_path, steps=3):
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=steps, logger=False, callbacks=[monitor],
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=steps,
+        logger=False,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model)
@@ -156,7 +201,7 @@ def designed_attention(pattern: str) -> tuple[list[nn.Module], torch.Tensor]:
             w_q[0, 15] = 10.0  # every token's e_15 -> direction 0
             w_k[0, 14] = 10.0  # only token 0's marker -> direction 0
         mha.in_proj_weight[:d] = w_q
-        mha.in_proj_weight[d:2 * d] = w_k
+        mha.in_proj_weight[d : 2 * d] = w_k
     return [block], x.expand(4, n, d).clone()
 
 
@@ -165,8 +210,15 @@ def test_benign_identity_attention_and_malignant_sink_attention_are_told_apart(t
     blocks, inputs = designed_attention(pattern)
     rank, entropy = EffectiveRankMonitor(every_n_steps=1), AttentionEntropyMonitor(every_n_steps=1)
     model = AttentionStack(skip=False, inputs=inputs, blocks=blocks)
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=False, callbacks=[rank, entropy],
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        logger=False,
+        callbacks=[rank, entropy],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model)
@@ -179,11 +231,17 @@ def test_benign_identity_attention_and_malignant_sink_attention_are_told_apart(t
     else:
         assert erank_norm < 0.2 and len(malignant) == 1  # rank one: malignant, once
         assert "attn_entropy_norm" in str(malignant[0].message) and "attn_erank <= 1.5" in str(
-            malignant[0].message)
+            malignant[0].message
+        )
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"max_probe_sequences": 0}, "`max_probe_sequences`"),
-                                               ({"max_probe_tokens": 1.5}, "`max_probe_tokens`")])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_probe_sequences": 0}, "`max_probe_sequences`"),
+        ({"max_probe_tokens": 1.5}, "`max_probe_tokens`"),
+    ],
+)
 def test_bad_probe_caps_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EffectiveRankMonitor(**kwargs)

@@ -12,33 +12,48 @@ import signal
 import lightning.pytorch as pl
 import pytest
 import torch
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 
 from qkmonitor.adapters import find_attention_layers
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.models import DecoderLM, TransformerConfig
 
 from .zoo import MODELS, SEQ, VOCAB, Task
 
+
 def monitors():
-    return [QKSpectrumMonitor(every_n_steps=2), AttentionEntropyMonitor(every_n_steps=2),
-            EffectiveRankMonitor(every_n_steps=2, max_probe_tokens=4)]
+    return [
+        QKSpectrumMonitor(every_n_steps=2),
+        AttentionEntropyMonitor(every_n_steps=2),
+        EffectiveRankMonitor(every_n_steps=2, max_probe_tokens=4),
+    ]
 
 
 def trainer(tmp_path, callbacks, steps=4):
-    return pl.Trainer(default_root_dir=tmp_path, max_steps=steps, callbacks=callbacks, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    return pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
 
 
 @pytest.mark.parametrize("kind", MODELS)
-def test_a_step_that_raises_mid_probe_leaves_nothing_and_a_clean_fit_follows(tmp_path, kind, leftovers):
+def test_a_step_that_raises_mid_probe_leaves_nothing_and_a_clean_fit_follows(
+    tmp_path, kind, leftovers
+):
     torch.manual_seed(0)
     task = Task(MODELS[kind](), fail_at=2)
     configs = [m.__dict__.get("config") for m in task.modules()]
     with pytest.raises(RuntimeError, match="the user's step failed"):
         trainer(tmp_path, monitors()).fit(task)
     assert leftovers(task) == []
-    assert [m.__dict__.get("config") for m in task.modules()] == configs  # the model's own config objects
+    assert [
+        m.__dict__.get("config") for m in task.modules()
+    ] == configs  # the model's own config objects
 
     task.fail_at = None
     clean = monitors()
@@ -93,9 +108,19 @@ class BuiltLate(Task):
 
     def configure_model(self):
         if isinstance(self.model, nn.Identity):
-            with torch.device("meta"):  # learned positions: RoPE's tables are buffers meta would leave empty
-                model = DecoderLM(TransformerConfig(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2,
-                                                    max_seq_len=SEQ, positional="learned"))
+            with torch.device(
+                "meta"
+            ):  # learned positions: RoPE's tables are buffers meta would leave empty
+                model = DecoderLM(
+                    TransformerConfig(
+                        vocab_size=VOCAB,
+                        d_model=16,
+                        n_layers=2,
+                        n_heads=2,
+                        max_seq_len=SEQ,
+                        positional="learned",
+                    )
+                )
             model.to_empty(device="cpu")
             for module in model.modules():  # meta tensors have no values: initialise them
                 if hasattr(module, "reset_parameters"):
@@ -110,4 +135,6 @@ def test_a_model_built_in_configure_model_is_found_and_measured_where_it_lives(t
     assert len(spectrum.layers) == 2 and spectrum.latest_step == 2
     assert all(torch.isfinite(heads).all() for heads in entropy.latest["entropy_norm"])
     assert all(torch.isfinite(heads).all() for heads in rank.latest["hidden_collapse"])
-    assert {str(agg.device) for agg in entropy.engine._aggregators} == {"cpu"}  # where the statistics were
+    assert {str(agg.device) for agg in entropy.engine._aggregators} == {
+        "cpu"
+    }  # where the statistics were

@@ -8,8 +8,8 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
-
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+
 from qkmonitor.engine import AttentionEntropy, Monitoring
 
 from .zoo import MODELS, SEQ, VOCAB, Task
@@ -27,9 +27,17 @@ def fit(model, precision, monitors, tmp_path, steps=3):
             losses.append(loss.detach().float().item())
             return loss
 
-    pl.Trainer(default_root_dir=tmp_path, max_steps=steps, precision=precision, callbacks=monitors, logger=False,
-               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-               accelerator="cpu").fit(Recorded(model))
+    pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=steps,
+        precision=precision,
+        callbacks=monitors,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    ).fit(Recorded(model))
     return losses
 
 
@@ -39,8 +47,11 @@ def test_monitors_leave_mixed_precision_training_unchanged_and_finite(tmp_path, 
     torch.manual_seed(0)
     model = MODELS[kind]()
     twin = copy.deepcopy(model)
-    monitors = [QKSpectrumMonitor(every_n_steps=1), AttentionEntropyMonitor(every_n_steps=1),
-                EffectiveRankMonitor(every_n_steps=1, max_probe_tokens=4)]
+    monitors = [
+        QKSpectrumMonitor(every_n_steps=1),
+        AttentionEntropyMonitor(every_n_steps=1),
+        EffectiveRankMonitor(every_n_steps=1, max_probe_tokens=4),
+    ]
     watched = fit(model, precision, monitors, tmp_path)
     plain = fit(twin, precision, [], tmp_path)
     # the side measurements change nothing, and qkmonitor's own attention still takes its output
@@ -61,7 +72,11 @@ def test_statistics_under_autocast_are_within_005_of_float32_at_the_same_weights
 
     def measure(autocast: bool):
         monitoring = Monitoring(model, [AttentionEntropy(every_n_steps=1, alerts=[])])
-        with monitoring.step(0), torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        with (
+            monitoring.step(0),
+            torch.no_grad(),
+            torch.autocast("cpu", dtype=dtype, enabled=autocast),
+        ):
             model(tokens)
         return monitoring.engines[0].latest
 

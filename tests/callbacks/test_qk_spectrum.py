@@ -18,7 +18,9 @@ from qkmonitor import OverLocalizationWarning
 from qkmonitor.alerts import KAPPA_RULE
 
 #: kappa as a level (the default rule is a trend, which a constant kappa never fires): the old rule
-LEVEL_KAPPA = KAPPA_RULE.replace(threshold=0.8, growth=None, window=None, patience=2, skip_qk_norm=False)
+LEVEL_KAPPA = KAPPA_RULE.replace(
+    threshold=0.8, growth=None, window=None, patience=2, skip_qk_norm=False
+)
 METRICS = ("kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm")
 WORST = {"kappa": "max", "kappa_eig": "max", "qk_erank": "min", "qk_spectral_norm": "max"}
 
@@ -26,18 +28,35 @@ WORST = {"kappa": "max", "kappa_eig": "max", "qk_erank": "min", "qk_spectral_nor
 def trainer_for(tmp_path, monitor, max_steps=4, logger=True, **kwargs):
     if logger is True:
         logger = TensorBoardLogger(tmp_path, name="run", version=0)
-    return pl.Trainer(default_root_dir=tmp_path, max_steps=max_steps, logger=logger, callbacks=[monitor],
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                      log_every_n_steps=1, limit_val_batches=0, accelerator="cpu", **kwargs)
+    return pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=max_steps,
+        logger=logger,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        accelerator="cpu",
+        **kwargs,
+    )
 
 
-def naive_head_metrics(w_q: torch.Tensor, w_k: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float):
+def naive_head_metrics(
+    w_q: torch.Tensor, w_k: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float
+):
     """kappa, kappa_eig, qk_erank, spectral norm per head from the dense d x d W_QK in float64."""
     d_k = w_q.shape[0] // num_heads
-    out = {m: [] for m in ("kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm")}
+    out = {
+        m: [] for m in ("kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm")
+    }
     for h in range(num_heads):
         g = h // (num_heads // num_kv_heads)
-        w_qk = w_q[h * d_k:(h + 1) * d_k].double().numpy().T @ w_k[g * d_k:(g + 1) * d_k].double().numpy()
+        w_qk = (
+            w_q[h * d_k : (h + 1) * d_k].double().numpy().T
+            @ w_k[g * d_k : (g + 1) * d_k].double().numpy()
+        )
         s = np.linalg.svd(w_qk, compute_uv=False)
         lam = np.linalg.eigvals(w_qk)
         lam = lam[np.argsort(-np.abs(lam))][:d_k]
@@ -60,14 +79,25 @@ def test_logged_spectrum_matches_naive_svd_of_the_trained_weights(tmp_path, make
 
     for layer, block in enumerate(task.model.blocks):
         attn = block.attn
-        expected = naive_head_metrics(attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), 4, 2, 1 / math.sqrt(attn.head_dim))
+        expected = naive_head_metrics(
+            attn.q_proj.weight.detach(),
+            attn.k_proj.weight.detach(),
+            4,
+            2,
+            1 / math.sqrt(attn.head_dim),
+        )
         for metric in METRICS:
             tag = f"qkmonitor/{metric}/layer_{layer:02d}"
             assert [step for step, _ in scalars[tag]] == [0, 2, 4], tag  # start, then every 2 steps
-            assert scalars[tag][-1][1] == pytest.approx(expected[metric].mean(), rel=1e-4, abs=1e-5), tag
+            assert scalars[tag][-1][1] == pytest.approx(
+                expected[metric].mean(), rel=1e-4, abs=1e-5
+            ), tag
             for head in range(4):
                 value = scalars[f"{tag}_head_{head:02d}"][-1][1]
-                assert value == pytest.approx(expected[metric][head], rel=1e-4, abs=1e-5), (tag, head)
+                assert value == pytest.approx(expected[metric][head], rel=1e-4, abs=1e-5), (
+                    tag,
+                    head,
+                )
             if metric in WORST:
                 worst = expected[metric].max() if WORST[metric] == "max" else expected[metric].min()
                 worst_tag = f"qkmonitor/{metric}_{WORST[metric]}/layer_{layer:02d}"
@@ -94,12 +124,16 @@ def test_user_transformer_encoder_is_monitored_with_its_own_prefix(tmp_path, sca
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     model = EncoderModule()
-    trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=1, log_key_prefix="enc"), max_steps=2).fit(model)
+    trainer_for(
+        tmp_path, QKSpectrumMonitor(every_n_steps=1, log_key_prefix="enc"), max_steps=2
+    ).fit(model)
     scalars = scalars_of(tmp_path / "run" / "version_0")
     for layer in range(2):
         w = model.encoder.layers[layer].self_attn.in_proj_weight.detach()
         expected = naive_head_metrics(w[:16], w[16:32], 2, 2, 1 / math.sqrt(8))
-        assert scalars[f"enc/kappa/layer_{layer:02d}"][-1][1] == pytest.approx(expected["kappa"].mean(), rel=1e-4)
+        assert scalars[f"enc/kappa/layer_{layer:02d}"][-1][1] == pytest.approx(
+            expected["kappa"].mean(), rel=1e-4
+        )
     assert not any(tag.startswith("qkmonitor/") for tag in scalars)
 
 
@@ -138,7 +172,9 @@ def test_model_without_attention_fails_at_setup_with_what_was_looked_for(tmp_pat
             return self.net(batch[0]).mean()
 
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+            return torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4
+            )
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -147,7 +183,9 @@ def test_model_without_attention_fails_at_setup_with_what_was_looked_for(tmp_pat
         trainer_for(tmp_path, QKSpectrumMonitor()).fit(NoAttention())
 
 
-def test_nan_weight_gives_nan_metric_one_warning_and_training_goes_on(tmp_path, make_task, scalars_of):
+def test_nan_weight_gives_nan_metric_one_warning_and_training_goes_on(
+    tmp_path, make_task, scalars_of
+):
     task, data = make_task()
     with torch.no_grad():
         task.model.blocks[1].attn.q_proj.weight[0, 0] = float("nan")  # head 0 of layer 1
@@ -181,7 +219,10 @@ def make_rank_one(task) -> None:
     with torch.no_grad():
         for block in task.model.blocks:
             w = block.attn.q_proj.weight
-            w.copy_(torch.randn(w.shape[0], 1, generator=gen) @ torch.randn(1, w.shape[1], generator=gen))
+            w.copy_(
+                torch.randn(w.shape[0], 1, generator=gen)
+                @ torch.randn(1, w.shape[1], generator=gen)
+            )
 
 
 def test_kappa_alert_fires_once_per_head_after_patience(tmp_path, make_task, scalars_of):
@@ -203,54 +244,87 @@ def test_kappa_alert_fires_once_per_head_after_patience(tmp_path, make_task, sca
 def test_alert_action_stop_ends_training_and_raise_raises(tmp_path, make_task):
     task, data = make_task(lr=0.0)
     make_rank_one(task)
-    trainer = trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=1, alert_action="stop", alerts=[LEVEL_KAPPA]),
-                          max_steps=10)
+    trainer = trainer_for(
+        tmp_path,
+        QKSpectrumMonitor(every_n_steps=1, alert_action="stop", alerts=[LEVEL_KAPPA]),
+        max_steps=10,
+    )
     with pytest.warns(OverLocalizationWarning):
         trainer.fit(task, datamodule=data)
     assert trainer.global_step < 10
     with pytest.raises(OverLocalizationWarning, match="kappa = 1"):
-        trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=1, alert_action="raise", alerts=[LEVEL_KAPPA]),
-                    max_steps=10).fit(task, datamodule=data)
+        trainer_for(
+            tmp_path,
+            QKSpectrumMonitor(every_n_steps=1, alert_action="raise", alerts=[LEVEL_KAPPA]),
+            max_steps=10,
+        ).fit(task, datamodule=data)
 
 
 def test_without_tensorboard_scalars_still_reach_csv_logger(tmp_path, make_task):
     task, data = make_task()
     logger = CSVLogger(tmp_path, name="csv", version=0)
-    trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=2), logger=logger).fit(task, datamodule=data)
+    trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=2), logger=logger).fit(
+        task, datamodule=data
+    )
     header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert "qkmonitor/kappa/layer_00" in header and "qkmonitor/alerts/kappa" in header
 
 
-def test_every_n_steps_defaults_to_log_every_n_steps_and_counts_optimizer_steps(tmp_path, make_task, scalars_of):
+def test_every_n_steps_defaults_to_log_every_n_steps_and_counts_optimizer_steps(
+    tmp_path, make_task, scalars_of
+):
     task, data = make_task()
     monitor = QKSpectrumMonitor()
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=6, logger=TensorBoardLogger(tmp_path, "run", 0),
-                         callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, log_every_n_steps=3, accumulate_grad_batches=2,
-                         limit_val_batches=0)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=6,
+        logger=TensorBoardLogger(tmp_path, "run", 0),
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=3,
+        accumulate_grad_batches=2,
+        limit_val_batches=0,
+    )
     trainer.fit(task, datamodule=data)
     assert monitor.every_n_steps == 3
     steps = [s for s, _ in scalars_of(tmp_path / "run" / "version_0")["qkmonitor/kappa/layer_00"]]
     assert steps == [0, 3, 6]  # optimizer steps, each once although two batches end on each
 
 
-def test_resume_keeps_alert_state_and_does_not_repeat_alerts_or_steps(tmp_path, make_task, scalars_of):
+def test_resume_keeps_alert_state_and_does_not_repeat_alerts_or_steps(
+    tmp_path, make_task, scalars_of
+):
     task, data = make_task(lr=0.0)
     make_rank_one(task)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=3)
     first = QKSpectrumMonitor(every_n_steps=1, alerts=[LEVEL_KAPPA])
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=TensorBoardLogger(tmp_path, "run", 0),
-                         callbacks=[first, checkpoint], enable_progress_bar=False, enable_model_summary=False,
-                         log_every_n_steps=1, limit_val_batches=0)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        logger=TensorBoardLogger(tmp_path, "run", 0),
+        callbacks=[first, checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+    )
     with pytest.warns(OverLocalizationWarning):
         trainer.fit(task, datamodule=data)
     assert first.tracker.counts["kappa"] == 8
 
     second = QKSpectrumMonitor(every_n_steps=1, alerts=[LEVEL_KAPPA])
-    resumed = pl.Trainer(default_root_dir=tmp_path, max_steps=6, logger=TensorBoardLogger(tmp_path, "run", 1),
-                         callbacks=[second, ModelCheckpoint(dirpath=tmp_path / "ckpt2")],
-                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-                         limit_val_batches=0)
+    resumed = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=6,
+        logger=TensorBoardLogger(tmp_path, "run", 1),
+        callbacks=[second, ModelCheckpoint(dirpath=tmp_path / "ckpt2")],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed.fit(task, datamodule=data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
@@ -278,13 +352,20 @@ def test_on_alert_gets_the_trainer_and_can_lower_the_learning_rate(tmp_path, mak
             for group in optimizer.param_groups:
                 group["lr"] /= 2
 
-    trainer = trainer_for(tmp_path, QKSpectrumMonitor(every_n_steps=1, alerts=[LEVEL_KAPPA.replace(patience=1)],
-                                                      on_alert=halve_lr), max_steps=4)
+    trainer = trainer_for(
+        tmp_path,
+        QKSpectrumMonitor(
+            every_n_steps=1, alerts=[LEVEL_KAPPA.replace(patience=1)], on_alert=halve_lr
+        ),
+        max_steps=4,
+    )
     with pytest.warns(OverLocalizationWarning):
         trainer.fit(task, datamodule=data)
     assert {id(owner) for owner, _, _ in calls} == {id(trainer)}
     alert_steps = sorted({step for _, _, step in calls})
-    assert [name for _, name, _ in calls] == ["kappa"] * len(calls) and len(calls) == 8 * len(alert_steps)
+    assert [name for _, name, _ in calls] == ["kappa"] * len(calls) and len(calls) == 8 * len(
+        alert_steps
+    )
     # warmup_steps=0 in the tiny task: the rate is the base rate, halved once per alerting step
     expected = 1e-3 / 2 ** len(alert_steps)
     assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(expected)] * 2

@@ -9,10 +9,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from qkmonitor.models import DecoderLM, TransformerConfig
 
 VOCAB, SEQ = 16, 8
 
@@ -33,15 +32,23 @@ class Encoder(nn.Module):
 
 def tiny_llama() -> nn.Module:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
     return model
 
 
 MODELS = {
-    "bundled": lambda: DecoderLM(TransformerConfig(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2,
-                                                   max_seq_len=SEQ)),
+    "bundled": lambda: DecoderLM(
+        TransformerConfig(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, max_seq_len=SEQ)
+    ),
     "torch-mha": Encoder,
     "hf-llama": tiny_llama,
 }
@@ -50,7 +57,12 @@ MODELS = {
 class Task(pl.LightningModule):
     """Next-token prediction on random tokens; ``fail_at`` raises inside that step's forward."""
 
-    def __init__(self, model: nn.Module, fail_at: int | None = None, error: type[BaseException] = RuntimeError):
+    def __init__(
+        self,
+        model: nn.Module,
+        fail_at: int | None = None,
+        error: type[BaseException] = RuntimeError,
+    ):
         super().__init__()
         self.model, self.fail_at, self.error = model, fail_at, error
 
@@ -62,7 +74,9 @@ class Task(pl.LightningModule):
         logits = self(batch[0])  # the probed forward runs, then the step fails
         if self.global_step == self.fail_at:
             raise self.error("the user's step failed")
-        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[0][:, 1:].reshape(-1))
+        return nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), batch[0][:, 1:].reshape(-1)
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -70,5 +84,3 @@ class Task(pl.LightningModule):
     def train_dataloader(self):
         tokens = torch.randint(VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(0))
         return DataLoader(TensorDataset(tokens), batch_size=4)
-
-

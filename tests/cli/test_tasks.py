@@ -18,21 +18,42 @@ LAYERS = {
     "grid": ["model.blocks.0.attn"],
     "charlm": ["model.blocks.0.attn"],
 }
-METRICS = {"recall": ["val_acc", "val_loss"], "modular": ["val_acc", "val_loss"],
-           "copy": ["val_acc", "val_loss", "val_seq_acc"], "reverse": ["val_acc", "val_loss", "val_seq_acc"],
-           "grid": ["val_acc", "val_loss"], "charlm": ["val_acc", "val_bpc", "val_loss"]}
+METRICS = {
+    "recall": ["val_acc", "val_loss"],
+    "modular": ["val_acc", "val_loss"],
+    "copy": ["val_acc", "val_loss", "val_seq_acc"],
+    "reverse": ["val_acc", "val_loss", "val_seq_acc"],
+    "grid": ["val_acc", "val_loss"],
+    "charlm": ["val_acc", "val_bpc", "val_loss"],
+}
 
 
 @pytest.mark.parametrize("task", list(LAYERS))
 def test_every_task_trains_end_to_end_and_prints_the_summary(task, tmp_path, capsys):
-    argv = ["train", "--task", task, "--steps", "4", "--every-n-steps", "2", "--layers", "1", "--chars", "20000",
-            "--log-dir", str(tmp_path / "runs"), "--no-progress-bar"]
+    argv = [
+        "train",
+        "--task",
+        task,
+        "--steps",
+        "4",
+        "--every-n-steps",
+        "2",
+        "--layers",
+        "1",
+        "--chars",
+        "20000",
+        "--log-dir",
+        str(tmp_path / "runs"),
+        "--no-progress-bar",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "qkmonitor summary (spectrum at step 4, entropy at step 2, rank at step 2" in out
     for i, name in enumerate(LAYERS[task] if task != "recall" else LAYERS[task][:1]):
         columns = len(summary_columns())  # derived from the metric catalogue
-        row = re.search(rf"^\s+{i}\s+{re.escape(name)}((\s+[-0-9.e+]+){{{columns}}})$", out, re.MULTILINE)
+        row = re.search(
+            rf"^\s+{i}\s+{re.escape(name)}((\s+[-0-9.e+]+){{{columns}}})$", out, re.MULTILINE
+        )
         assert row, name
         assert all(math.isfinite(float(v)) for v in row.group(1).split()), name
     final = re.search(r"^final validation: (.*)$", out, re.MULTILINE).group(1)

@@ -22,22 +22,59 @@ def read_tags(run_dir) -> set[str]:
 
 
 def test_short_run_writes_logs_and_prints_summary(tmp_path, capsys):
-    code = main(["train", "--steps", "12", "--every-n-steps", "4", "--log-dir", str(tmp_path / "runs"),
-                 "--no-progress-bar", "--layers", "3", "--heads", "2", "--kv-heads", "1", "--per-head"])
+    code = main(
+        [
+            "train",
+            "--steps",
+            "12",
+            "--every-n-steps",
+            "4",
+            "--log-dir",
+            str(tmp_path / "runs"),
+            "--no-progress-bar",
+            "--layers",
+            "3",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--per-head",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "qkmonitor summary (spectrum at step 12, entropy at step 8, rank at step 8" in out
     header = next(line for line in out.splitlines() if line.lstrip().startswith("layer"))
-    assert header.split()[2:] == ["kappa", "kappa", "max", "qk_erank", "entropy_norm", "entropy_norm", "min",
-                                  "max_logit", "max", "hidden_collapse", "attn_erank"]
+    assert header.split()[2:] == [
+        "kappa",
+        "kappa",
+        "max",
+        "qk_erank",
+        "entropy_norm",
+        "entropy_norm",
+        "min",
+        "max_logit",
+        "max",
+        "hidden_collapse",
+        "attn_erank",
+    ]
     for layer in range(3):
-        row = re.search(rf"^\s+{layer}\s+model\.blocks\.{layer}\.attn((\s+[0-9.e+-]+){{8}})$", out, re.M)
+        row = re.search(
+            rf"^\s+{layer}\s+model\.blocks\.{layer}\.attn((\s+[0-9.e+-]+){{8}})$", out, re.MULTILINE
+        )
         assert row and all(float(v) == float(v) for v in row.group(1).split())  # numbers, not NaN
     assert "tensorboard --logdir " + str(tmp_path / "runs") in out
     tags = read_tags(tmp_path / "runs" / "recall" / "version_0")
-    assert {"qkmonitor/kappa/layer_02", "qkmonitor/kappa_max/layer_02", "qkmonitor/kappa/layer_02_head_01",
-            "qkmonitor/alerts/kappa", "qkmonitor/entropy_norm/layer_02_head_01", "qkmonitor/hidden_collapse/layer_02",
-            "train_loss", "val_acc"} <= tags
+    assert {
+        "qkmonitor/kappa/layer_02",
+        "qkmonitor/kappa_max/layer_02",
+        "qkmonitor/kappa/layer_02_head_01",
+        "qkmonitor/alerts/kappa",
+        "qkmonitor/entropy_norm/layer_02_head_01",
+        "qkmonitor/hidden_collapse/layer_02",
+        "train_loss",
+        "val_acc",
+    } <= tags
 
     # one hparams record: the task's hyper-parameters and the monitors' thresholds (HPARAMS tab)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -51,10 +88,22 @@ def test_short_run_writes_logs_and_prints_summary(tmp_path, capsys):
     assert hparams["qkmonitor/alert_kappa/threshold"].number_value > 0
 
     # and read it back: `qkmonitor report`
-    assert main(["report", str(tmp_path / "runs" / "recall" / "version_0"), "--out", str(tmp_path / "report")]) == 0
+    assert (
+        main(
+            [
+                "report",
+                str(tmp_path / "runs" / "recall" / "version_0"),
+                "--out",
+                str(tmp_path / "report"),
+            ]
+        )
+        == 0
+    )
     report = capsys.readouterr().out
-    assert re.search(r"^kappa\s+0\s+12\s", report, re.M) and "alerts:" in report
-    assert (tmp_path / "report" / "kappa.png").is_file() and (tmp_path / "report" / "entropy_norm_heads.png").is_file()
+    assert re.search(r"^kappa\s+0\s+12\s", report, re.MULTILINE) and "alerts:" in report
+    assert (tmp_path / "report" / "kappa.png").is_file() and (
+        tmp_path / "report" / "entropy_norm_heads.png"
+    ).is_file()
     assert main(["report", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -70,7 +119,9 @@ def test_bad_options_are_rejected_with_the_option_named(tmp_path, capsys):
 def test_console_script_is_installed():
     exe = shutil.which("qkmonitor")
     command = [exe] if exe else [sys.executable, "-m", "qkmonitor.cli"]
-    result = subprocess.run([*command, "train", "--help"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*command, "train", "--help"], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0 and "--steps" in result.stdout
 
 
@@ -85,17 +136,31 @@ def test_default_run_learns_associative_recall(tmp_path, capsys):
 def test_the_terminal_shows_progress_summary_checkpoint_and_tensorboard_and_no_warnings(tmp_path):
     """What a newcomer sees: the CLI in a subprocess, as they would run it."""
     result = subprocess.run(
-        [sys.executable, "-m", "qkmonitor.cli", "train", "--steps", "20", "--every-n-steps", "10",
-         "--log-dir", str(tmp_path / "runs")],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "qkmonitor.cli",
+            "train",
+            "--steps",
+            "20",
+            "--every-n-steps",
+            "10",
+            "--log-dir",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip() == ""  # no warnings, no tips, no device report
     out = result.stdout.replace("\r", "\n")
-    assert re.search(r"^step: +100%\|.*\| 20/20 .*loss=[0-9.]+, acc=[0-9.]+", out, re.M)
+    assert re.search(r"^step: +100%\|.*\| 20/20 .*loss=[0-9.]+, acc=[0-9.]+", out, re.MULTILINE)
     for noise in ("Epoch", "v_num", "Tip", "GPU available", "Warning", "Validation"):
         assert noise not in out, noise
-    tail = out[out.index("qkmonitor summary"):].splitlines()
+    tail = out[out.index("qkmonitor summary") :].splitlines()
     assert tail[-4].startswith("checkpoint: ") and tail[-4].endswith(".ckpt")
     assert (tmp_path / "runs" / "recall" / "version_0" / "checkpoints").is_dir()
     assert tail[-2:] == ["To see the dashboards:", f"  tensorboard --logdir {tmp_path / 'runs'}"]
@@ -105,9 +170,9 @@ def test_help_shows_each_default_once_explains_every_option_and_lists_choices(ca
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
-    options = re.findall(r"^  (--[a-z-]+)", text, re.M)
+    options = re.findall(r"^  (--[a-z-]+)", text, re.MULTILINE)
     assert len(options) > 20
-    blocks = re.split(r"\n(?=  --)", text[text.index("  --task"):text.index("per-task defaults")])
+    blocks = re.split(r"\n(?=  --)", text[text.index("  --task") : text.index("per-task defaults")])
     for block in blocks:
         assert block.count("default") <= 1, block  # each default shown once
         assert len(block.split(None, 2)) > 2, block  # every option has help text
@@ -116,18 +181,21 @@ def test_help_shows_each_default_once_explains_every_option_and_lists_choices(ca
 
 
 def test_bad_values_are_reported_in_plain_words(capsys):
-    for argv, message in ((["--steps", "abc"], "argument --steps: expected a positive integer, got 'abc'"),
-                          (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
-                          (["--lr", "-1"], "argument --lr: expected a positive number, got '-1'"),
-                          (["--train-fraction", "2"], "expected a number between 0 and 1, got '2'")):
+    for argv, message in (
+        (["--steps", "abc"], "argument --steps: expected a positive integer, got 'abc'"),
+        (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
+        (["--lr", "-1"], "argument --lr: expected a positive number, got '-1'"),
+        (["--train-fraction", "2"], "expected a number between 0 and 1, got '2'"),
+    ):
         with pytest.raises(SystemExit):
             main(["train", *argv])
         assert message in capsys.readouterr().err
 
 
 def test_the_positional_choices_are_the_models():
-    from qkmonitor.cli import POSITIONAL
     from qkmonitor.models.config import POSITIONAL as MODELS_POSITIONAL
+
+    from qkmonitor.cli import POSITIONAL
 
     assert POSITIONAL == MODELS_POSITIONAL
 
@@ -137,19 +205,26 @@ def test_version_prints_the_package_version(capsys):
 
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
-    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"qkmonitor {qkmonitor.__version__}"
+    assert (
+        exit_.value.code == 0
+        and capsys.readouterr().out.strip() == f"qkmonitor {qkmonitor.__version__}"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_a_gpu_asked_for_on_a_machine_without_one_is_one_line_not_a_traceback(tmp_path, capsys):
     assert main(["train", "--accelerator", "gpu", "--steps", "1", "--log-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("qkmonitor train: ") and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert (
+        err.startswith("qkmonitor train: ")
+        and "Traceback" not in err
+        and len(err.strip().splitlines()) == 1
+    )
 
 
 def test_report_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     text = capsys.readouterr().out
-    blocks = re.split(r"\n(?=  --)", text[text.index("  --out"):])
+    blocks = re.split(r"\n(?=  --)", text[text.index("  --out") :])
     assert len(blocks) >= 3 and all(block.count("default") <= 1 for block in blocks), blocks

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 from torch.testing import assert_close
 
@@ -16,12 +17,13 @@ from qkmonitor.adapters import (
     QKWeights,
     find_attention_layers,
 )
-from qkmonitor.models import DecoderLM, TransformerConfig
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_transformer_encoder_layers_are_found_in_order_with_packed_weights(batch_first):
-    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=batch_first)
+    layer = nn.TransformerEncoderLayer(
+        d_model=32, nhead=4, dim_feedforward=64, batch_first=batch_first
+    )
     encoder = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
     found = find_attention_layers(encoder)
     assert [f.name for f in found] == [f"layers.{i}.self_attn" for i in range(3)]
@@ -29,7 +31,9 @@ def test_transformer_encoder_layers_are_found_in_order_with_packed_weights(batch
     assert all(isinstance(f, MultiheadAttentionLayer) for f in found)
     w = found[1].qk_weights()
     packed = encoder.layers[1].self_attn.in_proj_weight
-    assert w.w_q is not None and torch.equal(w.w_q, packed[:32]) and torch.equal(w.w_k, packed[32:64])
+    assert (
+        w.w_q is not None and torch.equal(w.w_q, packed[:32]) and torch.equal(w.w_k, packed[32:64])
+    )
     assert (w.num_heads, w.num_kv_heads) == (4, 4)
     assert w.scale == pytest.approx(1 / math.sqrt(8))
 
@@ -42,25 +46,35 @@ def test_multihead_attention_with_separate_key_dims_uses_separate_weights():
 
 
 def test_bundled_decoder_layers_are_native():
-    model = DecoderLM(TransformerConfig(vocab_size=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2))
+    model = DecoderLM(
+        TransformerConfig(vocab_size=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2)
+    )
     found = find_attention_layers(model)
     assert [f.name for f in found] == [f"blocks.{i}.attn" for i in range(3)]
     assert all(isinstance(f, NativeAttentionLayer) for f in found)
     w = found[2].qk_weights()
-    assert w.w_q is model.blocks[2].attn.q_proj.weight and w.w_k is model.blocks[2].attn.k_proj.weight
+    assert (
+        w.w_q is model.blocks[2].attn.q_proj.weight and w.w_k is model.blocks[2].attn.k_proj.weight
+    )
     assert (w.num_heads, w.num_kv_heads, w.scale) == (4, 2, pytest.approx(1 / math.sqrt(8)))
 
 
 def test_model_without_attention_names_what_was_looked_for():
-    with pytest.raises(ValueError, match="No attention layers found in Sequential: looked for .*MultiheadAttention"):
+    with pytest.raises(
+        ValueError, match="No attention layers found in Sequential: looked for .*MultiheadAttention"
+    ):
         find_attention_layers(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
 
 
 def test_user_supplied_layers_list_function_and_custom_adapter():
-    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32), 2, enable_nested_tensor=False)
+    encoder = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32), 2, enable_nested_tensor=False
+    )
     only_last = find_attention_layers(encoder, layers=[encoder.layers[1].self_attn])
     assert [(f.index, f.name) for f in only_last] == [(0, "layers.1.self_attn")]
-    by_function = find_attention_layers(encoder, layers=lambda m: [layer.self_attn for layer in m.layers])
+    by_function = find_attention_layers(
+        encoder, layers=lambda m: [layer.self_attn for layer in m.layers]
+    )
     assert len(by_function) == 2
 
     class Bilinear(nn.Module):  # a user's own attention, described by a custom adapter
@@ -79,7 +93,9 @@ def test_user_supplied_layers_list_function_and_custom_adapter():
 
 def test_unsupported_user_module_is_rejected():
     model = nn.Sequential(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"`layers\[0\]` \(Linear\) is not a supported attention module"):
+    with pytest.raises(
+        ValueError, match=r"`layers\[0\]` \(Linear\) is not a supported attention module"
+    ):
         find_attention_layers(model, layers=[model[0]])
     with pytest.raises(ValueError, match="at least one"):
         find_attention_layers(model, layers=[])

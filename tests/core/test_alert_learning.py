@@ -8,16 +8,33 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from qkmonitor.callbacks import AttentionEntropyMonitor
+from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 
-from qkmonitor.alerts import LEARNING_WINDOW, LOSS_SMOOTHING, AlertRule, AlertTracker, LogitGrowthWarning
-from qkmonitor.callbacks import AttentionEntropyMonitor
+from qkmonitor.alerts import (
+    LEARNING_WINDOW,
+    LOSS_SMOOTHING,
+    AlertRule,
+    AlertTracker,
+    LogitGrowthWarning,
+)
 from qkmonitor.engine import AttentionEntropy, Monitoring
-from qkmonitor.models import DecoderLM, TransformerConfig
 
-GROWTH = AlertRule(name="growth", metric="m", threshold=5.0, above=True, patience=1, margin=1.0,
-                   warning=LogitGrowthWarning, meaning="m grows", advice="lower it", growth=2.0, window=20,
-                   learning_drop=0.1)
+GROWTH = AlertRule(
+    name="growth",
+    metric="m",
+    threshold=5.0,
+    above=True,
+    patience=1,
+    margin=1.0,
+    warning=LogitGrowthWarning,
+    meaning="m grows",
+    advice="lower it",
+    growth=2.0,
+    window=20,
+    learning_drop=0.1,
+)
 
 
 def losses(values: dict[int, float]) -> list[tuple[int, float]]:
@@ -32,9 +49,17 @@ def feed(tracker: AlertTracker, series: dict[int, float], loss: dict[int, float]
     return fired
 
 
-@pytest.mark.parametrize("field, value", [("learning_drop", 0.0), ("learning_drop", 1.0), ("learning_drop", "0.1"),
-                                          ("learning_drop", True), ("learning_window", 0),
-                                          ("learning_window", 2.5)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("learning_drop", 0.0),
+        ("learning_drop", 1.0),
+        ("learning_drop", "0.1"),
+        ("learning_drop", True),
+        ("learning_window", 0),
+        ("learning_window", 2.5),
+    ],
+)
 def test_learning_drop_is_a_fraction(field, value):
     with pytest.raises(ValueError, match=field):
         GROWTH.replace(**{field: value})
@@ -43,7 +68,7 @@ def test_learning_drop_is_a_fraction(field, value):
 def test_a_rule_is_quiet_while_the_loss_falls_and_fires_when_it_stalls():
     # m doubles every 10 steps (x4 per 20 steps: the trend holds at every probe from step 20)
     series = {s: 6.0 * 2 ** (s / 10) for s in range(0, 70, 10)}
-    falling = {s: 3.0 * 0.97 ** s for s in range(70)}  # -45 % per 20 steps: learning
+    falling = {s: 3.0 * 0.97**s for s in range(70)}  # -45 % per 20 steps: learning
     stalled = {s: 3.0 for s in range(70)}
     assert feed(AlertTracker([GROWTH]), series, falling) == []
     fired = feed(AlertTracker([GROWTH]), series, stalled)
@@ -53,9 +78,9 @@ def test_a_rule_is_quiet_while_the_loss_falls_and_fires_when_it_stalls():
 def test_the_loss_is_compared_over_the_rule_window_smoothed():
     rule = GROWTH
     # means of steps (s-10, s]; a drop of 11 % (at least the 10 % asked) counts as learning, 9 % not
-    loss = {s: 1.0 for s in range(0, 11)} | {s: 0.89 for s in range(11, 31)}
+    loss = {s: 1.0 for s in range(11)} | {s: 0.89 for s in range(11, 31)}
     assert rule.learning(losses(loss), 30)  # 0.89 vs 1.0, 20 steps back (steps 1..10)
-    loss = {s: 1.0 for s in range(0, 11)} | {s: 0.91 for s in range(11, 31)}
+    loss = {s: 1.0 for s in range(11)} | {s: 0.91 for s in range(11, 31)}
     assert not rule.learning(losses(loss), 30)
     assert not rule.learning([], 30)  # no loss: no evidence of learning
     assert not rule.learning(losses({s: float("nan") for s in range(31)}), 30)
@@ -65,8 +90,14 @@ def test_the_loss_is_compared_over_the_rule_window_smoothed():
 
 
 def test_the_default_trend_rules_read_the_loss_and_the_burst_rule_does_not():
-    from qkmonitor.alerts import (DEFAULT_RULES, KAPPA_RULE, LOGIT_BURST_RULE, LOGIT_GROWTH_RULE, LOGIT_JUMP_RULE,
-                                  MALIGNANT_COLLAPSE_RULE)
+    from qkmonitor.alerts import (
+        DEFAULT_RULES,
+        KAPPA_RULE,
+        LOGIT_BURST_RULE,
+        LOGIT_GROWTH_RULE,
+        LOGIT_JUMP_RULE,
+        MALIGNANT_COLLAPSE_RULE,
+    )
 
     gated = [KAPPA_RULE, LOGIT_GROWTH_RULE, LOGIT_JUMP_RULE, MALIGNANT_COLLAPSE_RULE]
     assert all(rule.learning_drop for rule in gated) and LOGIT_BURST_RULE.learning_drop is None
@@ -80,12 +111,25 @@ def test_the_description_says_the_rule_reads_the_loss():
 
 def tiny_decoder() -> DecoderLM:
     torch.manual_seed(0)
-    return DecoderLM(TransformerConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_seq_len=8))
+    return DecoderLM(
+        TransformerConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_seq_len=8)
+    )
 
 
 #: fires on every head from step 30 (max_logit is always above -1e9), unless the loss falls
-ALWAYS = AlertRule(name="always", metric="max_logit", threshold=-1e9, above=True, patience=1, margin=0.0,
-                   warning=LogitGrowthWarning, meaning="test", advice="none", learning_drop=0.2, grace_steps=30)
+ALWAYS = AlertRule(
+    name="always",
+    metric="max_logit",
+    threshold=-1e9,
+    above=True,
+    patience=1,
+    margin=0.0,
+    warning=LogitGrowthWarning,
+    meaning="test",
+    advice="none",
+    learning_drop=0.2,
+    grace_steps=30,
+)
 
 
 @pytest.mark.parametrize("trend, expected", [("falling", []), ("flat", [30])])
@@ -100,7 +144,9 @@ def test_a_plain_loop_hands_the_loss_to_the_rules(trend, expected):
             with monitoring.step(step):
                 model(tokens)
                 # a made-up loss: halves every 10 steps, or stays
-                monitoring.observe_loss(torch.tensor(2.0 * (0.5 ** (step / 10) if trend == "falling" else 1.0)))
+                monitoring.observe_loss(
+                    torch.tensor(2.0 * (0.5 ** (step / 10) if trend == "falling" else 1.0))
+                )
     # probes at 30 and 40 decide (grace before); a flat loss fires at 30 (then the alert is active)
     assert sorted({a.step for a in fired}) == expected
     assert [s for s, _ in engine.loss_history()][-1] == 40
@@ -139,14 +185,23 @@ def test_lightning_hands_training_step_loss_to_the_rules(tmp_path):
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=2)
     monitor = AttentionEntropyMonitor(every_n_steps=5, alerts=[ALWAYS.replace(grace_steps=0)])
     task = _Task()
-    trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=CSVLogger(tmp_path), callbacks=[monitor],
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        logger=CSVLogger(tmp_path),
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     with pytest.warns(LogitGrowthWarning):
         trainer.fit(task, loader)
     history = monitor.engine.loss_history()
     assert [s for s, _ in history] == list(range(6))  # the step each batch started on
     with torch.no_grad():
-        expected = [float(task.training_step((tokens[2 * i:2 * i + 2],), i)["loss"]) for i in range(6)]
+        expected = [
+            float(task.training_step((tokens[2 * i : 2 * i + 2],), i)["loss"]) for i in range(6)
+        ]
     assert [v for _, v in history] == pytest.approx(expected, rel=1e-6)  # lr 0: the same weights
 
 
@@ -157,7 +212,7 @@ def test_only_the_losses_a_probe_can_read_are_kept():
     for step in range(101):
         engine.observe_loss(step, float(step))
     kept = [s for s, _ in engine.loss_history()]
-    assert kept == [*range(0, 10), *range(30, 60), *range(80, 101)]
+    assert kept == [*range(10), *range(30, 60), *range(80, 101)]
     assert engine.first_loss() == pytest.approx(4.5)  # mean of steps 0..9
 
 
@@ -166,14 +221,19 @@ def test_the_loss_history_survives_a_resume_and_a_fresh_engine_then_decides_as_t
     # first loss travel in the state dict
     engine = AttentionEntropy(every_n_steps=10)
     for step in range(40):
-        engine.observe_loss(step, torch.tensor(3.0 * 0.9 ** step))
+        engine.observe_loss(step, torch.tensor(3.0 * 0.9**step))
     state = engine.state_dict()
     again = AttentionEntropy(every_n_steps=10)
     again.load_state_dict(state)
     assert again.loss_history() == pytest.approx(engine.loss_history())
     assert again.first_loss() == pytest.approx(engine.first_loss())
     rule = again.tracker.rules[0]
-    assert rule.learning(again.loss_history(), 39, again.first_loss()) == rule.learning(
-        engine.loss_history(), 39, engine.first_loss()) is True
+    assert (
+        rule.learning(again.loss_history(), 39, again.first_loss())
+        == rule.learning(engine.loss_history(), 39, engine.first_loss())
+        is True
+    )
     fresh = AttentionEntropy(every_n_steps=10)
-    assert not rule.learning(fresh.loss_history(), 39, fresh.first_loss())  # without it: no evidence
+    assert not rule.learning(
+        fresh.loss_history(), 39, fresh.first_loss()
+    )  # without it: no evidence

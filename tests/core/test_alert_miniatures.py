@@ -16,12 +16,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-
-from qkmonitor.alerts import DEFAULT_RULES, Alert
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 from qkmonitor.models import DecoderLM, TransformerConfig, VisionEncoder
 from qkmonitor.models.tasks.base import IGNORE_INDEX, lr_factor
 from qkmonitor.models.tasks.grid import NUM_CLASSES, PATCH_DIM, make_grid_batch
+
+from qkmonitor.alerts import DEFAULT_RULES, Alert
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 
 EVERY = 10
 
@@ -31,13 +31,20 @@ def train(model, batches, loss_fn, *, lr: float, warmup: int, steps: int, extra_
     rules (and ``extra_engines``), probing every 10 steps; returns (losses, alerts, max logits)."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
-                                  lr=lr, betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup))
     fired: list[Alert] = []
-    keep = lambda owner, alert: fired.append(alert)  # noqa: E731
-    engines = [QKSpectrum(on_alert=keep), AttentionEntropy(on_alert=keep), EffectiveRank(on_alert=keep),
-               *extra_engines]
+    keep = lambda owner, alert: fired.append(alert)
+    engines = [
+        QKSpectrum(on_alert=keep),
+        AttentionEntropy(on_alert=keep),
+        EffectiveRank(on_alert=keep),
+        *extra_engines,
+    ]
     monitoring = Monitoring(model, engines, optimizer=optimizer, every_n_steps=EVERY)
     losses, logits = [], []
     with warnings.catch_warnings():
@@ -58,14 +65,19 @@ def train(model, batches, loss_fn, *, lr: float, warmup: int, steps: int, extra_
 
 
 def trailing_mean(values: list[float], window: int = 10) -> list[float]:
-    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-            for i in range(len(values))]
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def separation_step(losses: list[float], reference: list[float], floor: float = 0.05) -> int | None:
     """The suite's definition: the first step from which the smoothed loss (+ floor) stays above
     1.1 x the reference's."""
-    above = [(a + floor) > 1.1 * (b + floor) for a, b in zip(trailing_mean(losses), trailing_mean(reference))]
+    above = [
+        (a + floor) > 1.1 * (b + floor)
+        for a, b in zip(trailing_mean(losses), trailing_mean(reference))
+    ]
     if not above[-1]:
         return None
     step = len(above)
@@ -80,26 +92,42 @@ def copy_batches(seed: int, batch: int = 32, symbols: int = 32, length: int = 16
         half = torch.randint(symbols, (batch, length), generator=gen)
         tokens = torch.cat((half, half), dim=1)
         targets = torch.full_like(tokens, IGNORE_INDEX)
-        targets[:, length:-1] = tokens[:, length + 1:]  # only an induction head predicts the repeat
+        targets[:, length:-1] = tokens[
+            :, length + 1 :
+        ]  # only an induction head predicts the repeat
         yield tokens, targets
 
 
 def lm_loss(model, batch):
     tokens, targets = batch
-    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(
+        model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+    )
 
 
 @pytest.mark.slow  # 80 steps of a 2-layer decoder with all monitors: ~5-10 s on 2 CPU cores
 def test_induction_head_formation_is_silent_and_only_the_loss_gate_makes_it_so():
     torch.manual_seed(0)
-    model = DecoderLM(TransformerConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=4, max_seq_len=32,
-                                        attention_backend="torch"))
+    model = DecoderLM(
+        TransformerConfig(
+            vocab_size=32,
+            d_model=64,
+            n_layers=2,
+            n_heads=4,
+            max_seq_len=32,
+            attention_backend="torch",
+        )
+    )
     ungated_fired: list[Alert] = []
     ungated = [r.replace(learning_drop=None) for r in DEFAULT_RULES if r.metric in ("max_logit",)]
-    witness = AttentionEntropy(log_key_prefix="ungated", alerts=ungated,
-                               on_alert=lambda owner, alert: ungated_fired.append(alert))
-    losses, fired, logits = train(model, copy_batches(0), lm_loss, lr=0.03, warmup=0, steps=80,
-                                  extra_engines=[witness])
+    witness = AttentionEntropy(
+        log_key_prefix="ungated",
+        alerts=ungated,
+        on_alert=lambda owner, alert: ungated_fired.append(alert),
+    )
+    losses, fired, logits = train(
+        model, copy_batches(0), lm_loss, lr=0.03, warmup=0, steps=80, extra_engines=[witness]
+    )
     assert sum(losses[:5]) / 5 > 3.0 and sum(losses[-10:]) / 10 < 0.2  # the induction head formed
     assert max(logits) >= 10 * logits[0]  # and its logits sharpened fast
     assert fired == [], [a.message() for a in fired]
@@ -120,10 +148,21 @@ def vision_loss(model, batch):
 
 def vision_run(lr: float, seed: int = 1, steps: int = 80):
     torch.manual_seed(seed)
-    config = TransformerConfig(vocab_size=1, d_model=64, n_layers=2, n_heads=4, max_seq_len=36, positional="rope_2d",
-                               grid_size=(6, 6), patch_dim=PATCH_DIM, num_classes=NUM_CLASSES,
-                               attention_backend="torch")
-    return train(VisionEncoder(config), vision_batches(seed), vision_loss, lr=lr, warmup=50, steps=steps)
+    config = TransformerConfig(
+        vocab_size=1,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=36,
+        positional="rope_2d",
+        grid_size=(6, 6),
+        patch_dim=PATCH_DIM,
+        num_classes=NUM_CLASSES,
+        attention_backend="torch",
+    )
+    return train(
+        VisionEncoder(config), vision_batches(seed), vision_loss, lr=lr, warmup=50, steps=steps
+    )
 
 
 @pytest.mark.slow  # two 80-step runs of a 2-layer vision encoder with all monitors: ~15-25 s

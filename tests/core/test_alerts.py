@@ -19,16 +19,29 @@ from qkmonitor.alerts import (
     LogitGrowthWarning,
 )
 
-LEVEL = AlertRule(name="level", metric="m", threshold=10.0, above=True, patience=1, margin=1.0,
-                  warning=LogitGrowthWarning, meaning="m is high", advice="lower it")
+LEVEL = AlertRule(
+    name="level",
+    metric="m",
+    threshold=10.0,
+    above=True,
+    patience=1,
+    margin=1.0,
+    warning=LogitGrowthWarning,
+    meaning="m is high",
+    advice="lower it",
+)
 TREND = LEVEL.replace(name="trend", threshold=5.0, growth=4.0, window=30)
 
 
-def feed(tracker: AlertTracker, series: dict[int, list[float]], metric: str = "m", qk_norm_layers=()) -> list:
+def feed(
+    tracker: AlertTracker, series: dict[int, list[float]], metric: str = "m", qk_norm_layers=()
+) -> list:
     """Feed one layer of heads per step: step -> [head values]; return every alert fired."""
     fired = []
     for step, heads in series.items():
-        fired += tracker.update({metric: [torch.tensor(heads)]}, step, ["blocks.0.attn"], qk_norm_layers=qk_norm_layers)
+        fired += tracker.update(
+            {metric: [torch.tensor(heads)]}, step, ["blocks.0.attn"], qk_norm_layers=qk_norm_layers
+        )
     return fired
 
 
@@ -44,7 +57,9 @@ def test_a_trend_is_measured_from_the_newest_value_at_least_a_window_old():
     tracker = AlertTracker([TREND])
     # head 0: 1, 2, 3, then 12 at step 30: x12 since step 0, 30 steps back -> fires at 30
     # head 1: 4, 6, 9, then 14 at step 30: 14 < 4 x 4, and at 40: 20 < 4 x 6 (step 10) -> never
-    fired = feed(tracker, {0: [1.0, 4.0], 10: [2.0, 6.0], 20: [3.0, 9.0], 30: [12.0, 14.0], 40: [13.0, 20.0]})
+    fired = feed(
+        tracker, {0: [1.0, 4.0], 10: [2.0, 6.0], 20: [3.0, 9.0], 30: [12.0, 14.0], 40: [13.0, 20.0]}
+    )
     assert [(a.head, a.step) for a in fired] == [(0, 30)]
     alert = fired[0]
     assert (alert.reference, alert.reference_step) == (1.0, 0)
@@ -63,7 +78,9 @@ def test_a_window_forgets_values_older_than_it():
 
 def test_growth_from_the_run_start_and_a_below_rule_shrinking():
     start = TREND.replace(name="start", window=None, growth=2.0)
-    shrink = TREND.replace(name="shrink", metric="m", threshold=0.5, above=False, growth=3.0, window=None)
+    shrink = TREND.replace(
+        name="shrink", metric="m", threshold=0.5, above=False, growth=3.0, window=None
+    )
     tracker = AlertTracker([start, shrink])
     fired = feed(tracker, {0: [3.0], 10: [5.9], 20: [6.0], 30: [0.9], 40: [0.5]})
     # start: 6 >= 2 x 3 at step 20; shrink: 0.5 <= 0.5 and <= 3 / 3 at step 40 (0.9 is above 0.5)
@@ -93,7 +110,9 @@ def test_growth_is_a_rate_so_the_probe_interval_does_not_matter():
 
 def test_patience_counts_consecutive_probes_where_level_and_trend_hold():
     tracker = AlertTracker([TREND.replace(patience=2)])
-    fired = feed(tracker, {0: [1.0], 10: [1.0], 20: [1.0], 30: [20.0], 40: [3.0], 50: [30.0], 60: [200.0]})
+    fired = feed(
+        tracker, {0: [1.0], 10: [1.0], 20: [1.0], 30: [20.0], 40: [3.0], 50: [30.0], 60: [200.0]}
+    )
     # 30: 20 >= 4 x 1 (streak 1); 40: 3 is below the level (0); 50: 30 >= 4 x 1 (1); 60: 200 >= 4 x 20 (2)
     assert [a.step for a in fired] == [60]
 
@@ -106,15 +125,26 @@ def test_grace_steps_hold_firing_but_not_the_streak():
 
 def test_joint_condition_with_its_own_trend():
     sharp_and_growing = AlertRule(
-        name="joint", metric="entropy_norm", threshold=0.1, above=False, patience=1, margin=0.05,
-        warning=LogitGrowthWarning, meaning="sharp and sharpening", advice="QK-norm",
-        also=(Condition("max_logit", 10.0, above=True, growth=3.0, window=20),))
+        name="joint",
+        metric="entropy_norm",
+        threshold=0.1,
+        above=False,
+        patience=1,
+        margin=0.05,
+        warning=LogitGrowthWarning,
+        meaning="sharp and sharpening",
+        advice="QK-norm",
+        also=(Condition("max_logit", 10.0, above=True, growth=3.0, window=20),),
+    )
     tracker = AlertTracker([sharp_and_growing])
     steps = {0: (0.05, 8.0), 10: (0.05, 12.0), 20: (0.05, 12.0), 30: (0.3, 40.0), 40: (0.05, 40.0)}
     fired = []
     for step, (entropy, logit) in steps.items():
-        fired += tracker.update({"entropy_norm": [torch.tensor([entropy])], "max_logit": [torch.tensor([logit])]},
-                                step, ["a"])
+        fired += tracker.update(
+            {"entropy_norm": [torch.tensor([entropy])], "max_logit": [torch.tensor([logit])]},
+            step,
+            ["a"],
+        )
     # a sharp head with steady logits (0-20) is quiet; at 30 logits grew but the head is not sharp;
     # at 40 both hold (40 >= 3 x 12, the value of step 20)
     assert [(a.step, a.also_values) for a in fired] == [(40, (40.0,))]
@@ -138,16 +168,29 @@ def test_history_and_streaks_survive_a_resume():
     assert [(a.step, a.reference, a.reference_step) for a in fired] == [(60, 5.0, 30)]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("growth", 1.0), ("growth", "x"), ("growth", math.inf), ("window", 0), ("window", 2.5), ("window", True),
-    ("grace_steps", -1), ("grace_steps", 1.0), ("skip_qk_norm", 1), ("evidence", None),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("growth", 1.0),
+        ("growth", "x"),
+        ("growth", math.inf),
+        ("window", 0),
+        ("window", 2.5),
+        ("window", True),
+        ("grace_steps", -1),
+        ("grace_steps", 1.0),
+        ("skip_qk_norm", 1),
+        ("evidence", None),
+    ],
+)
 def test_new_rule_fields_are_checked_by_name(field, value):
     with pytest.raises(ValueError, match=f"Expected `{field}`"):
         LEVEL.replace(**{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("growth", 0.5), ("window", -3), ("margin", -1.0), ("above", 1)])
+@pytest.mark.parametrize(
+    "field, value", [("growth", 0.5), ("window", -3), ("margin", -1.0), ("above", 1)]
+)
 def test_condition_fields_are_checked_by_name(field, value):
     kwargs = {"metric": "m", "threshold": 1.0, "above": True, field: value}
     with pytest.raises(ValueError, match=f"Expected `{field}`"):
@@ -158,7 +201,10 @@ def test_messages_state_the_trend_the_remedy_and_the_evidence():
     tracker = AlertTracker([LOGIT_GROWTH_RULE])
     logit = LOGIT_GROWTH_RULE.threshold
     growth, window = LOGIT_GROWTH_RULE.growth, LOGIT_GROWTH_RULE.window
-    series = {0: [logit / growth / 2], window: [logit * 2]}  # x(4 growth) in one window, past the level
+    series = {
+        0: [logit / growth / 2],
+        window: [logit * 2],
+    }  # x(4 growth) in one window, past the level
     fired = feed(tracker, series, metric="max_logit")
     assert len(fired) == 1
     text = fired[0].message(lr=0.03)
@@ -187,4 +233,3 @@ def test_engines_know_their_qk_norm_layers_and_the_kappa_rule_skips_them():
     for step, kappa in ((0, 0.1), (30, 0.3)):
         engine.record(PlainHost(), {"kappa": [torch.full((4,), kappa)] * 2}, step)
     assert fired == []
-

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from qkmonitor.catalogue import CATALOGUE, FAMILIES, MONITORS, markdown_table, metric, metrics_of, names_of
+from qkmonitor.catalogue import (
+    CATALOGUE,
+    FAMILIES,
+    MONITORS,
+    markdown_table,
+    metric,
+    metrics_of,
+    names_of,
+)
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
 from qkmonitor.report import KNOWN_METRICS
 
@@ -17,7 +25,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def test_the_readme_key_table_is_the_catalogue():
     text = README.read_text()
-    block = re.search(r"<!-- catalogue:start -->\n(.*?)\n<!-- catalogue:end -->", text, re.S)
+    block = re.search(r"<!-- catalogue:start -->\n(.*?)\n<!-- catalogue:end -->", text, re.DOTALL)
     assert block, "README.md lost its catalogue markers"
     assert block.group(1) == markdown_table()
 
@@ -36,11 +44,16 @@ def test_engines_report_and_families_derive_from_it():
     assert QKSpectrum().metric_names == names_of("QKSpectrumMonitor")
     assert EffectiveRank().metric_names == names_of("EffectiveRankMonitor")
     assert AttentionEntropy().metric_names == names_of("AttentionEntropyMonitor")
-    assert AttentionEntropy(sink_tokens=2).metric_names == (*names_of("AttentionEntropyMonitor"), "sink_mass")
+    assert AttentionEntropy(sink_tokens=2).metric_names == (
+        *names_of("AttentionEntropyMonitor"),
+        "sink_mass",
+    )
     assert KNOWN_METRICS == tuple(spec.name for spec in CATALOGUE)
     assert [m for names in FAMILIES.values() for m in names] == list(KNOWN_METRICS)
-    assert {s.name for s in metrics_of("EffectiveRankMonitor") if not s.per_head} == {"hidden_erank",
-                                                                                        "hidden_collapse"}
+    assert {s.name for s in metrics_of("EffectiveRankMonitor") if not s.per_head} == {
+        "hidden_erank",
+        "hidden_collapse",
+    }
 
 
 def test_undefined_by_definition_is_documented_where_it_happens():

@@ -12,12 +12,14 @@ from torch.testing import assert_close
 from qkmonitor import functional as QF
 
 
-def dense_w_qk(w_q: torch.Tensor, w_k: torch.Tensor, h: int, num_heads: int, num_kv_heads: int) -> np.ndarray:
+def dense_w_qk(
+    w_q: torch.Tensor, w_k: torch.Tensor, h: int, num_heads: int, num_kv_heads: int
+) -> np.ndarray:
     """The d x d' matrix W_Q^h (W_K^g)^T, formed naively in float64."""
     d_k = w_q.shape[0] // num_heads
     g = h // (num_heads // num_kv_heads)
-    wq_h = w_q[h * d_k:(h + 1) * d_k].double().numpy().T  # (d, d_k)
-    wk_g = w_k[g * d_k:(g + 1) * d_k].double().numpy().T  # (d', d_k)
+    wq_h = w_q[h * d_k : (h + 1) * d_k].double().numpy().T  # (d, d_k)
+    wk_g = w_k[g * d_k : (g + 1) * d_k].double().numpy().T  # (d', d_k)
     return wq_h @ wk_g.T
 
 
@@ -39,7 +41,9 @@ def test_singular_values_match_dense_svd(num_heads, num_kv_heads, d, d_kv_in):
     got = QF.qk_singular_values(w_q, w_k, num_heads, num_kv_heads)
     assert got.shape == (num_heads, d_k) and got.dtype == torch.float32
     for h in range(num_heads):
-        expected = np.linalg.svd(dense_w_qk(w_q, w_k, h, num_heads, num_kv_heads), compute_uv=False)[:d_k]
+        expected = np.linalg.svd(
+            dense_w_qk(w_q, w_k, h, num_heads, num_kv_heads), compute_uv=False
+        )[:d_k]
         assert_close(got[h].double(), torch.from_numpy(expected), rtol=1e-4, atol=1e-4)
 
 
@@ -97,8 +101,12 @@ def test_eigenvalues_match_dense_eig():
         distance = np.abs(top[:, None] - got[h].numpy()[None, :]).min(axis=1)
         assert distance.max() < 1e-8
         mean, var = QF.eigenvalue_moments(got[h])
-        assert math.isclose(mean.item(), np.trace(dense_w_qk(w_q, w_k, h, num_heads, num_kv_heads)) / d_k,
-                            rel_tol=1e-9, abs_tol=1e-9)
+        assert math.isclose(
+            mean.item(),
+            np.trace(dense_w_qk(w_q, w_k, h, num_heads, num_kv_heads)) / d_k,
+            rel_tol=1e-9,
+            abs_tol=1e-9,
+        )
         assert math.isclose(var.item(), np.mean(np.abs(top - top.mean()) ** 2), rel_tol=1e-9)
 
 
@@ -116,10 +124,15 @@ def test_eigenvalues_of_a_symmetric_head_are_its_built_spectrum():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_input_is_computed_in_float32(dtype):
     gen = torch.Generator().manual_seed(6)
-    w_q, w_k = torch.randn(32, 32, generator=gen).to(dtype), torch.randn(32, 32, generator=gen).to(dtype)
+    w_q, w_k = (
+        torch.randn(32, 32, generator=gen).to(dtype),
+        torch.randn(32, 32, generator=gen).to(dtype),
+    )
     got = QF.qk_singular_values(w_q, w_k, num_heads=4)
     assert got.dtype == torch.float32
-    expected = QF.qk_singular_values(w_q.double(), w_k.double(), num_heads=4)  # same rounded weights
+    expected = QF.qk_singular_values(
+        w_q.double(), w_k.double(), num_heads=4
+    )  # same rounded weights
     assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -228,7 +241,9 @@ def test_masked_softmax_gives_nan_rows_for_nan_and_posinf_scores():
         ((32, 32), (32, 32), 0, None, "`num_heads`"),
     ],
 )
-def test_bad_shapes_raise_value_error_naming_the_argument(w_q_shape, w_k_shape, heads, kv_heads, match):
+def test_bad_shapes_raise_value_error_naming_the_argument(
+    w_q_shape, w_k_shape, heads, kv_heads, match
+):
     with pytest.raises(ValueError, match=match):
         QF.qk_singular_values(torch.zeros(w_q_shape), torch.zeros(w_k_shape), heads, kv_heads)
 

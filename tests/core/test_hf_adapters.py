@@ -18,14 +18,14 @@ import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 from packaging.version import Version
+from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
 from torch import nn
 from torch.testing import assert_close
 
 from qkmonitor import calls, hf
 from qkmonitor.adapters import find_attention_layers
-from qkmonitor.probes import ProbeRequest
-from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
 from qkmonitor.functional import qk_singular_values, spectral_concentration
+from qkmonitor.probes import ProbeRequest
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,23 +34,51 @@ TRANSFORMERS = Version(transformers.__version__)
 # BertSelfAttention calls its attention through ALL_ATTENTION_FUNCTIONS from 5.0; before, nothing to route
 BERT_DISPATCHES = TRANSFORMERS >= Version("5.0")
 NEEDS_BERT_DISPATCH = pytest.mark.skipif(
-    not BERT_DISPATCHES, reason=f"BERT attention dispatches from transformers 5.0, this is {TRANSFORMERS}")
+    not BERT_DISPATCHES,
+    reason=f"BERT attention dispatches from transformers 5.0, this is {TRANSFORMERS}",
+)
 
 
 def llama_config(**kw):
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
 
 
 def gpt2_config(**kw):
-    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2, n_positions=64,
-                                   bos_token_id=1, eos_token_id=2, **kw)
+    return transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_head=4,
+        n_layer=2,
+        n_positions=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
 
 
 def bert_config(**kw):
-    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
-                                   intermediate_size=64, max_position_embeddings=64, pad_token_id=0, **kw)
+    return transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 FAMILIES = {
@@ -65,7 +93,11 @@ WITH_STATS = ["llama", "gpt2", pytest.param("bert", marks=NEEDS_BERT_DISPATCH)]
 def build(family: str, attn: str = "sdpa", seed: int = 0, **config_kw) -> nn.Module:
     make_config, cls, _, _ = FAMILIES[family]
     torch.manual_seed(seed)
-    return getattr(transformers, cls)._from_config(make_config(**config_kw), attn_implementation=attn).eval()
+    return (
+        getattr(transformers, cls)
+        ._from_config(make_config(**config_kw), attn_implementation=attn)
+        .eval()
+    )
 
 
 def eager_twin(model: nn.Module) -> nn.Module:
@@ -96,11 +128,13 @@ def probed(layers, fn, probs_slice=None):
         result = fn()
     finally:
         results = [probe.close() for probe in probes]
-    last = lambda items: items[-1] if items else None  # noqa: E731  (one forward: one entry)
+    last = lambda items: items[-1] if items else None
     return result, [last(r.stats) for r in results], [last(r.probs) for r in results]
 
 
-def dense_kappa(w_q_heads: list[torch.Tensor], w_k_heads: list[torch.Tensor], num_kv_heads: int) -> torch.Tensor:
+def dense_kappa(
+    w_q_heads: list[torch.Tensor], w_k_heads: list[torch.Tensor], num_kv_heads: int
+) -> torch.Tensor:
     """kappa per head from the d x d W_QK^h = W_Q^h (W_K^g)^T, float64 SVD; inputs are (d, d_k)."""
     group = len(w_q_heads) // num_kv_heads
     out = []
@@ -123,11 +157,19 @@ def test_layers_are_found_in_order_with_their_kind(family):
     assert all(f.kind == kind and f.supports_stats for f in found)
 
 
-@pytest.mark.parametrize(("config", "cls"), [("MistralConfig", "MistralForCausalLM"),
-                                              ("Qwen2Config", "Qwen2ForCausalLM")])
+@pytest.mark.parametrize(
+    ("config", "cls"),
+    [("MistralConfig", "MistralForCausalLM"), ("Qwen2Config", "Qwen2ForCausalLM")],
+)
 def test_llama_family_is_recognised_by_structure(config, cls):
-    cfg = getattr(transformers, config)(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=1)
+    cfg = getattr(transformers, config)(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+    )
     model = getattr(transformers, cls)(cfg)
     found = find_attention_layers(model)
     assert [f.kind for f in found] == ["transformers.llama"] * 2
@@ -143,9 +185,11 @@ def test_llama_gqa_weights_are_the_projections_and_kappa_matches_dense_svd():
         assert w.w_q is attn.q_proj.weight and w.w_k is attn.k_proj.weight
         assert (w.num_heads, w.num_kv_heads) == (4, 2)
         assert w.scale == pytest.approx(1 / math.sqrt(8)) and w.scale == pytest.approx(attn.scaling)
-        heads = [attn.q_proj.weight[h * 8:(h + 1) * 8].T for h in range(4)]
-        kv = [attn.k_proj.weight[g * 8:(g + 1) * 8].T for g in range(2)]
-        kappa = spectral_concentration(qk_singular_values(w.w_q, w.w_k, w.num_heads, w.num_kv_heads))
+        heads = [attn.q_proj.weight[h * 8 : (h + 1) * 8].T for h in range(4)]
+        kv = [attn.k_proj.weight[g * 8 : (g + 1) * 8].T for g in range(2)]
+        kappa = spectral_concentration(
+            qk_singular_values(w.w_q, w.w_k, w.num_heads, w.num_kv_heads)
+        )
         assert_close(kappa.double(), dense_kappa(heads, kv, 2), rtol=1e-5, atol=1e-6)
 
 
@@ -161,14 +205,16 @@ def test_gpt2_conv1d_is_read_transposed_and_the_scale_follows_the_config(inverse
         expected = 1 / math.sqrt(8) / (i + 1 if inverse_layer_idx else 1)
         assert w.scale == pytest.approx(expected)
         # W_Q^h is the Conv1D's own column block, no transposition involved
-        heads = [conv[:, h * 8:(h + 1) * 8] for h in range(4)]
-        keys = [conv[:, 32 + h * 8:32 + (h + 1) * 8] for h in range(4)]
+        heads = [conv[:, h * 8 : (h + 1) * 8] for h in range(4)]
+        keys = [conv[:, 32 + h * 8 : 32 + (h + 1) * 8] for h in range(4)]
         kappa = spectral_concentration(qk_singular_values(w.w_q, w.w_k, 4, 4))
         assert_close(kappa.double(), dense_kappa(heads, keys, 4), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(TRANSFORMERS < Version("5.4"), reason=f"GPT2Attention.scaling exists from transformers 5.4, "
-                    f"this is {TRANSFORMERS}")
+@pytest.mark.skipif(
+    TRANSFORMERS < Version("5.4"),
+    reason=f"GPT2Attention.scaling exists from transformers 5.4, this is {TRANSFORMERS}",
+)
 @pytest.mark.parametrize("inverse_layer_idx", [False, True])
 def test_gpt2_scale_is_the_modules_own_scaling(inverse_layer_idx):
     model = build("gpt2", scale_attn_by_inverse_layer_idx=inverse_layer_idx)
@@ -183,8 +229,8 @@ def test_bert_weights_are_query_and_key():
         attn = block.attention.self
         assert w.w_q is attn.query.weight and w.w_k is attn.key.weight
         assert (w.num_heads, w.num_kv_heads, w.scale) == (4, 4, pytest.approx(1 / math.sqrt(8)))
-        heads = [attn.query.weight[h * 8:(h + 1) * 8].T for h in range(4)]
-        keys = [attn.key.weight[h * 8:(h + 1) * 8].T for h in range(4)]
+        heads = [attn.query.weight[h * 8 : (h + 1) * 8].T for h in range(4)]
+        keys = [attn.key.weight[h * 8 : (h + 1) * 8].T for h in range(4)]
         kappa = spectral_concentration(qk_singular_values(w.w_q, w.w_k, 4, 4))
         assert_close(kappa.double(), dense_kappa(heads, keys, 4), rtol=1e-5, atol=1e-6)
 
@@ -226,7 +272,9 @@ def test_probed_statistics_equal_the_eager_attention_weights(family, attn, padde
     assert torch.equal(before, after)  # bit-identical
     assert model.config is config and config._attn_implementation == attn
     assert all(layer.module.config is config for layer in layers)
-    attentions = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    attentions = eager_twin(model)(
+        input_ids=ids, attention_mask=mask, output_attentions=True
+    ).attentions
     assert_stats_match_eager_weights(stats, probs, attentions, (2, 4))
     if family != "bert":  # causal: row i attends i + 1 keys (fewer where padded)
         n_allowed = torch.arange(1, SEQ + 1).double()
@@ -247,15 +295,27 @@ def test_a_custom_4d_mask_with_a_bias_goes_through_explicit_scores():
     before = logits_of(model, ids, mask)
     after, stats, probs = probed(layers, lambda: logits_of(model, ids, mask), probs_slice=(3, SEQ))
     assert torch.equal(before, after)
-    attentions = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    attentions = eager_twin(model)(
+        input_ids=ids, attention_mask=mask, output_attentions=True
+    ).attentions
     assert_stats_match_eager_weights(stats, probs, attentions, (3, SEQ))
 
 
 def test_gemma2_softcap_and_sliding_window_go_through_explicit_scores():
-    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
-                                       attn_logit_softcapping=2.0, query_pre_attn_scalar=16, pad_token_id=0,
-                                       use_cache=False)  # 4.48: a HybridCache shorter than the input fails
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=3,
+        attn_logit_softcapping=2.0,
+        query_pre_attn_scalar=16,
+        pad_token_id=0,
+        use_cache=False,
+    )  # 4.48: a HybridCache shorter than the input fails
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM._from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -268,9 +328,13 @@ def test_gemma2_softcap_and_sliding_window_go_through_explicit_scores():
     after, stats, probs = probed(layers, lambda: logits_of(model, ids, mask), probs_slice=(3, SEQ))
     assert torch.equal(before, after)
     assert stats[0].max_logit.max() > 1.5  # the cap bites (max 2)
-    attentions = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    attentions = eager_twin(model)(
+        input_ids=ids, attention_mask=mask, output_attentions=True
+    ).attentions
     # layer 0 slides (window 3): in the third sequence, query rows 5 and 6 see only padding
-    assert_stats_match_eager_weights(stats[:1], probs[:1], attentions[:1], (3, SEQ), dead_rows=2 * 4)
+    assert_stats_match_eager_weights(
+        stats[:1], probs[:1], attentions[:1], (3, SEQ), dead_rows=2 * 4
+    )
     assert_stats_match_eager_weights(stats[1:], probs[1:], attentions[1:], (3, SEQ))
 
 
@@ -294,7 +358,9 @@ def test_gpt2_reordered_upcast_attention_is_probed_where_it_skips_the_dispatch()
     after, stats, probs = probed(layers, lambda: logits_of(model, ids, mask), probs_slice=(1, 3))
     assert torch.equal(before, after)
     assert all("_upcast_and_reordered_attn" not in layer.module.__dict__ for layer in layers)
-    attentions = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    attentions = eager_twin(model)(
+        input_ids=ids, attention_mask=mask, output_attentions=True
+    ).attentions
     assert_stats_match_eager_weights(stats, probs, attentions, (1, 3))
 
 
@@ -334,7 +400,9 @@ def test_a_metric_failure_is_recorded_and_leaves_the_forward_alone(monkeypatch):
         after = logits_of(model, ids, mask)
     results = [probe.close() for probe in probes]
     assert torch.equal(before, after)
-    assert [(r.calls, r.stats, r.failures) for r in results] == [(1, [], ["RuntimeError: boom"])] * 2
+    assert [(r.calls, r.stats, r.failures) for r in results] == [
+        (1, [], ["RuntimeError: boom"])
+    ] * 2
 
 
 def test_flash_attention_calls_apply_padding_causality_and_the_sliding_window():
@@ -342,7 +410,9 @@ def test_flash_attention_calls_apply_padding_causality_and_the_sliding_window():
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
     padding = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
-    call = calls.MaskedCall.of(attn, q, k, padding, {"sliding_window": 3}, "flash_attention_2", scale=0.5)
+    call = calls.MaskedCall.of(
+        attn, q, k, padding, {"sliding_window": 3}, "flash_attention_2", scale=0.5
+    )
     stats = call.stats()
     i, j = torch.arange(6)[:, None], torch.arange(6)
     allowed = (j <= i) & (i - j < 3) & padding.bool()[:, None, None, :]
@@ -350,13 +420,17 @@ def test_flash_attention_calls_apply_padding_causality_and_the_sliding_window():
     p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
     assert_close(stats.entropy.double(), entropy, rtol=1e-5, atol=1e-6)
-    assert_close(stats.attended.double(), allowed.expand(2, 4, 6, 6).sum(-1).double(), rtol=0, atol=0)
+    assert_close(
+        stats.attended.double(), allowed.expand(2, 4, 6, 6).sum(-1).double(), rtol=0, atol=0
+    )
 
 
 # --- transformers versions (qkmonitor._hf_compat) ----------------------------------------------
 
 
-@pytest.mark.skipif(BERT_DISPATCHES, reason=f"transformers {TRANSFORMERS}: BERT attention dispatches (from 5.0)")
+@pytest.mark.skipif(
+    BERT_DISPATCHES, reason=f"transformers {TRANSFORMERS}: BERT attention dispatches (from 5.0)"
+)
 def test_bert_before_transformers_5_warns_which_layer_has_no_statistics_and_why():
     layers = find_attention_layers(build("bert"))
     for layer in layers:
@@ -390,8 +464,10 @@ def test_a_subclass_computing_attention_itself_warns_instead_of_silently_giving_
     layers = find_attention_layers(model)
     ids, mask = batch(True)
     assert layers[0].supports_stats
-    warning = (r"no attention statistics for 'model\.layers\.1\.self_attn' "
-               rf"\(transformers {transformers.__version__}: _OwnAttention computes")
+    warning = (
+        r"no attention statistics for 'model\.layers\.1\.self_attn' "
+        rf"\(transformers {transformers.__version__}: _OwnAttention computes"
+    )
     with pytest.warns(RuntimeWarning, match=warning):
         assert not layers[1].supports_stats
     before = logits_of(model, ids, mask)
@@ -416,7 +492,9 @@ def test_a_subclass_calling_super_forward_is_still_probed():
     before = logits_of(model, ids, mask)
     after, stats, _ = probed(layers, lambda: logits_of(model, ids, mask))
     assert torch.equal(before, after)
-    attentions = eager_twin(model)(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    attentions = eager_twin(model)(
+        input_ids=ids, attention_mask=mask, output_attentions=True
+    ).attentions
     for st, a in zip(stats, attentions, strict=True):
         entropy = -(a.double() * a.double().clamp_min(1e-300).log()).sum(-1)
         assert_close(st.entropy.double(), entropy, rtol=1e-5, atol=2e-6)
@@ -429,8 +507,12 @@ def test_a_call_without_scaling_is_measured_at_the_scale_sdpa_applies():
     attn = build("gpt2", scale_attn_by_inverse_layer_idx=True).transformer.h[1].attn
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 4, 3, 8, generator=g)
-    assert hf._hf_compat.as_applied(attn, q, k, None, {}, "sdpa")[1]["scaling"] == pytest.approx(8**-0.5)
-    assert hf._hf_compat.as_applied(attn, q, k, None, {"scaling": 0.25}, "sdpa")[1]["scaling"] == 0.25
+    assert hf._hf_compat.as_applied(attn, q, k, None, {}, "sdpa")[1]["scaling"] == pytest.approx(
+        8**-0.5
+    )
+    assert (
+        hf._hf_compat.as_applied(attn, q, k, None, {"scaling": 0.25}, "sdpa")[1]["scaling"] == 0.25
+    )
     assert "scaling" not in hf._hf_compat.as_applied(attn, q, k, None, {}, "eager")[1]
 
 
@@ -452,14 +534,16 @@ def test_without_transformers_nothing_hf_is_looked_for(monkeypatch):
 def test_qkmonitor_imports_without_transformers():
     # torchmetrics imports transformers when it is installed, so it is loaded first; then
     # transformers is made unimportable before anything of qkmonitor is imported.
-    code = ("import sys, torchmetrics, lightning.pytorch\n"
-            "for name in [n for n in sys.modules if n == 'transformers' or n.startswith('transformers.')]:\n"
-            "    del sys.modules[name]\n"
-            "sys.modules['transformers'] = None\n"
-            "import qkmonitor, qkmonitor.hf, qkmonitor.callbacks\n"
-            "from qkmonitor.adapters import find_attention_layers\n"
-            "import torch\n"
-            "assert find_attention_layers(torch.nn.MultiheadAttention(8, 2))\n")
+    code = (
+        "import sys, torchmetrics, lightning.pytorch\n"
+        "for name in [n for n in sys.modules if n == 'transformers' or n.startswith('transformers.')]:\n"
+        "    del sys.modules[name]\n"
+        "sys.modules['transformers'] = None\n"
+        "import qkmonitor, qkmonitor.hf, qkmonitor.callbacks\n"
+        "from qkmonitor.adapters import find_attention_layers\n"
+        "import torch\n"
+        "assert find_attention_layers(torch.nn.MultiheadAttention(8, 2))\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -492,7 +576,9 @@ class TinyLlama(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         ids, mask = batch
-        return self.model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        return self.model(
+            input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)
+        ).loss
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
@@ -507,10 +593,17 @@ class TinyLlama(pl.LightningModule):
 
 def test_lightning_run_on_a_tiny_llama_logs_entropy_and_kappa_for_every_layer(tmp_path):
     module, logger = TinyLlama(), RecordingLogger()
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=3, logger=logger, log_every_n_steps=1,
-                         callbacks=[AttentionEntropyMonitor(every_n_steps=1), QKSpectrumMonitor(every_n_steps=1)],
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         accelerator="cpu")
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[AttentionEntropyMonitor(every_n_steps=1), QKSpectrumMonitor(every_n_steps=1)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no metric may have failed
         trainer.fit(module)
@@ -519,7 +612,9 @@ def test_lightning_run_on_a_tiny_llama_logs_entropy_and_kappa_for_every_layer(tm
             values = logger.metrics[f"qkmonitor/{metric}/layer_{layer:02d}"]
             assert {0, 1, 2} <= {s for s, _ in values}
             assert all(math.isfinite(v) for _, v in values)
-        assert all(0.0 < v <= 1.0 for _, v in logger.metrics[f"qkmonitor/entropy_norm/layer_{layer:02d}"])
+        assert all(
+            0.0 < v <= 1.0 for _, v in logger.metrics[f"qkmonitor/entropy_norm/layer_{layer:02d}"]
+        )
     config = module.model.config
     assert config._attn_implementation == "sdpa"
     assert all(block.self_attn.config is config for block in module.model.model.layers)

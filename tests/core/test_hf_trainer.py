@@ -34,8 +34,15 @@ class Tokens(Dataset):
 
 def tiny_llama(fail_at_call: int | None = None):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
     model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
     if fail_at_call is not None:
         calls = {"n": 0}
@@ -50,23 +57,38 @@ def tiny_llama(fail_at_call: int | None = None):
 
 
 def trainer(tmp_path, model, callback, steps: int = 4):
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
-                                          learning_rate=1e-3, logging_steps=2, report_to=[], save_strategy="no",
-                                          use_cpu=True, disable_tqdm=True)
-    return transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    return transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(), callbacks=[callback]
+    )
 
 
 def test_a_trainer_run_logs_the_tags_and_numbers_of_the_engines(tmp_path, leftovers):
     model = tiny_llama()
     layer = model.model.layers[0].self_attn
-    expected_kappa = spectral_concentration(qk_singular_values(layer.q_proj.weight.detach().double(),
-                                                               layer.k_proj.weight.detach().double(), 4, 2)).mean()
+    expected_kappa = spectral_concentration(
+        qk_singular_values(
+            layer.q_proj.weight.detach().double(), layer.k_proj.weight.detach().double(), 4, 2
+        )
+    ).mean()
     writer = SummaryWriter(str(tmp_path / "run"))
     with QKMonitorCallback(writer=writer) as monitor:
         trainer(tmp_path, model, monitor).train()
     writer.close()
     assert leftovers(model) == []
-    acc = EventAccumulator(str(tmp_path / "run"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc = EventAccumulator(
+        str(tmp_path / "run"), size_guidance={"scalars": 0, "images": 0, "tensors": 0}
+    )
     acc.Reload()
     kappa = acc.Scalars("qkmonitor/kappa/layer_00")
     assert [e.step for e in kappa] == [0, 2, 4]  # every logging_steps, and at initialization
@@ -81,24 +103,37 @@ def test_a_trainer_run_logs_the_tags_and_numbers_of_the_engines(tmp_path, leftov
 
 
 def test_a_step_that_raises_leaves_nothing_once_closed_and_a_clean_run_follows(tmp_path, leftovers):
-    model = tiny_llama(fail_at_call=3)  # the second step's forward, a probe step with every_n_steps=1
+    model = tiny_llama(
+        fail_at_call=3
+    )  # the second step's forward, a probe step with every_n_steps=1
     engines = [QKSpectrum(), AttentionEntropy(), EffectiveRank(max_probe_tokens=4)]
-    with pytest.raises(RuntimeError, match="the user's forward failed"):
-        with QKMonitorCallback(engines, writer=SummaryWriter(str(tmp_path / "a")), every_n_steps=1) as monitor:
-            trainer(tmp_path, model, monitor).train()
+    with (
+        pytest.raises(RuntimeError, match="the user's forward failed"),
+        QKMonitorCallback(
+            engines, writer=SummaryWriter(str(tmp_path / "a")), every_n_steps=1
+        ) as monitor,
+    ):
+        trainer(tmp_path, model, monitor).train()
     model.user_hook.remove()  # the test's own hook; anything else left would be the monitor's
     assert leftovers(model) == []
 
-    with QKMonitorCallback(engines, writer=SummaryWriter(str(tmp_path / "b")), every_n_steps=1) as monitor:
+    with QKMonitorCallback(
+        engines, writer=SummaryWriter(str(tmp_path / "b")), every_n_steps=1
+    ) as monitor:
         trainer(tmp_path, model, monitor, steps=2).train()
     assert leftovers(model) == []
-    assert engines[1].latest_step == 1 and all(torch.isfinite(h).all() for h in engines[1].latest["entropy_norm"])
+    assert engines[1].latest_step == 1 and all(
+        torch.isfinite(h).all() for h in engines[1].latest["entropy_norm"]
+    )
 
 
 def test_a_stop_alert_stops_the_trainer(tmp_path):
     rule = ENTROPY_COLLAPSE_RULE.replace(threshold=1.0, also=())  # fires at the first probe
-    monitor = QKMonitorCallback([AttentionEntropy(alerts=[rule], alert_action="stop")],
-                                writer=SummaryWriter(str(tmp_path / "run")), every_n_steps=1)
+    monitor = QKMonitorCallback(
+        [AttentionEntropy(alerts=[rule], alert_action="stop")],
+        writer=SummaryWriter(str(tmp_path / "run")),
+        every_n_steps=1,
+    )
     with pytest.warns(Warning, match="entropy"):
         result = trainer(tmp_path, tiny_llama(), monitor, steps=10).train()
     assert result.global_step == 1
@@ -125,11 +160,22 @@ def test_under_accumulation_the_first_micro_batch_of_a_step_is_measured_as_in_li
         return results
 
     engine.close_probes = counting
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
-                                          gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=2,
-                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        logging_steps=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     with QKMonitorCallback(engines=[engine]) as monitor:
-        transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[monitor]).train()
+        transformers.Trainer(
+            model=model, args=args, train_dataset=Tokens(), callbacks=[monitor]
+        ).train()
     probed = [calls for calls in forwards if any(calls)]
     assert probed == [[1, 1], [1, 1]]  # steps 0 and 2, one micro-batch each
     assert engine.latest_step == 2

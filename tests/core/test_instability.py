@@ -26,15 +26,24 @@ PAIRS, STEPS, WARMUP, LR, EVERY = 4, 150, 20, 0.1, 10
 def train(qk_norm: bool, seed: int = 0) -> tuple[list[float], list[Alert]]:
     """150 AdamW steps with all three monitors and their default rules: (losses, alerts)."""
     torch.manual_seed(seed)
-    config = TransformerConfig(vocab_size=8 * PAIRS, d_model=32, n_layers=2, n_heads=4, max_seq_len=3 * PAIRS,
-                               qk_norm=qk_norm, attention_backend="torch")
+    config = TransformerConfig(
+        vocab_size=8 * PAIRS,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=3 * PAIRS,
+        qk_norm=qk_norm,
+        attention_backend="torch",
+    )
     model = DecoderLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, WARMUP))
     fired: list[Alert] = []
-    engines = [QKSpectrum(on_alert=lambda owner, alert: fired.append(alert)),
-               AttentionEntropy(on_alert=lambda owner, alert: fired.append(alert)),
-               EffectiveRank(max_probe_tokens=12, on_alert=lambda owner, alert: fired.append(alert))]
+    engines = [
+        QKSpectrum(on_alert=lambda owner, alert: fired.append(alert)),
+        AttentionEntropy(on_alert=lambda owner, alert: fired.append(alert)),
+        EffectiveRank(max_probe_tokens=12, on_alert=lambda owner, alert: fired.append(alert)),
+    ]
     monitoring = Monitoring(model, engines, optimizer=optimizer, every_n_steps=EVERY)
     generator = torch.Generator().manual_seed(seed + 1)
     losses = []
@@ -44,7 +53,9 @@ def train(qk_norm: bool, seed: int = 0) -> tuple[list[float], list[Alert]]:
             tokens, targets = make_recall_batch(32, PAIRS, PAIRS, 4 * PAIRS, 4 * PAIRS, generator)
             with monitoring.step(step):
                 logits = model(tokens)
-                loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+                loss = nn.functional.cross_entropy(
+                    logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+                )
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
@@ -54,8 +65,10 @@ def train(qk_norm: bool, seed: int = 0) -> tuple[list[float], list[Alert]]:
 
 
 def trailing_mean(values: list[float], window: int = 10) -> list[float]:
-    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-            for i in range(len(values))]
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def separation_step(losses: list[float], reference: list[float], ratio: float = 1.1) -> int | None:

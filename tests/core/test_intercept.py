@@ -37,11 +37,16 @@ class NanoAttention(nn.Module):
 
     def forward(self, x):
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, 2))
+        q, k, v = (
+            z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+            for z in self.c_attn(x).split(c, 2)
+        )
         if self.prescale:  # some modules fold the temperature into q and call SDPA with scale=1
             q = q * (c // self.n_head) ** -0.5
         if self.flash:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 if self.prescale else None)
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=1.0 if self.prescale else None
+            )
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
@@ -71,14 +76,16 @@ class ModuloGQA(nn.Module):
             k, v = k.repeat(1, r, 1, 1), v.repeat(1, r, 1, 1)
         else:
             k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
-        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, D))
+        return self.wo(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, D)
+        )
 
 
 def _rope(x):
     t, d = x.shape[-2:]
     angle = torch.arange(t)[:, None] * (10000.0 ** (-torch.arange(0, d, 2) / d))
     cos, sin = angle.cos(), angle.sin()
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
@@ -100,7 +107,11 @@ class BlindAttention(Blind):
 class Model(nn.Module):
     def __init__(self, *blocks: nn.Module) -> None:
         super().__init__()
-        self.embed, self.blocks, self.head = nn.Embedding(20, D), nn.ModuleList(blocks), nn.Linear(D, 20)
+        self.embed, self.blocks, self.head = (
+            nn.Embedding(20, D),
+            nn.ModuleList(blocks),
+            nn.Linear(D, 20),
+        )
 
     def forward(self, tokens):
         x = self.embed(tokens)
@@ -118,7 +129,11 @@ def sharpen(model: nn.Module, factor: float = 2.0) -> nn.Module:
 
 
 def monitored_step(model, *engines, tokens=None):
-    tokens = torch.randint(0, 20, (3, T), generator=torch.Generator().manual_seed(1)) if tokens is None else tokens
+    tokens = (
+        torch.randint(0, 20, (3, T), generator=torch.Generator().manual_seed(1))
+        if tokens is None
+        else tokens
+    )
     monitoring = Monitoring(model, list(engines), writer=MemorySink(), every_n_steps=1)
     with monitoring.step(0):
         loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
@@ -131,7 +146,9 @@ def kappa_reference(w_q: torch.Tensor, w_k: torch.Tensor, pairing: list[int]) ->
     d = w_q.shape[0] // len(pairing)
     out = []
     for h, g in enumerate(pairing):
-        s = torch.linalg.svdvals(w_q[h * d:(h + 1) * d].double().T @ w_k[g * d:(g + 1) * d].double())
+        s = torch.linalg.svdvals(
+            w_q[h * d : (h + 1) * d].double().T @ w_k[g * d : (g + 1) * d].double()
+        )
         out.append(s[0] / s.sum())
     return torch.stack(out)
 
@@ -141,7 +158,9 @@ def entropy_reference(q, k, causal=True):
     q, k = q.double(), k.double()
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     n = s.shape[-1]
-    allowed = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
+    allowed = (
+        torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
+    )
     p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
     ent = -(p * p.clamp_min(1e-300).log()).sum(-1)
     attended = allowed.sum(-1).double()
@@ -169,7 +188,7 @@ def test_a_nanogpt_block_is_found_and_measured_against_float64(flash):
         handle.remove()
     for i, block in enumerate(model.blocks):
         w = block.c_attn.weight
-        expected = kappa_reference(w[:D], w[D:2 * D], list(range(H)))
+        expected = kappa_reference(w[:D], w[D : 2 * D], list(range(H)))
         assert_close(spectrum.latest["kappa"][i].double(), expected, rtol=1e-5, atol=1e-7)
         norm, max_prob = entropy_reference(*seen[block])
         assert_close(entropy.latest["entropy_norm"][i].double(), norm, rtol=0, atol=2e-6)
@@ -188,7 +207,9 @@ def test_the_key_head_of_each_query_head_is_the_one_the_model_uses(modulo):
     pairing = [h % 2 for h in range(H)] if modulo else [h // 2 for h in range(H)]
     expected = kappa_reference(block.wq.weight, block.wk.weight, pairing)
     assert_close(spectrum.latest["kappa"][0].double(), expected, rtol=1e-5, atol=1e-7)
-    wrong = kappa_reference(block.wq.weight, block.wk.weight, [h // 2 if modulo else h % 2 for h in range(H)])
+    wrong = kappa_reference(
+        block.wq.weight, block.wk.weight, [h // 2 if modulo else h % 2 for h in range(H)]
+    )
     assert not torch.allclose(expected, wrong, rtol=1e-3)  # the pairing matters on this model
 
 
@@ -204,7 +225,9 @@ def test_a_layout_that_does_not_reproduce_the_call_is_nan_with_a_warning_naming_
     torch.manual_seed(0)
     model = Model(NanoAttention())
     # a wrong declared layout: per-head interleaved where the module uses blocks
-    register_attention(AttentionSpec(match=NanoAttention, qkv="c_attn", fused="heads", num_heads="n_head"))
+    register_attention(
+        AttentionSpec(match=NanoAttention, qkv="c_attn", fused="heads", num_heads="n_head")
+    )
     try:
         spectrum = QKSpectrum()
         with pytest.warns(RuntimeWarning, match=r"'blocks.0'.*NaN"):
@@ -215,10 +238,16 @@ def test_a_layout_that_does_not_reproduce_the_call_is_nan_with_a_warning_naming_
 
 
 def test_the_readme_worked_example_an_attention_spec_for_a_module_no_rule_covers():
-    class Mixer(nn.Module):  # names no rule knows: `to_scores` holds W_Q then W_K, heads in `groups`
+    class Mixer(
+        nn.Module
+    ):  # names no rule knows: `to_scores` holds W_Q then W_K, heads in `groups`
         def __init__(self):
             super().__init__()
-            self.to_scores, self.to_values, self.groups = nn.Linear(D, 2 * D, bias=False), nn.Linear(D, D), H
+            self.to_scores, self.to_values, self.groups = (
+                nn.Linear(D, 2 * D, bias=False),
+                nn.Linear(D, D),
+                H,
+            )
 
         def forward(self, x):
             b, t, _ = x.shape
@@ -230,7 +259,9 @@ def test_the_readme_worked_example_an_attention_spec_for_a_module_no_rule_covers
     model = Model(Mixer())
     with pytest.raises(ValueError, match="weights.*not found.*AttentionSpec"):
         Monitoring(model, [QKSpectrum()])
-    register_attention(AttentionSpec(match=Mixer, qkv="to_scores", num_heads="groups", num_kv_heads="groups"))
+    register_attention(
+        AttentionSpec(match=Mixer, qkv="to_scores", num_heads="groups", num_kv_heads="groups")
+    )
     try:
         spectrum = QKSpectrum(per_head=True)
         monitored_step(model, spectrum)
@@ -238,8 +269,12 @@ def test_the_readme_worked_example_an_attention_spec_for_a_module_no_rule_covers
     finally:
         unregister_family("spec:Mixer")
     w = model.blocks[0].to_scores.weight
-    assert_close(spectrum.latest["kappa"][0].double(), kappa_reference(w[:D], w[D:], list(range(H))),
-                 rtol=1e-5, atol=1e-7)
+    assert_close(
+        spectrum.latest["kappa"][0].double(),
+        kappa_reference(w[:D], w[D:], list(range(H))),
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 def test_attention_spec_arguments_are_checked_by_name():
@@ -270,23 +305,36 @@ def test_fused_row_orders_against_their_definitions():
 
 def test_discovery_says_what_it_found_and_warns_about_attention_it_cannot_read(caplog):
     torch.manual_seed(0)
-    model = Model(NanoAttention(), nn.TransformerEncoderLayer(D, 2, 32, dropout=0.0, batch_first=True),
-                  BlindAttention())
-    with caplog.at_level(logging.INFO, logger="qkmonitor"), warnings.catch_warnings(record=True) as caught:
+    model = Model(
+        NanoAttention(),
+        nn.TransformerEncoderLayer(D, 2, 32, dropout=0.0, batch_first=True),
+        BlindAttention(),
+    )
+    with (
+        caplog.at_level(logging.INFO, logger="qkmonitor"),
+        warnings.catch_warnings(record=True) as caught,
+    ):
         warnings.simplefilter("always")
         Monitoring(model, [AttentionEntropy()])
     lines = [r.getMessage() for r in caplog.records if "measures" in r.getMessage()]
-    assert len(lines) == 1 and "AttentionEntropy (qkmonitor) measures 2 attention layers: 1 " in lines[0]
+    assert (
+        len(lines) == 1
+        and "AttentionEntropy (qkmonitor) measures 2 attention layers: 1 " in lines[0]
+    )
     assert "NanoAttention, 1 torch.nn.MultiheadAttention" in lines[0]
     unmeasured = [str(w.message) for w in caught if "looks like attention" in str(w.message)]
-    assert len(unmeasured) == 1 and "'blocks.2'" in unmeasured[0] and "BlindAttention" in unmeasured[0]
+    assert (
+        len(unmeasured) == 1 and "'blocks.2'" in unmeasured[0] and "BlindAttention" in unmeasured[0]
+    )
 
 
 def test_an_unprobed_step_installs_nothing_and_a_probed_one_removes_everything(leftovers):
     torch.manual_seed(0)
     model = Model(NanoAttention(), NanoAttention(flash=False))
     entropy, spectrum = AttentionEntropy(every_n_steps=2), QKSpectrum(every_n_steps=2)
-    monitoring = Monitoring(model, [spectrum, entropy, EffectiveRank(every_n_steps=2)], writer=MemorySink())
+    monitoring = Monitoring(
+        model, [spectrum, entropy, EffectiveRank(every_n_steps=2)], writer=MemorySink()
+    )
     tokens = torch.randint(0, 20, (2, T))
     installed = []
     for step in range(3):
@@ -297,10 +345,14 @@ def test_an_unprobed_step_installs_nothing_and_a_probed_one_removes_everything(l
     assert installed[0] and installed[1] == [] and installed[2]
 
 
-def test_a_forward_that_raises_inside_a_probed_module_leaves_nothing_and_training_goes_on(leftovers):
+def test_a_forward_that_raises_inside_a_probed_module_leaves_nothing_and_training_goes_on(
+    leftovers,
+):
     torch.manual_seed(0)
     model = Model(NanoAttention(), NanoAttention(flash=False))
-    monitoring = Monitoring(model, [QKSpectrum(), AttentionEntropy()], writer=MemorySink(), every_n_steps=1)
+    monitoring = Monitoring(
+        model, [QKSpectrum(), AttentionEntropy()], writer=MemorySink(), every_n_steps=1
+    )
     tokens = torch.randint(0, 20, (2, T))
 
     def fail(module, args, output):
@@ -333,7 +385,9 @@ def test_the_monitored_step_trains_bit_for_bit_as_its_unmonitored_twin(flash):
 
 
 def test_a_model_of_unknown_attention_is_an_error_that_names_the_public_ways_out():
-    with pytest.raises(ValueError, match=r"No attention layers found in Model.*AttentionSpec.*layers="):
+    with pytest.raises(
+        ValueError, match=r"No attention layers found in Model.*AttentionSpec.*layers="
+    ):
         find_attention_layers(Model(Blind()))
     assert qkmonitor.AttentionSpec is AttentionSpec
 
@@ -374,8 +428,12 @@ def test_heads_from_the_call_and_the_step0_spectrum_from_the_weights_before_the_
     for i, block in enumerate(initial.blocks):
         w = block.c_attn.weight
         assert spectrum.latest["kappa"][i].shape == (H,)
-        assert_close(spectrum.latest["kappa"][i].double(), kappa_reference(w[:D], w[D:2 * D], list(range(H))),
-                     rtol=1e-5, atol=1e-7)
+        assert_close(
+            spectrum.latest["kappa"][i].double(),
+            kappa_reference(w[:D], w[D : 2 * D], list(range(H))),
+            rtol=1e-5,
+            atol=1e-7,
+        )
     assert entropy.latest["entropy_norm"][0].shape == (H,)
     assert spectrum.layers[0].layout.num_heads == H
 
@@ -388,7 +446,7 @@ def test_a_monitor_measures_the_layers_it_can_and_warns_about_the_others():
 
         def qk_weights(self):
             w = self.inner.in_proj_weight
-            return qkmonitor.QKWeights(w[:D], w[D:2 * D], 2, 2, (D // 2) ** -0.5)
+            return qkmonitor.QKWeights(w[:D], w[D : 2 * D], 2, 2, (D // 2) ** -0.5)
 
         def forward(self, x):
             return self.inner(x, x, x, need_weights=False)[0]
@@ -429,10 +487,21 @@ class BiasedAttention(nn.Module):
     def forward(self, x):
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, H, D // H).permute(2, 0, 3, 1, 4)
-        self.mask = -(torch.arange(H)[:, None, None] + 1.0) * (torch.arange(t)[None] - torch.arange(t)[:, None]).abs()
-        self.mask = self.mask[None].expand(b, H, t, t).masked_fill(~self.padding[:, None, None, :], torch.finfo(x.dtype).min)
+        self.mask = (
+            -(torch.arange(H)[:, None, None] + 1.0)
+            * (torch.arange(t)[None] - torch.arange(t)[:, None]).abs()
+        )
+        self.mask = (
+            self.mask[None]
+            .expand(b, H, t, t)
+            .masked_fill(~self.padding[:, None, None, :], torch.finfo(x.dtype).min)
+        )
         self.q, self.k = q.detach(), k.detach()
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).transpose(1, 2).reshape(b, t, D)
+        return (
+            F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+            .transpose(1, 2)
+            .reshape(b, t, D)
+        )
 
 
 def test_an_additive_float_mask_counts_its_finfo_min_keys_as_blocked():
@@ -443,24 +512,44 @@ def test_an_additive_float_mask_counts_its_finfo_min_keys_as_blocked():
     block.padding = torch.arange(T)[None] < torch.tensor([T, 5, 3])[:, None]
     entropy = AttentionEntropy(per_head=True)
     monitored_step(model, entropy, tokens=tokens)
-    s = block.q.double() @ block.k.double().transpose(-1, -2) / math.sqrt(D // H) + block.mask.double()
+    s = (
+        block.q.double() @ block.k.double().transpose(-1, -2) / math.sqrt(D // H)
+        + block.mask.double()
+    )
     allowed = block.padding[:, None, None, :].expand_as(s)
     p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
     ent = -(p * p.clamp_min(1e-300).log()).sum(-1)
     n = allowed.sum(-1).double()
-    assert_close(entropy.latest["entropy_norm"][0].double(), (ent / n.log()).mean(dim=(0, 2)), rtol=0, atol=2e-6)
-    assert_close(entropy.latest["max_prob"][0].double(), p.amax(-1).mean(dim=(0, 2)), rtol=0, atol=2e-6)
+    assert_close(
+        entropy.latest["entropy_norm"][0].double(),
+        (ent / n.log()).mean(dim=(0, 2)),
+        rtol=0,
+        atol=2e-6,
+    )
+    assert_close(
+        entropy.latest["max_prob"][0].double(), p.amax(-1).mean(dim=(0, 2)), rtol=0, atol=2e-6
+    )
 
 
 def test_x_transformers_qk_norm_is_a_warning_and_nan_kappa_not_a_wrong_number():
     x_transformers = pytest.importorskip("x_transformers")
     torch.manual_seed(0)
-    model = x_transformers.TransformerWrapper(num_tokens=20, max_seq_len=T, attn_layers=x_transformers.Decoder(
-        dim=D, depth=1, heads=H, attn_qk_norm=True))
+    model = x_transformers.TransformerWrapper(
+        num_tokens=20,
+        max_seq_len=T,
+        attn_layers=x_transformers.Decoder(dim=D, depth=1, heads=H, attn_qk_norm=True),
+    )
     spectrum, entropy = QKSpectrum(), AttentionEntropy()
+    monitoring = Monitoring(model, [spectrum, entropy], writer=MemorySink(), every_n_steps=1)
+    tokens = torch.randint(0, 20, (2, T))
     with pytest.warns(RuntimeWarning, match=r"layer 'attn_layers.layers.0.1'.*relative.*NaN"):
-        monitoring = Monitoring(model, [spectrum, entropy], writer=MemorySink(), every_n_steps=1)
-        with monitoring.step(0):
-            model(torch.randint(0, 20, (2, T))).sum().backward()
+        _train_step(monitoring, model, tokens)
     assert torch.isnan(spectrum.latest["kappa"][0]).all()
-    assert torch.isfinite(entropy.latest["entropy_norm"][0]).all()  # statistics come from the call itself
+    assert torch.isfinite(
+        entropy.latest["entropy_norm"][0]
+    ).all()  # statistics come from the call itself
+
+
+def _train_step(monitoring, model, tokens):
+    with monitoring.step(0):
+        model(tokens).sum().backward()

@@ -12,18 +12,34 @@ from qkmonitor.metrics import AttentionStatistics, HeadMean
 
 
 def stats(entropy, attended, max_prob, max_logit):
-    t = lambda v: torch.tensor(v, dtype=torch.float32)[None]  # noqa: E731  (1, H, N)
-    return AttentionStats(lse=t(max_logit), entropy=t(entropy), max_prob=t(max_prob),
-                          max_logit=t(max_logit), attended=t(attended))
+    t = lambda v: torch.tensor(v, dtype=torch.float32)[None]
+    return AttentionStats(
+        lse=t(max_logit),
+        entropy=t(entropy),
+        max_prob=t(max_prob),
+        max_logit=t(max_logit),
+        attended=t(attended),
+    )
 
 
 def test_attention_statistics_means_leave_out_masked_and_single_key_rows():
     metric = AttentionStatistics(num_heads=1)
-    metric.update(stats([[0.0, 0.6, 1.0, 0.0]], [[1, 2, 4, 0]], [[1.0, 0.7, 0.5, 0.0]], [[0.5, 2.0, 1.0, -math.inf]]))
+    metric.update(
+        stats(
+            [[0.0, 0.6, 1.0, 0.0]],
+            [[1, 2, 4, 0]],
+            [[1.0, 0.7, 0.5, 0.0]],
+            [[0.5, 2.0, 1.0, -math.inf]],
+        )
+    )
     metric.update(stats([[0.3]], [[3]], [[0.9]], [[4.0]]))
     out = metric.compute()
-    assert out["entropy"].item() == pytest.approx((0.0 + 0.6 + 1.0 + 0.3) / 4)  # the fully masked row is out
-    assert out["entropy_norm"].item() == pytest.approx((0.6 / math.log(2) + 1.0 / math.log(4) + 0.3 / math.log(3)) / 3)
+    assert out["entropy"].item() == pytest.approx(
+        (0.0 + 0.6 + 1.0 + 0.3) / 4
+    )  # the fully masked row is out
+    assert out["entropy_norm"].item() == pytest.approx(
+        (0.6 / math.log(2) + 1.0 / math.log(4) + 0.3 / math.log(3)) / 3
+    )
     assert out["max_prob"].item() == pytest.approx((1.0 + 0.7 + 0.5 + 0.9) / 4)
     assert out["max_logit"].item() == 4.0
     with pytest.raises(ValueError, match=r"shape \(B, 1, N\)"):
@@ -80,6 +96,8 @@ def test_head_mean_columns_hold_several_quantities_side_by_side():
     first.update(a, keep)
     first.update(a[:1])
     second.update(b)
-    torch.testing.assert_close(together.compute(), torch.cat([first.compute(), second.compute().reshape(1)]))
+    torch.testing.assert_close(
+        together.compute(), torch.cat([first.compute(), second.compute().reshape(1)])
+    )
     with pytest.raises(RuntimeError):
         together.update(torch.ones(2, 2), columns=slice(0, 3))  # 2 values for 3 columns

@@ -21,7 +21,9 @@ L, E, H = 5, 8, 2
 def reference(mha, query, **masks):
     with torch.no_grad():
         _, p = mha(query, query, query, need_weights=True, average_attn_weights=False, **masks)
-    p = torch.nan_to_num(p.double())  # torch gives NaN for a fully masked row; qkmonitor gives zeros
+    p = torch.nan_to_num(
+        p.double()
+    )  # torch gives NaN for a fully masked row; qkmonitor gives zeros
     if p.dim() == 3:  # unbatched: (H, L, S)
         p = p[None]
     entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
@@ -44,10 +46,14 @@ def causal_mask(kind: str):
 
 
 @pytest.mark.parametrize("bias_kv, zero_attn", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("masks", ["none", "padding", "causal-bool", "causal-float", "causal+padding"])
+@pytest.mark.parametrize(
+    "masks", ["none", "padding", "causal-bool", "causal-float", "causal+padding"]
+)
 def test_extra_keys_with_masks_match_mha(bias_kv, zero_attn, masks):
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(E, H, add_bias_kv=bias_kv, add_zero_attn=zero_attn, batch_first=True).eval()
+    mha = nn.MultiheadAttention(
+        E, H, add_bias_kv=bias_kv, add_zero_attn=zero_attn, batch_first=True
+    ).eval()
     x = torch.randn(3, L, E)
     padding = torch.zeros(3, L, dtype=torch.bool)
     padding[1, 3:] = True  # True = ignore

@@ -29,10 +29,19 @@ HEAD_TAG = re.compile(r"^qkmonitor/(?P<metric>[^/]+)/layer_(?P<layer>\d\d)_head_
 
 
 def tiny_task(lr: float):
-    data = AssociativeRecallDataModule(num_pairs=3, num_queries=2, num_keys=8, num_values=8,
-                                       batch_size=8, train_size=64, val_size=16, seed=0)
-    config = TransformerConfig(vocab_size=data.vocab_size, d_model=32, n_layers=2, n_heads=4,
-                               max_seq_len=data.seq_len)
+    data = AssociativeRecallDataModule(
+        num_pairs=3,
+        num_queries=2,
+        num_keys=8,
+        num_values=8,
+        batch_size=8,
+        train_size=64,
+        val_size=16,
+        seed=0,
+    )
+    config = TransformerConfig(
+        vocab_size=data.vocab_size, d_model=32, n_layers=2, n_heads=4, max_seq_len=data.seq_len
+    )
     return CausalLMTask(config, lr=lr, warmup_steps=0), data
 
 
@@ -45,10 +54,22 @@ def train(root, name: str, callbacks, lr: float = 3e-3, rank_one: bool = False) 
         with torch.no_grad():
             for block in task.model.blocks:
                 w = block.attn.q_proj.weight
-                w.copy_(torch.randn(w.shape[0], 1, generator=gen) @ torch.randn(1, w.shape[1], generator=gen))
-    trainer = pl.Trainer(default_root_dir=root, max_steps=4, logger=TensorBoardLogger(root, name=name, version=0),
-                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, log_every_n_steps=1, limit_val_batches=0, accelerator="cpu")
+                w.copy_(
+                    torch.randn(w.shape[0], 1, generator=gen)
+                    @ torch.randn(1, w.shape[1], generator=gen)
+                )
+    trainer = pl.Trainer(
+        default_root_dir=root,
+        max_steps=4,
+        logger=TensorBoardLogger(root, name=name, version=0),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        accelerator="cpu",
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(task, datamodule=data)
@@ -58,14 +79,33 @@ def train(root, name: str, callbacks, lr: float = 3e-3, rank_one: bool = False) 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    train(root, "plain", [QKSpectrumMonitor(every_n_steps=1, per_head=True),
-                          AttentionEntropyMonitor(every_n_steps=1, per_head=True),
-                          EffectiveRankMonitor(every_n_steps=2)])
-    level_kappa = KAPPA_RULE.replace(threshold=0.8, growth=None, window=None)  # kappa = 1 throughout: a level fires
-    alerts = train(root, "alerting", [QKSpectrumMonitor(every_n_steps=1, per_head=True, alerts=[level_kappa]),
-                                      AttentionEntropyMonitor(every_n_steps=1)], lr=0.0, rank_one=True)
-    return {"plain": root / "plain" / "version_0", "alerting": root / "alerting" / "version_0",
-            "alert_messages": alerts}
+    train(
+        root,
+        "plain",
+        [
+            QKSpectrumMonitor(every_n_steps=1, per_head=True),
+            AttentionEntropyMonitor(every_n_steps=1, per_head=True),
+            EffectiveRankMonitor(every_n_steps=2),
+        ],
+    )
+    level_kappa = KAPPA_RULE.replace(
+        threshold=0.8, growth=None, window=None
+    )  # kappa = 1 throughout: a level fires
+    alerts = train(
+        root,
+        "alerting",
+        [
+            QKSpectrumMonitor(every_n_steps=1, per_head=True, alerts=[level_kappa]),
+            AttentionEntropyMonitor(every_n_steps=1),
+        ],
+        lr=0.0,
+        rank_one=True,
+    )
+    return {
+        "plain": root / "plain" / "version_0",
+        "alerting": root / "alerting" / "version_0",
+        "alert_messages": alerts,
+    }
 
 
 def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
@@ -76,10 +116,17 @@ def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 
 def layer_means(tags: dict[str, list]) -> dict[tuple[str, int], list[tuple[int, float]]]:
     """(metric, layer) -> events of the mean-over-heads tags; the `_min`/`_max` head bands left out."""
-    found = {(m["metric"], int(m["layer"])): events for tag, events in tags.items() if (m := LAYER_TAG.match(tag))}
+    found = {
+        (m["metric"], int(m["layer"])): events
+        for tag, events in tags.items()
+        if (m := LAYER_TAG.match(tag))
+    }
     metrics = {metric for metric, _ in found}
-    return {key: events for key, events in found.items()
-            if not (key[0].endswith(("_min", "_max")) and key[0][:-4] in metrics)}
+    return {
+        key: events
+        for key, events in found.items()
+        if not (key[0].endswith(("_min", "_max")) and key[0][:-4] in metrics)
+    }
 
 
 def table_rows(text: str) -> dict[tuple[str, int], list[str]]:
@@ -113,7 +160,9 @@ def nan_max(values):
     return max(finite) if finite else math.nan
 
 
-def write_run(folder, values: dict[str, list[float]], text: dict[int, tuple[str, str]] | None = None) -> None:
+def write_run(
+    folder, values: dict[str, list[float]], text: dict[int, tuple[str, str]] | None = None
+) -> None:
     """A run written by hand with torch's SummaryWriter: tag -> value at steps 0, 1, ...; alert
     texts as step -> (rule, message), under the rule's tag as the monitors write them."""
     writer = SummaryWriter(str(folder))
@@ -141,8 +190,14 @@ def test_table_final_min_max_match_event_accumulator(runs):
         assert series.steps == tuple(steps) and series.values == tuple(values)
         cells = rows[metric, layer]
         assert int(cells[2]) == steps[-1], (metric, layer)
-        assert close(cells[3], values[-1]) and close(cells[4], nan_min(values)) and close(cells[5], nan_max(values)), cells
-        if f"qkmonitor/{metric}_max/layer_{layer:02d}" in tags:  # the heads' range at the final step
+        assert (
+            close(cells[3], values[-1])
+            and close(cells[4], nan_min(values))
+            and close(cells[5], nan_max(values))
+        ), cells
+        if (
+            f"qkmonitor/{metric}_max/layer_{layer:02d}" in tags
+        ):  # the heads' range at the final step
             low = tags[f"qkmonitor/{metric}_min/layer_{layer:02d}"][-1][1]
             high = tags[f"qkmonitor/{metric}_max/layer_{layer:02d}"][-1][1]
             lo_cell, hi_cell = cells[6].split("..")
@@ -151,7 +206,14 @@ def test_table_final_min_max_match_event_accumulator(runs):
         if m := HEAD_TAG.match(tag):
             assert run.heads[m["metric"]][int(m["layer"])][int(m["head"])].final == events[-1][1]
     # discovered, known metrics first in the README's order
-    assert run.metrics[:6] == ["kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm"]
+    assert run.metrics[:6] == [
+        "kappa",
+        "kappa_eig",
+        "eig_mean",
+        "eig_var",
+        "qk_erank",
+        "qk_spectral_norm",
+    ]
     assert run.metrics[6:10] == ["entropy", "entropy_norm", "max_prob", "max_logit"]
     assert {"hidden_erank", "hidden_collapse", "attn_erank"} <= set(run.metrics)
     assert run.final_step == max(events[-1][0] for events in expected.values())
@@ -160,17 +222,26 @@ def test_table_final_min_max_match_event_accumulator(runs):
 
 def test_nan_and_unknown_metrics_are_shown(tmp_path):
     nan = float("nan")
-    write_run(tmp_path / "v", {"qkmonitor/kappa/layer_00": [0.5, 0.7, nan],
-                               "qkmonitor/my_metric/layer_00": [2.0, 1.0, 3.0],
-                               "qkmonitor/kappa/layer_01": [nan, nan, nan],
-                               "qkmonitor/val/entropy/layer_00": [1.0, 1.5, 1.25]})
+    write_run(
+        tmp_path / "v",
+        {
+            "qkmonitor/kappa/layer_00": [0.5, 0.7, nan],
+            "qkmonitor/my_metric/layer_00": [2.0, 1.0, 3.0],
+            "qkmonitor/kappa/layer_01": [nan, nan, nan],
+            "qkmonitor/val/entropy/layer_00": [1.0, 1.5, 1.25],
+        },
+    )
     report = build_report([tmp_path / "v"], plots=False)
     rows = table_rows(report.text)
     assert rows["kappa", 0][3:6] == ["nan", "0.5", "0.7"]  # min and max leave NaN out
     assert rows["kappa", 1][3:6] == ["nan", "nan", "nan"]
     assert rows["my_metric", 0][3:6] == ["3", "1", "3"]
     assert rows["val/entropy", 0][3:6] == ["1.25", "1", "1.5"]
-    assert report.runs[0].metrics == ["kappa", "my_metric", "val/entropy"]  # known, unknown, validation
+    assert report.runs[0].metrics == [
+        "kappa",
+        "my_metric",
+        "val/entropy",
+    ]  # known, unknown, validation
     assert "alerts: no alert counters logged; 0 message(s)" in report.text
 
 
@@ -186,8 +257,11 @@ def test_alert_messages_and_counters(runs):
     assert sorted((a.step, a.message) for a in run.alerts) == from_warnings
     assert {a.rule for a in run.alerts} == {"kappa"}
     tags = scalars(runs["alerting"])
-    counters = {tag.rsplit("/", 1)[1]: events[-1][1] for tag, events in tags.items()
-                if tag.startswith("qkmonitor/alerts/")}
+    counters = {
+        tag.rsplit("/", 1)[1]: events[-1][1]
+        for tag, events in tags.items()
+        if tag.startswith("qkmonitor/alerts/")
+    }
     assert {rule: s.final for rule, s in run.alert_counts.items()} == counters
     assert counters["kappa"] == 8.0
     assert "alerts: 8 fired: kappa 8 (none of " in report.text
@@ -200,10 +274,16 @@ def test_alert_messages_and_counters(runs):
 def test_text_alerts_are_read_whole_and_in_step_order(tmp_path):
     # the message text names no rule the report could parse: the rule comes from the tag
     messages = {3: ("logit_growth", "layer 1: late\nsecond line"), 1: ("kappa", "layer 0: early")}
-    write_run(tmp_path / "v", {"qkmonitor/kappa/layer_00": [0.1] * 5, "qkmonitor/alerts/kappa": [0, 1, 1, 1, 1]},
-              text=messages)
+    write_run(
+        tmp_path / "v",
+        {"qkmonitor/kappa/layer_00": [0.1] * 5, "qkmonitor/alerts/kappa": [0, 1, 1, 1, 1]},
+        text=messages,
+    )
     run = build_report([tmp_path / "v"], plots=False).runs[0]
-    assert [(a.step, a.rule, a.message) for a in run.alerts] == [(1, *messages[1]), (3, *messages[3])]
+    assert [(a.step, a.rule, a.message) for a in run.alerts] == [
+        (1, *messages[1]),
+        (3, *messages[3]),
+    ]
 
 
 # -- the plots -------------------------------------------------------------------------------
@@ -219,7 +299,9 @@ def check_png(path) -> None:
 def test_plots_one_per_metric_and_heatmaps_in_the_default_folder(runs):
     report = build_report([runs["alerting"]])
     out = runs["alerting"] / "report"
-    assert report.out_dir == out and f"plots: {len(report.plots)} PNG file(s) in {out}" in report.text
+    assert (
+        report.out_dir == out and f"plots: {len(report.plots)} PNG file(s) in {out}" in report.text
+    )
     run = report.runs[0]
     expected = {f"{m}.png" for m in run.metrics} | {f"{m}_heads.png" for m in run.heads}
     assert {p.name for p in report.plots} == expected == {p.name for p in out.iterdir()}
@@ -268,23 +350,37 @@ def test_a_parent_folder_with_several_runs_takes_the_newest_and_says_so(tmp_path
     report = build_report([tmp_path / "recall"], plots=False)
     assert report.runs[0].path == tmp_path / "recall" / "version_1"
     assert report.runs[0].layers["kappa"][0].final == pytest.approx(0.2)
-    assert "holds 3 runs (version_0, version_1, version_2); reporting the newest, `version_1`" in report.text
+    assert (
+        "holds 3 runs (version_0, version_1, version_2); reporting the newest, `version_1`"
+        in report.text
+    )
 
 
 def test_errors_name_the_path_and_what_was_expected(tmp_path):
-    with pytest.raises(ValueError, match=r"`.*nowhere` does not exist; expected a TensorBoard run folder"):
+    with pytest.raises(
+        ValueError, match=r"`.*nowhere` does not exist; expected a TensorBoard run folder"
+    ):
         build_report([tmp_path / "nowhere"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"`.*empty` holds no TensorBoard event files"):
         build_report([tmp_path / "empty"])
     write_run(tmp_path / "other", {"train_loss": [1.0, 0.5]})
-    with pytest.raises(ValueError, match=r"`.*other` holds no qkmonitor scalars: expected tags like "
-                                         r"`qkmonitor/kappa/layer_00`.*`train_loss`"):
+    with pytest.raises(
+        ValueError,
+        match=r"`.*other` holds no qkmonitor scalars: expected tags like "
+        r"`qkmonitor/kappa/layer_00`.*`train_loss`",
+    ):
         build_report([tmp_path / "other"])
     write_run(tmp_path / "mine", {"watch/kappa/layer_00": [0.5]})
     with pytest.raises(ValueError, match=r"under the prefix `watch` \(try `--prefix`\)"):
         build_report([tmp_path / "mine"])
-    assert build_report([tmp_path / "mine"], prefix="watch", plots=False).runs[0].layers["kappa"][0].final == 0.5
+    assert (
+        build_report([tmp_path / "mine"], prefix="watch", plots=False)
+        .runs[0]
+        .layers["kappa"][0]
+        .final
+        == 0.5
+    )
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ValueError, match="not a TensorBoard event file"):
         build_report([tmp_path / "notes.txt"])
@@ -302,5 +398,7 @@ def test_command_line_prints_the_report_or_the_error(runs, tmp_path, capsys):
     args = parser.parse_args(["report", str(runs["alerting"]), "--no-plots", "--max-alerts", "0"])
     assert args.command == "report" and run_report(args) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"qkmonitor report: {runs['alerting']}\n") and "[qkmonitor:kappa]" not in out
+    assert (
+        out.startswith(f"qkmonitor report: {runs['alerting']}\n") and "[qkmonitor:kappa]" not in out
+    )
     assert "alerts: 8 fired: kappa 8" in out and "plots:" not in out

@@ -10,11 +10,10 @@ import sys
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import CausalLMTask, make_recall_batch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 class Job(CausalLMTask):
@@ -28,13 +27,30 @@ class Job(CausalLMTask):
 def main() -> None:
     out_dir, devices = sys.argv[1], int(sys.argv[2])
     pl.seed_everything(0, verbose=False)
-    model = Job(TransformerConfig(vocab_size=16, d_model=32, n_heads=4, max_seq_len=9), lr=1e-3, warmup_steps=0)
-    monitors = [AttentionEntropyMonitor(every_n_steps=2, per_head=True), QKSpectrumMonitor(every_n_steps=2),
-                EffectiveRankMonitor(every_n_steps=2)]
-    trainer = pl.Trainer(default_root_dir=out_dir, max_steps=3, accelerator="cpu", devices=devices,
-                         strategy="ddp" if devices > 1 else "auto", logger=TensorBoardLogger(out_dir, "run"),
-                         callbacks=monitors, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, log_every_n_steps=1, use_distributed_sampler=False)
+    model = Job(
+        TransformerConfig(vocab_size=16, d_model=32, n_heads=4, max_seq_len=9),
+        lr=1e-3,
+        warmup_steps=0,
+    )
+    monitors = [
+        AttentionEntropyMonitor(every_n_steps=2, per_head=True),
+        QKSpectrumMonitor(every_n_steps=2),
+        EffectiveRankMonitor(every_n_steps=2),
+    ]
+    trainer = pl.Trainer(
+        default_root_dir=out_dir,
+        max_steps=3,
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        logger=TensorBoardLogger(out_dir, "run"),
+        callbacks=monitors,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+        use_distributed_sampler=False,
+    )
     trainer.fit(model)
 
 

@@ -13,7 +13,9 @@ from qkmonitor.spectrum import full_parameters, full_tensor, spectrum_of_layers
 
 @pytest.fixture
 def one_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
@@ -25,14 +27,21 @@ def test_spectrum_of_dtensor_weights_equals_that_of_the_full_weights(one_process
     mesh = init_device_mesh("cpu", (1,))
     gen = torch.Generator().manual_seed(0)
     w_q, w_k = torch.randn(32, 32, generator=gen), torch.randn(16, 32, generator=gen)
-    sharded_q, sharded_k = distribute_tensor(w_q, mesh, [Shard(0)]), distribute_tensor(w_k, mesh, [Shard(0)])
+    sharded_q, sharded_k = (
+        distribute_tensor(w_q, mesh, [Shard(0)]),
+        distribute_tensor(w_k, mesh, [Shard(0)]),
+    )
     assert type(sharded_q).__name__ == "DTensor" and torch.equal(full_tensor(sharded_q), w_q)
 
-    sharded = spectrum_of_layers([QKWeights(sharded_q, sharded_k, 4, 2, 0.5), QKWeights(w_q, w_k, 4, 2, 0.5)])
+    sharded = spectrum_of_layers(
+        [QKWeights(sharded_q, sharded_k, 4, 2, 0.5), QKWeights(w_q, w_k, 4, 2, 0.5)]
+    )
     plain = spectrum_of_layers([QKWeights(w_q, w_k, 4, 2, 0.5)])
     for name, values in plain.metrics.items():
         for layer in range(2):  # a DTensor layer next to a plain one
-            torch.testing.assert_close(sharded.metrics[name][layer], values[0], rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(
+                sharded.metrics[name][layer], values[0], rtol=0, atol=0, equal_nan=True
+            )
     torch.testing.assert_close(sharded.singular_values[0], plain.singular_values[0], rtol=0, atol=0)
 
 

@@ -29,9 +29,13 @@ class Checkpointed(nn.Module):
 
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    model = DecoderLM(TransformerConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ))
+    model = DecoderLM(
+        TransformerConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
+    )
     if kind != "none":
-        model.blocks = nn.ModuleList(Checkpointed(block, kind == "reentrant") for block in model.blocks)
+        model.blocks = nn.ModuleList(
+            Checkpointed(block, kind == "reentrant") for block in model.blocks
+        )
     return model
 
 
@@ -45,7 +49,9 @@ def counting(engine):
         results = close_probes()
         if results:
             hidden = getattr(engine, "_hidden", {})
-            seen.append(([r.calls for r in results], [len(hidden.get(i, [])) for i in range(len(results))]))
+            seen.append(
+                ([r.calls for r in results], [len(hidden.get(i, [])) for i in range(len(results))])
+            )
         return results
 
     engine.close_probes = close
@@ -67,7 +73,9 @@ def train(model: nn.Module, monitored: bool):
         if monitoring is not None:
             monitoring.begin(step)
         logits = model(tokens)
-        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss = nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)
+        )
         loss.backward()  # a checkpointed block runs its forward again here, the probes still open
         optimizer.step()
         optimizer.zero_grad()
@@ -82,7 +90,9 @@ def train(model: nn.Module, monitored: bool):
 
 
 @pytest.mark.parametrize("kind", ["reentrant", "non_reentrant"])
-def test_a_monitored_run_under_checkpointing_trains_as_its_twin_and_measures_each_forward_once(kind):
+def test_a_monitored_run_under_checkpointing_trains_as_its_twin_and_measures_each_forward_once(
+    kind,
+):
     twin_losses, twin_params, _, _ = train(make_model(kind), monitored=False)
     losses, params, scalars, seen = train(make_model(kind), monitored=True)
     assert torch.equal(losses, twin_losses)
@@ -96,6 +106,9 @@ def test_a_monitored_run_under_checkpointing_trains_as_its_twin_and_measures_eac
     _, _, plain_scalars, _ = train(make_model("none"), monitored=True)
     assert {step for _, step in scalars} == set(range(0, STEPS, 2))
     assert scalars.keys() == plain_scalars.keys()
-    differ = {key: (value, plain_scalars[key]) for key, value in scalars.items()
-              if not (value == plain_scalars[key] or math.isnan(value) and math.isnan(plain_scalars[key]))}
+    differ = {
+        key: (value, plain_scalars[key])
+        for key, value in scalars.items()
+        if not (value == plain_scalars[key] or math.isnan(value) and math.isnan(plain_scalars[key]))
+    }
     assert differ == {}

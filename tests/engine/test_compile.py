@@ -48,8 +48,13 @@ class NanoAttention(nn.Module):
         if NanoAttention.fail:
             raise RuntimeError("a forward that raises inside attention")
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, 2))
-        return self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c))
+        q, k, v = (
+            z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+            for z in self.c_attn(x).split(c, 2)
+        )
+        return self.c_proj(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        )
 
 
 class NanoGPT(nn.Module):
@@ -87,8 +92,15 @@ class Llama(nn.Module):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2,
-                             num_attention_heads=H, num_key_value_heads=2, max_position_embeddings=2 * T)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=D,
+            intermediate_size=2 * D,
+            num_hidden_layers=2,
+            num_attention_heads=H,
+            num_key_value_heads=2,
+            max_position_embeddings=2 * T,
+        )
         config._attn_implementation = "sdpa"
         self.lm = LlamaForCausalLM(config)
 
@@ -103,10 +115,14 @@ class ViT(nn.Module):
         super().__init__()
         from timm.models.vision_transformer import VisionTransformer
 
-        self.vit = VisionTransformer(img_size=16, patch_size=4, embed_dim=D, depth=2, num_heads=H, num_classes=VOCAB)
+        self.vit = VisionTransformer(
+            img_size=16, patch_size=4, embed_dim=D, depth=2, num_heads=H, num_classes=VOCAB
+        )
 
     def forward(self, tokens):
-        images = torch.randn(tokens.shape[0], 3, 16, 16, generator=torch.Generator().manual_seed(int(tokens.sum())))
+        images = torch.randn(
+            tokens.shape[0], 3, 16, 16, generator=torch.Generator().manual_seed(int(tokens.sum()))
+        )
         return self.vit(images)[:, None]  # (B, 1, VOCAB): one "token" per image
 
 
@@ -116,7 +132,9 @@ def vit() -> nn.Module:
 
 
 def bundled() -> nn.Module:
-    return DecoderLM(TransformerConfig(vocab_size=VOCAB, d_model=D, n_heads=H, n_layers=2, max_seq_len=T))
+    return DecoderLM(
+        TransformerConfig(vocab_size=VOCAB, d_model=D, n_heads=H, n_layers=2, max_seq_len=T)
+    )
 
 
 def llama() -> nn.Module:
@@ -124,20 +142,37 @@ def llama() -> nn.Module:
     return Llama()
 
 
-MODELS = {"bundled": bundled, "nanogpt": NanoGPT, "multihead": Encoder, "llama": llama, "timm-vit": vit}
+MODELS = {
+    "bundled": bundled,
+    "nanogpt": NanoGPT,
+    "multihead": Encoder,
+    "llama": llama,
+    "timm-vit": vit,
+}
 
 
 def engines() -> list:
-    return [QKSpectrum(every_n_steps=2, per_head=True), AttentionEntropy(every_n_steps=2, per_head=True),
-            EffectiveRank(every_n_steps=2, per_head=True, max_probe_tokens=8)]
+    return [
+        QKSpectrum(every_n_steps=2, per_head=True),
+        AttentionEntropy(every_n_steps=2, per_head=True),
+        EffectiveRank(every_n_steps=2, per_head=True, max_probe_tokens=8),
+    ]
 
 
 def batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (3, T), generator=torch.Generator().manual_seed(step))
 
 
-def train(kind: str, *, backend=None, monitor_compiled: bool = True, fail_at: int = -1, fail_inside: bool = False,
-          watched: list | None = None, autocast: bool = False):
+def train(
+    kind: str,
+    *,
+    backend=None,
+    monitor_compiled: bool = True,
+    fail_at: int = -1,
+    fail_inside: bool = False,
+    watched: list | None = None,
+    autocast: bool = False,
+):
     """Train ``kind`` for STEPS steps (the forward under bf16 autocast with ``autocast``); the step
     ``fail_at`` raises after its forward, or inside the attention modules with ``fail_inside``.
     Return (losses, values per probe, graph calls per step from WARM on, graphs compiled from WARM
@@ -163,7 +198,9 @@ def train(kind: str, *, backend=None, monitor_compiled: bool = True, fail_at: in
                         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                             logits = call(batch(step))
                         targets = batch(step + 100)[:, : logits.shape[1]]
-                        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+                        loss = F.cross_entropy(
+                            logits.float().reshape(-1, VOCAB), targets.reshape(-1)
+                        )
                         if step == fail_at:
                             raise RuntimeError("a failing step")
                         loss.backward()
@@ -181,7 +218,9 @@ def train(kind: str, *, backend=None, monitor_compiled: bool = True, fail_at: in
                         for metric, layers in engine.latest.items():
                             values[(step, metric)] = [t.clone() for t in layers]
     after_warm = backend.graphs - warm_graphs if counting else None
-    per_step = [b - a for a, b in itertools.pairwise(calls)]  # graph calls of steps WARM .. STEPS - 2
+    per_step = [
+        b - a for a, b in itertools.pairwise(calls)
+    ]  # graph calls of steps WARM .. STEPS - 2
     return losses, values, per_step, after_warm, model
 
 
@@ -190,28 +229,47 @@ def assert_same_values(eager: dict, compiled: dict) -> None:
     for key, layers in eager.items():
         for a, b in zip(layers, compiled[key]):
             both_nan = torch.isnan(a) & torch.isnan(b)
-            assert torch.equal(torch.where(both_nan, 0.0, a), torch.where(both_nan, 0.0, b)), (key, a, b)
+            assert torch.equal(torch.where(both_nan, 0.0, a), torch.where(both_nan, 0.0, b)), (
+                key,
+                a,
+                b,
+            )
 
 
-@pytest.mark.parametrize("monitor_compiled", [True, False], ids=["monitors-hold-the-compiled-module",
-                                                                  "loop-calls-a-compiled-wrapper"])
+@pytest.mark.parametrize(
+    "monitor_compiled",
+    [True, False],
+    ids=["monitors-hold-the-compiled-module", "loop-calls-a-compiled-wrapper"],
+)
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_compiled_training_logs_the_uncompiled_statistics_without_recompiling(kind, monitor_compiled, leftovers,
-                                                                             counting_backend):
+def test_compiled_training_logs_the_uncompiled_statistics_without_recompiling(
+    kind, monitor_compiled, leftovers, counting_backend
+):
     torch._dynamo.reset()
     eager_losses, eager_values, _, _, _ = train(kind)
-    plain = counting_backend()  # the compiled model with no activation monitor: its unprobed steps' graphs
+    plain = (
+        counting_backend()
+    )  # the compiled model with no activation monitor: its unprobed steps' graphs
     _, _, plain_calls, _, _ = train(kind, backend=plain, watched=[QKSpectrum(every_n_steps=1000)])
     torch._dynamo.reset()
     backend = counting_backend()
-    losses, values, calls, recompiled, model = train(kind, backend=backend, monitor_compiled=monitor_compiled)
+    losses, values, calls, recompiled, model = train(
+        kind, backend=backend, monitor_compiled=monitor_compiled
+    )
     assert backend.graphs > 0  # it was compiled
     assert losses == eager_losses
     assert {step for step, _ in values} == set(range(0, STEPS, 2))
-    assert not any(math.isnan(v) for (_, metric), layers in values.items() if metric == "entropy"
-                   for t in layers for v in t.tolist())
+    assert not any(
+        math.isnan(v)
+        for (_, metric), layers in values.items()
+        if metric == "entropy"
+        for t in layers
+        for v in t.tolist()
+    )
     assert_same_values(eager_values, values)
-    assert recompiled == 0, f"{recompiled} graphs compiled after warm-up (steps {WARM}..{STEPS - 1})"
+    assert recompiled == 0, (
+        f"{recompiled} graphs compiled after warm-up (steps {WARM}..{STEPS - 1})"
+    )
     # an unprobed step (odd) runs the compiled model's own graphs, as many as without monitors
     assert calls[1::2] == plain_calls[1::2], (calls, plain_calls)
     assert leftovers(model) == []
@@ -219,16 +277,31 @@ def test_compiled_training_logs_the_uncompiled_statistics_without_recompiling(ki
 
 def leftovers_after_a_failure(model: nn.Module) -> list[str]:
     """What a failed probed step could have left entered: a torch function mode, an observer."""
-    left = [f"{torch._C._len_torch_function_stack()} torch function mode(s)"] if torch._C._len_torch_function_stack() else []
-    return left + [f"observers on {name!r}" for name, m in model.named_modules() if getattr(m, "probing", False)]
+    left = (
+        [f"{torch._C._len_torch_function_stack()} torch function mode(s)"]
+        if torch._C._len_torch_function_stack()
+        else []
+    )
+    return left + [
+        f"observers on {name!r}"
+        for name, m in model.named_modules()
+        if getattr(m, "probing", False)
+    ]
 
 
-@pytest.mark.parametrize(("kind", "inside"), [("bundled", False), ("nanogpt", False), ("nanogpt", True)],
-                         ids=["bundled-after-forward", "nanogpt-after-forward", "nanogpt-inside-attention"])
-def test_a_failing_compiled_step_leaves_nothing_and_the_next_probes_measure(kind, inside, leftovers, counting_backend):
+@pytest.mark.parametrize(
+    ("kind", "inside"),
+    [("bundled", False), ("nanogpt", False), ("nanogpt", True)],
+    ids=["bundled-after-forward", "nanogpt-after-forward", "nanogpt-inside-attention"],
+)
+def test_a_failing_compiled_step_leaves_nothing_and_the_next_probes_measure(
+    kind, inside, leftovers, counting_backend
+):
     torch._dynamo.reset()
     _, eager_values, _, _, _ = train(kind, fail_at=4, fail_inside=inside)
-    losses, values, _, recompiled, model = train(kind, backend=counting_backend(), fail_at=4, fail_inside=inside)
+    losses, values, _, recompiled, model = train(
+        kind, backend=counting_backend(), fail_at=4, fail_inside=inside
+    )
     assert len(losses) == STEPS - 1 and (4, "entropy") not in values and (6, "entropy") in values
     assert_same_values(eager_values, values)
     assert recompiled == 0
@@ -243,10 +316,15 @@ def test_a_switched_module_copies_and_pickles_as_its_own_class():
 
     model = NanoGPT()
     switch = SwitchedForward.attach(model.blocks[0].attn)
-    assert type(model.blocks[0].attn) is not NanoAttention and isinstance(model.blocks[0].attn, NanoAttention)
+    assert type(model.blocks[0].attn) is not NanoAttention and isinstance(
+        model.blocks[0].attn, NanoAttention
+    )
     switch.add()
     copied = copy.deepcopy(model)
-    assert type(copied.blocks[0].attn) is NanoAttention and "_qkmonitor_switch" not in copied.blocks[0].attn.__dict__
+    assert (
+        type(copied.blocks[0].attn) is NanoAttention
+        and "_qkmonitor_switch" not in copied.blocks[0].attn.__dict__
+    )
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
@@ -255,7 +333,10 @@ def test_a_switched_module_copies_and_pickles_as_its_own_class():
     tokens = batch(0)
     assert torch.equal(copied(tokens), model(tokens)) and torch.equal(loaded(tokens), model(tokens))
     switch.detach()
-    assert type(model.blocks[0].attn) is NanoAttention and "_qkmonitor_switch" not in model.blocks[0].attn.__dict__
+    assert (
+        type(model.blocks[0].attn) is NanoAttention
+        and "_qkmonitor_switch" not in model.blocks[0].attn.__dict__
+    )
 
 
 @pytest.mark.slow
@@ -276,13 +357,19 @@ def test_under_inductor_the_statistics_are_the_uncompiled_runs_to_rounding():
 
 
 @pytest.mark.parametrize("kind", ["bundled", "nanogpt"])
-def test_under_bf16_autocast_compiled_training_logs_the_uncompiled_statistics(kind, leftovers, counting_backend):
+def test_under_bf16_autocast_compiled_training_logs_the_uncompiled_statistics(
+    kind, leftovers, counting_backend
+):
     torch._dynamo.reset()
     eager_losses, eager_values, _, _, _ = train(kind, autocast=True)
     losses, values, _, recompiled, model = train(kind, backend=counting_backend(), autocast=True)
     assert losses == eager_losses
     assert_same_values(eager_values, values)
-    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for (_, metric), layers in values.items()
-               if metric in ("entropy", "max_prob", "kappa") for t in layers)
+    assert all(
+        t.dtype == torch.float32 and torch.isfinite(t).all()
+        for (_, metric), layers in values.items()
+        if metric in ("entropy", "max_prob", "kappa")
+        for t in layers
+    )
     assert recompiled == 0
     assert leftovers(model) == []

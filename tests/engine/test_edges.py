@@ -45,8 +45,14 @@ def run_steps(model, monitored, batches, loss_of=lambda out: out.float().pow(2).
                 optimizer.step()
                 optimizer.zero_grad()
         monitoring.close()
-    return [w for w in caught if issubclass(w.category, QKMonitorWarning)
-            or str(w.message).startswith(("QKSpectrum", "AttentionEntropy", "EffectiveRank", "qkmonitor"))]
+    return [
+        w
+        for w in caught
+        if issubclass(w.category, QKMonitorWarning)
+        or str(w.message).startswith(
+            ("QKSpectrum", "AttentionEntropy", "EffectiveRank", "qkmonitor")
+        )
+    ]
 
 
 def test_an_empty_batch_is_skipped_with_one_warning_and_trains_on():
@@ -56,26 +62,44 @@ def test_an_empty_batch_is_skipped_with_one_warning_and_trains_on():
     full = torch.randint(10, (2, 5), generator=torch.Generator().manual_seed(0))
     caught = run_steps(model, monitored, [empty, empty, full])
     messages = [str(w.message) for w in caught]
-    assert sum("empty batch" in m for m in messages) == 2  # once per activation engine, not per step
+    assert (
+        sum("empty batch" in m for m in messages) == 2
+    )  # once per activation engine, not per step
     assert not any("NaN" in m and "empty" not in m for m in messages)  # undefined, not "broken"
     entropy = monitored[1]
-    assert entropy.latest_step == 2 and all(torch.isfinite(v).all() for v in entropy.latest["entropy"])
-    assert not any(engine.tracker.counts[rule] for engine in monitored for rule in engine.tracker.counts)
+    assert entropy.latest_step == 2 and all(
+        torch.isfinite(v).all() for v in entropy.latest["entropy"]
+    )
+    assert not any(
+        engine.tracker.counts[rule] for engine in monitored for rule in engine.tracker.counts
+    )
     assert not model.attn._forward_pre_hooks  # nothing left on the model
 
 
 def test_one_token_sequences_give_undefined_values_without_a_warning_or_an_alert():
     torch.manual_seed(0)
-    model = DecoderLM(TransformerConfig(vocab_size=10, d_model=16, n_layers=2, n_heads=2, max_seq_len=8))
+    model = DecoderLM(
+        TransformerConfig(vocab_size=10, d_model=16, n_layers=2, n_heads=2, max_seq_len=8)
+    )
     monitored = engines()
-    batches = [torch.randint(10, (3, 1), generator=torch.Generator().manual_seed(s)) for s in range(3)]
-    caught = run_steps(model, monitored, batches, loss_of=lambda logits: logits.logsumexp(-1).mean())
+    batches = [
+        torch.randint(10, (3, 1), generator=torch.Generator().manual_seed(s)) for s in range(3)
+    ]
+    caught = run_steps(
+        model, monitored, batches, loss_of=lambda logits: logits.logsumexp(-1).mean()
+    )
     assert [str(w.message) for w in caught] == []
     entropy, rank = monitored[1], monitored[2]
-    assert all(math.isnan(v) for layer in entropy.latest["entropy_norm"] for v in layer.tolist())  # one key: undefined
-    assert all(v == 0.0 for layer in entropy.latest["entropy"] for v in layer.tolist())  # one key: entropy 0
+    assert all(
+        math.isnan(v) for layer in entropy.latest["entropy_norm"] for v in layer.tolist()
+    )  # one key: undefined
+    assert all(
+        v == 0.0 for layer in entropy.latest["entropy"] for v in layer.tolist()
+    )  # one key: entropy 0
     assert all(math.isnan(v) for layer in rank.latest["hidden_collapse"] for v in layer.tolist())
-    assert not any(engine.tracker.counts[rule] for engine in monitored for rule in engine.tracker.counts)
+    assert not any(
+        engine.tracker.counts[rule] for engine in monitored for rule in engine.tracker.counts
+    )
 
 
 def test_layers_given_as_a_function_that_returns_nothing_is_named():
@@ -85,7 +109,10 @@ def test_layers_given_as_a_function_that_returns_nothing_is_named():
 
 
 def test_an_engine_class_instead_of_an_instance_says_to_pass_an_instance():
-    with pytest.raises(TypeError, match=r"got the class `AttentionEntropy`: pass an instance: `AttentionEntropy\(\)`"):
+    with pytest.raises(
+        TypeError,
+        match=r"got the class `AttentionEntropy`: pass an instance: `AttentionEntropy\(\)`",
+    ):
         Monitoring(MHAModel(), [QKSpectrum(), AttentionEntropy])
 
 
@@ -96,6 +123,8 @@ def test_one_engine_in_two_open_monitorings_is_an_error_and_free_after_close():
         Monitoring(MHAModel(), [engine])
     import pickle
 
-    assert pickle.loads(pickle.dumps(engine))._session is None  # picklable while held (spawned workers)
+    assert (
+        pickle.loads(pickle.dumps(engine))._session is None
+    )  # picklable while held (spawned workers)
     first.close()
     Monitoring(MHAModel(), [engine]).close()  # closed: the engine may move on, and starts fresh

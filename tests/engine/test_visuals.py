@@ -38,8 +38,11 @@ def run(engines, steps: int, writer) -> None:
 
 
 def engines(visuals: int) -> list:
-    return [QKSpectrum(visuals_every_n_probes=visuals), AttentionEntropy(visuals_every_n_probes=visuals),
-            EffectiveRank(visuals_every_n_probes=visuals, pattern_heads=1)]
+    return [
+        QKSpectrum(visuals_every_n_probes=visuals),
+        AttentionEntropy(visuals_every_n_probes=visuals),
+        EffectiveRank(visuals_every_n_probes=visuals, pattern_heads=1),
+    ]
 
 
 @pytest.mark.parametrize("visuals", [1, 3, 0])
@@ -47,14 +50,28 @@ def test_visuals_come_with_every_nth_probe_and_scalars_with_every_probe(visuals)
     sink = MemorySink()
     run(engines(visuals), 7, sink)
     expected = [s for s in range(7) if visuals and s % visuals == 0]
-    image_steps = {tag: sorted({s for t, _, s in sink.images if t == tag}) for tag, _, _ in sink.images}
-    assert set(image_steps) == ({"qkmonitor/heatmap/kappa", "qkmonitor/heatmap/entropy_norm",
-                                 "qkmonitor/heatmap/max_prob", "qkmonitor/attention/layer_00/head_00",
-                                 "qkmonitor/attention/layer_01/head_00"} if visuals else set())
+    image_steps = {
+        tag: sorted({s for t, _, s in sink.images if t == tag}) for tag, _, _ in sink.images
+    }
+    assert set(image_steps) == (
+        {
+            "qkmonitor/heatmap/kappa",
+            "qkmonitor/heatmap/entropy_norm",
+            "qkmonitor/heatmap/max_prob",
+            "qkmonitor/attention/layer_00/head_00",
+            "qkmonitor/attention/layer_01/head_00",
+        }
+        if visuals
+        else set()
+    )
     assert all(steps == expected for steps in image_steps.values())
     assert sorted({s for _, _, s in sink.histograms}) == expected
-    assert sorted({s for t, _, s in sink.scalars if t == "qkmonitor/kappa/layer_00"}) == list(range(7))
-    assert sorted({s for t, _, s in sink.scalars if t == "qkmonitor/entropy_norm/layer_01"}) == list(range(7))
+    assert sorted({s for t, _, s in sink.scalars if t == "qkmonitor/kappa/layer_00"}) == list(
+        range(7)
+    )
+    assert sorted(
+        {s for t, _, s in sink.scalars if t == "qkmonitor/entropy_norm/layer_01"}
+    ) == list(range(7))
 
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, "10"])
@@ -92,7 +109,9 @@ def test_monitors_in_a_real_run_write_images_only_at_visual_probes(tmp_path):
     writer = SummaryWriter(str(tmp_path))
     run(engines(2), 5, writer)
     writer.close()
-    acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "scalars": 0, "histograms": 0})
+    acc = EventAccumulator(
+        str(tmp_path), size_guidance={"images": 0, "scalars": 0, "histograms": 0}
+    )
     acc.Reload()
     assert [e.step for e in acc.Images("qkmonitor/heatmap/kappa")] == [0, 2, 4]
     assert [e.step for e in acc.Histograms("qkmonitor/qk_singular_values/layer_00")] == [0, 2, 4]
@@ -106,8 +125,16 @@ def test_the_last_probe_of_a_run_is_always_drawn(steps):
     sink = MemorySink()
     run(engines(3), steps, sink)
     expected = sorted({s for s in range(steps) if s % 3 == 0} | {steps - 1})
-    image_steps = {tag: sorted({s for t, _, s in sink.images if t == tag}) for tag, _, _ in sink.images}
-    assert len(image_steps) == 5 and all(found == expected for found in image_steps.values()), image_steps
+    image_steps = {
+        tag: sorted({s for t, _, s in sink.images if t == tag}) for tag, _, _ in sink.images
+    }
+    assert len(image_steps) == 5 and all(found == expected for found in image_steps.values()), (
+        image_steps
+    )
     assert sorted({s for _, _, s in sink.histograms}) == expected
-    final = [image for tag, image, s in sink.images if tag == "qkmonitor/heatmap/kappa" and s == steps - 1]
+    final = [
+        image
+        for tag, image, s in sink.images
+        if tag == "qkmonitor/heatmap/kappa" and s == steps - 1
+    ]
     assert len(final) == 1 and final[0].ndim == 3

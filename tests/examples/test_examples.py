@@ -19,7 +19,14 @@ def load(name: str):
 
 
 def test_every_example_has_a_test():
-    tested = {"own_encoder", "hf_llama", "rank_collapse", "entropy_vs_length", "bundled_tasks", "plain_pytorch_loop"}
+    tested = {
+        "own_encoder",
+        "hf_llama",
+        "rank_collapse",
+        "entropy_vs_length",
+        "bundled_tasks",
+        "plain_pytorch_loop",
+    }
     assert {p.stem for p in EXAMPLES.glob("*.py")} <= tested
 
 
@@ -34,7 +41,9 @@ def test_own_encoder_example_logs_every_monitor(tmp_path):
 def test_hf_llama_example_monitors_the_transformers_model(tmp_path):
     pytest.importorskip("transformers")
     latest = load("hf_llama").main(["--steps", "20", "--log-dir", str(tmp_path)])
-    assert len(latest["kappa"]) == 2 and all(math.isfinite(v.mean()) for v in latest["entropy_norm"])
+    assert len(latest["kappa"]) == 2 and all(
+        math.isfinite(v.mean()) for v in latest["entropy_norm"]
+    )
 
 
 @pytest.mark.slow
@@ -49,7 +58,9 @@ def test_rank_collapse_example_collapses_only_without_skips(tmp_path):
 def test_entropy_vs_length_example_log_n_keeps_entropy_from_growing_like_log_n():
     results = load("entropy_vs_length").main(["--lengths", "64", "256", "1024"])
     standard, log_n = results["standard"], results["log_n"]
-    assert standard[0][1] == pytest.approx(log_n[0][1])  # same weights: equal up to the training length
+    assert standard[0][1] == pytest.approx(
+        log_n[0][1]
+    )  # same weights: equal up to the training length
     assert standard[-1][1] > standard[0][1]  # a fixed temperature flattens with n
     assert log_n[-1][2] < standard[-1][2]  # log-n scaling keeps attention sharper at long range
 
@@ -69,14 +80,18 @@ def run_tags(run_dir) -> dict[str, object]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "histograms": 0, "tensors": 0})
+    acc = EventAccumulator(
+        str(run_dir), size_guidance={"scalars": 0, "images": 0, "histograms": 0, "tensors": 0}
+    )
     acc.Reload()
     tags = acc.Tags()
-    own = lambda names: sorted(t for t in names if t.startswith("qkmonitor/"))  # noqa: E731
+    own = lambda names: sorted(t for t in names if t.startswith("qkmonitor/"))
     content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
     return {
-        "scalars": own(tags["scalars"]), "images": own(tags["images"]), "histograms": own(tags["histograms"]),
+        "scalars": own(tags["scalars"]),
+        "images": own(tags["images"]),
+        "histograms": own(tags["histograms"]),
         "layout": acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0],
         "thresholds": sorted(k for k in hparams if k.startswith("qkmonitor/")),
         "series": {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in own(tags["scalars"])},
@@ -87,11 +102,10 @@ def test_plain_pytorch_loop_logs_the_same_tags_and_dashboards_as_the_lightning_c
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
+    from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.tensorboard import SummaryWriter
-
-    from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 
     example = load("plain_pytorch_loop")
     steps, every = 6, 2
@@ -108,7 +122,9 @@ def test_plain_pytorch_loop_logs_the_same_tags_and_dashboards_as_the_lightning_c
 
         def training_step(self, batch, batch_idx):
             logits = self.model(batch[0])
-            return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten(), ignore_index=-100)
+            return nn.functional.cross_entropy(
+                logits.flatten(0, 1), batch[1].flatten(), ignore_index=-100
+            )
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=3e-3)
@@ -116,11 +132,20 @@ def test_plain_pytorch_loop_logs_the_same_tags_and_dashboards_as_the_lightning_c
         def train_dataloader(self):
             return DataLoader(TensorDataset(tokens, targets), batch_size=64)
 
-    callbacks = [QKSpectrumMonitor(every_n_steps=every), AttentionEntropyMonitor(every_n_steps=every),
-                 EffectiveRankMonitor(every_n_steps=every, max_probe_tokens=32)]
-    pl.Trainer(default_root_dir=tmp_path, max_steps=steps, callbacks=callbacks, enable_progress_bar=False,
-               logger=TensorBoardLogger(tmp_path, "lightning", 0), enable_model_summary=False,
-               enable_checkpointing=False).fit(Task())
+    callbacks = [
+        QKSpectrumMonitor(every_n_steps=every),
+        AttentionEntropyMonitor(every_n_steps=every),
+        EffectiveRankMonitor(every_n_steps=every, max_probe_tokens=32),
+    ]
+    pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=steps,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        logger=TensorBoardLogger(tmp_path, "lightning", 0),
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    ).fit(Task())
 
     plain, lightning = run_tags(tmp_path / "plain"), run_tags(tmp_path / "lightning" / "version_0")
     for key in ("scalars", "images", "histograms", "layout", "thresholds"):

@@ -244,7 +244,11 @@ def test_extreme_logits_stay_finite(reference, device, backend, monkeypatch):
     # a float32 logit of size S is known to S * 2^-24 at best; through the softmax that is a
     # relative error of that order on the output and the gradients (here S ~ 4e3: ~2.4e-4), in
     # whatever order a backend sums (the Triton interpreter's numpy matmul differs by release)
-    eps = float((q.detach().double() @ k.detach().double().transpose(-1, -2)).abs().max()) * 3.0 * 2.0**-24
+    eps = (
+        float((q.detach().double() @ k.detach().double().transpose(-1, -2)).abs().max())
+        * 3.0
+        * 2.0**-24
+    )
     tol = {name: max(TOLERANCES[torch.float32][name], 4 * eps) for name in ("out", "grad")}
     run_and_check(reference, q, k, v, backend=backend, scale=3.0, tolerances=tol)
 
@@ -305,24 +309,37 @@ def test_statistics_do_not_change_output(device, backend):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_a_probed_training_step_trains_exactly_as_an_unprobed_one(reference, device, causal, kv_heads):
+def test_a_probed_training_step_trains_exactly_as_an_unprobed_one(
+    reference, device, causal, kv_heads
+):
     """Torch backend, gradients needed, no row can be empty: SDPA gives the output and gradients
     with statistics as without (bit for bit), and the statistics still match the reference."""
     q, k, v = make_inputs(12, 2, 4, kv_heads, 33, 33, 16, device)
     plain = attention(q, k, v, causal=causal, backend="torch")
     plain_grads = torch.autograd.grad(plain.square().sum(), (q, k, v))
-    out, stats = attention(q, k, v, causal=causal, backend="torch", return_stats=True, sink_tokens=2)
+    out, stats = attention(
+        q, k, v, causal=causal, backend="torch", return_stats=True, sink_tokens=2
+    )
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     assert torch.equal(out, plain) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
-    ref = reference(*(x.detach().double() for x in (q, k, v)), causal=causal, key_padding_mask=None,
-                    scale=None, sink_tokens=2)
+    ref = reference(
+        *(x.detach().double() for x in (q, k, v)),
+        causal=causal,
+        key_padding_mask=None,
+        scale=None,
+        sink_tokens=2,
+    )
     tol = TOLERANCES[torch.float32]["stats"]
     for name in STAT_NAMES:
-        torch.testing.assert_close(getattr(stats, name).double(), getattr(ref, name), atol=tol, rtol=tol, msg=name)
+        torch.testing.assert_close(
+            getattr(stats, name).double(), getattr(ref, name), atol=tol, rtol=tol, msg=name
+        )
         assert not getattr(stats, name).requires_grad
 
 
-@pytest.mark.parametrize("n", [33, 40], ids=["sdpa", "blockwise"])  # N > M: causal rows without a key
+@pytest.mark.parametrize(
+    "n", [33, 40], ids=["sdpa", "blockwise"]
+)  # N > M: causal rows without a key
 def test_statistics_change_neither_output_nor_themselves_with_the_grad_mode(device, n):
     """Torch backend: with or without statistics, under ``no_grad`` or not (a reentrant checkpoint
     runs a forward under ``no_grad`` and again with grad in the backward), the output is the same
@@ -332,7 +349,9 @@ def test_statistics_change_neither_output_nor_themselves_with_the_grad_mode(devi
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
             plain = attention(q, k, v, causal=True, backend="torch")
-            out, stats = attention(q, k, v, causal=True, backend="torch", return_stats=True, sink_tokens=2)
+            out, stats = attention(
+                q, k, v, causal=True, backend="torch", return_stats=True, sink_tokens=2
+            )
         assert plain.requires_grad == out.requires_grad == grad
         runs[grad] = plain, out, stats
     for grad, (plain, out, stats) in runs.items():
@@ -391,7 +410,9 @@ def test_uniform_attention_has_maximal_entropy(device):
     torch.testing.assert_close(stats.lse, stats.max_logit + math.log(13))
 
 
-@pytest.mark.parametrize("causal, masked", [(True, "some"), (False, "none"), (False, "one sequence")])
+@pytest.mark.parametrize(
+    "causal, masked", [(True, "some"), (False, "none"), (False, "one sequence")]
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_stats_alone_equal_those_beside_the_output(device, backend, causal, masked):
     # On the torch backend the statistics alone take a one-block path when all keys fit in one
@@ -401,9 +422,21 @@ def test_attention_stats_alone_equal_those_beside_the_output(device, backend, ca
     if masked == "one sequence":
         mask[1] = False  # every key of sequence 1 masked: empty rows
     mask = None if masked == "none" else mask.to(device)
-    _, with_out = attention(q, k, k, causal=causal, key_padding_mask=mask, return_stats=True, sink_tokens=2,
-                            backend=backend)
-    alone = attention_stats(q, k, causal=causal, key_padding_mask=mask, sink_tokens=2, backend=backend)
+    _, with_out = attention(
+        q,
+        k,
+        k,
+        causal=causal,
+        key_padding_mask=mask,
+        return_stats=True,
+        sink_tokens=2,
+        backend=backend,
+    )
+    alone = attention_stats(
+        q, k, causal=causal, key_padding_mask=mask, sink_tokens=2, backend=backend
+    )
     for name in STAT_NAMES + ("sink_mass",):
-        torch.testing.assert_close(getattr(alone, name), getattr(with_out, name), rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            getattr(alone, name), getattr(with_out, name), rtol=1e-6, atol=1e-6, msg=name
+        )
         assert not getattr(alone, name).requires_grad

@@ -34,25 +34,39 @@ def fresh_answer():
 @pytest.fixture
 def no_triton(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton" else find_spec(name, *a),
+    )
 
 
 @pytest.fixture
 def old_triton(monkeypatch):
     find_spec, version = importlib.util.find_spec, importlib.metadata.version
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: SimpleNamespace(name=name) if name == "triton" else find_spec(name, *a))
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.3.1" if name == "triton" else version(name))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: SimpleNamespace(name=name) if name == "triton" else find_spec(name, *a),
+    )
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "3.3.1" if name == "triton" else version(name)
+    )
 
 
 def test_asking_for_triton_without_it_says_how_to_get_it(no_triton):
-    with pytest.raises(ValueError, match=r"`backend='triton'` cannot run: the `triton` package is not installed "
-                                         r"\(CUDA builds of torch bring it; .*pip install 'qkmonitor\[triton\]'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`backend='triton'` cannot run: the `triton` package is not installed "
+        r"\(CUDA builds of torch bring it; .*pip install 'qkmonitor\[triton\]'",
+    ):
         attention(*qkv(), backend="triton")
 
 
 def test_asking_for_triton_older_than_3_4_names_both_versions(old_triton):
-    with pytest.raises(ValueError, match=r"triton 3\.3\.1 is installed and the kernels need triton >= 3\.4"):
+    with pytest.raises(
+        ValueError, match=r"triton 3\.3\.1 is installed and the kernels need triton >= 3\.4"
+    ):
         attention(*qkv(), backend="triton")
 
 

@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from qkmonitor.adapters import find_attention_layers
 from qkmonitor.models import DecoderLM, TransformerConfig
-from qkmonitor.probes import ProbeRequest
 from qkmonitor.models.tasks import AssociativeRecallDataModule, make_recall_batch
 from qkmonitor.models.tasks.recall import IGNORE_INDEX
+
+from qkmonitor.adapters import find_attention_layers
+from qkmonitor.probes import ProbeRequest
 
 
 @pytest.mark.parametrize("n_kv_heads", [None, 2, 1])
 def test_decoder_is_causal(n_kv_heads):
     torch.manual_seed(0)
-    model = DecoderLM(TransformerConfig(vocab_size=20, d_model=32, n_heads=4, n_kv_heads=n_kv_heads)).eval()
+    model = DecoderLM(
+        TransformerConfig(vocab_size=20, d_model=32, n_heads=4, n_kv_heads=n_kv_heads)
+    ).eval()
     tokens = torch.randint(20, (2, 12))
     changed = tokens.clone()
     changed[:, 7:] = torch.randint(20, (2, 5))
     with torch.no_grad():
         a, b = model(tokens), model(changed)
-    torch.testing.assert_close(a[:, :7], b[:, :7], rtol=1e-5, atol=1e-5)  # the past ignores the future
+    torch.testing.assert_close(
+        a[:, :7], b[:, :7], rtol=1e-5, atol=1e-5
+    )  # the past ignores the future
     assert not torch.allclose(a[:, 7:], b[:, 7:])
 
 
@@ -68,7 +72,10 @@ def test_recall_targets_are_the_values_that_followed_each_queried_key():
 
 
 def test_recall_data_is_reproducible_from_the_seed_and_checks_its_arguments():
-    a, b = AssociativeRecallDataModule(train_size=8, seed=3), AssociativeRecallDataModule(train_size=8, seed=3)
+    a, b = (
+        AssociativeRecallDataModule(train_size=8, seed=3),
+        AssociativeRecallDataModule(train_size=8, seed=3),
+    )
     a.setup(), b.setup()
     assert torch.equal(a.train_set.tensors[0], b.train_set.tensors[0])
     with pytest.raises(ValueError, match="`num_queries` <= `num_pairs`"):
@@ -81,8 +88,9 @@ def test_recall_data_is_reproducible_from_the_seed_and_checks_its_arguments():
 
 def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
     """Entropy and max-prob from the fused kernel equal those of the explicit float64 softmax."""
-    from qkmonitor.adapters import find_attention_layers
     from qkmonitor.models.positional import apply_rotary_pos_emb
+
+    from qkmonitor.adapters import find_attention_layers
 
     torch.manual_seed(0)
     model = DecoderLM(TransformerConfig(vocab_size=16, d_model=32, n_heads=4, n_kv_heads=2)).eval()
@@ -106,7 +114,12 @@ def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
 
     x = captured["x"].double()  # (B, N, d), the attention module's input
     q = (x @ attn.q_proj.weight.double().T).view(3, 9, 4, 8).transpose(1, 2)
-    k = (x @ attn.k_proj.weight.double().T).view(3, 9, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+    k = (
+        (x @ attn.k_proj.weight.double().T)
+        .view(3, 9, 2, 8)
+        .transpose(1, 2)
+        .repeat_interleave(2, dim=1)
+    )
     cos, sin = attn.rope.cos[:9].double(), attn.rope.sin[:9].double()
     q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
     scores = (q @ k.transpose(-1, -2)) * attn.qk_weights().scale
@@ -116,7 +129,9 @@ def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
     assert stats.entropy.shape == (3, 4, 9)
     torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats.max_prob.double(), p.amax(-1), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(stats.attended, torch.arange(1, 10, dtype=torch.float32).expand(3, 4, 9))
+    torch.testing.assert_close(
+        stats.attended, torch.arange(1, 10, dtype=torch.float32).expand(3, 4, 9)
+    )
 
 
 def test_two_probes_on_one_module_are_independent():
@@ -135,5 +150,7 @@ def test_two_probes_on_one_module_are_independent():
     assert not attn.probing
     assert first.calls == 1 and second.calls == 2 and not first.probs
     assert [p.shape for p in second.probs] == [(1, 2, 3, 5)] * 2
-    assert all(stats.sink_mass is not None for stats in second.stats)  # the kernel measured it in the same pass
+    assert all(
+        stats.sink_mass is not None for stats in second.stats
+    )  # the kernel measured it in the same pass
     assert plain.close() is first  # closing again changes nothing

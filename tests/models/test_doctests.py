@@ -11,7 +11,6 @@ import importlib
 import pkgutil
 
 import pytest
-
 import qkmonitor.callbacks
 import qkmonitor.models
 

@@ -6,9 +6,6 @@ import itertools
 
 import pytest
 import torch
-from torch import nn
-
-from qkmonitor.adapters import find_attention_layers
 from qkmonitor.models import (
     DecoderLM,
     EncoderClassifier,
@@ -17,6 +14,9 @@ from qkmonitor.models import (
     TransformerConfig,
     VisionEncoder,
 )
+from torch import nn
+
+from qkmonitor.adapters import find_attention_layers
 
 SMALL = dict(vocab_size=11, d_model=16, n_layers=2, n_heads=4, max_seq_len=12)
 
@@ -30,16 +30,33 @@ def forward_backward(model: nn.Module, *inputs) -> torch.Tensor:
     return out
 
 
-GRID = list(itertools.product(
-    ["pre", "post"], ["layernorm", "rmsnorm"], [False, True], ["gelu", "swiglu"],
-    ["none", "learned", "sinusoidal", "rope", "rope_interleaved"], ["standard", "log_n", "polylog"],
-))
+GRID = list(
+    itertools.product(
+        ["pre", "post"],
+        ["layernorm", "rmsnorm"],
+        [False, True],
+        ["gelu", "swiglu"],
+        ["none", "learned", "sinusoidal", "rope", "rope_interleaved"],
+        ["standard", "log_n", "polylog"],
+    )
+)
 
 
 @pytest.mark.parametrize(("norm_position", "norm", "qk_norm", "mlp", "positional", "scale"), GRID)
-def test_every_config_combination_builds_runs_and_backpropagates(norm_position, norm, qk_norm, mlp, positional, scale):
-    config = TransformerConfig(**SMALL, n_kv_heads=2, norm_position=norm_position, norm=norm, qk_norm=qk_norm,
-                               mlp=mlp, positional=positional, attention_scale=scale, scale_train_len=4)
+def test_every_config_combination_builds_runs_and_backpropagates(
+    norm_position, norm, qk_norm, mlp, positional, scale
+):
+    config = TransformerConfig(
+        **SMALL,
+        n_kv_heads=2,
+        norm_position=norm_position,
+        norm=norm,
+        qk_norm=qk_norm,
+        mlp=mlp,
+        positional=positional,
+        attention_scale=scale,
+        scale_train_len=4,
+    )
     torch.manual_seed(0)
     out = forward_backward(DecoderLM(config), torch.randint(11, (2, 9)))
     assert out.shape == (2, 9, 11)
@@ -55,7 +72,11 @@ def test_rope_scalings_run(scaling):
 def test_each_model_kind_runs_and_every_attention_is_visible_to_the_adapters(model_kind):
     torch.manual_seed(0)
     if model_kind == "decoder":
-        model, inputs, n_attn = DecoderLM(TransformerConfig(**SMALL)), (torch.randint(11, (2, 7)),), 2
+        model, inputs, n_attn = (
+            DecoderLM(TransformerConfig(**SMALL)),
+            (torch.randint(11, (2, 7)),),
+            2,
+        )
     elif model_kind == "encoder":
         model = EncoderClassifier(TransformerConfig(**SMALL, num_classes=3))
         inputs, n_attn = (torch.randint(11, (2, 7)), torch.ones(2, 7, dtype=torch.bool)), 2
@@ -67,13 +88,20 @@ def test_each_model_kind_runs_and_every_attention_is_visible_to_the_adapters(mod
         positional = "rope_2d" if model_kind == "vision2d" else "rope_3d"
         # 3 axes need a head dim divisible by 3 with an even share each: d_k = 12 -> 4 per axis
         d_model, n_heads = (16, 4) if model_kind == "vision2d" else (24, 2)
-        config = TransformerConfig(**{**SMALL, "d_model": d_model, "n_heads": n_heads}, positional=positional,
-                                   grid_size=grid, patch_dim=5, num_classes=3)
+        config = TransformerConfig(
+            **{**SMALL, "d_model": d_model, "n_heads": n_heads},
+            positional=positional,
+            grid_size=grid,
+            patch_dim=5,
+            num_classes=3,
+        )
         model, inputs, n_attn = VisionEncoder(config), (torch.randn(2, 12, 5),), 2
     out = forward_backward(model, *inputs)
     layers = find_attention_layers(model)
     assert len(layers) == n_attn
-    assert all(isinstance(layer.module, MultiHeadAttention) and layer.supports_stats for layer in layers)
+    assert all(
+        isinstance(layer.module, MultiHeadAttention) and layer.supports_stats for layer in layers
+    )
     if model_kind == "seq2seq":
         assert out.shape == (2, 5, 11)  # one distribution per target position
         assert sum(layer.module.cross for layer in layers) == 3
@@ -89,8 +117,12 @@ def test_decoder_of_seq2seq_is_causal_and_reads_the_source():
     changed_target[:, 5:] = (target[:, 5:] + 1) % 11
     with torch.no_grad():
         base = model(source, target)
-        torch.testing.assert_close(model(source, changed_target)[:, :5], base[:, :5], rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(model((source + 1) % 11, target)[:, 0], base[:, 0])  # cross-attention works
+        torch.testing.assert_close(
+            model(source, changed_target)[:, :5], base[:, :5], rtol=1e-5, atol=1e-5
+        )
+        assert not torch.allclose(
+            model((source + 1) % 11, target)[:, 0], base[:, 0]
+        )  # cross-attention works
 
 
 def test_encoder_padding_is_ignored():
@@ -106,21 +138,30 @@ def test_encoder_padding_is_ignored():
 def test_vision_encoder_with_axial_rope_sees_2d_position():
     """Moving a patch to another cell changes the output only because of the position encoding."""
     torch.manual_seed(0)
-    config = TransformerConfig(**SMALL, positional="rope_2d", grid_size=(3, 3), patch_dim=4, num_classes=2)
+    config = TransformerConfig(
+        **SMALL, positional="rope_2d", grid_size=(3, 3), patch_dim=4, num_classes=2
+    )
     model = VisionEncoder(config).eval()
     patches = torch.zeros(1, 9, 4)
     patches[0, 0] = 1.0
     moved = torch.zeros(1, 9, 4)
     moved[0, 4] = 1.0
-    none = VisionEncoder(TransformerConfig(**{**SMALL, "positional": "none"}, grid_size=(3, 3), patch_dim=4,
-                                           num_classes=2)).eval()
+    none = VisionEncoder(
+        TransformerConfig(
+            **{**SMALL, "positional": "none"}, grid_size=(3, 3), patch_dim=4, num_classes=2
+        )
+    ).eval()
     with torch.no_grad():
         assert not torch.allclose(model(patches), model(moved), atol=1e-6)
-        torch.testing.assert_close(none(patches), none(moved), rtol=1e-5, atol=1e-5)  # permutation invariant
+        torch.testing.assert_close(
+            none(patches), none(moved), rtol=1e-5, atol=1e-5
+        )  # permutation invariant
 
 
 def test_mha_parameter_count_is_four_d_model_squared_plus_biases():
-    attn = MultiHeadAttention(TransformerConfig(d_model=512, n_heads=8, bias=True, positional="none"))
+    attn = MultiHeadAttention(
+        TransformerConfig(d_model=512, n_heads=8, bias=True, positional="none")
+    )
     weights = sum(p.numel() for name, p in attn.named_parameters() if name.endswith("weight"))
     biases = sum(p.numel() for name, p in attn.named_parameters() if name.endswith("bias"))
     qkv = sum(getattr(attn, f"{x}_proj").weight.numel() for x in "qkv")
@@ -130,7 +171,10 @@ def test_mha_parameter_count_is_four_d_model_squared_plus_biases():
 
 
 def test_tied_and_untied_embeddings():
-    tied, untied = DecoderLM(TransformerConfig(**SMALL)), DecoderLM(TransformerConfig(**SMALL, tie_embeddings=False))
+    tied, untied = (
+        DecoderLM(TransformerConfig(**SMALL)),
+        DecoderLM(TransformerConfig(**SMALL, tie_embeddings=False)),
+    )
     assert tied.head.weight is tied.embed.tokens.weight
     assert untied.head.weight is not untied.embed.tokens.weight
 

@@ -58,6 +58,8 @@ def test_dry_run_prints_one_table(tmp_path):
     lengths, head_dims, passes, variants = 5, 2, 2, 2
     attention = [row for row in rows if row[0].startswith("| attention")]
     assert len(attention) == lengths * head_dims * passes * variants
-    assert len([row for row in rows if row[0] == "| training steps/s"]) == 3  # three monitored configurations
+    assert (
+        len([row for row in rows if row[0] == "| training steps/s"]) == 3
+    )  # three monitored configurations
     assert all(row[3] == "n/a" for row in rows[1:])  # a dry run measures nothing
     assert (tmp_path / "attention.json").is_file() and (tmp_path / "overhead.json").is_file()

@@ -66,7 +66,9 @@ class Built:
     loss: Callable[[nn.Module], Tensor]
     qk: Callable[[nn.Module], QK]
     fail: dict[str, str | None]
-    kernel_patches: list[tuple[object, str]] = field(default_factory=list)  # (module, attr) kernels to capture
+    kernel_patches: list[tuple[object, str]] = field(
+        default_factory=list
+    )  # (module, attr) kernels to capture
     fail_patch: tuple[object, str] | None = None
     atol: float = 2e-5
 
@@ -85,10 +87,12 @@ def entry(name: str, *requires: str):
     def register(build):
         ZOO[name] = Entry(name, requires, build)
         return build
+
     return register
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
 
 def heads(w: Tensor, n: int) -> Tensor:
     """(n·d_k, d) nn.Linear rows -> (n, d, d_k) float64: head i is ``w[i·d_k:(i+1)·d_k]ᵀ``."""
@@ -129,7 +133,7 @@ def tokens(seed: int = 0, batch: int = BATCH, seq: int = SEQ, low: int = 1) -> T
 def padding_mask(batch: int = BATCH, seq: int = SEQ, pad: int = 4) -> Tensor:
     """(B, N) 1/0 int mask: the last sequence ends with ``pad`` padding tokens."""
     mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[-1, seq - pad:] = 0
+    mask[-1, seq - pad :] = 0
     return mask
 
 
@@ -153,10 +157,15 @@ def mlm_loss(logits: Tensor, ids: Tensor) -> Tensor:
 def causal_lm(ids: Tensor, mask: Tensor | None = None, hf: bool = True):
     def loss(model):
         if hf:
-            out = model(input_ids=ids, attention_mask=mask) if mask is not None else model(input_ids=ids)
+            out = (
+                model(input_ids=ids, attention_mask=mask)
+                if mask is not None
+                else model(input_ids=ids)
+            )
         else:
             out = model(ids)
         return lm_loss(logits_of(out)[..., :VOCAB].float(), ids)
+
     return loss
 
 
@@ -170,24 +179,35 @@ def seeded(seed: int = 0):
 
 # ---------------------------------------------------------------------------------------------- controls
 
+
 @entry("bundled")
 def _bundled() -> Built:
     import qkmonitor.models.attention as bundled_attention
     from qkmonitor.models import DecoderLM, MultiHeadAttention, TransformerConfig
 
     seeded()
-    model = DecoderLM(TransformerConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                        max_seq_len=16))
+    model = DecoderLM(
+        TransformerConfig(
+            vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16
+        )
+    )
     for _, attn in modules_of(model, MultiHeadAttention):
         scale_rows_(attn.q_proj.weight, slice(None), 2.0)
         scale_rows_(attn.k_proj.weight, slice(None), 2.0)
 
     def qk(model):
-        return {n: pair(heads(a.q_proj.weight, 4), heads(a.k_proj.weight, 2), blocked(4, 2))
-                for n, a in modules_of(model, MultiHeadAttention)}
+        return {
+            n: pair(heads(a.q_proj.weight, 4), heads(a.k_proj.weight, 2), blocked(4, 2))
+            for n, a in modules_of(model, MultiHeadAttention)
+        }
 
-    return Built(model.train(), causal_lm(tokens(), hf=False), qk, {"before": "q_proj", "after": "o_proj"},
-                 kernel_patches=[(bundled_attention, "attention")])
+    return Built(
+        model.train(),
+        causal_lm(tokens(), hf=False),
+        qk,
+        {"before": "q_proj", "after": "o_proj"},
+        kernel_patches=[(bundled_attention, "attention")],
+    )
 
 
 class TorchEncoder(nn.Module):
@@ -216,11 +236,16 @@ def _torch_mha() -> Built:
         out = {}
         for n, a in modules_of(model, nn.MultiheadAttention):
             w, d = a.in_proj_weight, a.embed_dim  # rows [q | k | v], each [H, d_k]
-            out[n] = heads(w[:d], a.num_heads), heads(w[d:2 * d], a.num_heads)
+            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
         return out
 
-    return Built(model.train(), lambda m: mlm_loss(m(ids, keep), ids), qk, {"before": None, "after": None},
-                 fail_patch=(F, "multi_head_attention_forward"))
+    return Built(
+        model.train(),
+        lambda m: mlm_loss(m(ids, keep), ids),
+        qk,
+        {"before": None, "after": None},
+        fail_patch=(F, "multi_head_attention_forward"),
+    )
 
 
 def hf_build(cls, config, impl: str, factor_rows: Callable[[nn.Module], None]):
@@ -235,9 +260,16 @@ def _hf_llama() -> Built:
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      initializer_range=0.2)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        initializer_range=0.2,
+    )
 
     def sharpen(model):
         for _, a in modules_of(model, LlamaAttention):
@@ -247,13 +279,16 @@ def _hf_llama() -> Built:
     model = hf_build(transformers.LlamaForCausalLM, config, "sdpa", sharpen)
 
     def qk(model):
-        return {n: pair(heads(a.q_proj.weight, 4), heads(a.k_proj.weight, 2), blocked(4, 2))
-                for n, a in modules_of(model, LlamaAttention)}
+        return {
+            n: pair(heads(a.q_proj.weight, 4), heads(a.k_proj.weight, 2), blocked(4, 2))
+            for n, a in modules_of(model, LlamaAttention)
+        }
 
     return Built(model, causal_lm(tokens()), qk, {"before": "q_proj", "after": "o_proj"})
 
 
 # ---------------------------------------------------------------------------------------------- timm
+
 
 def _timm_vit(fused: bool) -> Built:
     pytest.importorskip("timm")
@@ -261,10 +296,14 @@ def _timm_vit(fused: bool) -> Built:
     from timm.models.vision_transformer import VisionTransformer
 
     seeded()
-    model = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5)
+    model = VisionTransformer(
+        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5
+    )
     for _, a in modules_of(model, Attention):
         a.fused_attn = fused
-        scale_rows_(a.qkv.weight, slice(0, 64), 12.0)  # init std 0.02; rows [q | k | v], each [H, d_k]
+        scale_rows_(
+            a.qkv.weight, slice(0, 64), 12.0
+        )  # init std 0.02; rows [q | k | v], each [H, d_k]
     images = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([1, 3])
 
@@ -272,11 +311,15 @@ def _timm_vit(fused: bool) -> Built:
         out = {}
         for n, a in modules_of(model, Attention):
             w, d = a.qkv.weight, a.num_heads * a.head_dim
-            out[n] = heads(w[:d], a.num_heads), heads(w[d:2 * d], a.num_heads)
+            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
         return out
 
-    return Built(no_dropout(model).train(), lambda m: F.cross_entropy(m(images), labels), qk,
-                 {"before": "qkv", "after": "proj"})
+    return Built(
+        no_dropout(model).train(),
+        lambda m: F.cross_entropy(m(images), labels),
+        qk,
+        {"before": "qkv", "after": "proj"},
+    )
 
 
 entry("timm-vit-sdpa", "timm")(lambda: _timm_vit(True))
@@ -284,6 +327,7 @@ entry("timm-vit-softmax", "timm")(lambda: _timm_vit(False))
 
 
 # ---------------------------------------------------------------------------------------------- nanoGPT
+
 
 @dataclass
 class GPTConfig:
@@ -322,8 +366,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.flash = config.flash and hasattr(torch.nn.functional, "scaled_dot_product_attention")
         if not self.flash:
-            self.register_buffer("bias", torch.tril(torch.ones(config.block_size, config.block_size))
-                                 .view(1, 1, config.block_size, config.block_size))
+            self.register_buffer(
+                "bias",
+                torch.tril(torch.ones(config.block_size, config.block_size)).view(
+                    1, 1, config.block_size, config.block_size
+                ),
+            )
 
     def forward(self, x):
         B, T, C = x.size()
@@ -333,7 +381,13 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         if self.flash:
             y = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True)
+                q,
+                k,
+                v,
+                attn_mask=None,
+                dropout_p=self.dropout if self.training else 0,
+                is_causal=True,
+            )
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
@@ -373,13 +427,15 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(config.vocab_size, config.n_embd),
-            "wpe": nn.Embedding(config.block_size, config.n_embd),
-            "drop": nn.Dropout(config.dropout),
-            "h": nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            "ln_f": LayerNorm(config.n_embd, bias=config.bias),
-        })
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(config.vocab_size, config.n_embd),
+                "wpe": nn.Embedding(config.block_size, config.n_embd),
+                "drop": nn.Dropout(config.dropout),
+                "h": nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                "ln_f": LayerNorm(config.n_embd, bias=config.bias),
+            }
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
@@ -405,7 +461,9 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+            )
         return logits, loss
 
 
@@ -420,7 +478,7 @@ def _nanogpt(flash: bool) -> Built:
         out = {}
         for n, a in modules_of(model, CausalSelfAttention):
             w, d = a.c_attn.weight, a.n_embd
-            out[n] = heads(w[:d], a.n_head), heads(w[d:2 * d], a.n_head)
+            out[n] = heads(w[:d], a.n_head), heads(w[d : 2 * d], a.n_head)
         return out
 
     def loss(m):
@@ -435,6 +493,7 @@ entry("nanogpt-softmax")(lambda: _nanogpt(False))
 
 
 # ---------------------------------------------------------------------------------------------- torchtitan
+
 
 @dataclass
 class TitanArgs:
@@ -532,8 +591,11 @@ class TitanTransformer(nn.Module):
     def __init__(self, args: TitanArgs):
         super().__init__()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len * 2,
-                                                               args.rope_theta), persistent=False)
+        self.register_buffer(
+            "freqs_cis",
+            precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len * 2, args.rope_theta),
+            persistent=False,
+        )
         self.layers = nn.ModuleDict({str(i): TitanBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -554,13 +616,16 @@ def _torchtitan() -> Built:
         scale_rows_(a.wk.weight, slice(None), 3.0)
 
     def qk(model):
-        return {n: pair(heads(a.wq.weight, a.n_heads), heads(a.wk.weight, a.n_kv_heads), blocked(4, 2))
-                for n, a in modules_of(model, TitanAttention)}
+        return {
+            n: pair(heads(a.wq.weight, a.n_heads), heads(a.wk.weight, a.n_kv_heads), blocked(4, 2))
+            for n, a in modules_of(model, TitanAttention)
+        }
 
     return Built(model.train(), causal_lm(tokens(), hf=False), qk, {"before": "wq", "after": "wo"})
 
 
 # ---------------------------------------------------------------------------------------------- litgpt
+
 
 def _litgpt(pythia: bool) -> Built:
     pytest.importorskip("litgpt")
@@ -569,28 +634,58 @@ def _litgpt(pythia: bool) -> Built:
     from litgpt.model import CausalSelfAttention as LitAttention
 
     if pythia:  # GPT-NeoX-like: n_query_groups == n_head, partial rotary, parallel residual, biases
-        config = Config.from_name("pythia-14m", block_size=16, vocab_size=VOCAB, padded_vocab_size=VOCAB,
-                                  n_layer=2, n_embd=32, n_head=4, intermediate_size=64)
+        config = Config.from_name(
+            "pythia-14m",
+            block_size=16,
+            vocab_size=VOCAB,
+            padded_vocab_size=VOCAB,
+            n_layer=2,
+            n_embd=32,
+            n_head=4,
+            intermediate_size=64,
+        )
     else:
-        config = Config(block_size=16, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32,
-                        n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False,
-                        norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=64)
+        config = Config(
+            block_size=16,
+            vocab_size=VOCAB,
+            padded_vocab_size=VOCAB,
+            n_layer=2,
+            n_head=4,
+            n_embd=32,
+            n_query_groups=2,
+            rotary_percentage=1.0,
+            parallel_residual=False,
+            bias=False,
+            norm_class_name="RMSNorm",
+            mlp_class_name="LLaMAMLP",
+            intermediate_size=64,
+        )
     seeded()
     model = LitGPT(config)
     h, g, hs = config.n_head, config.n_query_groups, config.head_size
     for _, a in modules_of(model, LitAttention):
-        scale_rows_(a.qkv.weight, slice(0, (h + g) * hs), 3.0)  # rows [q (H·hs) | k (G·hs) | v (G·hs)]
+        scale_rows_(
+            a.qkv.weight, slice(0, (h + g) * hs), 3.0
+        )  # rows [q (H·hs) | k (G·hs) | v (G·hs)]
 
     def qk(model):
         out = {}
         for n, a in modules_of(model, LitAttention):
             c = a.config
             w, q_size, k_size = a.qkv.weight, c.n_head * c.head_size, c.n_query_groups * c.head_size
-            wq, wk = heads(w[:q_size], c.n_head), heads(w[q_size:q_size + k_size], c.n_query_groups)
+            wq, wk = (
+                heads(w[:q_size], c.n_head),
+                heads(w[q_size : q_size + k_size], c.n_query_groups),
+            )
             out[n] = pair(wq, wk, blocked(c.n_head, c.n_query_groups))
         return out
 
-    return Built(no_dropout(model).train(), causal_lm(tokens(), hf=False), qk, {"before": "qkv", "after": "proj"})
+    return Built(
+        no_dropout(model).train(),
+        causal_lm(tokens(), hf=False),
+        qk,
+        {"before": "qkv", "after": "proj"},
+    )
 
 
 entry("litgpt-gqa", "litgpt")(lambda: _litgpt(False))
@@ -599,49 +694,79 @@ entry("litgpt-pythia", "litgpt")(lambda: _litgpt(True))
 
 # ---------------------------------------------------------------------------------------------- x-transformers
 
+
 def _xtransformers(**attn_kwargs) -> Built:
     pytest.importorskip("x_transformers")
     from x_transformers import Decoder, TransformerWrapper
     from x_transformers.x_transformers import Attention as XAttention
 
     seeded()
-    model = TransformerWrapper(num_tokens=VOCAB, max_seq_len=16,
-                               attn_layers=Decoder(dim=32, depth=2, heads=4, attn_dim_head=8, **attn_kwargs))
+    model = TransformerWrapper(
+        num_tokens=VOCAB,
+        max_seq_len=16,
+        attn_layers=Decoder(dim=32, depth=2, heads=4, attn_dim_head=8, **attn_kwargs),
+    )
     for _, a in modules_of(model, XAttention):
         scale_rows_(a.to_q.weight, slice(None), 3.0)
         scale_rows_(a.to_k.weight, slice(None), 3.0)
 
     def qk(model):
-        return {n: pair(heads(a.to_q.weight, a.heads), heads(a.to_k.weight, a.kv_heads), modulo(a.heads, a.kv_heads))
-                for n, a in modules_of(model, XAttention)}
+        return {
+            n: pair(
+                heads(a.to_q.weight, a.heads),
+                heads(a.to_k.weight, a.kv_heads),
+                modulo(a.heads, a.kv_heads),
+            )
+            for n, a in modules_of(model, XAttention)
+        }
 
-    return Built(no_dropout(model).train(), causal_lm(tokens(), hf=False), qk, {"before": "to_q", "after": "to_out"})
+    return Built(
+        no_dropout(model).train(),
+        causal_lm(tokens(), hf=False),
+        qk,
+        {"before": "to_q", "after": "to_out"},
+    )
 
 
 entry("xtransformers-softmax", "x_transformers")(lambda: _xtransformers())
 entry("xtransformers-sdpa", "x_transformers")(lambda: _xtransformers(attn_flash=True))
 entry("xtransformers-gqa", "x_transformers")(lambda: _xtransformers(attn_kv_heads=2))
 # ALiBi through SDPA: a float attn_mask, the causal part filled with -finfo.max // 2 (not -inf)
-entry("xtransformers-alibi-sdpa", "x_transformers")(lambda: _xtransformers(attn_flash=True, alibi_pos_bias=True))
+entry("xtransformers-alibi-sdpa", "x_transformers")(
+    lambda: _xtransformers(attn_flash=True, alibi_pos_bias=True)
+)
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face
+
 
 def _gpt_neox(impl: str) -> Built:
     transformers = pytest.importorskip("transformers")
     from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
 
-    config = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, max_position_embeddings=32, attention_dropout=0.0,
-                                        hidden_dropout=0.0, initializer_range=0.2)
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        initializer_range=0.2,
+    )
 
     def neox_rows(a, which):  # rows [H, 3, d_k]: head h's q, k, v are consecutive d_k blocks
         hd = a.head_size
-        return torch.cat([torch.arange(h * 3 * hd + which * hd, h * 3 * hd + (which + 1) * hd) for h in range(4)])
+        return torch.cat(
+            [torch.arange(h * 3 * hd + which * hd, h * 3 * hd + (which + 1) * hd) for h in range(4)]
+        )
 
     def sharpen(model):
         for _, a in modules_of(model, GPTNeoXAttention):
-            scale_rows_(a.query_key_value.weight, torch.cat([neox_rows(a, 0), neox_rows(a, 1)]), 1.5)
+            scale_rows_(
+                a.query_key_value.weight, torch.cat([neox_rows(a, 0), neox_rows(a, 1)]), 1.5
+            )
 
     model = hf_build(transformers.GPTNeoXForCausalLM, config, impl, sharpen)
 
@@ -664,11 +789,23 @@ def _phi3() -> Built:
     transformers = pytest.importorskip("transformers")
     from transformers.models.phi3.modeling_phi3 import Phi3Attention
 
-    config = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                     original_max_position_embeddings=32, pad_token_id=0, bos_token_id=1,
-                                     eos_token_id=2, initializer_range=0.2, attention_dropout=0.0,
-                                     resid_pdrop=0.0, embd_pdrop=0.0)
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        original_max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+        attention_dropout=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
     q_size, k_size = 32, 2 * 8
 
     def sharpen(model):
@@ -681,7 +818,9 @@ def _phi3() -> Built:
         out = {}
         for n, a in modules_of(model, Phi3Attention):
             w = a.qkv_proj.weight  # rows [q (H·d_k) | k (H_kv·d_k) | v (H_kv·d_k)]
-            out[n] = pair(heads(w[:q_size], 4), heads(w[q_size:q_size + k_size], 2), blocked(4, 2))
+            out[n] = pair(
+                heads(w[:q_size], 4), heads(w[q_size : q_size + k_size], 2), blocked(4, 2)
+            )
         return out
 
     return Built(model, causal_lm(tokens()), qk, {"before": "qkv_proj", "after": "o_proj"})
@@ -691,9 +830,20 @@ def _t5(impl: str) -> Built:
     transformers = pytest.importorskip("transformers")
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                   num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-                                   relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+    )
 
     def sharpen(model):
         for _, a in modules_of(model, T5Attention):
@@ -704,8 +854,10 @@ def _t5(impl: str) -> Built:
     src, src_mask, tgt = tokens(1), padding_mask(pad=3), tokens(2, seq=10)
 
     def qk(model):
-        return {n: (heads(a.q.weight, a.n_heads), heads(a.k.weight, a.n_heads))
-                for n, a in modules_of(model, T5Attention)}
+        return {
+            n: (heads(a.q.weight, a.n_heads), heads(a.k.weight, a.n_heads))
+            for n, a in modules_of(model, T5Attention)
+        }
 
     def loss(m):
         logits = m(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt).logits
@@ -724,11 +876,25 @@ def _modernbert() -> Built:
     from transformers.models.modernbert.modeling_modernbert import ModernBertAttention
 
     # a sliding window of 2 on either side in the second layer (the first is global), and padding
-    config = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, max_position_embeddings=32, pad_token_id=0,
-                                           bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
-                                           global_attn_every_n_layers=2, local_attention=4, initializer_range=0.2,
-                                           attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0)
+    config = transformers.ModernBertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+        global_attn_every_n_layers=2,
+        local_attention=4,
+        initializer_range=0.2,
+        attention_dropout=0.0,
+        embedding_dropout=0.0,
+        mlp_dropout=0.0,
+    )
 
     def sharpen(model):
         for _, a in modules_of(model, ModernBertAttention):
@@ -738,20 +904,35 @@ def _modernbert() -> Built:
     ids, mask = tokens(), padding_mask()
 
     def qk(model):
-        return {n: (heads(a.Wqkv.weight[:32], 4), heads(a.Wqkv.weight[32:64], 4))
-                for n, a in modules_of(model, ModernBertAttention)}
+        return {
+            n: (heads(a.Wqkv.weight[:32], 4), heads(a.Wqkv.weight[32:64], 4))
+            for n, a in modules_of(model, ModernBertAttention)
+        }
 
-    return Built(model, lambda m: mlm_loss(m(input_ids=ids, attention_mask=mask).logits, ids), qk,
-                 {"before": "Wqkv", "after": "Wo"})
+    return Built(
+        model,
+        lambda m: mlm_loss(m(input_ids=ids, attention_mask=mask).logits, ids),
+        qk,
+        {"before": "Wqkv", "after": "Wo"},
+    )
 
 
 def _distilbert(impl: str) -> Built:
     transformers = pytest.importorskip("transformers")
     from transformers.models.distilbert.modeling_distilbert import DistilBertSelfAttention
 
-    config = transformers.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-                                           dropout=0.0, attention_dropout=0.0, max_position_embeddings=32,
-                                           pad_token_id=0, initializer_range=0.2)
+    config = transformers.DistilBertConfig(
+        vocab_size=VOCAB,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        hidden_dim=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        initializer_range=0.2,
+    )
 
     def sharpen(model):
         for _, a in modules_of(model, DistilBertSelfAttention):
@@ -762,11 +943,17 @@ def _distilbert(impl: str) -> Built:
     ids, mask = tokens(), padding_mask()
 
     def qk(model):
-        return {n: (heads(a.q_lin.weight, a.n_heads), heads(a.k_lin.weight, a.n_heads))
-                for n, a in modules_of(model, DistilBertSelfAttention)}
+        return {
+            n: (heads(a.q_lin.weight, a.n_heads), heads(a.k_lin.weight, a.n_heads))
+            for n, a in modules_of(model, DistilBertSelfAttention)
+        }
 
-    return Built(model, lambda m: mlm_loss(m(input_ids=ids, attention_mask=mask).logits, ids), qk,
-                 {"before": "q_lin", "after": "out_lin"})
+    return Built(
+        model,
+        lambda m: mlm_loss(m(input_ids=ids, attention_mask=mask).logits, ids),
+        qk,
+        {"before": "q_lin", "after": "out_lin"},
+    )
 
 
 entry("hf-distilbert-eager", "transformers")(lambda: _distilbert("eager"))
@@ -777,9 +964,18 @@ def _bigcode(impl: str) -> Built:
     transformers = pytest.importorskip("transformers")
     from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeAttention
 
-    config = transformers.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                                           multi_query=True, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                           initializer_range=0.2)
+    config = transformers.GPTBigCodeConfig(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        multi_query=True,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        initializer_range=0.2,
+    )
 
     def sharpen(model):
         for _, a in modules_of(model, GPTBigCodeAttention):
@@ -811,18 +1007,36 @@ def _falcon(impl: str, layout: str, padded: bool = False) -> Built:
         # the "new decoder architecture" (Falcon-40B/180B): per group [H/H_kv queries, k, v]
         "gqa": {"new_decoder_architecture": True, "num_kv_heads": 2},
         # Falcon-RW: multi-head with ALiBi, per head [q, k, v]; ALiBi/sqrt(d_k) added to the float mask
-        "alibi": {"new_decoder_architecture": False, "multi_query": False, "alibi": True, "parallel_attn": False},
+        "alibi": {
+            "new_decoder_architecture": False,
+            "multi_query": False,
+            "alibi": True,
+            "parallel_attn": False,
+        },
     }[layout]
-    config = transformers.FalconConfig(**{"alibi": False, **arch}, vocab_size=VOCAB, hidden_size=32,
-                                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
-                                       attention_dropout=0.0, hidden_dropout=0.0, bias=False, initializer_range=0.2)
+    config = transformers.FalconConfig(
+        **{"alibi": False, **arch},
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bias=False,
+        initializer_range=0.2,
+    )
     hd = 8
 
     def rows(which: str) -> tuple[Tensor, int, list[int]]:
         """(rows of the fused weight, number of heads they hold, query head -> key head)."""
         if layout == "gqa":
             per = 4 // 2 + 2  # blocks per group
-            idx = [g * per + j for g in range(2) for j in range(2)] if which == "q" else [g * per + 2 for g in range(2)]
+            idx = (
+                [g * per + j for g in range(2) for j in range(2)]
+                if which == "q"
+                else [g * per + 2 for g in range(2)]
+            )
             groups = blocked(4, 2)
         elif layout == "mqa":
             idx, groups = (list(range(4)) if which == "q" else [4]), [0] * 4
@@ -845,8 +1059,12 @@ def _falcon(impl: str, layout: str, padded: bool = False) -> Built:
         return out
 
     ids = tokens()
-    return Built(model, causal_lm(ids, padding_mask() if padded else None), qk,
-                 {"before": "query_key_value", "after": "dense"})
+    return Built(
+        model,
+        causal_lm(ids, padding_mask() if padded else None),
+        qk,
+        {"before": "query_key_value", "after": "dense"},
+    )
 
 
 entry("hf-falcon-mqa-sdpa", "transformers")(lambda: _falcon("sdpa", "mqa"))
@@ -859,11 +1077,20 @@ def _bloom() -> Built:
     transformers = pytest.importorskip("transformers")
     from transformers.models.bloom.modeling_bloom import BloomAttention
 
-    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, attention_dropout=0.0,
-                                      hidden_dropout=0.0, initializer_range=0.2)
+    config = transformers.BloomConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        n_layer=2,
+        n_head=4,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        initializer_range=0.2,
+    )
 
     def bloom_rows(which):  # rows [H, 3, d_k]
-        return torch.cat([torch.arange(h * 24 + which * 8, h * 24 + (which + 1) * 8) for h in range(4)])
+        return torch.cat(
+            [torch.arange(h * 24 + which * 8, h * 24 + (which + 1) * 8) for h in range(4)]
+        )
 
     def sharpen(model):
         for _, a in modules_of(model, BloomAttention):

@@ -58,7 +58,9 @@ def head_statistics(p: torch.Tensor, allowed: torch.Tensor) -> dict[str, torch.T
     plogp = torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0)
     entropy = -plogp.sum(-1)
     multi, some = n > 1, n >= 1
-    entropy_norm = torch.where(multi, entropy / torch.log(n.clamp_min(2)), 0.0).sum((0, 2)) / multi.sum((0, 2))
+    entropy_norm = torch.where(multi, entropy / torch.log(n.clamp_min(2)), 0.0).sum(
+        (0, 2)
+    ) / multi.sum((0, 2))
     max_prob = torch.where(some, p.amax(-1), 0.0).sum((0, 2)) / some.sum((0, 2))
     return {"entropy_norm": entropy_norm, "max_prob": max_prob}
 
@@ -73,8 +75,9 @@ _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"
 _MHA = inspect.signature(F.multi_head_attention_forward)
 
 
-def sdpa_reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):
+def sdpa_reference(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """torch's SDPA by its definition in float64: (P, allowed, P @ V)."""
     assert dropout_p == 0.0, "dropout must be off"
     q, k, v = query.double(), key.double(), value.double()
@@ -114,7 +117,7 @@ def mha_reference(arguments: dict):
     length, batch, _ = a["query"].shape
 
     def project(x, i):
-        y = x.double() @ w[i * e:(i + 1) * e].T + b[i * e:(i + 1) * e]
+        y = x.double() @ w[i * e : (i + 1) * e].T + b[i * e : (i + 1) * e]
         return y.reshape(y.shape[0], batch, h, e // h).permute(1, 2, 0, 3)  # (B, H, L, d_k)
 
     q, k, v = project(a["query"], 0), project(a["key"], 1), project(a["value"], 2)
@@ -123,7 +126,11 @@ def mha_reference(arguments: dict):
     for mask, shape in ((a["key_padding_mask"], (batch, 1, 1, -1)), (a["attn_mask"], None)):
         if mask is None:
             continue
-        mask = mask.reshape(shape) if shape else (mask.reshape(batch, h, *mask.shape[-2:]) if mask.dim() == 3 else mask)
+        mask = (
+            mask.reshape(shape)
+            if shape
+            else (mask.reshape(batch, h, *mask.shape[-2:]) if mask.dim() == 3 else mask)
+        )
         if mask.dtype == torch.bool:  # True: may NOT attend (torch's convention)
             allowed = allowed & ~mask
         else:
@@ -160,6 +167,7 @@ class Capture(TorchFunctionMode):
     def _enter(self, name):
         def hook(module, args):
             self.stack.append(name)
+
         return hook
 
     def _leave(self, module, args, output):
@@ -173,23 +181,34 @@ class Capture(TorchFunctionMode):
         def recorded(q, k, v, *, causal=False, key_padding_mask=None, scale=None, **kwargs):
             self.paused = True
             try:
-                out = fn(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, **kwargs)
+                out = fn(
+                    q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, **kwargs
+                )
             finally:
                 self.paused = False
             if self.stack:
                 n, m = q.shape[-2], k.shape[-2]
-                mask = torch.ones(n, m, dtype=torch.bool).tril(m - n) if causal else None  # bottom-right
+                mask = (
+                    torch.ones(n, m, dtype=torch.bool).tril(m - n) if causal else None
+                )  # bottom-right
                 if key_padding_mask is not None:
                     keep = key_padding_mask.bool()[:, None, None, :]
                     mask = keep if mask is None else mask & keep
-                self._add("sdpa", {"query": q, "key": k, "value": v, "attn_mask": mask, "scale": scale}, out)
+                self._add(
+                    "sdpa",
+                    {"query": q, "key": k, "value": v, "attn_mask": mask, "scale": scale},
+                    out,
+                )
             return out
+
         return recorded
 
     def _add(self, kind, arguments, out):
         detach = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x
         out = out[0] if isinstance(out, tuple) else out
-        self.records[self.stack[-1]].append((kind, {k: detach(v) for k, v in arguments.items()}, detach(out)))
+        self.records[self.stack[-1]].append(
+            (kind, {k: detach(v) for k, v in arguments.items()}, detach(out))
+        )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -249,19 +268,26 @@ def one_thread():
 #: T5 has no SDPA path, DistilBERT's attention class had another name, ModernBERT's reference
 #: here follows 5.x's masks, and GPT-BigCode's eager multi-query path folds the heads into the
 #: query sequence (qkmonitor then finds no (B, H, N, M) softmax and says the layer did not run).
-NEEDS_TRANSFORMERS_5 = {"hf-t5-sdpa", "hf-modernbert", "hf-distilbert-eager", "hf-distilbert-sdpa",
-                        "hf-gpt-bigcode-mqa-eager"}
+NEEDS_TRANSFORMERS_5 = {
+    "hf-t5-sdpa",
+    "hf-modernbert",
+    "hf-distilbert-eager",
+    "hf-distilbert-sdpa",
+    "hf-gpt-bigcode-mqa-eager",
+}
 
 
 def build(name: str) -> Built:
     for module in ZOO[name].requires:
         pytest.importorskip(module)
     if name in NEEDS_TRANSFORMERS_5:
-        from packaging.version import Version
         import transformers
+        from packaging.version import Version
 
         if Version(transformers.__version__) < Version("5.0"):
-            pytest.skip(f"{name}: tested from transformers 5.0 (installed: {transformers.__version__})")
+            pytest.skip(
+                f"{name}: tested from transformers 5.0 (installed: {transformers.__version__})"
+            )
     return ZOO[name].build()
 
 
@@ -291,17 +317,25 @@ def test_zoo_matches_float64_references(name, monkeypatch, leftovers):
     layers = {layer.name: i for i, layer in enumerate(spectrum.layers)}
     assert sorted(layers) == sorted(expected_qk), (
         f"qkmonitor found {list(layers)} ({[type(l.module).__name__ for l in spectrum.layers]}), "
-        f"expected {list(expected_qk)}")
+        f"expected {list(expected_qk)}"
+    )
 
     # 1. κ per head, from the weights
     for layer_name, (wq, wk) in expected_qk.items():
         got = spectrum.latest["kappa"][layers[layer_name]]
-        torch.testing.assert_close(got.double(), kappa_reference(wq, wk), rtol=1e-5, atol=1e-7,
-                                   msg=lambda m, n=layer_name: f"kappa of {n}: {m}")
+        torch.testing.assert_close(
+            got.double(),
+            kappa_reference(wq, wk),
+            rtol=1e-5,
+            atol=1e-7,
+            msg=lambda m, n=layer_name: f"kappa of {n}: {m}",
+        )
 
     # 3. the monitored loss is the unmonitored twin's, bit for bit
     twin_loss = built.loss(twin).detach()
-    assert torch.equal(loss, twin_loss), f"monitored loss {loss.item()!r} != unmonitored {twin_loss.item()!r}"
+    assert torch.equal(loss, twin_loss), (
+        f"monitored loss {loss.item()!r} != unmonitored {twin_loss.item()!r}"
+    )
 
     # 2. statistics from the twin's own q, k and masks, captured in a forward that is bit-identical
     capture = Capture(twin, list(expected_qk), built.kernel_patches, monkeypatch)
@@ -311,22 +345,38 @@ def test_zoo_matches_float64_references(name, monkeypatch, leftovers):
     finally:
         capture.close()
     monkeypatch.undo()
-    assert torch.equal(captured_loss, twin_loss), "the capturing forward is not the same computation"
+    assert torch.equal(captured_loss, twin_loss), (
+        "the capturing forward is not the same computation"
+    )
     for layer_name, records in capture.records.items():
-        assert len(records) == 1, f"{layer_name}: {len(records)} attention calls recorded, expected 1"
+        assert len(records) == 1, (
+            f"{layer_name}: {len(records)} attention calls recorded, expected 1"
+        )
         reference, problems = reference_statistics(records)
-        assert not problems, f"{layer_name}: the float64 reference does not reproduce the model: {problems}"
-        assert 0.2 < reference["entropy_norm"].mean() < 0.9, (  # a test of something: not near-uniform
-            f"{layer_name}: reference entropy_norm {reference['entropy_norm']} (sharpen the zoo entry)")
+        assert not problems, (
+            f"{layer_name}: the float64 reference does not reproduce the model: {problems}"
+        )
+        assert (
+            0.2 < reference["entropy_norm"].mean() < 0.9
+        ), (  # a test of something: not near-uniform
+            f"{layer_name}: reference entropy_norm {reference['entropy_norm']} (sharpen the zoo entry)"
+        )
         i = layers[layer_name]
         for metric in ("entropy_norm", "max_prob"):
-            torch.testing.assert_close(entropy.latest[metric][i].double(), reference[metric], rtol=0,
-                                       atol=built.atol, msg=lambda m, n=layer_name, k=metric: f"{k} of {n}: {m}")
+            torch.testing.assert_close(
+                entropy.latest[metric][i].double(),
+                reference[metric],
+                rtol=0,
+                atol=built.atol,
+                msg=lambda m, n=layer_name, k=metric: f"{k} of {n}: {m}",
+            )
 
     # layer order: that of model.named_modules()
     order = [n for n, _ in model.named_modules() if n in layers]
     assert [layer.name for layer in spectrum.layers] == order
-    assert [layer.index for layer in qkmonitor.find_attention_layers(model)] == list(range(len(order)))
+    assert [layer.index for layer in qkmonitor.find_attention_layers(model)] == list(
+        range(len(order))
+    )
 
 
 class Boom(RuntimeError):
@@ -351,8 +401,11 @@ def test_a_step_that_raises_inside_attention_leaves_nothing(name, where, leftove
     handle = None
     if child is not None:
         module = model.get_submodule(f"{target}.{child}")
-        handle = (module.register_forward_pre_hook(boom) if where == "before"
-                  else module.register_forward_hook(boom))
+        handle = (
+            module.register_forward_pre_hook(boom)
+            if where == "before"
+            else module.register_forward_hook(boom)
+        )
     else:  # no child module runs inside (nn.MultiheadAttention): patch the function it calls
         owner, attr = built.fail_patch
         original, calls = getattr(owner, attr), []
@@ -367,8 +420,10 @@ def test_a_step_that_raises_inside_attention_leaves_nothing(name, where, leftove
 
         monkeypatch.setattr(owner, attr, failing)
 
-    configs = [(m.__dict__.get("config"), getattr(m.__dict__.get("config"), "_attn_implementation", None))
-               for m in model.modules()]
+    configs = [
+        (m.__dict__.get("config"), getattr(m.__dict__.get("config"), "_attn_implementation", None))
+        for m in model.modules()
+    ]
     spectrum, entropy = QKSpectrum(per_head=True), AttentionEntropy(per_head=True)
     monitoring = Monitoring(model, [spectrum, entropy], writer=MemorySink(), every_n_steps=1)
     try:
@@ -380,8 +435,10 @@ def test_a_step_that_raises_inside_attention_leaves_nothing(name, where, leftove
         monkeypatch.undo()
     assert leftovers(model) == []
     assert torch._C._len_torch_function_stack() == 0
-    assert configs == [(m.__dict__.get("config"), getattr(m.__dict__.get("config"), "_attn_implementation", None))
-                       for m in model.modules()], "a Hugging Face config (or its attention implementation) changed"
+    assert configs == [
+        (m.__dict__.get("config"), getattr(m.__dict__.get("config"), "_attn_implementation", None))
+        for m in model.modules()
+    ], "a Hugging Face config (or its attention implementation) changed"
 
     with monitoring.step(1):  # a clean step after the failure measures every layer
         built.loss(model).backward()

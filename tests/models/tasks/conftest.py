@@ -26,12 +26,22 @@ class ValidationHistory(pl.Callback):
 def fit(tmp_path):
     """``fit(task, data, steps, val_every)`` trains on a real CPU Trainer; returns the history."""
 
-    def run(task: pl.LightningModule, data: pl.LightningDataModule, steps: int, val_every: int) -> ValidationHistory:
+    def run(
+        task: pl.LightningModule, data: pl.LightningDataModule, steps: int, val_every: int
+    ) -> ValidationHistory:
         history = ValidationHistory()
         trainer = pl.Trainer(
-            default_root_dir=tmp_path, max_steps=steps, accelerator="cpu", devices=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            val_check_interval=val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+            default_root_dir=tmp_path,
+            max_steps=steps,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            val_check_interval=val_every,
+            check_val_every_n_epoch=None,
+            num_sanity_val_steps=0,
             callbacks=[history],
         )
         threads = torch.get_num_threads()

@@ -17,7 +17,9 @@ def unpadded(row: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_target_is_the_source_copied_or_reversed_then_eos(reverse):
-    source, decoder_input, targets = make_copy_batch(300, 2, 9, 5, reverse, torch.Generator().manual_seed(0))
+    source, decoder_input, targets = make_copy_batch(
+        300, 2, 9, 5, reverse, torch.Generator().manual_seed(0)
+    )
     assert source.shape == (300, 9) and decoder_input.shape == targets.shape == (300, 10)
     lengths = set()
     for src, inp, tgt in zip(source, decoder_input, targets):
@@ -57,7 +59,9 @@ def test_bad_arguments_name_the_argument(kwargs, match):
 
 
 def test_task_checks_its_arguments_and_masks_padding():
-    config = TransformerConfig(vocab_size=8, d_model=16, n_heads=2, max_seq_len=6, positional="learned")
+    config = TransformerConfig(
+        vocab_size=8, d_model=16, n_heads=2, max_seq_len=6, positional="learned"
+    )
     with pytest.raises(ValueError, match="`decay_steps` to be a positive int"):
         Seq2SeqTask(config, decay_steps=0)
     with pytest.raises(ValueError, match="`lr` >= 0"):
@@ -67,7 +71,9 @@ def test_task_checks_its_arguments_and_masks_padding():
     changed = torch.tensor([[3, 4, 5, 7, 6]])
     decoder_input = torch.tensor([[BOS, 5, 4]])
     with torch.no_grad():  # padding is invisible: only unmasked source tokens change the output
-        torch.testing.assert_close(task(source, decoder_input), task(source, decoder_input), rtol=0, atol=0)
+        torch.testing.assert_close(
+            task(source, decoder_input), task(source, decoder_input), rtol=0, atol=0
+        )
         masked = task.model(changed, decoder_input, torch.tensor([[True] * 3 + [False] * 2]))
         torch.testing.assert_close(task(source, decoder_input), masked, rtol=1e-5, atol=1e-5)
     assert task.greedy_decode(source, 4).shape == (1, 4)
@@ -79,8 +85,14 @@ def test_encoder_decoder_learns_to_copy_and_reverse(fit, reverse):
     """Lengths 3-10 over 10 symbols, 500 steps (~25 s each): greedy decoding gets whole strings right."""
     pl.seed_everything(0, verbose=False)
     data = CopyReverseDataModule(reverse=reverse, val_size=512, seed=0)
-    config = TransformerConfig(vocab_size=data.vocab_size, d_model=64, n_layers=2, n_heads=4,
-                               max_seq_len=data.seq_len, positional="learned")
+    config = TransformerConfig(
+        vocab_size=data.vocab_size,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=data.seq_len,
+        positional="learned",
+    )
     task = Seq2SeqTask(config, lr=3e-3, warmup_steps=50, decay_steps=500)
     last = fit(task, data, steps=500, val_every=250).history[-1]
     assert last["val_acc"] >= 0.97  # teacher-forced tokens; chance is 1/10

@@ -53,8 +53,16 @@ def test_bad_arguments_name_the_argument(kwargs, match):
 
 
 def _task(positional: str, size: int) -> VisionClassificationTask:
-    config = TransformerConfig(vocab_size=1, d_model=64, n_layers=2, n_heads=4, positional=positional,
-                               grid_size=(size, size), patch_dim=2, num_classes=3)
+    config = TransformerConfig(
+        vocab_size=1,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        positional=positional,
+        grid_size=(size, size),
+        patch_dim=2,
+        num_classes=3,
+    )
     return VisionClassificationTask(config, lr=3e-3, warmup_steps=50, decay_steps=300)
 
 
@@ -71,8 +79,12 @@ def test_without_positions_the_model_cannot_tell_the_grids_apart():
 def test_rope_2d_learns_the_relation_while_no_positions_stay_at_chance(fit):
     """6 x 6 grids, 300 steps each (~15 s each): axial RoPE solves it, a set model cannot."""
     pl.seed_everything(0, verbose=False)
-    rope = fit(_task("rope_2d", 6), GridRelationDataModule(6, 6, seed=0), steps=300, val_every=150).history[-1]
+    rope = fit(
+        _task("rope_2d", 6), GridRelationDataModule(6, 6, seed=0), steps=300, val_every=150
+    ).history[-1]
     pl.seed_everything(0, verbose=False)
-    bag = fit(_task("none", 6), GridRelationDataModule(6, 6, seed=0), steps=300, val_every=150).history[-1]
+    bag = fit(
+        _task("none", 6), GridRelationDataModule(6, 6, seed=0), steps=300, val_every=150
+    ).history[-1]
     assert rope["val_acc"] >= 0.95
     assert bag["val_acc"] <= 1 / 3 + 0.01  # exactly a third: it outputs one class for every grid

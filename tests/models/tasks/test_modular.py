@@ -15,7 +15,9 @@ def test_every_equation_appears_once_with_the_sum_mod_p_as_its_only_target():
     tokens, targets = make_modular_addition(p)
     assert tokens.shape == targets.shape == (p * p, 4)
     assert (tokens[:, 1] == p).all() and (tokens[:, 3] == p + 1).all()  # "+" and "="
-    assert {(a, b) for a, b in tokens[:, [0, 2]].tolist()} == {(a, b) for a in range(p) for b in range(p)}
+    assert {(a, b) for a, b in tokens[:, [0, 2]].tolist()} == {
+        (a, b) for a in range(p) for b in range(p)
+    }
     assert (targets[:, :3] == IGNORE_INDEX).all()
     for (a, _, b, _), c in zip(tokens.tolist(), targets[:, 3].tolist()):
         assert c == (a + b) % p and 0 <= c < p
@@ -59,8 +61,15 @@ def test_small_transformer_groks_modular_addition(fit):
     """p = 23, 60% of the pairs, weight decay 1.0: memorizes first, then generalizes (~40 s)."""
     pl.seed_everything(0, verbose=False)
     data = ModularAdditionDataModule(modulus=23, train_fraction=0.6, seed=0)
-    config = TransformerConfig(vocab_size=data.vocab_size, d_model=64, n_layers=1, n_heads=4, max_seq_len=4)
-    history = fit(CausalLMTask(config, lr=3e-3, weight_decay=1.0, warmup_steps=50), data, steps=2000, val_every=250)
+    config = TransformerConfig(
+        vocab_size=data.vocab_size, d_model=64, n_layers=1, n_heads=4, max_seq_len=4
+    )
+    history = fit(
+        CausalLMTask(config, lr=3e-3, weight_decay=1.0, warmup_steps=50),
+        data,
+        steps=2000,
+        val_every=250,
+    )
     assert history.history[0]["train_acc"] == 1.0  # memorized at the first check ...
     assert history.history[0]["val_acc"] < 0.8  # ... while held-out pairs are mostly wrong
     assert history.best("val_acc") >= 0.95  # chance is 1/23
