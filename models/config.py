@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qkmonitor.validation import check_positive_int
+
 __all__ = ["ATTENTION_SCALES", "POSITIONAL", "TransformerConfig"]
 
 POSITIONAL = ("none", "learned", "sinusoidal", "rope", "rope_interleaved", "rope_2d", "rope_3d")
@@ -61,7 +63,7 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.n_decoder_layers is None:
@@ -73,10 +75,10 @@ class TransformerConfig:
         if self.scale_train_len is None:
             self.scale_train_len = self.max_seq_len
         for name in ("n_kv_heads", "n_decoder_layers", "d_ff", "scale_train_len"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("num_classes", "patch_dim"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
+                check_positive_int(name, getattr(self, name))
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"Expected `d_model` ({self.d_model}) to be divisible by `n_heads` ({self.n_heads})"
@@ -107,7 +109,7 @@ class TransformerConfig:
         if self.grid_size is not None:
             self.grid_size = tuple(self.grid_size)
             for size in self.grid_size:
-                _check_positive_int("grid_size", size)
+                check_positive_int("grid_size", size)
         axes = {"rope_2d": 2, "rope_3d": 3}.get(self.positional)
         if axes is not None and (self.grid_size is None or len(self.grid_size) != axes):
             raise ValueError(
@@ -121,11 +123,6 @@ class TransformerConfig:
 
 def _round_up(value: int, multiple: int) -> int:
     return max(multiple, (value + multiple - 1) // multiple * multiple)
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
 
 
 def _check_choice(name: str, value, choices: tuple) -> None:

@@ -125,8 +125,6 @@ TASKS = tuple(TASK_DEFAULTS)
 _PER_TASK = "default: per task, see below"
 
 
-#: The bundled models' position encodings (``qkmonitor.models.POSITIONAL``; a test keeps them equal).
-POSITIONAL = ("none", "learned", "sinusoidal", "rope", "rope_interleaved", "rope_2d", "rope_3d")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
 
@@ -158,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         "monitors on (qkmonitor train), or read a run back (qkmonitor report).",
     )
     from qkmonitor import __version__
+    from qkmonitor.models.config import POSITIONAL
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -193,11 +193,14 @@ def test_bad_values_are_reported_in_plain_words(capsys):
 
 
 def test_the_positional_choices_are_the_models():
-    from qkmonitor.models.config import POSITIONAL as MODELS_POSITIONAL
+    from qkmonitor.models.config import POSITIONAL
 
-    from qkmonitor.cli import POSITIONAL
+    from qkmonitor.cli import build_parser
 
-    assert POSITIONAL == MODELS_POSITIONAL
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    train = commands.choices["train"]
+    (positional,) = (a for a in train._actions if a.dest == "positional")
+    assert positional.choices == POSITIONAL
 
 
 def test_version_prints_the_package_version(capsys):
