@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from qkmonitor.validation import check_positive_int, check_real
+
 __all__ = [
     "LearnedPositionalEmbedding",
     "NDimensionalRoPE",
@@ -43,23 +45,8 @@ ROPE_SCALING_KINDS = ("linear", "ntk", "yarn")
 # --------------------------------------------------------------------------- validation helpers
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
-
-
-def _check_base(base: object) -> None:
-    if (
-        isinstance(base, bool)
-        or not isinstance(base, (int, float))
-        or not math.isfinite(base)
-        or base <= 1
-    ):
-        raise ValueError(f"Expected `base` to be a finite number > 1, got {base!r}")
-
-
 def _check_even_head_dim(head_dim: object) -> None:
-    _check_positive_int("head_dim", head_dim)
+    check_positive_int("head_dim", head_dim)
     if head_dim % 2:
         raise ValueError(
             f"Expected `head_dim` to be even (RoPE rotates pairs of dims), got {head_dim}"
@@ -95,9 +82,9 @@ def sinusoidal_encoding(
     Raises:
         ValueError: if ``num_positions`` or ``dim`` is not a positive int, or ``base`` is not > 1.
     """
-    _check_positive_int("num_positions", num_positions)
-    _check_positive_int("dim", dim)
-    _check_base(base)
+    check_positive_int("num_positions", num_positions)
+    check_positive_int("dim", dim)
+    check_real("base", base, above=1)
     n_freq = (dim + 1) // 2
     freq = float(base) ** (-torch.arange(n_freq, dtype=torch.float64) * 2 / dim)  # (dim/2,)
     angles = torch.arange(num_positions, dtype=torch.float64)[:, None] * freq  # (T, dim/2)
@@ -160,8 +147,8 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def __init__(self, max_len: int, dim: int) -> None:
         super().__init__()
-        _check_positive_int("max_len", max_len)
-        _check_positive_int("dim", dim)
+        check_positive_int("max_len", max_len)
+        check_positive_int("dim", dim)
         self.max_len, self.dim = max_len, dim
         self.weight = nn.Parameter(torch.empty(max_len, dim))
         self.reset_parameters()
@@ -221,23 +208,16 @@ class RopeScaling:
             raise ValueError(
                 f"Expected `kind` to be one of {ROPE_SCALING_KINDS}, got {self.kind!r}"
             )
-        if not _is_real(self.factor) or not math.isfinite(self.factor) or self.factor <= 1:
-            raise ValueError(f"Expected `factor` to be a finite number > 1, got {self.factor!r}")
+        check_real("factor", self.factor, above=1)
         if self.original_max_len is not None or self.kind == "yarn":
-            _check_positive_int("original_max_len", self.original_max_len)
+            check_positive_int("original_max_len", self.original_max_len)
         for name in ("beta_fast", "beta_slow"):
-            value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"Expected `{name}` to be a finite number > 0, got {value!r}")
+            check_real(name, getattr(self, name), above=0)
         if self.beta_fast <= self.beta_slow:
             raise ValueError(
                 f"Expected `beta_fast` > `beta_slow`, got beta_fast={self.beta_fast}, "
                 f"beta_slow={self.beta_slow}"
             )
-
-
-def _is_real(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 def rope_inv_freq(
@@ -275,7 +255,7 @@ def rope_inv_freq(
             ``head_dim == 2``, or a ``scaling`` that is not a :class:`RopeScaling`.
     """
     _check_even_head_dim(head_dim)
-    _check_base(base)
+    check_real("base", base, above=1)
     exponent = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim  # 2i/d
     if scaling is None:
         return float(base) ** -exponent
@@ -413,7 +393,7 @@ class RotaryEmbedding(nn.Module):
         scaling: RopeScaling | None = None,
     ) -> None:
         super().__init__()
-        _check_positive_int("max_seq_len", max_seq_len)
+        check_positive_int("max_seq_len", max_seq_len)
         self.head_dim, self.max_seq_len, self.base = head_dim, max_seq_len, base
         self.interleaved, self.scaling = bool(interleaved), scaling
         self.inv_freq = rope_inv_freq(head_dim, base, scaling)  # (D/2,) float64
@@ -526,7 +506,7 @@ def grid_coords(*sizes: int) -> Tensor:
     if not sizes:
         raise ValueError("Expected at least one grid size in `sizes`")
     for size in sizes:
-        _check_positive_int("sizes", size)
+        check_positive_int("sizes", size)
     axes = torch.meshgrid(*(torch.arange(s) for s in sizes), indexing="ij")
     return torch.stack([a.reshape(-1) for a in axes], dim=-1)
 
@@ -576,8 +556,8 @@ class NDimensionalRoPE(nn.Module):
         if not axes_max_len:
             raise ValueError("Expected `axes_max_len` to name at least one axis, got ()")
         for length in axes_max_len:
-            _check_positive_int("axes_max_len", length)
-        _check_positive_int("head_dim", head_dim)
+            check_positive_int("axes_max_len", length)
+        check_positive_int("head_dim", head_dim)
         n_axes = len(axes_max_len)
         if head_dim % n_axes or (head_dim // n_axes) % 2:
             raise ValueError(

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from qkmonitor.functional import masked_softmax
+from qkmonitor.validation import check_int_at_least, check_real
 
 __all__ = [
     "ATTENTION_SCALE_POLICIES",
@@ -76,18 +77,6 @@ class AttentionScale(ABC):
         """A one-line formula with the parameters filled in (for logs and reports)."""
 
 
-def _check_positive_int(name: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"Expected `{name}` to be an int >= {minimum}, got {value!r}")
-
-
-def _check_real(name: str, value: object, *, positive: bool) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or (value <= 0 if positive else value < 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"Expected `{name}` to be a finite number {bound}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class StandardScale(AttentionScale):
     r"""The usual constant :math:`λ = 1/\sqrt{d_k}` (Vaswani et al.).
@@ -108,7 +97,7 @@ class StandardScale(AttentionScale):
     constant: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        _check_positive_int("head_dim", self.head_dim)
+        check_int_at_least("head_dim", self.head_dim, 1)
 
     def _factor(self, n: Tensor) -> Tensor:
         return torch.full_like(n, 1.0 / math.sqrt(self.head_dim))
@@ -147,8 +136,8 @@ class CriticalAttentionScaling(AttentionScale):
     train_len: int
 
     def __post_init__(self) -> None:
-        _check_positive_int("head_dim", self.head_dim)
-        _check_positive_int("train_len", self.train_len, minimum=2)
+        check_int_at_least("head_dim", self.head_dim, 1)
+        check_int_at_least("train_len", self.train_len, 2)
 
     def _factor(self, n: Tensor) -> Tensor:
         stretch = (n.log() / math.log(self.train_len)).clamp_min(1.0)
@@ -188,9 +177,9 @@ class PolylogScale(AttentionScale):
     p: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_positive_int("head_dim", self.head_dim)
-        _check_real("c", self.c, positive=False)
-        _check_real("p", self.p, positive=True)
+        check_int_at_least("head_dim", self.head_dim, 1)
+        check_real("c", self.c, at_least=0)
+        check_real("p", self.p, above=0)
 
     def _factor(self, n: Tensor) -> Tensor:
         return (self.head_dim * (1.0 + self.c * n.log() ** self.p)).rsqrt()

@@ -11,24 +11,14 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+from qkmonitor.validation import check_non_negative_int, check_positive_int
+
 from ..config import TransformerConfig
 
-__all__ = ["IGNORE_INDEX", "TaskModule", "check_fraction", "check_positive_int", "lr_factor"]
+__all__ = ["IGNORE_INDEX", "TaskModule", "lr_factor"]
 
 #: Targets with this value are not scored (PyTorch's ``cross_entropy`` default).
 IGNORE_INDEX = -100
-
-
-def check_positive_int(name: str, value: Any) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (bools rejected)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
-
-
-def check_fraction(name: str, value: Any) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``0 < value < 1``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
-        raise ValueError(f"Expected `{name}` in (0, 1), got {value!r}")
 
 
 def lr_factor(step: int, warmup: int, decay: int | None = None, floor: float = 0.1) -> float:
@@ -78,8 +68,7 @@ class TaskModule(pl.LightningModule):
             raise ValueError(f"Expected `lr` >= 0, got {lr}")
         if not weight_decay >= 0:
             raise ValueError(f"Expected `weight_decay` >= 0, got {weight_decay}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"Expected `warmup_steps` to be an int >= 0, got {warmup_steps!r}")
+        check_non_negative_int("warmup_steps", warmup_steps)
         if decay_steps is not None:
             check_positive_int("decay_steps", decay_steps)
         self.config = config

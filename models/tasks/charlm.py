@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from .base import check_fraction, check_positive_int
+from qkmonitor.validation import check_fraction, check_positive_int
+
 from .lm import CausalLMTask
 
 __all__ = ["VOCAB_SIZE", "CharLMTask", "PythonSourceDataModule", "python_source_files"]

@@ -22,9 +22,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from qkmonitor.validation import check_positive_int
+
 from ..config import TransformerConfig
 from ..transformer import EncoderDecoder
-from .base import IGNORE_INDEX, TaskModule, check_positive_int
+from .base import IGNORE_INDEX, TaskModule
 
 __all__ = [
     "BOS",

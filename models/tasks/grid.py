@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from qkmonitor.validation import check_positive_int
+
 from ..config import TransformerConfig
 from ..transformer import VisionEncoder
-from .base import TaskModule, check_positive_int
+from .base import TaskModule
 
 __all__ = [
     "NEITHER",

@@ -22,7 +22,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from .base import IGNORE_INDEX, check_fraction, check_positive_int
+from qkmonitor.validation import check_fraction, check_positive_int
+
+from .base import IGNORE_INDEX
 
 __all__ = ["ModularAdditionDataModule", "make_modular_addition"]
 

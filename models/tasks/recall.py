@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from qkmonitor.validation import check_positive_int
+
 from .base import IGNORE_INDEX
 
 __all__ = ["AssociativeRecallDataModule", "make_recall_batch"]
@@ -83,8 +85,7 @@ class AssociativeRecallDataModule(pl.LightningDataModule):
             ("train_size", train_size),
             ("val_size", val_size),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
+            check_positive_int(name, value)
         if num_queries > num_pairs:
             raise ValueError(
                 f"Expected `num_queries` <= `num_pairs` ({num_pairs}), got {num_queries}"
