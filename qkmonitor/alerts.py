@@ -23,9 +23,17 @@ import math
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from numbers import Real
 
 from torch import Tensor
+
+from qkmonitor.validation import (
+    check_bool,
+    check_non_negative_int,
+    check_positive_int,
+    check_real,
+    is_int,
+    is_real,
+)
 
 __all__ = [
     "ALERT_ACTIONS",
@@ -52,10 +60,6 @@ __all__ = [
 
 ALERT_ACTIONS = ("warn", "stop", "raise")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 class QKMonitorWarning(UserWarning):
@@ -86,21 +90,16 @@ def _check_test(owner: object) -> None:
     """Checks shared by :class:`Condition` and :class:`AlertRule`: each names the field."""
     if not isinstance(owner.metric, str) or not owner.metric:
         raise ValueError(f"Expected `metric` to be a metric name, got {owner.metric!r}")
-    if not _is_real(owner.threshold) or not math.isfinite(owner.threshold):
-        raise ValueError(f"Expected `threshold` to be a finite number, got {owner.threshold!r}")
-    if not isinstance(owner.above, bool):
-        raise ValueError(f"Expected `above` to be a bool, got {owner.above!r}")
-    if not _is_real(owner.margin) or not math.isfinite(owner.margin) or owner.margin < 0:
-        raise ValueError(f"Expected `margin` to be a finite number >= 0, got {owner.margin!r}")
+    check_real("threshold", owner.threshold)
+    check_bool("above", owner.above)
+    check_real("margin", owner.margin, at_least=0)
     if owner.growth is not None and (
-        not _is_real(owner.growth) or not math.isfinite(owner.growth) or owner.growth <= 1
+        not is_real(owner.growth) or not math.isfinite(owner.growth) or owner.growth <= 1
     ):
         raise ValueError(
             f"Expected `growth` to be None or a finite factor > 1, got {owner.growth!r}"
         )
-    if owner.window is not None and (
-        isinstance(owner.window, bool) or not isinstance(owner.window, int) or owner.window < 1
-    ):
+    if owner.window is not None and not is_int(owner.window, 1):
         raise ValueError(
             f"Expected `window` to be None or a positive int (steps), got {owner.window!r}"
         )
@@ -266,12 +265,7 @@ class AlertRule:
                 f"got {self.name!r}"
             )
         _check_test(self)
-        if (
-            isinstance(self.patience, bool)
-            or not isinstance(self.patience, int)
-            or self.patience < 1
-        ):
-            raise ValueError(f"Expected `patience` to be a positive int, got {self.patience!r}")
+        check_positive_int("patience", self.patience)
         if not isinstance(self.warning, type) or not issubclass(self.warning, QKMonitorWarning):
             raise ValueError(
                 f"Expected `warning` to be a subclass of qkmonitor.QKMonitorWarning, got {self.warning!r}"
@@ -284,33 +278,21 @@ class AlertRule:
         if not isinstance(self.also, tuple) or not all(isinstance(c, Condition) for c in self.also):
             raise ValueError(f"Expected `also` to be a tuple of Condition, got {self.also!r}")
         for field_name in ("per_head", "skip_qk_norm"):
-            if not isinstance(getattr(self, field_name), bool):
-                raise ValueError(
-                    f"Expected `{field_name}` to be a bool, got {getattr(self, field_name)!r}"
-                )
-        if (
-            isinstance(self.grace_steps, bool)
-            or not isinstance(self.grace_steps, int)
-            or self.grace_steps < 0
-        ):
-            raise ValueError(f"Expected `grace_steps` to be an int >= 0, got {self.grace_steps!r}")
+            check_bool(field_name, getattr(self, field_name))
+        check_non_negative_int("grace_steps", self.grace_steps)
         if self.learning_drop is not None and (
-            not _is_real(self.learning_drop) or not 0 < self.learning_drop < 1
+            not is_real(self.learning_drop) or not 0 < self.learning_drop < 1
         ):
             raise ValueError(
                 f"Expected `learning_drop` to be None or a fraction in (0, 1), got {self.learning_drop!r}"
             )
-        if self.learning_window is not None and (
-            isinstance(self.learning_window, bool)
-            or not isinstance(self.learning_window, int)
-            or self.learning_window < 1
-        ):
+        if self.learning_window is not None and not is_int(self.learning_window, 1):
             raise ValueError(
                 f"Expected `learning_window` to be None or a positive int (steps), got "
                 f"{self.learning_window!r}"
             )
         if self.solved_fraction is not None and (
-            not _is_real(self.solved_fraction) or not 0 < self.solved_fraction < 1
+            not is_real(self.solved_fraction) or not 0 < self.solved_fraction < 1
         ):
             raise ValueError(
                 f"Expected `solved_fraction` to be None or a fraction in (0, 1), got "

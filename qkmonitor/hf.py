@@ -50,7 +50,6 @@ import copy
 import sys
 import warnings
 from collections.abc import Callable
-from numbers import Real
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +61,7 @@ from qkmonitor.intercept import LayoutChecked
 from qkmonitor.layouts import infer_layouts
 from qkmonitor.probes import ObserverSet, Probe, side_computation
 from qkmonitor.registry import register_family
+from qkmonitor.validation import is_int, is_real
 
 __all__ = [
     "PROBE_IMPLEMENTATION",
@@ -141,7 +141,7 @@ class LlamaAttentionLayer(HFAttentionLayer):
     def qk_weights(self) -> QKWeights:
         m = self.module
         heads, kv_heads, head_dim = _llama_shape(m)
-        scale = m.scaling if _is_number(getattr(m, "scaling", None)) else head_dim**-0.5
+        scale = m.scaling if is_real(getattr(m, "scaling", None)) else head_dim**-0.5
         qk_norm = isinstance(getattr(m, "q_norm", None), nn.Module) and isinstance(
             getattr(m, "k_norm", None), nn.Module
         )
@@ -173,7 +173,7 @@ class BertAttentionLayer(HFAttentionLayer):
     def qk_weights(self) -> QKWeights:
         m = self.module
         heads, head_dim = m.num_attention_heads, m.attention_head_size
-        scale = m.scaling if _is_number(getattr(m, "scaling", None)) else head_dim**-0.5
+        scale = m.scaling if is_real(getattr(m, "scaling", None)) else head_dim**-0.5
         return QKWeights(m.query.weight, m.key.weight, heads, heads, float(scale))
 
 
@@ -190,7 +190,7 @@ class HFLayoutAttentionLayer(LayoutChecked, HFAttentionLayer):
 
     def _default_scale(self) -> float:
         scaling = getattr(self.module, "scaling", None)
-        if _is_number(scaling):
+        if is_real(scaling):
             return float(scaling)
         return (self.layout or self.layout_candidates[0]).logit_scale
 
@@ -232,15 +232,11 @@ register_family(
 # --- recognising the modules -------------------------------------------------------------------
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool)
-
-
 def _int_attr(*candidates) -> int | None:
     """The first positive int among ``(object, attribute)`` pairs."""
     for obj, attr in candidates:
         value = getattr(obj, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_int(value, 1):
             return value
     return None
 

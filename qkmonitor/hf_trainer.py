@@ -24,6 +24,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, MonitorEngine, Monitoring, QKSpectrum
+from qkmonitor.validation import check_optional_positive_int
 
 __all__ = ["QKMonitorCallback"]
 
@@ -71,14 +72,7 @@ class QKMonitorCallback(TrainerCallback):
             raise ValueError(
                 f"Expected `engines` to be a non-empty list of MonitorEngine or None, got {engines!r}"
             )
-        if every_n_steps is not None and (
-            isinstance(every_n_steps, bool)
-            or not isinstance(every_n_steps, int)
-            or every_n_steps < 1
-        ):
-            raise ValueError(
-                f"Expected `every_n_steps` to be a positive int or None, got {every_n_steps!r}"
-            )
+        check_optional_positive_int("every_n_steps", every_n_steps)
         self.engines = engines
         self.writer = writer
         self.every_n_steps = every_n_steps

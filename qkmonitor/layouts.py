@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import QKWeights
+from qkmonitor.validation import is_int
 
 __all__ = [
     "FUSED_ORDERS",
@@ -260,7 +261,7 @@ def _out_features(module: nn.Module, path: str) -> int | None:
 
 
 def _positive_int(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return value if is_int(value, 1) else None
 
 
 def attribute(module: nn.Module, names: tuple[str, ...]) -> int | None:

@@ -26,6 +26,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from qkmonitor.kernels import AttentionStats
+from qkmonitor.validation import check_positive_int
 
 __all__ = ["AttentionStatistics", "HeadMean"]
 
@@ -39,8 +40,7 @@ class _PerHeadMetric(Metric):
 
     def __init__(self, num_heads: int, **kwargs) -> None:
         super().__init__(**kwargs)
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"Expected `num_heads` to be a positive int, got {num_heads!r}")
+        check_positive_int("num_heads", num_heads)
         self.num_heads = num_heads
 
 

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from qkmonitor.compiled import NeverCompiled
 from qkmonitor.kernels import AttentionStats, attention_stats
+from qkmonitor.validation import check_bool, check_non_negative_int, is_int
 
 __all__ = [
     "AttentionCall",
@@ -98,20 +99,12 @@ class ProbeRequest:
 
     def __post_init__(self) -> None:
         for name in ("stats", "layout"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Expected `{name}` to be a bool, got {getattr(self, name)!r}")
-        if (
-            isinstance(self.sink_tokens, bool)
-            or not isinstance(self.sink_tokens, int)
-            or self.sink_tokens < 0
-        ):
-            raise ValueError(f"Expected `sink_tokens` to be an int >= 0, got {self.sink_tokens!r}")
+            check_bool(name, getattr(self, name))
+        check_non_negative_int("sink_tokens", self.sink_tokens)
         if self.probs_slice is not None and not (
             isinstance(self.probs_slice, tuple)
             and len(self.probs_slice) == 2
-            and all(
-                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.probs_slice
-            )
+            and all(is_int(n, 1) for n in self.probs_slice)
         ):
             raise ValueError(
                 f"Expected `probs_slice` to be (sequences, rows) positive ints or None, "

@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from qkmonitor.validation import is_int
+
 __all__ = ["Family", "families", "register_family", "unregister_family"]
 
 Adapt = Callable[[str, nn.Module, int], Any]
@@ -58,7 +60,7 @@ def register_family(name: str, adapt: Adapt, *, priority: int, looked_for: str) 
         raise ValueError(
             f"Expected `adapt` to be callable (name, module, index) -> layer, got {adapt!r}"
         )
-    if isinstance(priority, bool) or not isinstance(priority, int):
+    if not is_int(priority):
         raise ValueError(f"Expected `priority` to be an int, got {priority!r}")
     family = Family(name, adapt, priority, looked_for)
     _FAMILIES[name] = family

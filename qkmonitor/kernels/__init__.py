@@ -29,12 +29,12 @@ import math
 import os
 import re
 import warnings
-from numbers import Real
 
 import torch
 
 from qkmonitor.kernels._stats import AttentionStats, attended_keys
 from qkmonitor.kernels._torch import autocast_off, torch_attention
+from qkmonitor.validation import check_bool, is_int, is_real
 
 __all__ = ["AttentionStats", "attention", "attention_stats"]
 
@@ -272,16 +272,11 @@ def _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_t
         )
     if key_padding_mask is not None:
         _check_mask(key_padding_mask, q, k)
-    if not isinstance(causal, bool):
-        raise ValueError(f"Expected `causal` to be a bool, got {causal!r}")
-    if not isinstance(return_stats, bool):
-        msg = f"Expected `return_stats` to be a bool, got {return_stats!r}"
-        raise ValueError(msg)
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale)
-    ):
+    check_bool("causal", causal)
+    check_bool("return_stats", return_stats)
+    if scale is not None and (not is_real(scale) or not math.isfinite(scale)):
         raise ValueError(f"Expected `scale` to be a finite float or None, got {scale!r}")
-    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+    if not is_int(sink_tokens, 0):
         raise ValueError(f"Expected `sink_tokens` to be a non-negative int, got {sink_tokens!r}")
 
 
