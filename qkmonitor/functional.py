@@ -37,6 +37,7 @@ __all__ = [
     "gram_singular_values",
     "hidden_state_metrics",
     "masked_softmax",
+    "normalized_entropy",
     "qk_eigenvalues",
     "qk_singular_values",
     "qk_spectrum_metrics",
@@ -311,6 +312,28 @@ def qk_spectrum_metrics(
     }
 
 
+def normalized_entropy(entropy: Tensor, attended: Tensor) -> Tensor:
+    r"""Row entropy over its largest possible value: ``H_i / log(n_i)``, in [0, 1].
+
+    ``n_i`` is the number of keys row i may attend; a row with ``n_i <= 1`` has no spread to
+    measure and gives NaN (aggregates leave it out).
+
+    Args:
+        entropy: (...) row entropies ``H_i``, in nats.
+        attended: (...) the keys each row may attend, a floating tensor of the same shape.
+
+    Returns:
+        (...), in the dtype of ``entropy / attended``.
+
+    Example:
+        >>> normalized_entropy(torch.tensor([2.0, 0.0]).log(), torch.tensor([4.0, 1.0]))
+        tensor([0.5000,    nan])
+    """
+    return torch.where(
+        attended > 1, entropy / attended.log(), torch.full_like(entropy, float("nan"))
+    )
+
+
 def attention_entropy(probs: Tensor, normalize: bool = False, mask: Tensor | None = None) -> Tensor:
     r"""Entropy of each row of an explicit attention matrix, in nats.
 
@@ -341,8 +364,7 @@ def attention_entropy(probs: Tensor, normalize: bool = False, mask: Tensor | Non
     entropy = 0.0 - plogp.sum(dim=-1)
     if not normalize:
         return entropy
-    n = allowed.sum(dim=-1).to(p.dtype)
-    return torch.where(n > 1, entropy / n.log(), torch.full_like(entropy, float("nan")))
+    return normalized_entropy(entropy, allowed.sum(dim=-1).to(p.dtype))
 
 
 def attention_stats_from_scores(scores: Tensor, mask: Tensor | None = None, sink_tokens: int = 0):

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from qkmonitor.functional import normalized_entropy
 from qkmonitor.kernels import AttentionStats
 from qkmonitor.validation import check_positive_int
 
@@ -87,7 +88,7 @@ class AttentionStatistics(_PerHeadMetric):
             entropy,
             stats.max_prob.double(),
             torch.ones_like(n),
-            entropy / n.clamp_min(2.0).log(),
+            normalized_entropy(entropy, n),  # NaN where n <= 1, rows left out by `spread`
             spread.double(),
         ]
         if stats.sink_mass is not None:

@@ -33,7 +33,12 @@ from qkmonitor.catalogue import RANK
 from qkmonitor.compiled import add_forward_hooks
 from qkmonitor.dashboards import attention_image
 from qkmonitor.engine.base import ActivationEngine, Values
-from qkmonitor.functional import effective_rank, gram_singular_values, hidden_state_metrics
+from qkmonitor.functional import (
+    effective_rank,
+    gram_singular_values,
+    hidden_state_metrics,
+    normalized_entropy,
+)
 from qkmonitor.metrics import HeadMean
 from qkmonitor.probes import ProbeRequest, ProbeResult, recomputing
 
@@ -219,7 +224,7 @@ class EffectiveRank(ActivationEngine):
             for stats in result.stats:
                 s, r = self._probe_sequences, self.max_probe_tokens
                 n = stats.attended[:s, :, :r].double()
-                norm = stats.entropy[:s, :, :r].double() / n.clamp_min(2).log()
+                norm = normalized_entropy(stats.entropy[:s, :, :r].double(), n)
                 keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
                 samples[i].append(("attn_entropy_norm", _mean_rows(norm, n > 1), keep))
             self._update(i, samples[i])
