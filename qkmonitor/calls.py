@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from qkmonitor.probes import full_precision
+from qkmonitor.kernels import autocast_off
 
 __all__ = ["FailedCall", "MaskedCall", "ScoresCall", "split_mask"]
 
@@ -145,7 +145,7 @@ class MaskedCall:
             and self.softcap is None
         ):
             try:
-                with full_precision():
+                with autocast_off():
                     return attention_stats(
                         self.q,
                         self.k,

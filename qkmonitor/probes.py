@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from qkmonitor.compiled import NeverCompiled
-from qkmonitor.kernels import AttentionStats, attention_stats
+from qkmonitor.kernels import AttentionStats, attention_stats, autocast_off
 from qkmonitor.validation import check_bool, check_non_negative_int, is_int
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "Probe",
     "ProbeRequest",
     "ProbeResult",
-    "full_precision",
 ]
 
 
@@ -66,17 +65,6 @@ def recomputing() -> bool:
     checkpointing recomputing one that already ran (reentrant or not: the same call again, same
     inputs), so probes do not count it twice."""
     return torch._C._current_graph_task_id() != -1
-
-
-@contextmanager
-def full_precision() -> Iterator[None]:
-    """Autocast off (CPU, and CUDA where present): side computations keep the float32 or float64
-    they ask for, whatever mixed-precision region the model's forward runs in."""
-    with ExitStack() as stack:
-        for device in ("cpu", "cuda"):
-            if device == "cpu" or torch.cuda.is_available():
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
 
 
 @dataclass(frozen=True)
@@ -167,7 +155,7 @@ class Probe:
             return
         self._result.calls += 1
         try:
-            with torch.no_grad(), full_precision(), side_computation():
+            with torch.no_grad(), autocast_off(), side_computation():
                 stats = call.stats(self.request.sink_tokens) if self.request.stats else None
                 probs = call.probs(*self.request.probs_slice) if self.request.probs_slice else None
         except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
@@ -284,7 +272,7 @@ class KernelCall:
             cached = next(iter(self._stats.values()))
         if cached is None:
             # the kernel accumulates in float32 whatever the inputs; no enclosing autocast applies
-            with full_precision():
+            with autocast_off():
                 cached = attention_stats(
                     self.q,
                     self.k,
