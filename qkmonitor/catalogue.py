@@ -1,7 +1,7 @@
 """The metric catalogue: one table that says what every logged metric is.
 
 Tags (:mod:`qkmonitor.tags`), the TensorBoard layout and heatmaps (:mod:`qkmonitor.dashboards`),
-``qkmonitor report``, the CLI summary and the README's key table are all derived from
+``qkmonitor report``, the CLI summary and the table in docs/metrics.md are all derived from
 :data:`CATALOGUE`; a metric is added here once and appears everywhere. The definitions themselves
 are in :mod:`qkmonitor.functional` and ``docs/architecture.md``.
 
@@ -294,8 +294,15 @@ def _fmt_bound(value: float) -> str:
     return "∞" if value == _INF else "−∞" if value == -_INF else f"{value:g}"
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
 def markdown_table() -> str:
-    """The README's table of every metric (generated here; a test keeps the README in step)."""
+    """docs/metrics.md's table of every metric (generated here; a test keeps the page in step).
+
+    A ``|`` inside a cell (``|lambda|``, ``||X||_F``) is escaped, so it does not split the cell.
+    """
     lines = [
         "| metric | monitor | per | range | unit | worse | meaning | undefined when |",
         "|---|---|---|---|---|---|---|---|",
@@ -306,6 +313,6 @@ def markdown_table() -> str:
         name = f"`{s.name}`" + (" (optional)" if s.optional else "")
         lines.append(
             f"| {name} | {s.monitor} | {'head' if s.per_head else 'layer'} | {rng} | {s.unit} | "
-            f"{s.worse or '—'} | {s.meaning} | {s.undefined or '—'} |"
+            f"{s.worse or '—'} | {_cell(s.meaning)} | {_cell(s.undefined) or '—'} |"
         )
     return "\n".join(lines)

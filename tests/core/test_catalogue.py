@@ -20,14 +20,21 @@ from qkmonitor.catalogue import (
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
 from qkmonitor.report import KNOWN_METRICS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
-def test_the_readme_key_table_is_the_catalogue():
-    text = README.read_text()
+def test_the_docs_metric_table_is_the_catalogue():
+    text = METRICS_PAGE.read_text()
     block = re.search(r"<!-- catalogue:start -->\n(.*?)\n<!-- catalogue:end -->", text, re.DOTALL)
-    assert block, "README.md lost its catalogue markers"
+    assert block, "docs/metrics.md lost its catalogue markers"
     assert block.group(1) == markdown_table()
+
+
+def test_every_row_of_the_table_has_its_eight_cells():
+    """A ``|`` in a meaning (``|lambda|``, ``||X||_F``) is escaped, so it does not split its cell."""
+    for line in markdown_table().splitlines():
+        cells = re.split(r"(?<!\\)\|", line)[1:-1]
+        assert len(cells) == 8, line
 
 
 def test_every_entry_is_complete_and_names_are_unique():
