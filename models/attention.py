@@ -8,8 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import QKWeights
-from qkmonitor.kernels import attention
-from qkmonitor.kernels._stats import attended_keys
+from qkmonitor.kernels import attended_keys, attention
 from qkmonitor.probes import AttentionCall, KernelCall, ObserverSet
 
 from .config import TransformerConfig

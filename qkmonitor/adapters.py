@@ -153,7 +153,7 @@ class AttentionLayer:
         if request.stats and not self.supports_stats:
             raise ValueError(f"{type(self).__name__} {self.name!r} gives no activation statistics")
         probe = Probe(self.name, request)
-        probe._remove = self.install_layout(probe) if request.layout else self.install(probe)
+        probe.record_undo(self.install_layout(probe) if request.layout else self.install(probe))
         return probe
 
     def install(self, probe: Probe) -> Callable[[], None]:

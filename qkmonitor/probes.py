@@ -148,6 +148,10 @@ class Probe:
         self._result = ProbeResult()
         self.closed = False
 
+    def record_undo(self, remove: Callable[[], None]) -> None:
+        """Record the function that undoes what opening installed; :meth:`close` calls it once."""
+        self._remove = remove
+
     def observe(self, call: AttentionCall) -> None:
         """Measure one forward (called by what opening installed, under ``no_grad``); a checkpoint's
         recomputation of a forward in the backward is not a new one and is left out."""

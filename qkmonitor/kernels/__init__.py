@@ -36,7 +36,7 @@ from qkmonitor.kernels._stats import AttentionStats, attended_keys
 from qkmonitor.kernels._torch import autocast_off, torch_attention
 from qkmonitor.validation import check_bool, is_int, is_real
 
-__all__ = ["AttentionStats", "attention", "attention_stats", "autocast_off"]
+__all__ = ["AttentionStats", "attended_keys", "attention", "attention_stats", "autocast_off"]
 
 BACKENDS = ("auto", "triton", "torch")
 #: The oldest triton the kernels run on (``triton.knobs``). On CPU, the interpreter of 3.4 - 3.8

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkmonitor.kernels._stats import attended_keys
+from qkmonitor.kernels import attended_keys
 
 
 def explicit_count(b, h, n, m, causal, mask):
