@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,12 +126,67 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "--steps" in result.stdout
 
 
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def summary_figures(text: str) -> dict:
+    """What a ``qkmonitor train`` summary states: its columns, each layer's figures, the alerts
+    that fired (rule -> count, rules at 0 left out) and the final validation scores."""
+    header = re.search(r"^\s*layer\s+name\s+(.+)$", text, re.MULTILINE)
+    rows = re.findall(r"^\s*(\d+)\s+(\S+)((?:\s+(?:[-+0-9.e]+|nan))+)\s*$", text, re.MULTILINE)
+    alerts = re.search(r"^alerts fired: (.*)$", text, re.MULTILINE)
+    scores = re.search(r"^final validation: (.*)$", text, re.MULTILINE)
+    assert header and rows and alerts and scores, text
+    fired = {rule: int(n) for rule, n in re.findall(r"(\w+): (\d+)", alerts.group(1))}
+    return {
+        "columns": header.group(1).split(),
+        "layers": {(int(i), name): [float(v) for v in cells.split()] for i, name, cells in rows},
+        "alerts": {rule: n for rule, n in fired.items() if n},
+        "scores": {k: float(v) for k, v in re.findall(r"(\w+) ([-0-9.e]+)", scores.group(1))},
+    }
+
+
+def readme_quick_start() -> tuple[dict, dict]:
+    """The README's quick-start output block, and the ranges the README says a fresh run keeps."""
+    text = README.read_text()
+    block = re.search(
+        r"<!-- train-output:start -->\n```\n(.*?)```\n<!-- train-output:end -->", text, re.DOTALL
+    )
+    assert block, "README.md lost its train-output markers"
+    ranges = re.search(
+        r"val_acc ≥ ([0-9.]+), val_loss ≤ ([0-9.]+), the same alerts, and every\s+per-layer figure "
+        r"within (\d+) %",
+        text,
+    )
+    assert ranges, "README.md no longer states the ranges this test checks"
+    acc, loss, percent = ranges.groups()
+    limits = {"val_acc": float(acc), "val_loss": float(loss), "tolerance": int(percent) / 100}
+    return summary_figures(block.group(1)), limits
+
+
+def test_the_readme_quick_start_block_keeps_its_own_ranges():
+    shown, limits = readme_quick_start()
+    assert shown["scores"]["val_acc"] >= limits["val_acc"]
+    assert shown["scores"]["val_loss"] <= limits["val_loss"]
+
+
 @pytest.mark.slow
 def test_default_run_learns_associative_recall(tmp_path, capsys):
-    """The README's claim: the default job reaches >= 99% recall accuracy (about half a minute)."""
+    """The README's quick start: the default job prints what the README shows, within the ranges
+    the README states (val_acc and val_loss bounds, the same alerts, per-layer figures within a
+    relative tolerance); it also reaches >= 99% recall accuracy."""
     assert main(["train", "--log-dir", str(tmp_path), "--no-progress-bar"]) == 0
-    accuracy = float(re.search(r"val_acc ([0-9.]+)", capsys.readouterr().out).group(1))
-    assert accuracy >= 0.99
+    printed = summary_figures(capsys.readouterr().out)
+    shown, limits = readme_quick_start()
+    assert printed["scores"]["val_acc"] >= max(limits["val_acc"], 0.99), printed["scores"]
+    assert printed["scores"]["val_loss"] <= limits["val_loss"], printed["scores"]
+    assert printed["alerts"] == shown["alerts"]
+    assert printed["columns"] == shown["columns"]
+    assert printed["layers"].keys() == shown["layers"].keys()
+    for layer, figures in shown["layers"].items():
+        assert len(printed["layers"][layer]) == len(figures)
+        for cell, (value, got) in enumerate(zip(figures, printed["layers"][layer])):
+            assert got == pytest.approx(value, rel=limits["tolerance"]), (layer, cell, got, value)
 
 
 def test_the_terminal_shows_progress_summary_checkpoint_and_tensorboard_and_no_warnings(tmp_path):
