@@ -7,8 +7,8 @@ before any test module or doctest is collected.
 import os
 
 # One torch thread per test worker (unless the user set OMP_NUM_THREADS): the workers already use
-# every CPU, and idle OpenMP threads spinning in several workers cost more than they give
-# (measured: user CPU 425 s -> 728 s). Subprocesses the tests start inherit the setting.
+# every CPU, so further OpenMP threads in each worker would only compete for the same cores
+# (docs/benchmarks.md, "The test suite"). Subprocesses the tests start inherit the setting.
 _ONE_THREAD = bool(os.environ.get("PYTEST_XDIST_WORKER")) and "OMP_NUM_THREADS" not in os.environ
 if _ONE_THREAD:
     os.environ["OMP_NUM_THREADS"] = "1"

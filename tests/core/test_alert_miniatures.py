@@ -105,7 +105,7 @@ def lm_loss(model, batch):
     )
 
 
-@pytest.mark.slow  # 80 steps of a 2-layer decoder with all monitors: ~5-10 s on 2 CPU cores
+@pytest.mark.slow  # 80 steps of a 2-layer decoder with all monitors
 def test_induction_head_formation_is_silent_and_only_the_loss_gate_makes_it_so():
     torch.manual_seed(0)
     model = DecoderLM(
@@ -165,7 +165,7 @@ def vision_run(lr: float, seed: int = 1, steps: int = 80):
     )
 
 
-@pytest.mark.slow  # two 80-step runs of a 2-layer vision encoder with all monitors: ~15-25 s
+@pytest.mark.slow  # two 80-step runs of a 2-layer vision encoder with all monitors
 def test_a_vision_encoder_failure_is_flagged_ten_steps_before_its_loss_separates():
     failing, failing_alerts, _ = vision_run(lr=0.1)
     healthy, healthy_alerts, _ = vision_run(lr=0.003)

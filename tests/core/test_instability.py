@@ -82,7 +82,7 @@ def separation_step(losses: list[float], reference: list[float], ratio: float = 
     return step
 
 
-@pytest.mark.slow  # two 150-step runs with all three monitors: ~10-20 s on 2 CPU cores
+@pytest.mark.slow  # two 150-step runs with all three monitors
 def test_the_unstable_run_is_flagged_before_its_loss_separates_and_its_qk_norm_twin_is_not():
     unstable_losses, unstable_alerts = train(qk_norm=False)
     stable_losses, stable_alerts = train(qk_norm=True)

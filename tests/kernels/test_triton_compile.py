@@ -10,7 +10,7 @@ iteration, and every tile that spilled was pruned or re-tiled instead (``_triton
 
 The script runs in a subprocess: the kernels must be built as GPU kernels, which the
 interpreter flag (set for this test session by the conftest) would prevent. About 100 builds,
-2-4 minutes on 2 cores.
+hence the ``slow`` marker.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def test_task_checks_its_arguments_and_masks_padding():
 @pytest.mark.slow
 @pytest.mark.parametrize("reverse", [False, True])
 def test_encoder_decoder_learns_to_copy_and_reverse(fit, reverse):
-    """Lengths 3-10 over 10 symbols, 500 steps (~25 s each): greedy decoding gets whole strings right."""
+    """Lengths 3-10 over 10 symbols, 500 steps each: greedy decoding gets whole strings right."""
     pl.seed_everything(0, verbose=False)
     data = CopyReverseDataModule(reverse=reverse, val_size=512, seed=0)
     config = TransformerConfig(

@@ -77,7 +77,7 @@ def test_without_positions_the_model_cannot_tell_the_grids_apart():
 
 @pytest.mark.slow
 def test_rope_2d_learns_the_relation_while_no_positions_stay_at_chance(fit):
-    """6 x 6 grids, 300 steps each (~15 s each): axial RoPE solves it, a set model cannot."""
+    """6 x 6 grids, 300 steps each: axial RoPE solves it, a set model cannot."""
     pl.seed_everything(0, verbose=False)
     rope = fit(
         _task("rope_2d", 6), GridRelationDataModule(6, 6, seed=0), steps=300, val_every=150

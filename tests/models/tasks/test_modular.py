@@ -58,7 +58,7 @@ def test_bad_arguments_name_the_argument(kwargs, match):
 
 @pytest.mark.slow
 def test_small_transformer_groks_modular_addition(fit):
-    """p = 23, 60% of the pairs, weight decay 1.0: memorizes first, then generalizes (~40 s)."""
+    """p = 23, 60% of the pairs, weight decay 1.0: memorizes first, then generalizes."""
     pl.seed_everything(0, verbose=False)
     data = ModularAdditionDataModule(modulus=23, train_fraction=0.6, seed=0)
     config = TransformerConfig(
