@@ -3,7 +3,7 @@
 Reads ``[project] dependencies`` and every ``[project.optional-dependencies]`` extra; each must
 declare ``name>=version`` (a dependency without a lower bound is an error: the bound would be
 whatever pip happens to pick). ``qkmonitor[...]`` self-references are skipped. ``--torch VERSION``
-replaces torch's pin (CI has one CPU build of torch on disk; README "Requirements" says which
+replaces torch's pin (CI has one CPU build of torch on disk; docs/requirements.md says which
 versions were checked by hand).
 
 Usage: ``python3 .ci/minimum_pins.py [--torch 2.13.0] > constraints.txt``

@@ -35,7 +35,7 @@ fresh run checks that the replay gives exactly the alerts the live run fired.
 
 Outputs: ``docs/instability.png`` (per family: final loss and the largest attention logit against
 the learning rate, with and without warmup, alerted runs marked), ``docs/instability.json`` (per-run
-results and the summary per split and family), and markdown tables on stdout (the README's "Does
+results and the summary per split and family), and markdown tables on stdout (docs/alerts.md, "Does
 it warn in time?"). ``--quick`` writes its figure and JSON next to the cache instead.
 
 Usage::

@@ -8,8 +8,8 @@ has held for ``patience`` consecutive probe events, then stays quiet for that (r
 until the value *recovers* past ``threshold ∓ margin`` (hysteresis), after which it may fire
 again. NaN values neither count towards the patience nor recover, nor enter a trend.
 
-The default rules are calibrated on ``benchmarks/instability.py`` (see the README, "Does it warn
-in time?"); each one quotes that evidence in its message.
+The default rules are calibrated on ``benchmarks/instability.py`` (see docs/alerts.md, "Does it
+warn in time?"); each one quotes that evidence in its message.
 
 What happens when a rule fires (warn, stop, raise, ``on_alert``) is the engine's business; this
 module only keeps the state (streaks, active alerts, the recent values trends need), which
@@ -362,7 +362,7 @@ class AlertRule:
 # The defaults below are fitted on the calibration set of ``benchmarks/instability.py`` (six
 # task/architecture families, warmup and none, a learning-rate sweep each). Round 2 (these
 # values): calibration = seeds 0 and 1 of every family, validation = seed 2, never seen while
-# fitting. The README ("Does it warn in time?") has the per-run results of both sets; ``evidence``
+# fitting. docs/alerts.md ("Does it warn in time?") has the per-run results of both sets; ``evidence``
 # quotes the calibration figures in every message.
 
 _SWEEP = "benchmarks/instability.py"
@@ -562,7 +562,7 @@ def _trend_text(value: float, reference: tuple[int, float], step: int) -> str:
     return f"{factor} over the last {step - ref_step} steps ({ref:.4g} at step {ref_step})"
 
 
-#: Every default rule, in the order of the README's table.
+#: Every default rule, in the order of the table in docs/alerts.md.
 DEFAULT_RULES = (
     KAPPA_RULE,
     LOGIT_GROWTH_RULE,

@@ -8,7 +8,7 @@ layer x head heatmap of the final values (``kappa_heads.png``). Given two runs, 
 their final values side by side with the difference and the plots overlay them.
 
 Metrics are discovered from the tags of :mod:`qkmonitor.tags`, not from a fixed list; the known
-ones come first, in the order of the README. Reading needs TensorBoard's ``EventAccumulator`` and
+ones come first, in the catalogue's order (docs/metrics.md). Reading needs TensorBoard's ``EventAccumulator`` and
 plotting needs matplotlib (drawn on an Agg canvas, never through ``pyplot``, so the caller's
 backend is left alone); both are imported when first used, so importing this module is cheap and
 torch-free.

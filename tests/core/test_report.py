@@ -205,7 +205,7 @@ def test_table_final_min_max_match_event_accumulator(runs):
     for tag, events in tags.items():
         if m := HEAD_TAG.match(tag):
             assert run.heads[m["metric"]][int(m["layer"])][int(m["head"])].final == events[-1][1]
-    # discovered, known metrics first in the README's order
+    # discovered, known metrics first in the catalogue's order
     assert run.metrics[:6] == [
         "kappa",
         "kappa_eig",

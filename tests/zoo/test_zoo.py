@@ -264,7 +264,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-#: Entries whose transformers code path differs before 5.0 in ways the README names ("Works with"):
+#: Entries whose transformers code path differs before 5.0 in ways docs/usage.md names ("Works with"):
 #: T5 has no SDPA path, DistilBERT's attention class had another name, ModernBERT's reference
 #: here follows 5.x's masks, and GPT-BigCode's eager multi-query path folds the heads into the
 #: query sequence (qkmonitor then finds no (B, H, N, M) softmax and says the layer did not run).
