@@ -3,7 +3,7 @@
 - dense: form each head's ``W_QK^h = W_Q^h (W_K^g)^T`` (d x d) and take its full SVD, O(H·d³);
 - QR (:func:`qkmonitor.functional.qk_singular_values`): ``W_Q^h = Q_1 R_1``, ``W_K^g = Q_2 R_2``,
   ``svdvals(R_1 R_2^T)``, all layers stacked into one batched call;
-- Gram (:func:`qkmonitor.spectrum.spectrum_of_layers`): per layer, batched ``W_Q^T W_Q``,
+- Gram (:func:`qkmonitor.layer_spectra.spectrum_of_layers`): per layer, batched ``W_Q^T W_Q``,
   ``W_K^T W_K``, ``W_K^T W_Q`` products, then one d_k x d_k eigenproblem per head for σ and one
   for λ; layers one at a time.
 
@@ -47,7 +47,7 @@ from qkmonitor.functional import (
     qk_spectrum_metrics,
     spectral_concentration,
 )
-from qkmonitor.spectrum import spectrum_of_layers
+from qkmonitor.layer_spectra import spectrum_of_layers
 
 
 @dataclass

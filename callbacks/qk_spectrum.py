@@ -22,7 +22,7 @@ class QKSpectrumMonitor(AttentionMonitor):
 
     Reads weights only (no forward pass): every ``every_n_steps`` optimizer steps, and once
     before the first step, layer by layer, each head's ``d_k x d_k`` Gram matrices give its
-    singular values and eigenvalues (:mod:`qkmonitor.spectrum`). Per head:
+    singular values and eigenvalues (:mod:`qkmonitor.layer_spectra`). Per head:
 
     .. math::
 

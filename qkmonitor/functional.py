@@ -16,7 +16,7 @@ the orthonormal factors leave the singular values alone, so ``σ(W_QK^h) = σ(R_
 ``(W_K^g)^T W_Q^h`` (``AB`` and ``BA`` share their non-zero eigenvalues).
 
 Every function accepts any leading batch dimensions, so a whole model's heads (layers stacked on
-a leading axis) go through in one call. The monitors use :mod:`qkmonitor.spectrum` instead, which
+a leading axis) go through in one call. The monitors use :mod:`qkmonitor.layer_spectra` instead, which
 goes layer by layer (no stacked copy of the model) through Gram matrices, several times faster at
 scale; the QR route here is the backward-stable reference. Inputs of any floating dtype are computed in float32, or
 in float64 when they are float64. A head whose weights hold NaN or Inf gets NaN values rather
@@ -32,6 +32,7 @@ __all__ = [
     "attention_entropy",
     "attention_probs",
     "attention_stats_from_scores",
+    "compute_dtype",
     "effective_rank",
     "eigenvalue_moments",
     "gram_singular_values",
@@ -43,19 +44,28 @@ __all__ = [
     "qk_spectrum_metrics",
     "spectral_concentration",
     "spectral_energy_concentration",
+    "split_heads",
     "stable_rank",
 ]
 
 
-def _compute_dtype(*tensors: Tensor) -> torch.dtype:
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype the spectral functions compute in: float64 if any input is float64, else float32.
+
+    Raises:
+        ValueError: if an input is not floating-point.
+    """
     for t in tensors:
         if not torch.is_floating_point(t):
             raise ValueError(f"Expected floating-point weights, got dtype {t.dtype}")
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _split_heads(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | None):
-    """Per-head factors ``W_Q^h`` (..., H, d, d_k), ``W_K^g`` (..., H_kv, d', d_k), and g for each h."""
+def split_heads(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | None):
+    """Per-head factors ``W_Q^h`` (..., H, d, d_k), ``W_K^g`` (..., H_kv, d', d_k), and g for each h.
+
+    Checks the shapes and head counts, naming the argument that is off (``ValueError``).
+    """
     if w_q.dim() < 2 or w_k.dim() < 2:
         raise ValueError(
             f"Expected `w_q` and `w_k` of shape (..., heads * d_k, d), got {tuple(w_q.shape)} and "
@@ -124,8 +134,8 @@ def qk_singular_values(
         >>> qk_singular_values(w_q, torch.eye(2), num_heads=1)
         tensor([[3., 1.]])
     """
-    dtype = _compute_dtype(w_q, w_k)
-    wq, wk, group = _split_heads(
+    dtype = compute_dtype(w_q, w_k)
+    wq, wk, group = split_heads(
         w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads
     )
     wq, wk, finite = _finite_heads(wq, wk, group)
@@ -161,8 +171,8 @@ def qk_eigenvalues(
         raise ValueError(
             f"Eigenvalues need a square W_QK: `w_q` and `w_k` input dims differ ({w_q.shape[-1]} vs {w_k.shape[-1]})"
         )
-    dtype = _compute_dtype(w_q, w_k)
-    wq, wk, group = _split_heads(
+    dtype = compute_dtype(w_q, w_k)
+    wq, wk, group = split_heads(
         w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads
     )
     wq, wk, finite = _finite_heads(wq, wk, group)

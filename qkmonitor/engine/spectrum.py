@@ -1,7 +1,7 @@
 r"""QKSpectrum: the spectrum of every head's query-key product, from the weights alone.
 
 Per head h, over the singular values :math:`\sigma_i` and eigenvalues :math:`\lambda_i` of
-:math:`W_{QK}^h = W_Q^h (W_K^g)^\top` (:mod:`qkmonitor.spectrum`):
+:math:`W_{QK}^h = W_Q^h (W_K^g)^\top` (:mod:`qkmonitor.layer_spectra`):
 
 .. math::
 
@@ -23,8 +23,13 @@ from qkmonitor.adapters import AttentionLayer
 from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.catalogue import SPECTRUM
 from qkmonitor.engine.base import Host, MonitorEngine
+from qkmonitor.layer_spectra import (
+    SPECTRUM_METRICS,
+    LayerSpectra,
+    full_parameters,
+    spectrum_of_layers,
+)
 from qkmonitor.probes import Probe, ProbeRequest
-from qkmonitor.spectrum import SPECTRUM_METRICS, LayerSpectra, full_parameters, spectrum_of_layers
 
 __all__ = ["QKSpectrum"]
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qkmonitor.adapters import QKWeights
-from qkmonitor.spectrum import full_parameters, full_tensor, spectrum_of_layers
+from qkmonitor.layer_spectra import full_parameters, full_tensor, spectrum_of_layers
 
 
 @pytest.fixture

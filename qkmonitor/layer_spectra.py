@@ -24,8 +24,7 @@ d_k x d_k matrices, in float64:
 
 Cost per layer: ``1.75 H d_k² d`` multiply-adds in BLAS (``G_Q`` and ``C``) plus
 ``0.75 H_kv d_k² d'``, then ``O(H d_k³)``. Householder QR of the same heads does about as many
-flops at a fraction of the speed, and the former callback path ran its SVD twice; see
-``benchmarks/spectral.py``.
+flops at a fraction of the speed; see ``benchmarks/spectral.py``.
 
 Threads. torch solves a batch of small LAPACK problems one after another on one core, and a
 70B layer's 64 non-symmetric eigenproblems take about as long as its products. So a large layer on
@@ -59,7 +58,7 @@ measured float32 Gram errors at d = 8192 are 5-15x below it) and
   backward error, ``d_k u ||C||``), so ``|Δλ| <= cond(V)·ε S`` (Bauer-Fike, ``V`` the eigenvectors
   of ``C^h``); ``eig_mean`` (a trace) is within ``ε S``.
 
-Both bounds are asserted in ``tests/core/test_spectrum.py``.
+Both bounds are asserted in ``tests/core/test_layer_spectra.py``.
 """
 
 from __future__ import annotations
@@ -78,11 +77,11 @@ from torch import Tensor, nn
 
 from qkmonitor.adapters import QKWeights
 from qkmonitor.functional import (
-    _compute_dtype,
-    _split_heads,
+    compute_dtype,
     effective_rank,
     eigenvalue_moments,
     spectral_concentration,
+    split_heads,
 )
 
 __all__ = [
@@ -177,9 +176,9 @@ def qk_head_spectra(
         raise ValueError(
             f"Expected 2-D `w_q` and `w_k` (one layer), got {tuple(w_q.shape)} and {tuple(w_k.shape)}"
         )
-    dtype = _gram_dtype(_compute_dtype(w_q, w_k), w_q.device)
+    dtype = _gram_dtype(compute_dtype(w_q, w_k), w_q.device)
     with torch.no_grad():
-        wq, wk, group = _split_heads(
+        wq, wk, group = split_heads(
             w_q.detach().to(dtype), w_k.detach().to(dtype), num_heads, num_kv_heads
         )
         q_rows, k_rows = wq.mT, wk.mT  # (H, d_k, d), (H_kv, d_k, d'): views of the weights' rows
