@@ -48,12 +48,15 @@ class MetricSpec:
         range: the values it can take (``math.inf`` for unbounded).
         worse: ``"high"`` or ``"low"``: which end means trouble; ``""`` where neither does.
         family: the dashboard category it is charted in.
-        heatmap: the fixed colour range of its layer x head heatmap image, or None for no heatmap.
+        heatmap: the bounds of its layer x head heatmap's colour range, or None for no heatmap
+            (within them, the range follows the run's values: ``dashboards.HeatmapScale``).
         undefined: when the value is NaN by definition (documented, never reported as broken).
         meaning: one line for the docs.
         optional: logged only when a monitor option asks for it.
         summary: the columns of ``qkmonitor train``'s closing table: aggregates over heads among
             ``"mean"``, ``"min"``, ``"max"`` (none: not shown).
+        reading: how to read a value, for the closing table's legend: what its ends mean and
+            what is normal in a run that learns.
     """
 
     name: str
@@ -68,6 +71,7 @@ class MetricSpec:
     undefined: str = ""
     optional: bool = False
     summary: tuple[str, ...] = ()
+    reading: str = ""
 
     @property
     def worst_band(self) -> str | None:
@@ -92,6 +96,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         heatmap=(0.0, 1.0),
         undefined=_ZERO,
         summary=("mean", "max"),
+        reading="1/d_k: all directions of W_QK equal, 1: one direction; it rises as heads specialise, "
+        "a concern when it keeps rising while the loss stalls (the kappa alert)",
     ),
     MetricSpec(
         "kappa_eig",
@@ -137,6 +143,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "effective rank exp(-sum p_i log p_i), p_i = sigma_i / sum_j sigma_j, of W_QK^h",
         undefined=_ZERO,
         summary=("mean",),
+        reading="d_k: every direction of W_QK used, 1: one direction; it falls as heads specialise",
     ),
     MetricSpec(
         "qk_spectral_norm",
@@ -169,6 +176,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "mean over rows with n_i > 1 of H_i / log n_i: 1 = uniform, 0 = one-hot",
         heatmap=(0.0, 1.0),
         summary=("mean", "min"),
+        reading="1: uniform over the keys, 0: all on one key; sharp heads are normal where a task looks "
+        "things up, a concern when heads keep sharpening while the loss stalls",
     ),
     MetricSpec(
         "max_prob",
@@ -191,6 +200,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "attention entropy",
         "largest pre-softmax score max_ij s_ij (after scaling) of the probe step",
         summary=("max",),
+        reading="the sharpest softmax input; it grows as heads sharpen, a concern when it grows "
+        "exponentially while the loss stalls (the logit alerts)",
     ),
     MetricSpec(
         "sink_mass",
@@ -223,6 +234,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "effective rank",
         "||X - 1 mean(X)^T||_F / ||X||_F: -> 0 under rank collapse (Dong et al. 2021)",
         summary=("mean",),
+        reading="1: the tokens' representations share no mean, 0: all tokens one vector (rank collapse); "
+        "the instability suite's runs, failed ones included, stayed at 0.15 or above",
     ),
     MetricSpec(
         "attn_erank",
@@ -234,6 +247,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "effective rank",
         "effective rank of the head's attention matrix A on the probe slice",
         summary=("mean",),
+        reading="1: every query attends alike, up to the probe slice's rows (identity-like attention); "
+        "low together with a low entropy is the malignant collapse",
     ),
     MetricSpec(
         "attn_erank_norm",

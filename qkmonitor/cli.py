@@ -14,7 +14,9 @@ import argparse
 import contextlib
 import logging
 import math
+import shlex
 import sys
+import textwrap
 import warnings
 from collections.abc import Sequence
 
@@ -480,15 +482,58 @@ def _run_training(args: argparse.Namespace) -> int:
     ) as err:  # e.g. an accelerator this machine lacks
         print(f"qkmonitor train: {err}", file=sys.stderr)
         return 2
+    print(_what_trains(args, task, trainer, logger.log_dir), flush=True)
     trainer.fit(task, datamodule=data)
     final = trainer.validate(task, datamodule=data, verbose=False)[0]
-    print(_summary(monitors, final, logger.log_dir))
+    print(_summary(monitors, final, logger.log_dir, step=trainer.global_step))
     if checkpoint is not None and checkpoint.best_model_path:
         print(f"checkpoint: {checkpoint.best_model_path}")
     else:
         print("checkpoint: none (--no-checkpoint)")
-    print(f"\nTo see the dashboards:\n  tensorboard --logdir {args.log_dir}")
+    print(_next_steps(args.log_dir, logger.log_dir))
     return 0
+
+
+#: What each task learns, in words, from the parsed options.
+_TASK_WORDS = {
+    "recall": lambda a: f"associative recall ({a.pairs} key-value pairs a sequence)",
+    "copy": lambda a: f"copying strings of up to {a.length} symbols",
+    "reverse": lambda a: f"reversing strings of up to {a.length} symbols",
+    "charlm": lambda a: (
+        f"next-character prediction on Python's own source ({a.chars:,} characters)"
+    ),
+    "modular": lambda a: (
+        f"addition mod {a.modulus} ({a.train_fraction:.0%} of the pairs trained on)"
+    ),
+    "grid": lambda a: f"a relation between cells of a {a.grid_size}x{a.grid_size} grid",
+}
+_MODEL_WORDS = {"copy": "encoder-decoder", "reverse": "encoder-decoder", "grid": "vision encoder"}
+
+
+def _what_trains(args: argparse.Namespace, task, trainer, log_dir: str) -> str:
+    """The line before the progress bar: the task, the model's size, where it runs and logs."""
+    params = sum(p.numel() for p in task.parameters())
+    sides = " a side" if args.task in ("copy", "reverse") else ""
+    kv = f" ({args.kv_heads} key/value)" if args.kv_heads else ""
+    return (
+        f"qkmonitor train: {_TASK_WORDS[args.task](args)}\n"
+        f"  model: {_MODEL_WORDS.get(args.task, 'decoder')}, {args.layers} "
+        f"layer{'s' if args.layers != 1 else ''}{sides} x "
+        f"{args.heads} heads{kv}, d_model {args.d_model}, {args.positional} positions, "
+        f"{params / 1e6:.2f} M parameters\n"
+        f"  {args.steps} steps on {trainer.strategy.root_device}, the monitors probing every "
+        f"{args.every_n_steps}; logs: {log_dir}"
+    )
+
+
+def _next_steps(root: str, log_dir: str) -> str:
+    """The commands that show the run: TensorBoard on the log root, the report of this run."""
+    commands = [
+        (f"tensorboard --logdir {shlex.quote(root)}", "the dashboards, in a browser"),
+        (f"qkmonitor report {shlex.quote(log_dir)}", "this run as tables, alerts and PNG plots"),
+    ]
+    width = max(len(command) for command, _ in commands)
+    return "\nNext:\n" + "\n".join(f"  {c.ljust(width)}  # {what}" for c, what in commands)
 
 
 def _step_progress_class():
@@ -542,8 +587,10 @@ def summary_columns() -> list[tuple[str, str, str]]:
     return [(spec.monitor, spec.name, agg) for spec in CATALOGUE for agg in spec.summary]
 
 
-def _summary(monitors: list, final: dict[str, float], log_dir: str) -> str:
-    """A per-layer table of each monitor's last probe, with the task's final validation scores."""
+def _summary(monitors: list, final: dict[str, float], log_dir: str, step: int | None = None) -> str:
+    """A per-layer table of each monitor's last probe, which probe each column comes from, a
+    legend of the columns (from the metric catalogue), the alerts and the task's final
+    validation scores; ``step``: the optimizer steps trained."""
     by_kind = {m.engine.monitor: m for m in monitors}
     columns = [c for c in summary_columns() if c[0] in by_kind]
     header = ["layer", "name"] + [m if agg == "mean" else f"{m} {agg}" for _, m, agg in columns]
@@ -562,26 +609,70 @@ def _summary(monitors: list, final: dict[str, float], log_dir: str) -> str:
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
     counts = {name: n for m in monitors for name, n in m.tracker.counts.items()}
-    alerts = ", ".join(f"{name}: {n}" for name, n in counts.items()) or "none"
+    fired = ", ".join(f"{name}: {n}" for name, n in counts.items() if n)
+    alerts = fired or f"none (rules watched: {', '.join(counts) or 'none'})"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
-    short = {
-        "QKSpectrumMonitor": "spectrum",
-        "AttentionEntropyMonitor": "entropy",
-        "EffectiveRankMonitor": "rank",
-    }
-    steps = ", ".join(
-        f"{short.get(m.engine.monitor, m.engine.monitor)} at step {m.latest_step}" for m in monitors
-    )
+    after = f" after step {step}" if step is not None else ""
     return "\n".join(
         [
-            f"\nqkmonitor summary ({steps}; {log_dir})",
+            f"\nqkmonitor summary{after} ({log_dir})",
+            *_sources(monitors, columns),
             line(header),
             line(["-" * w for w in widths]),
             *map(line, rows),
+            *_legend(columns),
             f"alerts fired: {alerts}",
             f"final validation: {scores}",
         ]
     )
+
+
+def _sources(monitors: list, columns: list[tuple[str, str, str]]) -> list[str]:
+    """Which probe each column comes from: the spectrum reads the weights after a step, the
+    activation monitors the batch of their last probe step (up to ``every_n_steps`` earlier)."""
+    from qkmonitor.catalogue import SPECTRUM
+
+    groups: dict[str, list[str]] = {}
+    for m in monitors:
+        names = list(
+            dict.fromkeys(metric for monitor, metric, _ in columns if monitor == m.engine.monitor)
+        )
+        if not names or m.latest_step is None:
+            continue
+        source = (
+            f"the weights after step {m.latest_step}"
+            if m.engine.monitor == SPECTRUM
+            else f"the last probed batch, at step {m.latest_step}"
+        )
+        groups.setdefault(source, []).extend(names)
+    return [f"  {', '.join(names)}: {source}" for source, names in groups.items()]
+
+
+def _legend(columns: list[tuple[str, str, str]]) -> list[str]:
+    """One line per metric of the table: unit, range, which end is worse, how to read it."""
+    from qkmonitor.catalogue import metric
+
+    names = list(dict.fromkeys(name for _, name, _ in columns))
+    if not names:
+        return []
+    width = max(len(name) for name in names)
+    lines = ["columns: a layer's mean over its heads; 'max'/'min': its highest/lowest head"]
+    for name in names:
+        spec = metric(name)
+        worse = f"{spec.worse} is worse" if spec.worse else "neither end is worse"
+        lo, hi = spec.range
+        text = f"{spec.unit} in [{lo:g}, {hi:g}], {worse}" + (
+            f"; {spec.reading}" if spec.reading else ""
+        )
+        lines.append(
+            textwrap.fill(
+                text,
+                width=100,
+                initial_indent=f"  {name.ljust(width)}  ",
+                subsequent_indent=" " * (width + 4),
+            )
+        )
+    return lines
 
 
 if __name__ == "__main__":  # pragma: no cover

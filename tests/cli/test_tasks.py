@@ -18,6 +18,15 @@ LAYERS = {
     "grid": ["model.blocks.0.attn"],
     "charlm": ["model.blocks.0.attn"],
 }
+# The line before the bar: words of the task, and the kind of model.
+WORDS = {
+    "recall": ("associative recall (6 key-value pairs", "decoder"),
+    "modular": ("addition mod 23", "decoder"),
+    "copy": ("copying strings of up to 10", "encoder-decoder"),
+    "reverse": ("reversing strings of up to 10", "encoder-decoder"),
+    "grid": ("8x8 grid", "vision encoder"),
+    "charlm": ("Python's own source (20,000 characters)", "decoder"),
+}
 METRICS = {
     "recall": ["val_acc", "val_loss"],
     "modular": ["val_acc", "val_loss"],
@@ -48,7 +57,13 @@ def test_every_task_trains_end_to_end_and_prints_the_summary(task, tmp_path, cap
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "qkmonitor summary (spectrum at step 4, entropy at step 2, rank at step 2" in out
+    what, model = WORDS[task]
+    assert out.startswith("qkmonitor train: ") and what in out.splitlines()[0]
+    assert out.splitlines()[1].startswith(f"  model: {model}, 1 layer")
+    assert f"4 steps on cpu, the monitors probing every 2; logs: {tmp_path / 'runs' / task}" in out
+    assert "qkmonitor summary after step 4 (" in out
+    assert "\n  kappa, qk_erank: the weights after step 4\n" in out
+    assert "hidden_collapse, attn_erank: the last probed batch, at step 2\n" in out
     for i, name in enumerate(LAYERS[task] if task != "recall" else LAYERS[task][:1]):
         columns = len(summary_columns())  # derived from the metric catalogue
         row = re.search(

@@ -44,7 +44,14 @@ def test_short_run_writes_logs_and_prints_summary(tmp_path, capsys):
     )
     assert code == 0
     out = capsys.readouterr().out
-    assert "qkmonitor summary (spectrum at step 12, entropy at step 8, rank at step 8" in out
+    run_dir = tmp_path / "runs" / "recall" / "version_0"
+    assert f"qkmonitor summary after step 12 ({run_dir})" in out
+    # one line per source: the weights after the last step, the batch of the last probe
+    assert "\n  kappa, qk_erank: the weights after step 12\n" in out
+    assert (
+        "\n  entropy_norm, max_logit, hidden_collapse, attn_erank: the last probed batch, at step 8\n"
+        in out
+    )
     header = next(line for line in out.splitlines() if line.lstrip().startswith("layer"))
     assert header.split()[2:] == [
         "kappa",
@@ -65,12 +72,17 @@ def test_short_run_writes_logs_and_prints_summary(tmp_path, capsys):
         )
         assert row and all(float(v) == float(v) for v in row.group(1).split())  # numbers, not NaN
     assert "tensorboard --logdir " + str(tmp_path / "runs") in out
-    tags = read_tags(tmp_path / "runs" / "recall" / "version_0")
+    assert "qkmonitor report " + str(run_dir) in out
+    tags = read_tags(run_dir)
+    # the alerts the summary names are the counters TensorBoard has, and only those
+    fired = re.search(r"^alerts fired: (.*)$", out, re.MULTILINE).group(1)
+    counted = {t.removeprefix("qkmonitor/alerts/") for t in tags if "/alerts/" in t}
+    assert counted == set(re.findall(r"(\w+): [1-9]", fired))
+    assert bool(counted) != fired.startswith("none (rules watched: kappa, ")
     assert {
         "qkmonitor/kappa/layer_02",
         "qkmonitor/kappa_max/layer_02",
         "qkmonitor/kappa/layer_02_head_01",
-        "qkmonitor/alerts/kappa",
         "qkmonitor/entropy_norm/layer_02_head_01",
         "qkmonitor/hidden_collapse/layer_02",
         "train_loss",
@@ -87,6 +99,10 @@ def test_short_run_writes_logs_and_prints_summary(tmp_path, capsys):
     hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
     assert hparams["lr"].number_value == 3e-3 and hparams["config/n_layers"].number_value == 3
     assert hparams["qkmonitor/alert_kappa/threshold"].number_value > 0
+    content = acc.PluginTagToContent("hparams")["_hparams_/experiment"]
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content).experiment
+    metrics = {info.name.tag for info in experiment.metric_infos}
+    assert {"train_loss", "val_loss", "val_acc"} <= metrics & tags  # the task's, with values
 
     # and read it back: `qkmonitor report`
     assert (
@@ -216,10 +232,50 @@ def test_the_terminal_shows_progress_summary_checkpoint_and_tensorboard_and_no_w
     assert re.search(r"^step: +100%\|.*\| 20/20 .*loss=[0-9.]+, acc=[0-9.]+", out, re.MULTILINE)
     for noise in ("Epoch", "v_num", "Tip", "GPU available", "Warning", "Validation"):
         assert noise not in out, noise
+    run_dir = tmp_path / "runs" / "recall" / "version_0"
+    # before the bar: what trains and where it logs
+    head = out[: out.index("step:")]
+    assert head.startswith("qkmonitor train: associative recall (6 key-value pairs a sequence)\n")
+    assert re.search(
+        r"model: decoder, 2 layers x 4 heads, d_model 64, .* [0-9.]+ M parameters", head
+    )
+    assert f"20 steps on cpu, the monitors probing every 10; logs: {run_dir}\n" in head
     tail = out[out.index("qkmonitor summary") :].splitlines()
-    assert tail[-4].startswith("checkpoint: ") and tail[-4].endswith(".ckpt")
-    assert (tmp_path / "runs" / "recall" / "version_0" / "checkpoints").is_dir()
-    assert tail[-2:] == ["To see the dashboards:", f"  tensorboard --logdir {tmp_path / 'runs'}"]
+    assert tail[-5].startswith("checkpoint: ") and tail[-5].endswith(".ckpt")
+    assert (run_dir / "checkpoints").is_dir()
+    assert tail[-3] == "Next:"
+    commands = [line.split("#")[0].split() for line in tail[-2:]]
+    assert commands == [
+        ["tensorboard", "--logdir", str(tmp_path / "runs")],
+        ["qkmonitor", "report", str(run_dir)],
+    ]
+    # the report offered runs, on this run
+    report = subprocess.run(
+        [sys.executable, "-m", "qkmonitor.cli", *commands[1][1:], "--no-plots"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert report.returncode == 0 and str(run_dir) in report.stdout, report.stderr
+
+
+def test_the_summary_legend_says_what_each_column_is_and_which_end_is_worse():
+    """The legend under the table comes from the metric catalogue: one line per metric shown."""
+    from qkmonitor.catalogue import metric
+    from qkmonitor.cli import _legend, summary_columns
+
+    lines = "\n".join(_legend(summary_columns()))
+    assert "'max'/'min': its highest/lowest head" in lines
+    entries = re.split(r"\n  (?=\S)", lines)[1:]
+    names = [entry.split()[0] for entry in entries]
+    assert names == list(dict.fromkeys(m for _, m, _ in summary_columns()))
+    for name, entry in zip(names, entries):
+        spec = metric(name)
+        text = " ".join(entry.split()[1:])
+        worse = {"high": "high is worse", "low": "low is worse"}[spec.worse]
+        assert text.startswith(f"{spec.unit} in [{spec.range[0]:g}, {spec.range[1]:g}], {worse}; ")
+        assert text.endswith(" ".join(spec.reading.split())), name
 
 
 def test_help_shows_each_default_once_explains_every_option_and_lists_choices(capsys):
