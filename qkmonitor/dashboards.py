@@ -7,7 +7,9 @@ them. The layout is one per run (TensorBoard keeps a single custom-scalars layou
   tag regex ``{prefix}/{metric}/layer_\\d+$`` picks every layer's mean;
 - a *Margin* chart per (metric, layer): mean over heads with the band from the lowest to the
   highest head (``{metric}``, ``{metric}_min``, ``{metric}_max``);
-- the alert counters.
+- the alert counters (a rule's series starts at its first alert);
+- first, a chart of the training and validation loss, the tags of :data:`qkmonitor.tags.LOSS_TAGS`
+  and :data:`~qkmonitor.tags.VAL_LOSS_TAGS` that the run has (qkmonitor does not write the loss).
 
 Images are HWC uint8 arrays: :func:`heatmap_image` colours a (layers, heads) grid (NaN cells grey)
 and :func:`attention_image` a (rows, keys) attention matrix, each with a title, labelled axes and a
@@ -28,10 +30,11 @@ import torch
 from torch import Tensor
 
 from qkmonitor.catalogue import FAMILIES, metric
-from qkmonitor.tags import layer_tag, worst_tag
+from qkmonitor.tags import LOSS_TAGS, VAL_LOSS_TAGS, layer_tag, worst_tag
 
 __all__ = [
     "FAMILIES",
+    "HeatmapScale",
     "LayoutSection",
     "attention_image",
     "custom_scalars_layout",
@@ -50,11 +53,24 @@ class LayoutSection:
     alert_rules: tuple[str, ...] = ()
 
 
-def custom_scalars_layout(sections: Sequence[LayoutSection]) -> dict:
+def custom_scalars_layout(
+    sections: Sequence[LayoutSection],
+    *,
+    loss_tags: Sequence[str] = LOSS_TAGS + VAL_LOSS_TAGS,
+    tag_prefix: str = "",
+) -> dict:
     """The layout for ``SummaryWriter.add_custom_scalars``, covering every prefix present.
 
     Sections under the same prefix (the usual three monitors) merge into one set of categories;
     each prefix gets its own. Metric families and order come from :mod:`qkmonitor.catalogue`.
+    The first category charts the loss: the loss is written by the training code, not by the
+    monitors, so the chart matches whichever of ``loss_tags`` the run has.
+
+    Args:
+        sections: what each monitor charts.
+        loss_tags: the loss's possible tags (training and validation); empty for no loss chart.
+        tag_prefix: what the logger puts before every tag it writes (a Lightning logger's
+            ``prefix``), the loss's included; the sections' prefixes carry it already.
 
     Returns:
         ``{category: {chart: ["Multiline" | "Margin", [tags]]}}``.
@@ -66,6 +82,9 @@ def custom_scalars_layout(sections: Sequence[LayoutSection]) -> dict:
         merged["num_layers"] = max(merged["num_layers"], section.num_layers)
         merged["rules"] += [r for r in section.alert_rules if r not in merged["rules"]]
     layout: dict[str, dict[str, list]] = {}
+    if loss_tags:
+        names = "|".join(re.escape(tag_prefix + tag) for tag in loss_tags)
+        layout["training"] = {"loss (training and validation)": ["Multiline", [f"^({names})$"]]}
     for prefix, merged in by_prefix.items():
         layout.update(
             _prefix_layout(prefix, merged["metrics"], merged["num_layers"], merged["rules"])
@@ -102,9 +121,72 @@ def _prefix_layout(prefix: str, metrics: list[str], num_layers: int, rules: list
             layout[f"{prefix}: {family}, per layer over heads"] = margins
     if rules:
         layout[f"{prefix}: alerts"] = {
-            "alerts fired (count)": ["Multiline", [f"^{re.escape(prefix)}/alerts/"]]
+            "alerts fired (count; a rule appears at its first alert)": [
+                "Multiline",
+                [f"^{re.escape(prefix)}/alerts/"],
+            ]
         }
     return layout
+
+
+class HeatmapScale:
+    """One metric's heatmap colour range over a run: set by the first grid drawn, then only widened.
+
+    A fixed range over the metric's bounds leaves typical values in a corner of the ramp (κ of a
+    trained model at 0.17-0.39 of 0..1 reads almost uniformly dark), and a range per image changes
+    what a colour means from one step to the next. So the range starts at the first grid's
+    finite values, at least ``min_span`` of the bounds wide (the nearly equal heads of an
+    initialisation do not fill the ramp), rounded outward to a round step, within the bounds; it
+    widens when a later grid leaves it and never narrows. Images drawn between two widenings
+    compare colour for colour; each one's colour bar is labelled with its range.
+
+    Args:
+        bounds: the values the metric can take (the catalogue's ``heatmap``); the range stays
+            inside them.
+        min_span: the smallest range, as a fraction of the bounds' width.
+
+    Example::
+
+        >>> scale = HeatmapScale((0.0, 1.0))
+        >>> scale.update(torch.tensor([[0.12, 0.39]]))
+        (0.1, 0.4)
+        >>> scale.update(torch.tensor([[0.2, 0.3]]))  # inside: unchanged
+        (0.1, 0.4)
+        >>> scale.update(torch.tensor([[0.2, 0.62]]))  # above: widened
+        (0.1, 0.65)
+    """
+
+    def __init__(self, bounds: tuple[float, float] = (0.0, 1.0), min_span: float = 0.25) -> None:
+        lo, hi = bounds
+        if not (math.isfinite(lo) and math.isfinite(hi) and hi > lo):
+            raise ValueError(f"Expected finite `bounds` with lo < hi, got {bounds!r}")
+        if not 0 < min_span <= 1:
+            raise ValueError(f"Expected `min_span` in (0, 1], got {min_span!r}")
+        self.bounds = (float(lo), float(hi))
+        self.min_span = min_span
+        #: the current range; None until a grid with a finite value was seen
+        self.range: tuple[float, float] | None = None
+
+    def update(self, grid: Tensor) -> tuple[float, float]:
+        """Widen the range to hold ``grid``'s finite values; return the range to draw it with."""
+        values = grid.detach().double().cpu()
+        finite = values[torch.isfinite(values)]
+        if finite.numel() == 0:
+            return self.range or self.bounds
+        lo, hi = float(finite.min()), float(finite.max())
+        if self.range is None:
+            span = max(hi - lo, self.min_span * (self.bounds[1] - self.bounds[0]))
+            lo = min(max(self.bounds[0], (lo + hi - span) / 2), self.bounds[1] - span)
+            hi = lo + span
+        else:
+            lo, hi = min(lo, self.range[0]), max(hi, self.range[1])
+        step = 10.0 ** math.floor(math.log10(hi - lo)) / 2
+        slack = 1e-5  # of a step: float32 values on a round number stay on it
+        self.range = (
+            max(self.bounds[0], round(math.floor(lo / step + slack) * step, 12)),
+            min(self.bounds[1], round(math.ceil(hi / step - slack) * step, 12)),
+        )
+        return self.range
 
 
 def _per_head(name: str) -> bool:

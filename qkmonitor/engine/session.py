@@ -21,7 +21,7 @@ from qkmonitor.dashboards import LayoutSection, custom_scalars_layout
 from qkmonitor.engine.base import MonitorEngine, PlainHost
 from qkmonitor.engine.publisher import PUBLISHER
 from qkmonitor.engine.sinks import Sink, SummaryWriterSink
-from qkmonitor.tags import alert_tag
+from qkmonitor.tags import HPARAMS_METRICS, alert_tag
 
 __all__ = ["Monitoring", "check_tag_collisions", "write_run_header"]
 
@@ -41,13 +41,20 @@ def check_tag_collisions(engines: Sequence[MonitorEngine]) -> None:
 
 
 def write_run_header(
-    sinks: Sequence[Sink], engines: Sequence[MonitorEngine], hparams: dict[str, Any] | None = None
+    sinks: Sequence[Sink],
+    engines: Sequence[MonitorEngine],
+    hparams: dict[str, Any] | None = None,
+    *,
+    metrics: Sequence[str] = HPARAMS_METRICS,
 ) -> None:
     """One layout and one hparams record for the run, to every sink that draws.
 
     TensorBoard keeps the first hparams record of a run, so this goes first. A sink with a
     ``tag_prefix`` (a Lightning logger's ``prefix``, which its ``log_metrics`` puts on the scalars)
-    gets the layout and the hparams metrics under that prefix too.
+    gets the layout and the hparams metrics under that prefix too. The HPARAMS tab compares runs
+    by ``metrics`` (the training code's scalar tags: loss, accuracy) and the alert counters; it
+    shows a metric's last value, and an empty cell for a tag the run lacks (an alert counter: the
+    rule never fired).
     """
     params: dict[str, Any] = dict(hparams or {})
     for engine in engines:
@@ -65,13 +72,16 @@ def write_run_header(
             )
             for e in engines
         ]
-        sink.log_layout(custom_scalars_layout(sections))
+        sink.log_layout(custom_scalars_layout(sections, tag_prefix=tag_prefix))
         sink.log_hparams(
             params,
             {
-                alert_tag(tag_prefix + e.prefix, r.name): 0.0
-                for e in engines
-                for r in e.tracker.rules
+                **{tag_prefix + tag: 0.0 for tag in metrics},
+                **{
+                    alert_tag(tag_prefix + e.prefix, r.name): 0.0
+                    for e in engines
+                    for r in e.tracker.rules
+                },
             },
         )
 
@@ -86,6 +96,8 @@ class Monitoring:
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (or any :class:`Sink`); None logs
             nothing but keeps each engine's ``.latest`` and fires alerts.
         hparams: the run's hyper-parameters, for TensorBoard's HPARAMS tab.
+        hparams_metrics: the scalar tags your loop writes that the HPARAMS tab compares runs by
+            (its loss, its accuracy), besides the alert counters.
         optimizer: read for the learning rate in alert messages.
         every_n_steps: the probe interval of engines that did not set one.
 
@@ -115,6 +127,7 @@ class Monitoring:
         *,
         writer: Any = None,
         hparams: dict[str, Any] | None = None,
+        hparams_metrics: Sequence[str] = HPARAMS_METRICS,
         optimizer: torch.optim.Optimizer | None = None,
         every_n_steps: int = 50,
     ) -> None:
@@ -165,7 +178,7 @@ class Monitoring:
             engine.switch_model_in_windows = True  # a loop may call torch.compile(model) unseen
             engine.bind(model, default_every_n_steps=every_n_steps)
             engine.report_discovery(self.host)
-        write_run_header(sinks, engines, hparams)
+        write_run_header(sinks, engines, hparams, metrics=hparams_metrics)
 
     @property
     def should_stop(self) -> bool:

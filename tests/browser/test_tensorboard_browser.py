@@ -95,6 +95,9 @@ def check_screenshot(path, size):
         assert len(rgb.getcolors(maxcolors=1 << 20) or []) > 200, f"{path} looks blank"
 
 
+LOSS_CHART = "loss (training and validation)"
+
+
 def test_custom_scalars_dashboard_draws_the_per_layer_charts(browser, tensorboard, screenshot_dir):
     layout = tensorboard.get_json("/data/plugin/custom_scalars/layout")  # what TensorBoard serves
     categories = [category["title"] for category in layout["category"]]
@@ -105,8 +108,9 @@ def test_custom_scalars_dashboard_draws_the_per_layer_charts(browser, tensorboar
         by_title = {card["title"]: card for card in cards or []}
         return (
             all(by_title.get(t, {}).get("lines", 0) >= 2 for t in LINE_CHARTS)  # two layers
-            and all(by_title.get(t, {}).get("areas", 0) >= 1 for t in MARGIN_CHARTS)
-        )  # min-max band
+            and all(by_title.get(t, {}).get("areas", 0) >= 1 for t in MARGIN_CHARTS)  # min-max band
+            and by_title.get(LOSS_CHART, {}).get("lines", 0) >= 1  # the task's train_loss
+        )
 
     size = (1640, 1320)
     # no smoothing and no outlier clipping: with four points per line, the raw values are the picture
@@ -126,6 +130,7 @@ def test_custom_scalars_dashboard_draws_the_per_layer_charts(browser, tensorboar
     }
     for category in categories:
         assert category in text
+    assert categories[0] == "training" and text.index("training") < text.index("qkmonitor: ")
     assert (
         "qkmonitor/kappa/layer_00" in text and "qkmonitor/kappa/layer_01" in text
     )  # the lines' tags

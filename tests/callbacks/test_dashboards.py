@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 
 import lightning.pytorch as pl
 import numpy as np
+import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
@@ -91,6 +93,19 @@ def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_
     ]
     assert {margin[0].value, margin[0].lower, margin[0].upper} <= set(tags["scalars"])
     assert "hidden_collapse layer 00 (heads: min, mean, max)" not in charts  # one value per layer
+    # first the loss, found under the tag the task logs it with (qkmonitor does not write it)
+    assert layout.category[0].title == "training"
+    loss = charts["loss (training and validation)"].multiline.tag[0]
+    assert [t for t in tags["scalars"] if re.search(loss, t)] == ["train_loss"]
+    # no rule fired in 3 steps: no alert counter, so no flat zero chart
+    assert not [t for t in tags["scalars"] if "/alerts/" in t]
+
+    # HPARAMS compares runs by the loss and accuracy (Lightning's tags) and the alert counters
+    content = acc.PluginTagToContent("hparams")["_hparams_/experiment"]
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content).experiment
+    metrics = [info.name.tag for info in experiment.metric_infos]
+    assert metrics[:3] == ["train_loss", "val_loss", "val_acc"] and "train_loss" in tags["scalars"]
+    assert {"qkmonitor/alerts/kappa", "qkmonitor/alerts/malignant_collapse"} <= set(metrics)
 
     # one hparams record (TensorBoard shows a run's first) with the model's and the rules' values
     hparams = hparams_of(acc)
@@ -239,7 +254,10 @@ def test_layout_lists_margin_charts_only_for_per_head_metrics():
         "kappa layer 01 (heads: min, mean, max)",
     ]
     assert "p: effective rank, per layer over heads" not in layout
-    assert layout["p: alerts"]["alerts fired (count)"] == ["Multiline", ["^p/alerts/"]]
+    assert layout["p: alerts"]["alerts fired (count; a rule appears at its first alert)"] == [
+        "Multiline",
+        ["^p/alerts/"],
+    ]
 
 
 def test_the_last_probe_of_a_fit_is_drawn_in_tensorboard(tmp_path, make_task):
@@ -268,3 +286,35 @@ def test_the_last_probe_of_a_fit_is_drawn_in_tensorboard(tmp_path, make_task):
     ):
         assert [e.step for e in acc.Images(tag)] == [0, 2], tag
     assert [e.step for e in acc.Histograms("qkmonitor/qk_singular_values/layer_01")] == [0, 2]
+
+
+def test_a_heatmap_scale_starts_at_the_first_grid_widens_and_never_narrows():
+    from qkmonitor.dashboards import HeatmapScale
+
+    scale = HeatmapScale((0.0, 1.0))
+    nan = float("nan")
+    assert scale.update(torch.tensor([[nan]])) == (0.0, 1.0)  # nothing seen yet: the bounds
+    # nearly equal heads: a quarter of the bounds around them, on a step of 0.05
+    # (0.33 +- 0.125 = 0.205..0.455, outward to 0.05)
+    assert scale.update(torch.tensor([[0.32, 0.33], [0.34, nan]])) == (0.2, 0.5)
+    assert scale.update(torch.tensor([[0.3, 0.31]])) == (0.2, 0.5)  # inside: unchanged
+    assert scale.update(torch.tensor([[0.18, 0.4]])) == (0.15, 0.5)  # below: widened down
+    assert scale.update(torch.tensor([[0.5, 0.97]])) == (0.15, 1.0)  # above, within the bounds
+    assert scale.update(torch.tensor([[0.4]])) == (0.15, 1.0)  # never narrowed
+    assert HeatmapScale((0.0, 1.0)).update(torch.tensor([[0.17, 0.39]])) == (0.15, 0.45)
+    assert HeatmapScale((0.0, 1.0)).update(torch.tensor([[0.9, 1.0]])) == (0.75, 1.0)
+    with pytest.raises(ValueError, match="`bounds`"):
+        HeatmapScale((0.0, math.inf))
+
+
+def test_the_layout_starts_with_the_loss_whatever_its_tag():
+    layout = custom_scalars_layout([LayoutSection("p", ("kappa",), 1, ())], tag_prefix="train-")
+    assert next(iter(layout)) == "training"
+    kind, (pattern,) = layout["training"]["loss (training and validation)"]
+    assert kind == "Multiline"
+    for tag in ("train_loss", "train_loss_step", "train/loss", "loss", "val_loss", "eval/loss"):
+        assert re.search(pattern, f"train-{tag}"), tag
+    assert not re.search(pattern, "train-loss_scale") and not re.search(pattern, "train_loss")
+    assert "training" not in custom_scalars_layout(
+        [LayoutSection("p", ("kappa",), 1)], loss_tags=()
+    )

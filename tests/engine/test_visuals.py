@@ -138,3 +138,40 @@ def test_the_last_probe_of_a_run_is_always_drawn(steps):
         if tag == "qkmonitor/heatmap/kappa" and s == steps - 1
     ]
     assert len(final) == 1 and final[0].ndim == 3
+
+
+def test_a_runs_heatmaps_share_one_colour_scale_that_spreads_its_values(tmp_path):
+    """κ of these heads lies in a narrow band of 0..1: the colours still tell the heads apart (the
+    highest head bright, the lowest dark), and a run whose weights do not change draws the same
+    picture at every step (one scale for the run), as TensorBoard reads the images back."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    from qkmonitor.dashboards import _Canvas
+
+    writer = SummaryWriter(str(tmp_path))
+    run([QKSpectrum(per_head=True, visuals_every_n_probes=2)], 3, writer)
+    writer.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    images = acc.Images("qkmonitor/heatmap/kappa")
+    assert [e.step for e in images] == [0, 2]
+    pictures = [np.asarray(Image.open(BytesIO(e.encoded_image_string))) for e in images]
+    assert np.array_equal(pictures[0][30:], pictures[1][30:])  # below the title: the same colours
+    kappa = {
+        (layer, head): acc.Scalars(f"qkmonitor/kappa/layer_{layer:02d}_head_{head:02d}")[0].value
+        for layer in range(2)
+        for head in range(2)
+    }
+    cell = 48  # a 2 x 2 grid's cells, annotated (the value written in the middle)
+    top, left = _Canvas.MARGIN_TOP, _Canvas.MARGIN_LEFT
+    luminance = {
+        (i, j): pictures[0][top + i * cell + 3, left + j * cell + 3]
+        @ np.array([0.299, 0.587, 0.114])
+        for i, j in kappa
+    }
+    order = sorted(kappa, key=kappa.get)
+    assert max(kappa.values()) - min(kappa.values()) < 0.35  # a narrow band of the 0..1 range
+    assert [luminance[k] for k in order] == sorted(luminance.values())  # brighter = higher
+    assert luminance[order[-1]] - luminance[order[0]] > 100  # far apart on the ramp
