@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 
 from qkmonitor.adapters import LayerSpec
 from qkmonitor.alerts import Alert, AlertRule
-from qkmonitor.engine import AttentionEntropy
+from qkmonitor.engine import AttentionEntropy, MonitorOptions
 
 from .base import ActivationMonitor
 
@@ -79,15 +79,5 @@ class AttentionEntropyMonitor(ActivationMonitor):
         probe_validation: bool = False,
         sink_tokens: int = 0,
     ) -> None:
-        engine = AttentionEntropy(
-            every_n_steps=every_n_steps,
-            per_head=per_head,
-            log_key_prefix=log_key_prefix,
-            alerts=alerts,
-            alert_action=alert_action,
-            on_alert=on_alert,
-            layers=layers,
-            visuals_every_n_probes=visuals_every_n_probes,
-            sink_tokens=sink_tokens,
-        )
+        engine = AttentionEntropy(options=MonitorOptions.pick(locals()), sink_tokens=sink_tokens)
         super().__init__(engine, probe_validation=probe_validation)

@@ -9,7 +9,7 @@ from torch import nn
 
 from qkmonitor.adapters import LayerSpec
 from qkmonitor.alerts import Alert, AlertRule
-from qkmonitor.engine import EffectiveRank
+from qkmonitor.engine import EffectiveRank, MonitorOptions
 
 from .base import ActivationMonitor
 
@@ -83,14 +83,7 @@ class EffectiveRankMonitor(ActivationMonitor):
         pattern_heads: int = 4,
     ) -> None:
         engine = EffectiveRank(
-            every_n_steps=every_n_steps,
-            per_head=per_head,
-            log_key_prefix=log_key_prefix,
-            alerts=alerts,
-            alert_action=alert_action,
-            on_alert=on_alert,
-            layers=layers,
-            visuals_every_n_probes=visuals_every_n_probes,
+            options=MonitorOptions.pick(locals()),
             max_probe_sequences=max_probe_sequences,
             max_probe_tokens=max_probe_tokens,
             blocks=blocks,

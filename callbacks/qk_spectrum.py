@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from qkmonitor.adapters import LayerSpec
 from qkmonitor.alerts import Alert, AlertRule
-from qkmonitor.engine import QKSpectrum
+from qkmonitor.engine import MonitorOptions, QKSpectrum
 
 from .base import AttentionMonitor, LightningHost
 
@@ -48,7 +48,7 @@ class QKSpectrumMonitor(AttentionMonitor):
     without QK-norm (:data:`qkmonitor.alerts.KAPPA_RULE`, calibrated on
     ``benchmarks/instability.py``), raising :class:`qkmonitor.OverLocalizationWarning`.
 
-    Args (keyword-only; see :class:`~qkmonitor.engine.base.MonitorEngine`):
+    Args (keyword-only; see :class:`~qkmonitor.engine.MonitorOptions`):
         every_n_steps: probe every this many optimizer steps (default: the Trainer's
             ``log_every_n_steps``).
         per_head: also log every head's value.
@@ -83,18 +83,7 @@ class QKSpectrumMonitor(AttentionMonitor):
         layers: LayerSpec | None = None,
         visuals_every_n_probes: int = 20,
     ) -> None:
-        super().__init__(
-            QKSpectrum(
-                every_n_steps=every_n_steps,
-                per_head=per_head,
-                log_key_prefix=log_key_prefix,
-                alerts=alerts,
-                alert_action=alert_action,
-                on_alert=on_alert,
-                layers=layers,
-                visuals_every_n_probes=visuals_every_n_probes,
-            )
-        )
+        super().__init__(QKSpectrum(options=MonitorOptions.pick(locals())))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

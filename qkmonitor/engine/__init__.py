@@ -1,11 +1,16 @@
 """The monitor engine: measuring, scheduling, alerting and logging, with no training framework.
 
-The Lightning callbacks (:mod:`qkmonitor.callbacks`) are thin adapters over these engines; a plain
-PyTorch loop drives them through :class:`Monitoring`. See ``docs/architecture.md``.
+An engine (:mod:`.base`: schedule, measuring, resume state) takes its arguments as one
+:class:`MonitorOptions` (:mod:`.options`) and hands each probe to its alert policy
+(:mod:`.alerting`) and its publisher (:mod:`.publishing`, visuals drawn on the background thread of
+:mod:`.publisher`). The Lightning callbacks (:mod:`qkmonitor.callbacks`) are thin adapters over
+these engines; a plain PyTorch loop drives them through :class:`Monitoring`. See
+``docs/architecture.md``.
 """
 
 from qkmonitor.engine.base import ActivationEngine, Host, MonitorEngine, PlainHost
 from qkmonitor.engine.entropy import AttentionEntropy
+from qkmonitor.engine.options import MonitorOptions
 from qkmonitor.engine.rank import EffectiveRank
 from qkmonitor.engine.session import Monitoring, check_tag_collisions, write_run_header
 from qkmonitor.engine.sinks import MemorySink, Sink, SummaryWriterSink
@@ -18,6 +23,7 @@ __all__ = [
     "Host",
     "MemorySink",
     "MonitorEngine",
+    "MonitorOptions",
     "Monitoring",
     "PlainHost",
     "QKSpectrum",

@@ -1,10 +1,13 @@
-"""The framework-free monitor engine: when to probe, how to measure, what to log, when to alert.
+"""The framework-free monitor engine: when to probe and what to measure, for a host.
 
 A :class:`MonitorEngine` knows its layers (:func:`qkmonitor.adapters.find_attention_layers`),
-decides the probe steps, computes its metrics, feeds the alert tracker, builds the tags of
-:mod:`qkmonitor.tags` from the metric catalogue and hands everything to the sinks of a
-:class:`Host`. The host is whatever drives the engine: the Lightning callbacks (a thin adapter
-over a Trainer) or :class:`qkmonitor.engine.Monitoring` in a plain PyTorch loop.
+decides the probe steps and computes its metrics; what it is told comes in one
+:class:`~qkmonitor.engine.options.MonitorOptions`. It hands each probe's values to its two other
+parts: the alert policy (:mod:`qkmonitor.engine.alerting`: the tracker, warn / stop / raise,
+``on_alert``) and the publisher (:mod:`qkmonitor.engine.publishing`: the tags of
+:mod:`qkmonitor.tags`, scalars to the sinks of a :class:`Host`, visuals to those that draw). The
+host is whatever drives the engine: the Lightning callbacks (a thin adapter over a Trainer) or
+:class:`qkmonitor.engine.Monitoring` in a plain PyTorch loop.
 
 :class:`ActivationEngine` adds probes of the forward pass (:mod:`qkmonitor.probes`): ``open``
 opens one probe per layer for a probe window, ``finish`` closes them and logs, ``abort`` closes
@@ -14,36 +17,35 @@ them and logs nothing. Every path closes what it opened.
 from __future__ import annotations
 
 import logging
-import math
-import re
 import warnings
 import weakref
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-from functools import partial
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.adapters import AttentionLayer, LayerSpec, find_attention_layers
-from qkmonitor.alerts import ALERT_ACTIONS, LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
+from qkmonitor.adapters import AttentionLayer, find_attention_layers
+from qkmonitor.alerts import Alert, AlertRule, AlertTracker
 from qkmonitor.catalogue import MetricSpec, metric, names_of
 from qkmonitor.compiled import SwitchedForward, UncompiledForward, compiled_roots
-from qkmonitor.dashboards import grid_of, heatmap_image
-from qkmonitor.engine.publisher import PUBLISHER
+from qkmonitor.engine.alerting import AlertPolicy
+from qkmonitor.engine.options import MonitorOptions, check_prefix
+from qkmonitor.engine.publishing import Histograms, Images, ValuePublisher, Values, as_rows
 from qkmonitor.engine.sinks import Sink
 from qkmonitor.intercept import unmeasured_attention_like
 from qkmonitor.probes import Probe, ProbeRequest, ProbeResult
-from qkmonitor.tags import alert_tag, head_tag, layer_tag, worst_tag
 
-__all__ = ["ActivationEngine", "Host", "MonitorEngine", "PlainHost", "Values", "check_prefix"]
-
-#: metric -> one (num_heads,) float CPU tensor per layer ((1,) for per-layer metrics)
-Values = dict[str, list[Tensor]]
-
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+__all__ = [
+    "ActivationEngine",
+    "Host",
+    "MonitorEngine",
+    "MonitorOptions",
+    "PlainHost",
+    "Values",
+    "check_prefix",
+]
 
 
 class Host:
@@ -114,93 +116,33 @@ class PlainHost(Host):
         return next((float(g["lr"]) for g in self.optimizer.param_groups if "lr" in g), None)
 
 
-def check_prefix(prefix: object) -> str:
-    """A tag-safe ``log_key_prefix``: parts of letters, digits, ``_ . -`` joined by single ``/``."""
-    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
-        raise ValueError(
-            "Expected `log_key_prefix` to be a tag-safe string (letters, digits, '_', '.', '-', parts joined "
-            f"by single '/', no leading or trailing '/'), got {prefix!r}"
-        )
-    return prefix
-
-
-def _check_optional_positive_int(name: str, value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"Expected `{name}` to be a positive int or None, got {value!r}")
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"Expected `{name}` to be a bool, got {value!r}")
-
-
 class MonitorEngine:
-    """Base of the engines: probe schedule, logging, alerts and resume state.
+    """Base of the engines: the probe schedule, binding to a model, measuring and resume state.
+
+    Each probe's values go to :attr:`alerting` (an :class:`~qkmonitor.engine.alerting.AlertPolicy`)
+    and :attr:`publishing` (a :class:`~qkmonitor.engine.publishing.ValuePublisher`) through
+    :meth:`record`.
 
     Args:
-        every_n_steps: probe every this many optimizer steps; ``None`` takes the host's default
-            (the Trainer's ``log_every_n_steps``).
-        per_head: also log ``{prefix}/{metric}/layer_LL_head_HH`` for every head.
-        log_key_prefix: first part of every tag; tag-safe (see :func:`check_prefix`).
-        alerts: the alert rules; ``None`` for the engine's defaults, ``[]`` for none. Each rule's
-            metrics must be ones this engine logs.
-        alert_action: ``"warn"`` (warning, TensorBoard text, counter), ``"stop"`` (also asks the
-            loop to stop) or ``"raise"`` (raises the rule's warning class as an exception).
-        on_alert: called as ``on_alert(owner, alert)`` for every alert that fires (the owner is
-            the Trainer under Lightning), e.g. to lower the learning rate or save a checkpoint.
-        layers: which attention layers: ``None`` finds them all; one module or AttentionLayer,
-            a list of them, or a function ``model -> list``.
-        visuals_every_n_probes: draw the visuals (layer x head heatmaps, attention images,
-            singular-value histograms) at every this many probes, starting with the first (step
-            0); ``0`` never. Scalars and alerts come at every probe. Drawing and encoding an
-            image takes milliseconds, more than measuring a small model, so the default (20)
-            keeps them to one probe in twenty: at ``every_n_steps=50``, one set every 1000 steps.
+        options: what the engine is told (see :class:`~qkmonitor.engine.options.MonitorOptions`).
+        **fields: or the fields of :class:`~qkmonitor.engine.options.MonitorOptions`, by name.
     """
 
     #: the catalogue's name of the monitor whose metrics this engine computes
     monitor: str = ""
     default_rules: tuple[AlertRule, ...] = ()
 
-    def __init__(
-        self,
-        *,
-        every_n_steps: int | None = None,
-        per_head: bool = False,
-        log_key_prefix: str = "qkmonitor",
-        alerts: Sequence[AlertRule] | None = None,
-        alert_action: str = "warn",
-        on_alert: Callable[[Any, Alert], None] | None = None,
-        layers: LayerSpec | nn.Module | AttentionLayer | None = None,
-        visuals_every_n_probes: int = 20,
-    ) -> None:
-        _check_optional_positive_int("every_n_steps", every_n_steps)
-        if (
-            isinstance(visuals_every_n_probes, bool)
-            or not isinstance(visuals_every_n_probes, int)
-            or visuals_every_n_probes < 0
-        ):
+    def __init__(self, *, options: MonitorOptions | None = None, **fields: Any) -> None:
+        if options is None:
+            options = MonitorOptions(**fields)
+        elif fields or not isinstance(options, MonitorOptions):
             raise ValueError(
-                f"Expected `visuals_every_n_probes` to be an int >= 0, got {visuals_every_n_probes!r}"
+                "Expected `options` to be a MonitorOptions, with no other engine argument, got "
+                f"{type(options).__name__} and {sorted(fields)}"
             )
-        _check_bool("per_head", per_head)
-        if alert_action not in ALERT_ACTIONS:
-            raise ValueError(
-                f"Expected `alert_action` to be one of {ALERT_ACTIONS}, got {alert_action!r}"
-            )
-        if on_alert is not None and not callable(on_alert):
-            raise ValueError(
-                f"Expected `on_alert` to be a callable (owner, alert) or None, got {on_alert!r}"
-            )
-        if isinstance(alerts, AlertRule):
-            alerts = [alerts]
-        if alerts is not None and (
-            isinstance(alerts, (str, bytes)) or not isinstance(alerts, Sequence)
-        ):
-            raise ValueError(
-                f"Expected `alerts` to be a list of AlertRule or None, got {type(alerts).__name__}"
-            )
-        self.every_n_steps = every_n_steps
-        self._every_n_steps_given = every_n_steps
+        self.options = options
+        #: the probe interval in effect: the one given, or the host's default from bind on
+        self.every_n_steps = options.every_n_steps
         self._restored = False  # a checkpoint's state was loaded and the next bind keeps it
         self._session: Callable[[], Any] | None = (
             None  # the plain-loop Monitoring holding it (a weakref)
@@ -213,33 +155,21 @@ class MonitorEngine:
         #: compile is seen (plain loops: a loop may compile the model where the monitors cannot see)
         self.switch_model_in_windows = False
         self._window_removers: list[Callable[[], None]] = []  # the roots switched on for a window
-        #: the last probe's visual inputs when it drew none: (values, step, images, histograms)
-        self._undrawn: tuple | None = None
-        self.visuals_every_n_probes = visuals_every_n_probes
-        self.per_head = per_head
-        self.prefix = check_prefix(log_key_prefix)
-        self.alert_action = alert_action
-        self.on_alert = on_alert
-        if not (
-            layers is None
-            or callable(layers)
-            or isinstance(layers, (nn.Module, AttentionLayer))
-            or (isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)))
-        ):
-            raise ValueError(
-                f"Expected `layers` to be a module, an AttentionLayer, a list of them or a function of "
-                f"the model, got {type(layers).__name__}"
-            )
-        if (
-            isinstance(layers, Iterable)
-            and not isinstance(layers, (nn.Module, AttentionLayer))
-            and not callable(layers)
-        ):
-            layers = list(layers)  # a generator is read once, here
-        self.layer_spec = layers
-        rules = list(self.default_rules if alerts is None else alerts)
-        self._check_rules(rules)
-        self.tracker = AlertTracker(rules)
+        self.alerting = AlertPolicy(
+            self.default_rules if options.alerts is None else options.alerts,
+            action=options.alert_action,
+            on_alert=options.on_alert,
+            owner=type(self).__name__,
+            monitor=self.monitor,
+            metric_names=self.metric_names,
+        )
+        self.publishing = ValuePublisher(
+            type(self).__name__,
+            options.log_key_prefix,
+            per_head=options.per_head,
+            metric_names=self.metric_names,
+            visuals_every_n_probes=options.visuals_every_n_probes,
+        )
         self.layers: list[AttentionLayer] = []
         #: Indices of the layers with QK-norm (rules with ``skip_qk_norm`` leave them out).
         self.qk_norm_layers: frozenset[int] = frozenset()
@@ -248,62 +178,49 @@ class MonitorEngine:
         self.latest_step: int | None = None
         #: The last validation probe's values, like :attr:`latest`.
         self.latest_validation: Values = {}
-        self._nonfinite: set[int] = set()
         self._warned: set[str] = set()
-        #: whether a rule reads the training loss (``learning_drop``); the loss is kept only then
-        self.reads_loss = any(rule.learning_drop is not None for rule in rules)
-        horizon = max(
-            (rule.loss_window for rule in rules if rule.learning_drop is not None), default=0
-        )
-        self._loss_horizon = horizon + LOSS_SMOOTHING  # steps before a probe whose loss it reads
-        self._losses: deque[tuple[int, Tensor | float]] = deque(
-            maxlen=4 * (horizon + LOSS_SMOOTHING)
-        )
-        self._first_losses: list[Tensor | float] = []
+
+    @property
+    def prefix(self) -> str:
+        """The first part of every tag (``log_key_prefix``)."""
+        return self.options.log_key_prefix
+
+    @property
+    def tracker(self) -> AlertTracker:
+        """The alert rules' state and counts."""
+        return self.alerting.tracker
 
     # -- the training loss -------------------------------------------------------------------
+
+    @property
+    def reads_loss(self) -> bool:
+        """Whether a rule reads the training loss (``learning_drop``); the loss is kept only
+        then."""
+        return self.alerting.reads_loss
 
     def observe_loss(self, step: int, loss: Tensor | float) -> None:
         """The training loss of the batch at ``step`` (call it at every step, before the step's
         :meth:`finish`). Kept as a detached tensor, read only when a probe's rules need it (no
         device sync on the other steps); a no-op when no rule reads the loss."""
         if self.wants_loss(step):
-            self._losses.append((step, loss.detach() if isinstance(loss, Tensor) else float(loss)))
-            if len(self._first_losses) < LOSS_SMOOTHING:
-                self._first_losses.append(self._losses[-1][1])
+            self.alerting.observe_loss(step, loss)
 
     def wants_loss(self, step: int) -> bool:
         """Whether the loss of ``step`` can matter: a rule reads the loss and ``step`` is among the
         first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` steps, within the rules' loss windows
         before a multiple of ``every_n_steps``, or in the first of those steps after one (where the
-        probe of a skipped multiple lands): at ``every_n_steps=50``, 30 steps of 50; at 10, every step."""
-        if not self.reads_loss:
-            return False
-        every = self.every_n_steps
-        # also the first steps after a multiple: the probe step of a multiple that is skipped (two optimizers)
-        return (
-            every is None
-            or step < LOSS_SMOOTHING
-            or (-step) % every <= self._loss_horizon
-            or step % every < LOSS_SMOOTHING
-        )
+        probe of a skipped multiple lands): at ``every_n_steps=50``, 30 steps of 50; at 10, every
+        step."""
+        return self.alerting.wants_loss(step, self.every_n_steps)
 
     def first_loss(self) -> float | None:
-        """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen
-        (each read from the device once)."""
-        self._first_losses = _as_floats(self._first_losses)
-        values = [v for v in self._first_losses if math.isfinite(v)]
-        return sum(values) / len(values) if values else None
+        """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses
+        seen."""
+        return self.alerting.first_loss()
 
     def loss_history(self) -> list[tuple[int, float]]:
-        """The kept ``(step, loss)`` pairs as floats, oldest first (each tensor read once, in one
-        stack with the others not read yet)."""
-        if any(isinstance(v, Tensor) for _, v in self._losses):
-            steps = [s for s, _ in self._losses]
-            floats = _as_floats([v for _, v in self._losses])
-            self._losses.clear()
-            self._losses.extend(zip(steps, floats))
-        return list(self._losses)
+        """The kept ``(step, loss)`` pairs as floats, oldest first."""
+        return self.alerting.loss_history()
 
     # -- what the engine logs ----------------------------------------------------------------
 
@@ -316,48 +233,16 @@ class MonitorEngine:
     def specs(self) -> tuple[MetricSpec, ...]:
         return tuple(metric(name) for name in self.metric_names)
 
-    def _check_rules(self, rules: list) -> None:
-        for i, rule in enumerate(rules):
-            if not isinstance(rule, AlertRule):
-                raise ValueError(
-                    f"Expected `alerts[{i}]` to be an AlertRule, got {type(rule).__name__}"
-                )
-            unknown = [m for m in rule.metrics if m not in self.metric_names]
-            if unknown:
-                raise ValueError(
-                    f"Alert rule {rule.name!r} watches {', '.join(map(repr, unknown))}, which "
-                    f"{self.monitor} does not log; it logs {', '.join(self.metric_names)}"
-                )
-
     def thresholds(self) -> dict[str, float | int | str]:
         """The rules and the probe interval, as hyper-parameters of the run."""
-        params: dict[str, float | int | str] = {}
-        for rule in self.tracker.rules:
-            key = f"{self.prefix}/alert_{rule.name}"
-            params.update(
-                {
-                    f"{key}/threshold": rule.threshold,
-                    f"{key}/patience": rule.patience,
-                    f"{key}/margin": rule.margin,
-                }
-            )
-            if rule.growth is not None:
-                params.update({f"{key}/growth": rule.growth, f"{key}/window": rule.window or 0})
+        params = self.alerting.thresholds(self.prefix)
         params[f"{self.prefix}/{self.monitor}/every_n_steps"] = self.every_n_steps or 0
         return params
 
     def selection(self) -> str:
         """The layer selection as the constructor got it, in words that are the same in every
         process (it goes into a checkpoint's state key, read before the model is searched)."""
-        spec = self.layer_spec
-        if spec is None:
-            return "auto"
-        if callable(spec) and not isinstance(spec, nn.Module):
-            return getattr(spec, "__qualname__", repr(spec))
-        items = [spec] if isinstance(spec, (nn.Module, AttentionLayer)) else spec
-        return ",".join(
-            item.name if isinstance(item, AttentionLayer) else type(item).__name__ for item in items
-        )
+        return self.options.selection()
 
     # -- binding to a model --------------------------------------------------------------------
 
@@ -375,9 +260,9 @@ class MonitorEngine:
         if self.every_n_steps is None:
             self.every_n_steps = max(1, int(default_every_n_steps))
         self.release()  # an earlier bind's switches (validate, then fit)
-        self.layers = find_attention_layers(model, self.layer_spec)
+        self.layers = find_attention_layers(model, self.options.layers)
         self.unmeasured = (
-            unmeasured_attention_like(model, self.layers) if self.layer_spec is None else []
+            unmeasured_attention_like(model, self.layers) if self.options.layers is None else []
         )
         self.qk_norm_layers = frozenset(
             i for i, layer in enumerate(self.layers) if layer.has_qk_norm
@@ -441,9 +326,7 @@ class MonitorEngine:
         """Close any open probe and take out what binding put on the model (the switches under
         compile); idempotent. Called when a fit ends, on success and on failure."""
         self.abort()
-        self._warn_publishing_errors(
-            None, PUBLISHER.drain()
-        )  # every visual written before a logger closes
+        self.publishing.drain()  # every visual written before a logger closes
         self._roots = []  # the roots' windows were closed by abort
         switches, self._switches = self._switches, []
         for switch in switches:
@@ -452,26 +335,17 @@ class MonitorEngine:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_session"] = None  # a weak reference to the Monitoring holding it: not carried along
-        state.update(
-            _switches=[],
-            _roots=[],
-            _model=None,
-            _window_removers=[],
-            _compiled_roots=[],
-            _undrawn=None,
-        )
+        state.update(_switches=[], _roots=[], _model=None, _window_removers=[], _compiled_roots=[])
         return state
 
     def _start_run(self) -> None:
         """Forget what an earlier run left: alert state and counts, the latest values, the loss
         history, the warnings given, the interval taken from an earlier Trainer."""
-        self.every_n_steps = self._every_n_steps_given
-        self.tracker = AlertTracker(self.tracker.rules)
+        self.every_n_steps = self.options.every_n_steps
+        self.alerting.start_run()
         self.latest, self.latest_step, self.latest_validation = {}, None, {}
-        self._nonfinite, self._warned = set(), set()
-        self._undrawn = None
-        self._losses.clear()
-        self._first_losses = []
+        self._warned = set()
+        self.publishing.forget()
 
     def _prepare(self, model: nn.Module) -> None:
         """Subclasses build per-layer state once the layers are known."""
@@ -510,9 +384,8 @@ class MonitorEngine:
         """Whether the probe at ``step`` draws the visuals: every ``visuals_every_n_probes``-th
         probe, counting the one at step 0."""
         every = self.every_n_steps or 1
-        return (
-            self.visuals_every_n_probes > 0 and (step // every) % self.visuals_every_n_probes == 0
-        )
+        visuals = self.options.visuals_every_n_probes
+        return visuals > 0 and (step // every) % visuals == 0
 
     # -- the probe window (weights engines ignore it) -------------------------------------------
 
@@ -545,8 +418,8 @@ class MonitorEngine:
         *,
         validation: bool = False,
         undefined: dict[str, list[Tensor]] | None = None,
-        images: dict[str, np.ndarray | Callable[[], np.ndarray]] | None = None,
-        histograms: dict[str, Tensor] | Callable[[], dict[str, Tensor]] | None = None,
+        images: Images | None = None,
+        histograms: Histograms | None = None,
     ) -> list[Alert]:
         """Log one probe's values at ``step``, fire and act on alerts (not for validation).
 
@@ -562,148 +435,34 @@ class MonitorEngine:
         Returns:
             The alerts that fired.
         """
-        rows = _rows(values)  # every tensor read once; the rest is in Python
-        self._warn_nonfinite(
-            host, rows, {name: _rows_of(masks) for name, masks in (undefined or {}).items()}, step
-        )
-        prefix = f"{self.prefix}/val" if validation else self.prefix
+        rows = as_rows(values)  # every tensor read once; the rest is in Python
+        names = [layer.name for layer in self.layers]
+        self.alerting.warn_nonfinite(host, rows, as_rows(undefined or {}), step, names)
         alerts: list[Alert] = []
         if validation:
             self.latest_validation = values
         else:
             self.latest, self.latest_step = values, step
-            alerts = self.tracker.update(
-                rows,
-                step,
-                [layer.name for layer in self.layers],
-                qk_norm_layers=self.qk_norm_layers,
-                losses=self.loss_history() if self.reads_loss else (),
-                first_loss=self.first_loss() if self.reads_loss else None,
-            )
-        scalars = self.scalars(rows, prefix)
-        if not validation:
-            scalars.update(
-                {
-                    alert_tag(self.prefix, r.name): float(self.tracker.counts[r.name])
-                    for r in self.tracker.rules
-                }
-            )
-        if host.is_logging_rank:
-            sinks = host.sinks()
-            for sink in sinks:
-                sink.log_scalars(scalars, step)
-            drawing = [sink for sink in sinks if sink.draws]
-            if drawing and not validation and self.draws_visuals(step):
-                self._warn_publishing_errors(host, PUBLISHER.errors())
-                PUBLISHER.submit(
-                    partial(
-                        self._publish_visuals, drawing, values, step, images or {}, histograms or {}
-                    )
-                )
-                self._undrawn = None
-            elif drawing and not validation and self.visuals_every_n_probes:
-                self._undrawn = (
-                    values,
-                    step,
-                    images or {},
-                    histograms or {},
-                )  # drawn at the run's end
+            alerts = self.alerting.update(rows, step, names, self.qk_norm_layers)
+        self.publishing.publish(
+            host,
+            values,
+            rows,
+            step,
+            validation=validation,
+            draw=self.draws_visuals(step),
+            alert_counts={} if validation else self.alerting.counts(),
+            images=images or {},
+            histograms=histograms or {},
+        )
         for alert in alerts:
-            self._act(host, alert)
+            self.alerting.act(host, alert, self.publishing.write_alert)
         return alerts
-
-    def scalars(
-        self, values: Values | dict[str, list[list[float]]], prefix: str
-    ) -> dict[str, float]:
-        """The scalar tags of one probe: layer mean, lowest and highest head, and (``per_head``) heads.
-
-        Args:
-            values: metric -> one (heads,) tensor per layer, or those tensors as lists of floats.
-        """
-        out: dict[str, float] = {}
-        for name, grid in _rows(values).items():
-            per_head = metric(name).per_head
-            for layer, row in enumerate(grid):
-                nan = any(math.isnan(v) for v in row)  # a NaN head makes mean and band NaN
-                out[layer_tag(prefix, name, layer)] = (
-                    math.nan if nan or not row else sum(row) / len(row)
-                )
-                if not per_head:
-                    continue
-                out[worst_tag(prefix, name, "min", layer)] = (
-                    math.nan if nan or not row else min(row)
-                )
-                out[worst_tag(prefix, name, "max", layer)] = (
-                    math.nan if nan or not row else max(row)
-                )
-                if self.per_head:
-                    for head, value in enumerate(row):
-                        out[head_tag(prefix, name, layer, head)] = value
-        return out
-
-    def _publish_visuals(
-        self,
-        sinks: list[Sink],
-        values: Values,
-        step: int,
-        images: dict[str, np.ndarray | Callable[[], np.ndarray]],
-        histograms: dict[str, Tensor] | Callable[[], dict[str, Tensor]],
-    ) -> None:
-        """Draw a probe's visuals and write them (on the publisher's thread, :mod:`.publisher`):
-        the heatmaps of ``values``, ``images`` (arrays, or functions that draw them), histograms
-        (or a function that makes them)."""
-        drawn = {
-            **self._heatmaps(values, step),
-            **{tag: image() if callable(image) else image for tag, image in images.items()},
-        }
-        for sink in sinks:
-            for tag, image in drawn.items():
-                sink.log_image(tag, image, step)
-            for tag, data in (histograms() if callable(histograms) else histograms).items():
-                sink.log_histogram(tag, data, step)
 
     def draw_final(self, host: Host) -> None:
         """At a run's end: draw the visuals of its last probe if that probe was not one of every
         ``visuals_every_n_probes``-th (the pictures always show the final state)."""
-        undrawn, self._undrawn = self._undrawn, None
-        if undrawn is None or not host.is_logging_rank:
-            return
-        drawing = [sink for sink in host.sinks() if sink.draws]
-        if drawing:
-            PUBLISHER.submit(partial(self._publish_visuals, drawing, *undrawn))
-
-    def _warn_publishing_errors(self, host: Host | None, errors: list[BaseException]) -> None:
-        if errors:
-            message = (
-                f"{type(self).__name__}: writing the visuals failed {len(errors)} time(s) "
-                f"({type(errors[0]).__name__}: {errors[0]}); training goes on."
-            )
-            if host is None:
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
-            else:
-                host.warn(message, RuntimeWarning)
-
-    def _heatmaps(self, values: Values, step: int) -> dict[str, np.ndarray]:
-        return {
-            f"{self.prefix}/heatmap/{spec.name}": heatmap_image(
-                grid_of(values[spec.name]), *spec.heatmap, title=f"{spec.name} at step {step}"
-            )
-            for spec in self.specs
-            if spec.heatmap is not None and spec.name in values
-        }
-
-    def _act(self, host: Host, alert: Alert) -> None:
-        message = alert.message(host.learning_rate())
-        if self.alert_action == "raise":
-            raise alert.rule.warning(message)
-        host.warn(message, alert.rule.warning)
-        if host.is_logging_rank:
-            for sink in host.sinks():
-                sink.log_text(alert_tag(self.prefix, alert.rule.name), message, alert.step)
-        if self.on_alert is not None:
-            self.on_alert(host.owner, alert)
-        if self.alert_action == "stop":
-            host.stop()
+        self.publishing.draw_final(host)
 
     def warn_once(self, host: Host, key: str, message: str) -> None:
         """Warn once per ``key`` per run (a new fit warns again)."""
@@ -711,82 +470,15 @@ class MonitorEngine:
             self._warned.add(key)
             host.warn(f"{type(self).__name__}: {message}", RuntimeWarning)
 
-    def _warn_nonfinite(
-        self,
-        host: Host,
-        rows: dict[str, list[list[float]]],
-        undefined: dict[str, list[list]],
-        step: int,
-    ) -> None:
-        """Name the layers and heads whose values are not finite (and not undefined by definition);
-        warn again only when a layer goes bad that had not before. ``rows``: metric -> per layer, the
-        heads' values; ``undefined``: the same shape, True where a NaN is NaN by definition."""
-        bad: dict[int, dict[str, list[int]]] = {}
-        for name, grid in rows.items():
-            masks = undefined.get(name, [])
-            for layer, heads in enumerate(grid):
-                mask = masks[layer] if layer < len(masks) else ()
-                broken = [
-                    h
-                    for h, v in enumerate(heads)
-                    if not math.isfinite(v) and not (h < len(mask) and mask[h])
-                ]
-                if broken:
-                    bad.setdefault(layer, {})[name] = broken
-        new = sorted(set(bad) - self._nonfinite)
-        if not new:
-            return
-        self._nonfinite.update(new)
-        parts = []
-        for layer in new:
-            name = self.layers[layer].name if layer < len(self.layers) else ""
-            cells = "; ".join(
-                f"{m}" + (f" heads {h}" if metric(m).per_head else "")
-                for m, h in bad[layer].items()
-            )
-            parts.append(f"layer {layer}{f' ({name})' if name else ''}: {cells}")
-        host.warn(
-            f"{type(self).__name__}: non-finite values at step {step} in "
-            + " | ".join(parts)
-            + ". They are logged as NaN and fire no alert (are the weights or activations NaN/Inf?). "
-            "Warned again only if another layer goes bad.",
-            RuntimeWarning,
-        )
-
     # -- resume ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        state = {
-            "alerts": self.tracker.state_dict(),
-            "latest_step": self.latest_step,
-            "nonfinite_layers": sorted(self._nonfinite),
-        }
-        if self.reads_loss:  # a resumed run tells learning from failing from its first probe on
-            state["losses"] = [list(pair) for pair in self.loss_history()]
-            state["first_loss"] = self.first_loss()
-        return state
+        return {"latest_step": self.latest_step, **self.alerting.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._restored = True
-        self.tracker.load_state_dict(state.get("alerts", {}))
         self.latest_step = state.get("latest_step")
-        self._nonfinite = set(state.get("nonfinite_layers", []))
-        if self.reads_loss and "losses" in state:
-            self._losses.clear()
-            self._losses.extend((int(s), float(v)) for s, v in state["losses"])
-            first = state.get("first_loss")
-            self._first_losses = [] if first is None else [float(first)] * LOSS_SMOOTHING
-
-
-def _rows(values: Values | dict[str, list[list[float]]]) -> dict[str, list[list[float]]]:
-    """metric -> per layer, its heads' values as Python floats (one read of each tensor)."""
-    return {name: _rows_of(grid) for name, grid in values.items()}
-
-
-def _rows_of(grid: list[Tensor] | list[list]) -> list[list]:
-    return [
-        heads.reshape(-1).tolist() if isinstance(heads, Tensor) else list(heads) for heads in grid
-    ]
+        self.alerting.load_state_dict(state)
 
 
 class ActivationEngine(MonitorEngine):
@@ -924,12 +616,3 @@ class ActivationEngine(MonitorEngine):
         """Values from the closed probes' results (one per layer, of the window at ``step``), plus
         extra ``record`` arguments; images only where ``visuals``."""
         raise NotImplementedError
-
-
-def _as_floats(values: list[Tensor | float]) -> list[float]:
-    """``values`` as Python floats; the tensors among them read from the device in one stack."""
-    tensors = [v for v in values if isinstance(v, Tensor)]
-    if not tensors:
-        return list(values)  # type: ignore[arg-type]
-    read = iter(torch.stack([t.reshape(()).float() for t in tensors]).tolist())
-    return [next(read) if isinstance(v, Tensor) else v for v in values]

@@ -28,6 +28,7 @@ from qkmonitor.catalogue import ENTROPY, names_of
 from qkmonitor.engine.base import ActivationEngine, Values
 from qkmonitor.metrics import AttentionStatistics
 from qkmonitor.probes import ProbeRequest, ProbeResult
+from qkmonitor.validation import check_non_negative_int
 
 __all__ = ["AttentionEntropy"]
 
@@ -37,15 +38,14 @@ class AttentionEntropy(ActivationEngine):
 
     Args:
         sink_tokens: also log ``sink_mass``, the mean attention mass on the first this-many keys.
-        **kwargs: see :class:`~qkmonitor.engine.base.MonitorEngine`.
+        **kwargs: ``options`` or the fields of :class:`~qkmonitor.engine.MonitorOptions`.
     """
 
     monitor = ENTROPY
     default_rules = (LOGIT_GROWTH_RULE, LOGIT_BURST_RULE, LOGIT_JUMP_RULE)
 
     def __init__(self, *, sink_tokens: int = 0, **kwargs: Any) -> None:
-        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-            raise ValueError(f"Expected `sink_tokens` to be an int >= 0, got {sink_tokens!r}")
+        check_non_negative_int("sink_tokens", sink_tokens)
         self.sink_tokens = sink_tokens
         super().__init__(**kwargs)
         self._aggregators: list[AttentionStatistics] = []

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
 from qkmonitor.catalogue import RANK
 from qkmonitor.compiled import add_forward_hooks
-from qkmonitor.dashboards import attention_image
 from qkmonitor.engine.base import ActivationEngine, Values
+from qkmonitor.engine.publishing import AttentionPattern, Images
 from qkmonitor.functional import (
     effective_rank,
     gram_singular_values,
@@ -41,6 +39,7 @@ from qkmonitor.functional import (
 )
 from qkmonitor.metrics import HeadMean
 from qkmonitor.probes import ProbeRequest, ProbeResult, recomputing
+from qkmonitor.validation import check_non_negative_int, check_positive_int
 
 __all__ = ["EffectiveRank"]
 
@@ -61,7 +60,7 @@ class EffectiveRank(ActivationEngine):
         blocks: the modules whose outputs are the residual stream after each layer, in layer
             order (a list, or a function of the model); default: derived from the layers.
         pattern_heads: heads per layer whose attention pattern is logged as an image (0: none).
-        **kwargs: see :class:`~qkmonitor.engine.base.MonitorEngine`.
+        **kwargs: ``options`` or the fields of :class:`~qkmonitor.engine.MonitorOptions`.
     """
 
     monitor = RANK
@@ -76,18 +75,9 @@ class EffectiveRank(ActivationEngine):
         pattern_heads: int = 4,
         **kwargs: Any,
     ) -> None:
-        for name, value in (
-            ("max_probe_sequences", max_probe_sequences),
-            ("max_probe_tokens", max_probe_tokens),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Expected `{name}` to be a positive int, got {value!r}")
-        if (
-            isinstance(pattern_heads, bool)
-            or not isinstance(pattern_heads, int)
-            or pattern_heads < 0
-        ):
-            raise ValueError(f"Expected `pattern_heads` to be an int >= 0, got {pattern_heads!r}")
+        check_positive_int("max_probe_sequences", max_probe_sequences)
+        check_positive_int("max_probe_tokens", max_probe_tokens)
+        check_non_negative_int("pattern_heads", pattern_heads)
         if blocks is not None and not callable(blocks) and not isinstance(blocks, Sequence):
             raise ValueError(
                 f"Expected `blocks` to be a list of modules, a function of the model or None, "
@@ -193,7 +183,7 @@ class EffectiveRank(ActivationEngine):
     ) -> tuple[Values, dict[str, Any]]:
         values: Values = {m: [] for m in self.metric_names}
         undefined: dict[str, list[Tensor]] = {m: [] for m in self.metric_names}
-        images: dict[str, Callable[[], np.ndarray]] = {}
+        images: Images = {}
         hidden, self._hidden = self._hidden, {}
         for i, result in enumerate(results):
             self._fit_heads(i, result)
@@ -232,10 +222,10 @@ class EffectiveRank(ActivationEngine):
                 result.probs and result.probs[0].numel()
             ):  # drawn when published (visuals, or the run's end)
                 for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
-                    images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = partial(
-                        attention_image,
-                        probs,
-                        title=f"layer {i}, head {h}, step {step}, sequence 0",
+                    images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = (
+                        AttentionPattern(
+                            probs, title=f"layer {i}, head {h}, step {step}, sequence 0"
+                        )
                     )
             with warnings.catch_warnings():  # compute() on every rank: it is the collective
                 warnings.filterwarnings(

@@ -39,7 +39,8 @@ class QKSpectrum(MonitorEngine):
     heatmap and a histogram of each layer's singular values (``{prefix}/qk_singular_values/layer_LL``).
 
     Reads weights only: at step 0 (the initialization) and after every ``every_n_steps``-th
-    optimizer step. Arguments: see :class:`~qkmonitor.engine.base.MonitorEngine`.
+    optimizer step. Arguments: ``options``, or the fields of
+    :class:`~qkmonitor.engine.MonitorOptions`.
 
     Layers whose W_Q/W_K were read by name (:mod:`qkmonitor.intercept`) are checked against the
     first forward: the engine opens a layout probe on them for the first batch (``open`` /

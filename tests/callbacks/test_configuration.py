@@ -93,7 +93,8 @@ trainer:
 """)
     cli = LightningCLI(TinyLM, args=["fit", "--config", str(config)], save_config_callback=None)
     (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AttentionEntropyMonitor)]
-    assert (monitor.every_n_steps, monitor.engine.per_head, monitor.prefix) == (2, True, "attn")
+    options = monitor.engine.options
+    assert (monitor.every_n_steps, options.per_head, monitor.prefix) == (2, True, "attn")
     assert monitor.latest_step == 2 and monitor.latest["entropy_norm"][0].shape == (2,)
 
 

@@ -137,7 +137,7 @@ def test_a_plain_loop_hands_the_loss_to_the_rules(trend, expected):
     model = tiny_decoder()
     engine = AttentionEntropy(alerts=[ALWAYS], every_n_steps=10)
     fired = []
-    engine.on_alert = lambda owner, alert: fired.append(alert)
+    engine.alerting.on_alert = lambda owner, alert: fired.append(alert)
     tokens = torch.randint(16, (2, 8), generator=torch.Generator().manual_seed(0))
     with Monitoring(model, [engine], every_n_steps=10) as monitoring:
         for step in range(41):

@@ -103,7 +103,7 @@ def test_scalars_of_infinite_and_nan_heads_are_what_torch_gives():
         torch.tensor([float("nan"), 1.0, 3.0]),
         torch.tensor([0.25, 0.5, 1.0]),
     ]
-    out = engine.scalars({"kappa": layers}, "p")
+    out = engine.publishing.scalars({"kappa": layers}, "p")
     for i, heads in enumerate(layers):
         nan = bool(heads.isnan().any())
         for kind, expected in (("", heads.mean()), ("_min", heads.min()), ("_max", heads.max())):

@@ -1,0 +1,253 @@
+"""An engine's alert policy: what its rules read, when they fire, and what is done then.
+
+:class:`AlertPolicy` holds the :class:`~qkmonitor.alerts.AlertTracker` of an engine's rules, the
+training losses the rules with a loss gate read, and the layers already warned about for
+non-finite values. :meth:`AlertPolicy.update` feeds one probe to the tracker;
+:meth:`AlertPolicy.act` carries out the action of an alert that fired: warn (and write its text),
+call ``on_alert``, ask the loop to stop, or raise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from qkmonitor.alerts import LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
+from qkmonitor.catalogue import metric
+
+if TYPE_CHECKING:
+    from qkmonitor.engine.base import Host
+
+__all__ = ["AlertPolicy"]
+
+
+class AlertPolicy:
+    """The rules of one engine, their state, and the action taken when one fires.
+
+    Args:
+        rules: the rules to track.
+        action: ``"warn"``, ``"stop"`` or ``"raise"`` (see
+            :class:`~qkmonitor.engine.MonitorOptions`).
+        on_alert: called as ``on_alert(owner, alert)`` for every alert that fires, or None.
+        owner: the engine's name, which starts every warning.
+        monitor: the catalogue's name of the engine's monitor, for the rules' check.
+        metric_names: the metrics the engine logs; a rule watching another is refused.
+
+    Raises:
+        ValueError: if a rule watches a metric the engine does not log, or two rules share a name.
+    """
+
+    def __init__(
+        self,
+        rules: Sequence[AlertRule],
+        *,
+        action: str,
+        on_alert: Callable[[Any, Alert], None] | None,
+        owner: str,
+        monitor: str,
+        metric_names: Sequence[str],
+    ) -> None:
+        for rule in rules:
+            unknown = [m for m in rule.metrics if m not in metric_names]
+            if unknown:
+                raise ValueError(
+                    f"Alert rule {rule.name!r} watches {', '.join(map(repr, unknown))}, which "
+                    f"{monitor} does not log; it logs {', '.join(metric_names)}"
+                )
+        self.tracker = AlertTracker(list(rules))
+        self.action = action
+        self.on_alert = on_alert
+        self.owner = owner
+        self._nonfinite: set[int] = set()
+        #: whether a rule reads the training loss (``learning_drop``); the loss is kept only then
+        self.reads_loss = any(rule.learning_drop is not None for rule in rules)
+        horizon = max(
+            (rule.loss_window for rule in rules if rule.learning_drop is not None), default=0
+        )
+        #: steps before a probe whose loss a rule reads
+        self.loss_horizon = horizon + LOSS_SMOOTHING
+        self._losses: deque[tuple[int, Tensor | float]] = deque(maxlen=4 * self.loss_horizon)
+        self._first_losses: list[Tensor | float] = []
+
+    def start_run(self) -> None:
+        """Forget an earlier run: alert state and counts, the loss history, the layers warned
+        about."""
+        self.tracker = AlertTracker(self.tracker.rules)
+        self._nonfinite = set()
+        self._losses.clear()
+        self._first_losses = []
+
+    # -- the training loss -------------------------------------------------------------------
+
+    def wants_loss(self, step: int, every_n_steps: int | None) -> bool:
+        """Whether the loss of ``step`` can matter: a rule reads the loss and ``step`` is among the
+        first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` steps, within the rules' loss windows
+        before a multiple of ``every_n_steps``, or in the first of those steps after one (where the
+        probe of a skipped multiple lands)."""
+        if not self.reads_loss:
+            return False
+        every = every_n_steps
+        # also the first steps after a multiple: the probe step of a multiple that is skipped
+        # (two optimizers)
+        return (
+            every is None
+            or step < LOSS_SMOOTHING
+            or (-step) % every <= self.loss_horizon
+            or step % every < LOSS_SMOOTHING
+        )
+
+    def observe_loss(self, step: int, loss: Tensor | float) -> None:
+        """Keep the loss of ``step``, as a detached tensor (read only when a probe needs it)."""
+        self._losses.append((step, loss.detach() if isinstance(loss, Tensor) else float(loss)))
+        if len(self._first_losses) < LOSS_SMOOTHING:
+            self._first_losses.append(self._losses[-1][1])
+
+    def first_loss(self) -> float | None:
+        """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen
+        (each read from the device once)."""
+        self._first_losses = _as_floats(self._first_losses)
+        values = [v for v in self._first_losses if math.isfinite(v)]
+        return sum(values) / len(values) if values else None
+
+    def loss_history(self) -> list[tuple[int, float]]:
+        """The kept ``(step, loss)`` pairs as floats, oldest first (each tensor read once, in one
+        stack with the others not read yet)."""
+        if any(isinstance(v, Tensor) for _, v in self._losses):
+            steps = [s for s, _ in self._losses]
+            floats = _as_floats([v for _, v in self._losses])
+            self._losses.clear()
+            self._losses.extend(zip(steps, floats))
+        return list(self._losses)
+
+    # -- one probe ---------------------------------------------------------------------------
+
+    def update(
+        self,
+        rows: dict[str, list[list[float]]],
+        step: int,
+        layer_names: list[str],
+        qk_norm_layers: frozenset[int],
+    ) -> list[Alert]:
+        """Feed one probe's values (metric -> per layer, the heads' values) to the tracker; return
+        the alerts that fired."""
+        return self.tracker.update(
+            rows,
+            step,
+            layer_names,
+            qk_norm_layers=qk_norm_layers,
+            losses=self.loss_history() if self.reads_loss else (),
+            first_loss=self.first_loss() if self.reads_loss else None,
+        )
+
+    def counts(self) -> dict[str, float]:
+        """How many alerts each rule has fired, in rule order."""
+        return {rule.name: float(self.tracker.counts[rule.name]) for rule in self.tracker.rules}
+
+    def act(
+        self, host: Host, alert: Alert, write_text: Callable[[Host, str, str, int], None]
+    ) -> None:
+        """Carry out ``alert``: raise (``"raise"``), or warn and write its text (``write_text(host,
+        rule name, message, step)``), call ``on_alert``, and ask the loop to stop (``"stop"``)."""
+        message = alert.message(host.learning_rate())
+        if self.action == "raise":
+            raise alert.rule.warning(message)
+        host.warn(message, alert.rule.warning)
+        write_text(host, alert.rule.name, message, alert.step)
+        if self.on_alert is not None:
+            self.on_alert(host.owner, alert)
+        if self.action == "stop":
+            host.stop()
+
+    def warn_nonfinite(
+        self,
+        host: Host,
+        rows: dict[str, list[list[float]]],
+        undefined: dict[str, list[list]],
+        step: int,
+        layer_names: list[str],
+    ) -> None:
+        """Name the layers and heads whose values are not finite (and not undefined by definition);
+        warn again only when a layer goes bad that had not before. ``rows``: metric -> per layer,
+        the heads' values; ``undefined``: the same shape, True where a NaN is NaN by definition."""
+        bad: dict[int, dict[str, list[int]]] = {}
+        for name, grid in rows.items():
+            masks = undefined.get(name, [])
+            for layer, heads in enumerate(grid):
+                mask = masks[layer] if layer < len(masks) else ()
+                broken = [
+                    h
+                    for h, v in enumerate(heads)
+                    if not math.isfinite(v) and not (h < len(mask) and mask[h])
+                ]
+                if broken:
+                    bad.setdefault(layer, {})[name] = broken
+        new = sorted(set(bad) - self._nonfinite)
+        if not new:
+            return
+        self._nonfinite.update(new)
+        parts = []
+        for layer in new:
+            name = layer_names[layer] if layer < len(layer_names) else ""
+            cells = "; ".join(
+                f"{m}" + (f" heads {h}" if metric(m).per_head else "")
+                for m, h in bad[layer].items()
+            )
+            parts.append(f"layer {layer}{f' ({name})' if name else ''}: {cells}")
+        host.warn(
+            f"{self.owner}: non-finite values at step {step} in "
+            + " | ".join(parts)
+            + ". They are logged as NaN and fire no alert (are the weights or activations NaN/Inf?). "
+            "Warned again only if another layer goes bad.",
+            RuntimeWarning,
+        )
+
+    # -- hyper-parameters and resume -----------------------------------------------------------
+
+    def thresholds(self, prefix: str) -> dict[str, float | int | str]:
+        """The rules' thresholds, patience, margins and trends, as hyper-parameters of the run."""
+        params: dict[str, float | int | str] = {}
+        for rule in self.tracker.rules:
+            key = f"{prefix}/alert_{rule.name}"
+            params.update(
+                {
+                    f"{key}/threshold": rule.threshold,
+                    f"{key}/patience": rule.patience,
+                    f"{key}/margin": rule.margin,
+                }
+            )
+            if rule.growth is not None:
+                params.update({f"{key}/growth": rule.growth, f"{key}/window": rule.window or 0})
+        return params
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "alerts": self.tracker.state_dict(),
+            "nonfinite_layers": sorted(self._nonfinite),
+        }
+        if self.reads_loss:  # a resumed run tells learning from failing from its first probe on
+            state["losses"] = [list(pair) for pair in self.loss_history()]
+            state["first_loss"] = self.first_loss()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tracker.load_state_dict(state.get("alerts", {}))
+        self._nonfinite = set(state.get("nonfinite_layers", []))
+        if self.reads_loss and "losses" in state:
+            self._losses.clear()
+            self._losses.extend((int(s), float(v)) for s, v in state["losses"])
+            first = state.get("first_loss")
+            self._first_losses = [] if first is None else [float(first)] * LOSS_SMOOTHING
+
+
+def _as_floats(values: list[Tensor | float]) -> list[float]:
+    """``values`` as Python floats; the tensors among them read from the device in one stack."""
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    if not tensors:
+        return list(values)  # type: ignore[arg-type]
+    read = iter(torch.stack([t.reshape(()).float() for t in tensors]).tolist())
+    return [next(read) if isinstance(v, Tensor) else v for v in values]

@@ -1,0 +1,141 @@
+"""The arguments every monitor engine takes, checked once: :class:`MonitorOptions`.
+
+The engines take them as keyword arguments or as one ``options=MonitorOptions(...)``; the
+Lightning callbacks spell them out as keyword-only parameters (LightningCLI reads signatures) and
+hand them over with :meth:`MonitorOptions.pick`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from qkmonitor.adapters import AttentionLayer, LayerSpec
+from qkmonitor.alerts import ALERT_ACTIONS, Alert, AlertRule
+from qkmonitor.validation import check_bool, check_non_negative_int, check_optional_positive_int
+
+__all__ = ["MonitorOptions", "check_prefix"]
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+
+
+def check_prefix(prefix: object) -> str:
+    """A tag-safe ``log_key_prefix``: parts of letters, digits, ``_ . -`` joined by single ``/``."""
+    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+        raise ValueError(
+            "Expected `log_key_prefix` to be a tag-safe string (letters, digits, '_', '.', '-', parts joined "
+            f"by single '/', no leading or trailing '/'), got {prefix!r}"
+        )
+    return prefix
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorOptions:
+    """What every engine is told: when to probe, what to log, which layers, how to alert.
+
+    Checked at construction; ``alerts`` is kept as a tuple (one rule becomes a tuple of one), and
+    a list or generator of ``layers`` as a tuple (a generator is read once, here).
+
+    Args:
+        every_n_steps: probe every this many optimizer steps; ``None`` takes the host's default
+            (the Trainer's ``log_every_n_steps``).
+        per_head: also log ``{prefix}/{metric}/layer_LL_head_HH`` for every head.
+        log_key_prefix: first part of every tag; tag-safe (see :func:`check_prefix`).
+        alerts: the alert rules; ``None`` for the engine's defaults, ``[]`` for none. Each rule's
+            metrics must be ones the engine logs (checked by the engine).
+        alert_action: ``"warn"`` (warning, TensorBoard text, counter), ``"stop"`` (also asks the
+            loop to stop) or ``"raise"`` (raises the rule's warning class as an exception).
+        on_alert: called as ``on_alert(owner, alert)`` for every alert that fires (the owner is
+            the Trainer under Lightning), e.g. to lower the learning rate or save a checkpoint.
+        layers: which attention layers: ``None`` finds them all; one module or AttentionLayer,
+            a list of them, or a function ``model -> list``.
+        visuals_every_n_probes: draw the visuals (layer x head heatmaps, attention images,
+            singular-value histograms) at every this many probes, starting with the first (step
+            0); ``0`` never. Scalars and alerts come at every probe. Drawing and encoding an
+            image costs more than measuring a small model, so the default (20) keeps them to one
+            probe in twenty: at ``every_n_steps=50``, one set every 1000 steps.
+    """
+
+    every_n_steps: int | None = None
+    per_head: bool = False
+    log_key_prefix: str = "qkmonitor"
+    alerts: Sequence[AlertRule] | None = None
+    alert_action: str = "warn"
+    on_alert: Callable[[Any, Alert], None] | None = None
+    layers: LayerSpec | nn.Module | AttentionLayer | None = None
+    visuals_every_n_probes: int = 20
+
+    def __post_init__(self) -> None:
+        check_optional_positive_int("every_n_steps", self.every_n_steps)
+        check_non_negative_int("visuals_every_n_probes", self.visuals_every_n_probes)
+        check_bool("per_head", self.per_head)
+        if self.alert_action not in ALERT_ACTIONS:
+            raise ValueError(
+                f"Expected `alert_action` to be one of {ALERT_ACTIONS}, got {self.alert_action!r}"
+            )
+        if self.on_alert is not None and not callable(self.on_alert):
+            raise ValueError(
+                f"Expected `on_alert` to be a callable (owner, alert) or None, got {self.on_alert!r}"
+            )
+        object.__setattr__(self, "alerts", _checked_alerts(self.alerts))
+        check_prefix(self.log_key_prefix)
+        object.__setattr__(self, "layers", _checked_layers(self.layers))
+        for i, rule in enumerate(self.alerts or ()):
+            if not isinstance(rule, AlertRule):
+                raise ValueError(
+                    f"Expected `alerts[{i}]` to be an AlertRule, got {type(rule).__name__}"
+                )
+
+    @classmethod
+    def pick(cls, arguments: Mapping[str, Any]) -> MonitorOptions:
+        """The options among ``arguments``, each field by its name (a callback's ``locals()``)."""
+        return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)})
+
+    def selection(self) -> str:
+        """The layer selection in words that are the same in every process (it goes into a
+        checkpoint's state key, read before the model is searched)."""
+        spec = self.layers
+        if spec is None:
+            return "auto"
+        if callable(spec) and not isinstance(spec, nn.Module):
+            return getattr(spec, "__qualname__", repr(spec))
+        items = [spec] if isinstance(spec, (nn.Module, AttentionLayer)) else spec
+        return ",".join(
+            item.name if isinstance(item, AttentionLayer) else type(item).__name__ for item in items
+        )
+
+
+def _checked_alerts(alerts: object) -> tuple[AlertRule, ...] | None:
+    if isinstance(alerts, AlertRule):
+        return (alerts,)
+    if alerts is None:
+        return None
+    if isinstance(alerts, (str, bytes)) or not isinstance(alerts, Sequence):
+        raise ValueError(
+            f"Expected `alerts` to be a list of AlertRule or None, got {type(alerts).__name__}"
+        )
+    return tuple(alerts)
+
+
+def _checked_layers(layers: object) -> Any:
+    if not (
+        layers is None
+        or callable(layers)
+        or isinstance(layers, (nn.Module, AttentionLayer))
+        or (isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)))
+    ):
+        raise ValueError(
+            f"Expected `layers` to be a module, an AttentionLayer, a list of them or a function of "
+            f"the model, got {type(layers).__name__}"
+        )
+    if (
+        isinstance(layers, Iterable)
+        and not isinstance(layers, (nn.Module, AttentionLayer))
+        and not callable(layers)
+    ):
+        return tuple(layers)  # a generator is read once, here
+    return layers
