@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import QKWeights
+from qkmonitor.clip import QKRows, linear_rows
 from qkmonitor.kernels import attended_keys, attention
 from qkmonitor.probes import AttentionCall, KernelCall, ObserverSet
 
@@ -185,6 +186,12 @@ class MultiHeadAttention(nn.Module):
             self.n_kv_heads,
             scale,
             qk_norm=self.q_norm is not None,
+        )
+
+    def qk_rows(self) -> QKRows:
+        """The query and key projections by head, for QK-Clip (:mod:`qkmonitor.clip`)."""
+        return linear_rows(
+            self.q_proj, self.k_proj, self.n_heads, self.n_kv_heads, self.q_norm is not None
         )
 
 

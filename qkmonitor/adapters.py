@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkmonitor.calls import FailedCall, ScoresCall
+from qkmonitor.clip import ProjectionRows, QKRows
 from qkmonitor.compiled import add_forward_hooks
 from qkmonitor.kernels import autocast_off
 from qkmonitor.probes import KernelCall, Probe, ProbeRequest, ProbeResult
@@ -94,6 +95,13 @@ class AttentionLayer:
     def qk_weights(self) -> QKWeights:
         """The layer's current query/key weights; subclasses read them from their module."""
         raise NotImplementedError(f"{type(self).__name__} must implement `qk_weights()`")
+
+    def qk_rows(self) -> QKRows:
+        """The layer's query and key projections by head, as views that in-place writes go
+        through (what QK-Clip scales); NotImplementedError where the family cannot give them."""
+        raise NotImplementedError(
+            f"{type(self).__name__} ({self.kind}) does not give its query/key rows"
+        )
 
     @property
     def supports_stats(self) -> bool:
@@ -178,6 +186,14 @@ class NativeAttentionLayer(AttentionLayer):
     def qk_weights(self) -> QKWeights:
         return self.module.qk_weights()
 
+    def qk_rows(self) -> QKRows:
+        rows = getattr(self.module, "qk_rows", None)
+        if not callable(rows):
+            raise NotImplementedError(
+                f"{type(self.module).__name__} has no `qk_rows()` returning a qkmonitor.clip.QKRows"
+            )
+        return rows()
+
     @property
     def supports_stats(self) -> bool:
         return callable(getattr(self.module, "register_probe", None))
@@ -218,6 +234,13 @@ class MultiheadAttentionLayer(AttentionLayer):
         w_q, w_k, _, _ = self._projections()
         mha: nn.MultiheadAttention = self.module
         return QKWeights(w_q, w_k, mha.num_heads, mha.num_heads, 1.0 / math.sqrt(mha.head_dim))
+
+    def qk_rows(self) -> QKRows:
+        mha: nn.MultiheadAttention = self.module
+        w_q, w_k, b_q, b_k = self._projections()
+        rows = torch.arange(mha.embed_dim).view(mha.num_heads, mha.head_dim)
+        heads = tuple(range(mha.num_heads))
+        return QKRows(ProjectionRows(w_q, b_q, rows), ProjectionRows(w_k, b_k, rows), heads)
 
     def _projections(self):
         mha: nn.MultiheadAttention = self.module

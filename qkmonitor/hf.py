@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from qkmonitor import _hf_compat
 from qkmonitor.adapters import AttentionLayer, QKWeights
 from qkmonitor.calls import FailedCall, MaskedCall
+from qkmonitor.clip import ProjectionRows, QKRows, linear_rows
 from qkmonitor.intercept import LayoutChecked
 from qkmonitor.layouts import infer_layouts
 from qkmonitor.probes import ObserverSet, Probe, side_computation
@@ -149,6 +150,11 @@ class LlamaAttentionLayer(HFAttentionLayer):
             m.q_proj.weight, m.k_proj.weight, heads, kv_heads, float(scale), qk_norm=qk_norm
         )
 
+    def qk_rows(self) -> QKRows:
+        m = self.module
+        heads, kv_heads, _ = _llama_shape(m)
+        return linear_rows(m.q_proj, m.k_proj, heads, kv_heads, self.qk_weights().qk_norm)
+
 
 class GPT2AttentionLayer(HFAttentionLayer):
     """GPT-2 attention: q, k, v packed in the ``c_attn`` ``Conv1D`` (weight ``(in, out)``)."""
@@ -164,6 +170,20 @@ class GPT2AttentionLayer(HFAttentionLayer):
             w_q, w_k = w[:, :e].T, w[:, e : 2 * e].T
         return QKWeights(w_q, w_k, m.num_heads, m.num_heads, _gpt2_scale(m))
 
+    def qk_rows(self) -> QKRows:
+        m = self.module
+        e, heads = m.embed_dim, m.num_heads
+        w, b = m.c_attn.weight, m.c_attn.bias  # Conv1D: (in_features, out_features)
+        if getattr(m, "is_cross_attention", False):
+            q = (m.q_attn.weight.T, m.q_attn.bias)
+            k = (w[:, :e].T, None if b is None else b[:e])
+        else:
+            q = (w[:, :e].T, None if b is None else b[:e])
+            k = (w[:, e : 2 * e].T, None if b is None else b[e : 2 * e])
+        rows = torch.arange(e).view(heads, e // heads)
+        one_each = tuple(range(heads))
+        return QKRows(ProjectionRows(*q, rows), ProjectionRows(*k, rows), one_each)
+
 
 class BertAttentionLayer(HFAttentionLayer):
     """BERT-style attention: ``query``/``key`` ``nn.Linear``, ``attention_head_size``."""
@@ -175,6 +195,11 @@ class BertAttentionLayer(HFAttentionLayer):
         heads, head_dim = m.num_attention_heads, m.attention_head_size
         scale = m.scaling if is_real(getattr(m, "scaling", None)) else head_dim**-0.5
         return QKWeights(m.query.weight, m.key.weight, heads, heads, float(scale))
+
+    def qk_rows(self) -> QKRows:
+        m = self.module
+        heads = m.num_attention_heads
+        return linear_rows(m.query, m.key, heads, heads)
 
 
 class HFLayoutAttentionLayer(LayoutChecked, HFAttentionLayer):

@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from qkmonitor.adapters import AttentionLayer, QKWeights
 from qkmonitor.calls import FailedCall, MaskedCall, ScoresCall, split_mask
+from qkmonitor.clip import QKRows
 from qkmonitor.compiled import add_forward_hooks
 from qkmonitor.layouts import (
     HEADS_NAMES,
@@ -494,10 +495,16 @@ class LayoutChecked:
         return self.supports_weights and not self._checked
 
     def qk_weights(self) -> QKWeights:
+        return self._checked_layout().qk_weights(self.module)
+
+    def qk_rows(self) -> QKRows:
+        return self._checked_layout().qk_rows(self.module)
+
+    def _checked_layout(self) -> QKLayout:
         if self.layout is None or not self._checked:
             why = self.layout_error or "its layout is checked at the first probed forward"
             raise LayoutUnknownError(f"the weights of {self.name!r} are not read: {why}")
-        return self.layout.qk_weights(self.module)
+        return self.layout
 
     def _layout_sources(self) -> list[Tensor]:
         seen, out = set(), []

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import QKWeights
+from qkmonitor.clip import ProjectionRows, QKRows
 from qkmonitor.validation import is_int
 
 __all__ = [
@@ -154,6 +155,28 @@ class QKLayout:
         w, b = projection(module, self.q)
         q_rows, k_rows = fused_rows(self.fused, h, kv, d, device=w.device)
         return w[q_rows], _rows(b, q_rows), w[k_rows], _rows(b, k_rows)
+
+    def qk_rows(self, module: nn.Module) -> QKRows:
+        """The projections by head, as views written through in place (QK-Clip)."""
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        index = self.kv_index if self.kv_index is not None else grouped_index(h, kv)
+        if self.k is not None:
+            (w_q, b_q), (w_k, b_k) = projection(module, self.q), projection(module, self.k)
+            q_rows, k_rows = torch.arange(h * d), torch.arange(kv * d)
+            return QKRows(
+                ProjectionRows(w_q, b_q, q_rows.view(h, d)),
+                ProjectionRows(w_k, b_k, k_rows.view(kv, d)),
+                tuple(index),
+                self.qk_norm,
+            )
+        w, b = projection(module, self.q)
+        q_rows, k_rows = fused_rows(self.fused, h, kv, d)
+        return QKRows(
+            ProjectionRows(w, b, q_rows.view(h, d)),
+            ProjectionRows(w, b, k_rows.view(kv, d)),
+            tuple(index),
+            self.qk_norm,
+        )
 
     def qk_weights(self, module: nn.Module) -> QKWeights:
         w_q, _, w_k, _ = self.read(module)

@@ -1,0 +1,116 @@
+"""QK-Clip's math (qkmonitor.clip): the factors against their definition, and the rescaled layers'
+logits measured again on the same batch, biases and RoPE included."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from qkmonitor.models import DecoderLM, TransformerConfig
+from torch import nn
+from torch.testing import assert_close
+
+from qkmonitor.adapters import find_attention_layers
+from qkmonitor.clip import clip_factors, head_max_logits
+from qkmonitor.kernels import AttentionStats
+from qkmonitor.probes import ProbeRequest
+
+
+def test_factors_are_min_one_tau_over_s_and_one_where_s_is_not_finite():
+    s = [250.0, 100.0, 99.0, 100.5, -3.0, 0.0, math.nan, math.inf, -math.inf, 1e6]
+    tau = 100.0
+    expected = [min(1.0, tau / x) if math.isfinite(x) and x > tau else 1.0 for x in s]
+    gamma = clip_factors(torch.tensor(s, dtype=torch.float32), tau)
+    assert gamma.dtype == torch.float64
+    assert gamma.tolist() == pytest.approx(expected, rel=1e-12)
+    assert gamma[1].item() == 1.0 and gamma[2].item() == 1.0  # at or below τ: untouched
+
+
+@pytest.mark.parametrize("tau", [0, -1.0, math.nan, math.inf, True, "100", None])
+def test_a_bad_tau_is_named(tau):
+    with pytest.raises(ValueError, match="`tau`"):
+        clip_factors(torch.ones(2), tau)
+
+
+def test_head_max_logits_is_the_largest_over_calls_batch_and_rows():
+    def stats(max_logit):
+        z = torch.zeros_like(max_logit)
+        return AttentionStats(lse=z, entropy=z, max_prob=z, max_logit=max_logit, attended=z + 1)
+
+    a = torch.tensor([[[1.0, 5.0], [2.0, -math.inf]]])  # (B=1, H=2, N=2)
+    b = torch.tensor([[[7.0, 0.0], [-math.inf, -math.inf]]])
+    assert head_max_logits([stats(a), stats(b)], 2).tolist() == [7.0, 2.0]
+    assert head_max_logits([], 3).tolist() == [-math.inf] * 3
+
+
+def measured(layer, run) -> torch.Tensor:
+    probe = layer.open_probe(ProbeRequest())
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        result = probe.close()
+    return head_max_logits(result.stats, layer.qk_rows().num_heads)
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, bias=True, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def _bundled(**config):
+    torch.manual_seed(0)
+    model = DecoderLM(
+        TransformerConfig(
+            vocab_size=20, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, **config
+        )
+    )
+    with torch.no_grad():  # biases and weights large enough for the heads to differ
+        for name, p in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(4.0)
+                if name.endswith("bias"):
+                    p.add_(torch.randn_like(p))
+    tokens = torch.randint(0, 20, (3, 12), generator=torch.Generator().manual_seed(1))
+    return model, lambda: model(tokens)
+
+
+def _mha():
+    torch.manual_seed(0)
+    model = Encoder()
+    with torch.no_grad():
+        model.attn.in_proj_weight[:32].mul_(5.0)
+        model.attn.in_proj_bias.normal_()
+    x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(1))
+    return model, lambda: model(x)
+
+
+CASES = {
+    "bundled-mha-bias-rope": lambda: _bundled(bias=True),
+    "bundled-gqa-bias-rope": lambda: _bundled(bias=True, n_kv_heads=2),
+    "bundled-mqa": lambda: _bundled(n_kv_heads=1, positional="learned"),
+    "torch-mha-bias": _mha,
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_after_the_clip_each_heads_max_logit_is_tau_and_healthy_heads_are_unchanged(case):
+    model, run = CASES[case]()
+    for layer in find_attention_layers(model):
+        s = measured(layer, run)
+        tau = float(s.median())  # about half the heads clipped
+        gamma = clip_factors(s, tau)
+        assert (gamma < 1).any() and (gamma == 1).any()
+        layer.qk_rows().scale_logits(gamma)
+        s_after = measured(layer, run)
+        clipped = gamma < 1
+        # a logit is bilinear in the head's (q, k) projections with their biases: scaled by γ
+        assert_close(s_after[clipped], torch.full_like(s_after[clipped], tau), rtol=2e-5, atol=0)
+        assert torch.equal(
+            s_after[~clipped], s[~clipped]
+        )  # healthy heads: same logits, bit for bit

@@ -1,0 +1,66 @@
+"""QK-Clip's rescaling on every model of the zoo, against the zoo's own float64 reading of W_Q, W_K.
+
+``layer.qk_rows().scale_logits(γ)`` must scale head h's bilinear form ``W_Q^h (W_K^{g(h)})ᵀ`` by
+exactly ``γ_h`` (to float32 rounding) and leave every head with ``γ_h = 1`` bit for bit as it was,
+on every layout the zoo reads: fused and separate projections, GQA, MQA, x-transformers' tiled key
+heads, Conv1D, per-head interleaves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from qkmonitor.adapters import find_attention_layers
+from qkmonitor.probes import ProbeRequest
+
+from .models import ZOO
+from .test_zoo import build
+
+
+def checked_layers(built):
+    """The model's attention layers, their layouts checked by one probed forward where needed."""
+    layers = find_attention_layers(built.model)
+    waiting = [layer for layer in layers if layer.needs_layout_check]
+    probes = [layer.open_probe(ProbeRequest(stats=False, layout=True)) for layer in waiting]
+    try:
+        with torch.no_grad():
+            built.loss(built.model)
+    finally:
+        results = [probe.close() for probe in probes]
+    for layer, result in zip(waiting, results):
+        assert layer.check_layout(result) is None, layer.name
+    return layers
+
+
+def factors(num_heads: int) -> torch.Tensor:
+    """Head 0 clipped to a quarter, the last head (when there are two or more) to 0.3."""
+    gamma = torch.ones(num_heads, dtype=torch.float64)
+    gamma[0] = 0.25
+    if num_heads > 1:
+        gamma[-1] = 0.3
+    return gamma
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_each_heads_qk_product_is_scaled_by_its_factor_and_the_others_are_untouched(name):
+    built = build(name)
+    layers = checked_layers(built)
+    before = built.qk(built.model)
+    assert set(before) == {layer.name for layer in layers}
+    gammas = {}
+    for layer in layers:
+        rows = layer.qk_rows()
+        gammas[layer.name] = factors(rows.num_heads)
+        rows.scale_logits(gammas[layer.name])
+    after = built.qk(built.model)
+    for layer_name, (wq, wk) in before.items():
+        gamma = gammas[layer_name]
+        wq_after, wk_after = after[layer_name]
+        product, product_after = wq @ wk.transpose(-1, -2), wq_after @ wk_after.transpose(-1, -2)
+        scale = product.abs().amax()
+        assert_close(product_after, gamma[:, None, None] * product, rtol=1e-5, atol=1e-6 * scale)
+        healthy = gamma == 1
+        assert torch.equal(wq_after[healthy], wq[healthy]), layer_name
+        assert torch.equal(wk_after[healthy], wk[healthy]), layer_name
