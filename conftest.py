@@ -27,10 +27,10 @@ collect_ignore = []
 try:
     import triton
 except ImportError:  # without triton the doctest collector must not import the Triton backend
-    collect_ignore.append("qkmonitor/kernels/_triton.py")
+    collect_ignore.append("qkmonitor/kernels/_triton")
 else:
     if not hasattr(triton, "knobs"):  # triton < 3.4 (CUDA torch < 2.8): the backend cannot import
-        collect_ignore.append("qkmonitor/kernels/_triton.py")
+        collect_ignore.append("qkmonitor/kernels/_triton")
 if importlib.util.find_spec("transformers") is None:  # the Trainer callback imports it at the top
     collect_ignore.append("qkmonitor/hf_trainer.py")
 

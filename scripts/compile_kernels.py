@@ -13,12 +13,12 @@ checked for
   the same build's ``ptxas -v`` report instead (``Used R registers``, ``S bytes spill stores``).
 
 What is compiled is what a launch would compile: the kernels' arguments are recorded from the real
-forward and backward of ``_TritonAttention`` (CPU tensors, the launcher replaced by a recorder),
+forward and backward of ``TritonAttention`` (CPU tensors, the launcher replaced by a recorder),
 so pointer alignment, stride specialization (unit strides become constants) and constexprs are
 those of a contiguous (B, H, N, D) input; the candidate tiles are the autotuner's own
-configurations after its own ``early_config_prune`` (``_triton._prune``) with the target's shared
-memory limit and compute capability, over every pair of sequence-length buckets from 16 to 16384. Variants (the
-constexpr specializations):
+configurations after its own ``early_config_prune`` (``_triton.tuning.prune``) with the target's
+shared memory limit and compute capability, over every pair of sequence-length buckets from 16 to
+16384. Variants (the constexpr specializations):
 
 - ``--set ci`` (default): every candidate tile of every kernel, d = 64 and 128, in the heaviest
   variant (causal, key padding, statistics, sink tokens, grouped-query heads), which carries a
@@ -107,22 +107,22 @@ class Launch:
 
 
 def record_launches(variant: Variant) -> list[Launch]:
-    """The launches of one forward and backward of ``_TritonAttention`` on small CPU tensors.
+    """The launches of one forward and backward of ``TritonAttention`` on small CPU tensors.
 
     Strides and alignment of a (1, H, 64, D) contiguous tensor specialize like those of any
     (B, H, N, D) contiguous input with D a multiple of 16 (every stride but the unit one is then a
     multiple of 16), so the compiled code is the code a real launch compiles.
     """
-    from qkmonitor.kernels import _triton
+    from qkmonitor.kernels._triton import autograd, tuning
 
     launches: list[Launch] = []
-    names = {id(_triton._fwd_kernel): "fwd", id(_triton._dkdv_kernel): "dkdv",
-             id(_triton._dq_kernel): "dq"}  # fmt: skip
+    names = {id(tuning.fwd_kernel): "fwd", id(tuning.dkdv_kernel): "dkdv",
+             id(tuning.dq_kernel): "dq"}  # fmt: skip
 
     def record(kernel, grid, *args, **meta):
         launches.append(Launch(names[id(kernel)], kernel, args, meta))
 
-    delta_kernel = _triton._attn_bwd_delta
+    delta_kernel = autograd.attn_bwd_delta
 
     class DeltaRecorder:
         def __getitem__(self, grid):
@@ -138,16 +138,16 @@ def record_launches(variant: Variant) -> list[Launch]:
     k, v = (torch.zeros(1, kv_heads, n, variant.head_dim, dtype=dtype, requires_grad=True)
             for _ in range(2))  # fmt: skip
     pad = torch.ones(1, n, dtype=torch.int8) if variant.pad else None
-    saved = _triton._launch, _triton._attn_bwd_delta
-    _triton._launch, _triton._attn_bwd_delta = record, DeltaRecorder()
+    saved = autograd.launch, autograd.attn_bwd_delta
+    autograd.launch, autograd.attn_bwd_delta = record, DeltaRecorder()
     try:
-        out, *_ = _triton._TritonAttention.apply(
+        out, *_ = autograd.TritonAttention.apply(
             q, k, v, pad, variant.causal, variant.head_dim**-0.5, 4 if variant.sink else 0,
             variant.stats,
         )  # fmt: skip
         out.backward(torch.zeros_like(out))
     finally:
-        _triton._launch, _triton._attn_bwd_delta = saved
+        autograd.launch, autograd.attn_bwd_delta = saved
     return launches
 
 
@@ -254,9 +254,9 @@ def compile_launch(arch: int, variant: Variant, kernel_name: str, config_index: 
     result["spill_stores"], result["spill_loads"] = (int(x) for x in spills[-1])
     result["smem"] = int(compiled.metadata.shared)
     if config is not None:
-        from qkmonitor.kernels._triton import _smem_bytes
+        from qkmonitor.kernels._triton.tuning import smem_bytes
 
-        result["smem_estimate"] = _smem_bytes(
+        result["smem_estimate"] = smem_bytes(
             kernel_name,
             config,
             meta["BLOCK_D"],
@@ -299,7 +299,7 @@ def plan(arch: int, which: str, variant_sweep: bool = True) -> list[tuple[Varian
 
     "ci": every candidate tile in the heaviest variant (bfloat16, both head dims); and, when
     ``variant_sweep``, every variant (float16, d = 64) with the tile that sequences of at most 128
-    get without benchmarking (``_prune``'s single pick), so that each constexpr specialization and
+    get without benchmarking (``prune``'s single pick), so that each constexpr specialization and
     the other 2-byte dtype are built once (grouped-query heads only where they change the code).
     """
     jobs: list[tuple[Variant, str, int]] = []
@@ -370,7 +370,7 @@ def problems(result: dict, max_spill_bytes: int) -> list[str]:
         )
     if "smem_estimate" in result and result["smem"] > result["smem_estimate"]:
         found.append(
-            f"shared memory {result['smem']} B above _smem_bytes' estimate "
+            f"shared memory {result['smem']} B above smem_bytes' estimate "
             f"{result['smem_estimate']} B (pruning could keep a tile that does not fit)"
         )
     return found

@@ -5,7 +5,7 @@ matrix and, on request, statistics of each row's attention distribution (entropy
 max logit, log-sum-exp, attended keys, sink mass) from the same pass (docs/architecture.md, "The
 kernel and its statistics"). Backends:
 
-- ``"triton"``: fused FlashAttention-2 style kernels (``_triton.py``), forward and backward; CUDA
+- ``"triton"``: fused FlashAttention-2 style kernels (``_triton/``), forward and backward; CUDA
   tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was imported.
 - ``"torch"``: exact online computation over key blocks in PyTorch (``_torch.py``), any device.
 - ``"auto"``: triton for CUDA tensors when triton >= 3.4 is installed, torch otherwise (with a

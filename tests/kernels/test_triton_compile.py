@@ -4,9 +4,9 @@ Runs ``scripts/compile_kernels.py`` (its docstring says what is built and why th
 search space): the real Triton compiler and the ``ptxas`` shipped in the ``triton`` wheel, for
 ``GPUTarget("cuda", 90, 64)`` and ``GPUTarget("cuda", 80, 32)``. A build fails the test on a
 compile error, on shared memory above the target's opt-in limit (227 KiB, 163 KiB) or above
-``_smem_bytes``' estimate (which pruning trusts), or on any register spill: the bound is 0 bytes,
+``smem_bytes``' estimate (which pruning trusts), or on any register spill: the bound is 0 bytes,
 since a spill in a FlashAttention tile spills the accumulators the inner loop touches every
-iteration, and every tile that spilled was pruned or re-tiled instead (``_triton._configs``).
+iteration, and every tile that spilled was pruned or re-tiled instead (``_triton.tuning``).
 
 The script runs in a subprocess: the kernels must be built as GPU kernels, which the
 interpreter flag (set for this test session by the conftest) would prevent. About 100 builds,

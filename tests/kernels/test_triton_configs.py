@@ -1,4 +1,4 @@
-"""The CUDA autotuning search space: what ``_prune`` keeps for each shape (plain Python, no GPU)."""
+"""The CUDA autotuning search space: what ``tuning.prune`` keeps for each shape (plain Python, no GPU)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import pytest
 
 pytest.importorskip("triton")
 
-from qkmonitor.kernels import _triton  # after the importorskip
+from qkmonitor.kernels._triton import tuning  # after the importorskip
 
 KERNEL_CONFIGS = {
-    "fwd": _triton._FWD_CONFIGS,
-    "dkdv": _triton._DKDV_CONFIGS,
-    "dq": _triton._DQ_CONFIGS,
+    "fwd": tuning.FWD_CONFIGS,
+    "dkdv": tuning.DKDV_CONFIGS,
+    "dq": tuning.DQ_CONFIGS,
 }
 
 
@@ -19,7 +19,7 @@ KERNEL_CONFIGS = {
 @pytest.mark.parametrize("n_q, n_k", [(16, 16), (32, 64), (128, 128), (16, 16384), (16384, 16384)])
 @pytest.mark.parametrize("block_d", [16, 64, 128, 256])
 def test_prune_keeps_fitting_tiles(kernel, n_q, n_k, block_d):
-    kept = _triton._prune(
+    kept = tuning.prune(
         KERNEL_CONFIGS[kernel], {"N_Q_BUCKET": n_q, "N_K_BUCKET": n_k}, BLOCK_D=block_d
     )
     assert kept
@@ -32,7 +32,7 @@ def test_prune_keeps_fitting_tiles(kernel, n_q, n_k, block_d):
 
 
 def test_autotune_key_buckets_lengths():
-    assert [_triton._bucket(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [
+    assert [tuning.bucket(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [
         16,
         16,
         32,
@@ -54,12 +54,12 @@ def test_prune_keeps_tiles_within_shared_memory(kernel, n, block_d, dtype):
     q = torch.empty(0, dtype=getattr(torch, dtype))
     named_args = {"N_Q_BUCKET": n, "N_K_BUCKET": n, "Q": q}
     limit = 232448
-    kept = _triton._prune(
+    kept = tuning.prune(
         KERNEL_CONFIGS[kernel], named_args, kernel=kernel, smem_limit=limit, BLOCK_D=block_d
     )
     assert kept
     for config in kept:
-        assert _triton._smem_bytes(kernel, config, block_d, q.element_size()) <= limit
+        assert tuning.smem_bytes(kernel, config, block_d, q.element_size()) <= limit
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNEL_CONFIGS))
@@ -70,11 +70,11 @@ def test_prune_drops_tiles_that_spill_at_this_head_dim(kernel, block_d):
     named_args = {"N_Q_BUCKET": 4096, "N_K_BUCKET": 4096}
     configs = KERNEL_CONFIGS[kernel]
     for capability in (8, 9):
-        kept = _triton._prune(configs, named_args, capability=capability, BLOCK_D=block_d)
+        kept = tuning.prune(configs, named_args, capability=capability, BLOCK_D=block_d)
         for config in kept:
             assert block_d <= config.max_block_d
             assert capability != 8 or block_d not in config.sm80_spills
-    on_sm90 = _triton._prune(configs, named_args, capability=9, BLOCK_D=block_d)
-    on_sm80 = _triton._prune(configs, named_args, capability=8, BLOCK_D=block_d)
+    on_sm90 = tuning.prune(configs, named_args, capability=9, BLOCK_D=block_d)
+    on_sm80 = tuning.prune(configs, named_args, capability=8, BLOCK_D=block_d)
     spilling_on_sm80 = [c for c in on_sm90 if block_d in c.sm80_spills]
     assert len(on_sm80) == len(on_sm90) - len(spilling_on_sm80)
