@@ -2,10 +2,15 @@
 
 A run's story in three parts: a per-layer table of every metric the monitors logged (final value
 and the range over steps of the ``{prefix}/{metric}/layer_{LL}`` mean), the alerts (the text
-messages and the counters, both under ``{prefix}/alerts/{rule}``), and PNG plots:
-each metric over steps with one line per layer (``kappa.png``) and, where per-head tags exist, a
-layer x head heatmap of the final values (``kappa_heads.png``). Given two runs, the table puts
-their final values side by side with the difference and the plots overlay them.
+messages and the counters, both under ``{prefix}/alerts/{rule}``), and PNG plots: the training
+loss (``training_loss.png``, the first of :data:`qkmonitor.tags.LOSS_TAGS` the run has), each
+metric over steps with one line per layer, its unit on the y axis and the thresholds of the default
+alert rules drawn (``kappa.png``) and, where per-head tags exist, a layer x head heatmap of the
+final values (``kappa_heads.png``) on one colour scale per metric, across heads and runs: the
+range TensorBoard's heatmap images take where it draws them, centred at 0 for a signed metric
+(``eig_mean``). Given two runs, the table puts their final values side by side with the
+difference and the plots overlay them, each run labelled by the shortest tail of its path that
+tells it from the other.
 
 Metrics are discovered from the tags of :mod:`qkmonitor.tags`, not from a fixed list; the known
 ones come first, in the catalogue's order (docs/metrics.md). Reading needs TensorBoard's ``EventAccumulator`` and
@@ -19,7 +24,7 @@ Example::
 
     report = build_report(["runs/recall/version_0"], out_dir="report")
     print(report.text)         # the table and the alerts
-    report.plots               # [Path('report/kappa.png'), ..., Path('report/kappa_heads.png')]
+    report.plots               # [Path('report/training_loss.png'), Path('report/kappa.png'), ...]
 """
 
 from __future__ import annotations
@@ -32,8 +37,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from qkmonitor.catalogue import CATALOGUE
+from qkmonitor.catalogue import CATALOGUE, MetricSpec
+from qkmonitor.tags import LOSS_TAGS
+
+if TYPE_CHECKING:
+    from qkmonitor.alerts import AlertRule, Condition
 
 __all__ = [
     "AlertEntry",
@@ -52,11 +62,13 @@ __all__ = [
 
 #: Display order of the metrics the bundled monitors log (the catalogue's); any other follows, sorted.
 KNOWN_METRICS = tuple(spec.name for spec in CATALOGUE)
+_SPECS = {spec.name: spec for spec in CATALOGUE}
 _EVENT_MARKER = "tfevents"
 #: a layer's tag, or one head's: ``..._head_HH`` now, ``.../head_HH`` in runs written before 2026-12
 _LAYER_RE = re.compile(r"^(?P<metric>.+)/layer_(?P<layer>\d+)(?:[_/]head_(?P<head>\d+))?$")
 _LINE_STYLES = ("-", "--", ":", "-.")
 _RUN_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_THRESHOLD_COLOR = "crimson"
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,7 @@ class RunData:
             (runs written before 2026-12: ``.../layer_{LL}/head_{HH}``).
         alert_counts: rule -> the ``{prefix}/alerts/{rule}`` counter series.
         alerts: the alert messages, by step.
+        loss: the training loss, read from ``loss_tag`` (None: the run has none of the tags).
     """
 
     path: Path
@@ -122,6 +135,8 @@ class RunData:
     heads: dict[str, dict[int, dict[int, Series]]] = field(default_factory=dict)
     alert_counts: dict[str, Series] = field(default_factory=dict)
     alerts: list[AlertEntry] = field(default_factory=list)
+    loss: Series | None = None
+    loss_tag: str | None = None
 
     @property
     def metrics(self) -> list[str]:
@@ -241,12 +256,15 @@ def _accumulator(path: Path):
     return acc
 
 
-def read_run(path: str | Path, prefix: str = "qkmonitor") -> RunData:
-    """Read one run's qkmonitor scalars and alert messages.
+def read_run(
+    path: str | Path, prefix: str = "qkmonitor", loss_tags: Sequence[str] = LOSS_TAGS
+) -> RunData:
+    """Read one run's qkmonitor scalars, alert messages and training loss.
 
     Args:
         path: a run folder, a folder above one, or an event file (see :func:`resolve_run_dir`).
         prefix: the monitors' ``log_key_prefix``.
+        loss_tags: the training loss is read from the first of these tags the run has.
 
     Returns:
         The run's series, grouped by metric, layer and head.
@@ -287,6 +305,10 @@ def read_run(path: str | Path, prefix: str = "qkmonitor") -> RunData:
     if not run.layers:
         raise ValueError(_no_scalars_message(folder, prefix, scalar_tags))
     run.alerts = _read_alerts(acc, prefix)
+    run.loss_tag = next((tag for tag in loss_tags if tag in scalar_tags), None)
+    if run.loss_tag is not None:
+        events = acc.Scalars(run.loss_tag)
+        run.loss = Series(tuple(e.step for e in events), tuple(float(e.value) for e in events))
     return run
 
 
@@ -394,6 +416,16 @@ def _run_summary(run: RunData) -> str:
     )
 
 
+def _loss_text(run: RunData) -> str:
+    if run.loss is None:
+        return "training loss: none found (give its tag with `--loss-tag`)"
+    loss = run.loss
+    return (
+        f"training loss (`{run.loss_tag}`): {_fmt(loss.values[0])} at step {loss.steps[0]}, "
+        f"{_fmt(loss.final)} at step {loss.final_step} (lowest {_fmt(loss.min)})"
+    )
+
+
 def _single_table(run: RunData) -> list[str]:
     header = ["metric", "layer", "step", "final", "min", "max", "heads min..max"]
     rows = []
@@ -439,8 +471,8 @@ def _alert_lines(run: RunData, max_alerts: int | None) -> list[str]:
     finals = {rule: s.final for rule, s in sorted(run.alert_counts.items())}
     fired = ", ".join(f"{rule} {_fmt(n)}" for rule, n in finals.items() if n != 0)
     quiet = ", ".join(rule for rule, n in finals.items() if n == 0)
-    if not finals:
-        head = "alerts: no alert counters logged"
+    if not finals:  # a rule's counter is written from its first alert on
+        head = "alerts: none fired (no alert counter written)"
     elif fired:
         head = f"alerts: {run.alerts_fired} fired: {fired}" + (
             f" (none of {quiet})" if quiet else ""
@@ -486,6 +518,7 @@ def format_report(
         lines += [f"  note: {run.note}"] if run.note else []
         lines += [
             f"  {_run_summary(run)}",
+            f"  {_loss_text(run)}",
             "",
             "final value, min and max over steps of the per-layer mean; the heads' range at the final step",
             *_single_table(run),
@@ -497,6 +530,7 @@ def format_report(
         for letter, run in zip(_RUN_LETTERS, runs):
             lines += [f"  {letter}: {run.path} ({_run_summary(run)})"]
             lines += [f"     note: {run.note}"] if run.note else []
+            lines += [f"     {_loss_text(run)}"]
         lines += [
             "",
             "final value of the per-layer mean (at each run's last logged step)",
@@ -517,9 +551,43 @@ def _file_stem(metric: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", metric)
 
 
-def _run_label(letter: str, run: RunData) -> str:
-    tail = "/".join(run.path.parts[-2:])
-    return f"{letter}: {tail}"
+def _run_labels(runs: Sequence[RunData]) -> list[str]:
+    """Each run's letter and the shortest tail of its path, two parts at least, that tells it from
+    the others' (``A: a/recall/version_0``, ``B: b/recall/version_0``)."""
+    parts = [run.path.resolve().parts for run in runs]
+    longest = max(map(len, parts))
+    for count in range(min(2, longest), longest + 1):
+        tails = [Path(*p[-count:]).as_posix() for p in parts]
+        if len(set(tails)) == len(tails):
+            break
+    return [f"{letter}: {tail}" for letter, tail in zip(_RUN_LETTERS, tails)]
+
+
+def _spec(metric: str) -> MetricSpec | None:
+    """The catalogue entry of ``metric`` (``val/kappa``: ``kappa``'s), None for a metric it lacks."""
+    return _SPECS.get(metric.removeprefix("val/"))
+
+
+def _axis_label(metric: str) -> str:
+    spec = _spec(metric)
+    return f"{metric} ({spec.unit})" if spec is not None else metric
+
+
+def _thresholds(metric: str) -> list[tuple[AlertRule, AlertRule | Condition]]:
+    """``(rule, test)`` for each test of a default alert rule on ``metric``: the rule's own or one
+    of its ``also`` conditions (validation metrics have none: the rules watch training)."""
+    from qkmonitor.alerts import DEFAULT_RULES  # imports torch: only when plotting
+
+    return [(rule, test) for rule in DEFAULT_RULES for test in rule.tests if test.metric == metric]
+
+
+def _threshold_text(rule: AlertRule, test: AlertRule | Condition) -> str:
+    """``alert kappa: ≥ 0.2, with more conditions`` (the rule's message states them all)."""
+    more = test.growth is not None or len(rule.tests) > 1 or rule.learning_drop is not None
+    sign = "≥" if test.above else "≤"
+    return f"alert {rule.name}: {sign} {test.threshold:g}" + (
+        ", with more conditions" if more else ""
+    )
 
 
 def _finite(values: Sequence[float]) -> list[float]:
@@ -558,7 +626,59 @@ def _layer_colors(num_layers: int) -> list:
     return [colormaps["viridis"](i / (num_layers - 1)) for i in range(num_layers)]
 
 
-def _plot_metric(runs: Sequence[RunData], metric: str, path: Path) -> Path:
+def _draw_thresholds(ax, metric: str, low: float, high: float) -> None:
+    """The default alert rules' thresholds on ``metric`` over values shown from ``low`` to
+    ``high``: a dashed line each where the y axis, stretched to show it, stays within three times
+    the values' range; the others named in a note at the edge they lie beyond."""
+    from matplotlib.transforms import blended_transform_factory
+
+    marks = _thresholds(metric)
+    fits = [max(high, t.threshold) - min(low, t.threshold) <= 3 * (high - low) for _, t in marks]
+    lines = [mark for mark, fit in zip(marks, fits) if fit]
+    if lines:
+        levels = [test.threshold for _, test in lines]
+        bottom, top = min(low, *levels), max(high, *levels)
+        ax.set_ylim(bottom - 0.05 * (top - bottom), top + 0.05 * (top - bottom))
+    across = blended_transform_factory(ax.transAxes, ax.transData)
+    for rule, test in lines:
+        ax.axhline(
+            test.threshold,
+            color=_THRESHOLD_COLOR,
+            linestyle="--",
+            linewidth=1,
+            gid=f"alert {rule.name}",
+        )
+        ax.text(
+            0.995,
+            test.threshold,
+            _threshold_text(rule, test),
+            transform=across,
+            ha="right",
+            va="bottom",
+            fontsize="x-small",
+            color=_THRESHOLD_COLOR,
+        )
+    for side, y in (("above", 0.99), ("below", 0.01)):
+        names = [
+            f"{test.threshold:g} ({rule.name})"
+            for (rule, test), fit in sorted(zip(marks, fits), key=lambda m: m[0][1].threshold)
+            if not fit and (test.threshold > high) == (side == "above")
+        ]
+        if names:
+            ax.text(
+                0.01,
+                y,
+                f"alert thresholds {side} the plot: {', '.join(names)}",
+                transform=ax.transAxes,
+                ha="left",
+                va="top" if side == "above" else "bottom",
+                fontsize="x-small",
+                color=_THRESHOLD_COLOR,
+                gid=f"alerts {side}",
+            )
+
+
+def _metric_figure(runs: Sequence[RunData], metric: str, labels: Sequence[str]):
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
@@ -609,14 +729,13 @@ def _plot_metric(runs: Sequence[RunData], metric: str, path: Path) -> Path:
     ax.set_title(f"{metric} ({what}{shaded})")
     finite = [v for v in shown if math.isfinite(v)]
     span = _span(finite)
-    if span is not None and span != (
-        min(finite),
-        max(finite),
-    ):  # flat lines: no axis of float noise
+    if span is not None and span != (min(finite), max(finite)):  # flat: no axis of float noise
         ax.set_ylim(*span)
+    if span is not None:
+        _draw_thresholds(ax, metric, *span)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
-    ax.set_ylabel(metric)
+    ax.set_ylabel(_axis_label(metric))
     ax.grid(True, alpha=0.3)
     handles = []
     if num_layers <= 12:
@@ -630,19 +749,44 @@ def _plot_metric(runs: Sequence[RunData], metric: str, path: Path) -> Path:
         )
     if len(runs) > 1:
         handles += [
-            Line2D(
-                [],
-                [],
-                color="0.3",
-                linestyle=_LINE_STYLES[i % len(_LINE_STYLES)],
-                label=_run_label(_RUN_LETTERS[i], run),
-            )
-            for i, run in enumerate(runs)
+            Line2D([], [], color="0.3", linestyle=_LINE_STYLES[i % len(_LINE_STYLES)], label=label)
+            for i, label in enumerate(labels)
         ]
     if handles:
         ax.legend(handles=handles, fontsize="small", loc="best", ncol=2 if len(handles) > 8 else 1)
-    figure.savefig(path)
-    return path
+    return figure
+
+
+def _loss_figure(runs: Sequence[RunData], labels: Sequence[str]):
+    """The training loss of every run that has one; a log axis when it falls 30-fold or more."""
+    from matplotlib.ticker import MaxNLocator
+
+    figure = _new_figure(7.5, 4.0)
+    ax = figure.add_subplot()
+    values: list[float] = []
+    for index, (run, label) in enumerate(zip(runs, labels)):
+        if run.loss is None:
+            continue
+        ax.plot(
+            run.loss.steps,
+            _finite(run.loss.values),
+            linestyle=_LINE_STYLES[index % len(_LINE_STYLES)],
+            color=f"C{index}",
+            linewidth=1.4,
+            label=f"{label} (`{run.loss_tag}`)",
+        )
+        values += [v for v in run.loss.values if math.isfinite(v)]
+    if values and min(values) > 0 and max(values) >= 30 * min(values):
+        ax.set_yscale("log")
+    tags = sorted({run.loss_tag for run in runs if run.loss_tag is not None})
+    ax.set_title("training loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss ({', '.join(tags)})")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3, which="both")
+    if len(runs) > 1:
+        ax.legend(fontsize="small", loc="best")
+    return figure
 
 
 def _head_grid(run: RunData, metric: str) -> tuple[list[list[float]], int]:
@@ -661,21 +805,67 @@ def _head_grid(run: RunData, metric: str) -> tuple[list[list[float]], int]:
     return grid, step
 
 
-def _plot_heads(runs: Sequence[RunData], metric: str, path: Path) -> Path:
+def _head_history(run: RunData, metric: str) -> list[list[float]]:
+    """Every logged step's per-head values of ``metric``, oldest first."""
+    by_step: dict[int, list[float]] = {}
+    for heads in run.heads[metric].values():
+        for series in heads.values():
+            for step, value in zip(series.steps, series.values):
+                by_step.setdefault(step, []).append(value)
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _heat_scale(runs: Sequence[RunData], metric: str) -> tuple[float, float, str]:
+    """The colour range and colour map of ``metric``'s per-head heatmaps: one for every head of
+    every run compared.
+
+    A signed metric with no bad end (``eig_mean``) is centred at 0 on a diverging map. A metric
+    that TensorBoard draws heatmap images of gets the range those images take over a run
+    (:class:`~qkmonitor.dashboards.HeatmapScale` within the catalogue's ``heatmap`` bounds), fed
+    each logged step of each run in turn: the range of a run's final TensorBoard image when every
+    probe was drawn (at least as wide when fewer were), so the two read colour for colour. Any
+    other metric spans the final values shown.
+
+    Returns:
+        ``(low, high, colormap name)``.
+    """
+    spec = _spec(metric)
+    runs = [run for run in runs if metric in run.heads]
+    finals = [v for run in runs for row in _head_grid(run, metric)[0] for v in row]
+    finite = [v for v in finals if math.isfinite(v)]
+    if spec is not None and spec.range[0] < 0 < spec.range[1] and not spec.worse:
+        reach = max((abs(v) for v in finite), default=0.0) or 1.0
+        return -reach, reach, "RdBu_r"
+    if spec is not None and spec.heatmap is not None and not metric.startswith("val/"):
+        import torch
+
+        from qkmonitor.dashboards import HeatmapScale  # imports torch: only when plotting
+
+        scale = HeatmapScale(spec.heatmap)
+        for run in runs:
+            for values in _head_history(run, metric):
+                scale.update(torch.tensor(values, dtype=torch.float64))
+        return (*(scale.range or spec.heatmap), "viridis")
+    low, high = _span(finite) or (0.0, 1.0)
+    return low, high, "viridis"
+
+
+def _heads_figure(runs: Sequence[RunData], metric: str, labels: Sequence[str]):
     import numpy as np
     from matplotlib import colormaps
 
-    panels = [(letter, run) for letter, run in zip(_RUN_LETTERS, runs) if metric in run.heads]
-    grids = [(letter, run, *_head_grid(run, metric)) for letter, run in panels]
-    low, high = _span([v for _, _, grid, _ in grids for row in grid for v in row]) or (0.0, 1.0)
-    cmap = colormaps["viridis"].with_extremes(bad="0.85")
-    widest = max(len(grid[0]) for _, _, grid, _ in grids)
-    tallest = max(len(grid) for _, _, grid, _ in grids)
+    grids = [
+        (label, *_head_grid(run, metric)) for label, run in zip(labels, runs) if metric in run.heads
+    ]
+    low, high, name = _heat_scale(runs, metric)
+    cmap = colormaps[name].with_extremes(bad="0.85")
+    widest = max(len(grid[0]) for _, grid, _ in grids)
+    tallest = max(len(grid) for _, grid, _ in grids)
     figure = _new_figure(
         min(16, 1.5 + len(grids) * (1.2 + 0.55 * widest)), min(12, 2.0 + 0.45 * tallest)
     )
     axes = figure.subplots(1, len(grids), squeeze=False)[0]
-    for ax, (letter, run, grid, step) in zip(axes, grids):
+    for ax, (label, grid, step) in zip(axes, grids):
         data = np.ma.masked_invalid(np.asarray(grid, dtype=float))
         image = ax.imshow(
             data, cmap=cmap, vmin=low, vmax=high, aspect="auto", interpolation="nearest"
@@ -685,10 +875,10 @@ def _plot_heads(runs: Sequence[RunData], metric: str, path: Path) -> Path:
             for r in range(rows):
                 for c in range(cols):
                     value = grid[r][c]
-                    red, green, blue, _ = cmap(
-                        0.0 if not math.isfinite(value) else (value - low) / (high - low)
-                    )
-                    dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5 and math.isfinite(value)
+                    finite = math.isfinite(value)
+                    shade = min(1.0, max(0.0, (value - low) / (high - low))) if finite else 0.0
+                    red, green, blue, _ = cmap(shade)
+                    dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5 and finite
                     ax.text(
                         c,
                         r,
@@ -703,33 +893,52 @@ def _plot_heads(runs: Sequence[RunData], metric: str, path: Path) -> Path:
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         title = f"{metric} per head at step {step}"
-        ax.set_title(
-            title if len(grids) == 1 else f"{_run_label(letter, run)}\n{title}", fontsize="medium"
-        )
-    figure.colorbar(image, ax=list(axes), label=metric)
+        ax.set_title(title if len(grids) == 1 else f"{label}\n{title}", fontsize="medium")
+    bar = figure.colorbar(image, ax=list(axes), label=_axis_label(metric))
+    for rule, test in _thresholds(metric):
+        if low <= test.threshold <= high:
+            bar.ax.axhline(
+                test.threshold, color=_THRESHOLD_COLOR, linewidth=2, gid=f"alert {rule.name}"
+            )
+    return figure
+
+
+def _save(figure, path: Path) -> Path:
     figure.savefig(path)
     return path
 
 
 def plot_runs(runs: Sequence[RunData], out_dir: str | Path) -> list[Path]:
-    """Write ``{metric}.png`` for every metric and ``{metric}_heads.png`` where heads were logged.
+    """Write ``training_loss.png`` where a run has its loss, ``{metric}.png`` for every metric and
+    ``{metric}_heads.png`` where heads were logged.
 
-    With several runs each figure overlays them (solid, dashed, dotted, ...) and each heatmap has
-    one panel per run on a shared colour scale.
+    With several runs each figure overlays them (solid, dashed, dotted, ...), each labelled by the
+    shortest tail of its path that tells the runs apart, and each heatmap has one panel per run on
+    the metric's one colour scale (:func:`_heat_scale`). The thresholds of the default alert rules
+    are drawn on the plots and colour bars of the metrics they watch.
 
     Args:
         runs: what :func:`read_run` returned.
         out_dir: the folder to write into; created if missing.
 
     Returns:
-        The paths written, metric plots first.
+        The paths written: the loss, the metrics, the heatmaps.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    labels = _run_labels(runs)
+    written = []
+    if any(run.loss is not None for run in runs):
+        written.append(_save(_loss_figure(runs, labels), out / "training_loss.png"))
     metrics = sorted({m for run in runs for m in run.layers}, key=_metric_order)
-    written = [_plot_metric(runs, m, out / f"{_file_stem(m)}.png") for m in metrics]
+    written += [
+        _save(_metric_figure(runs, m, labels), out / f"{_file_stem(m)}.png") for m in metrics
+    ]
     head_metrics = sorted({m for run in runs for m in run.heads}, key=_metric_order)
-    written += [_plot_heads(runs, m, out / f"{_file_stem(m)}_heads.png") for m in head_metrics]
+    written += [
+        _save(_heads_figure(runs, m, labels), out / f"{_file_stem(m)}_heads.png")
+        for m in head_metrics
+    ]
     return written
 
 
@@ -742,6 +951,7 @@ def build_report(
     prefix: str = "qkmonitor",
     plots: bool = True,
     max_alerts: int | None = 20,
+    loss_tag: str | None = None,
 ) -> Report:
     """Read runs back and tell their story: table, alerts, PNG plots.
 
@@ -753,6 +963,8 @@ def build_report(
         prefix: the monitors' ``log_key_prefix``.
         plots: write the PNGs; ``False`` for the text alone.
         max_alerts: list at most this many alert messages per run (``None``: all).
+        loss_tag: the training loss's scalar tag (default: the first of
+            :data:`qkmonitor.tags.LOSS_TAGS` the run has).
 
     Returns:
         A :class:`Report` with the parsed runs, the text and the PNG paths.
@@ -764,7 +976,8 @@ def build_report(
         raise ValueError(
             f"Expected `run_dirs` to be a non-empty list of run folders, got {run_dirs!r}"
         )
-    runs = [read_run(path, prefix) for path in run_dirs]
+    loss_tags = LOSS_TAGS if loss_tag is None else (loss_tag,)
+    runs = [read_run(path, prefix, loss_tags) for path in run_dirs]
     written: list[Path] = []
     out: Path | None = None
     if plots:
@@ -807,6 +1020,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", default="qkmonitor", help="the monitors' log_key_prefix")
     parser.add_argument("--no-plots", action="store_true", help="print the text only, write no PNG")
     parser.add_argument(
+        "--loss-tag",
+        default=None,
+        metavar="TAG",
+        help=f"the training loss's scalar tag (default: the first found of {', '.join(LOSS_TAGS)})",
+    )
+    parser.add_argument(
         "--max-alerts",
         type=_non_negative_int,
         default=20,
@@ -840,6 +1059,7 @@ def run_report(args: argparse.Namespace) -> int:
             prefix=args.prefix,
             plots=not args.no_plots,
             max_alerts=args.max_alerts,
+            loss_tag=args.loss_tag,
         )
     except ValueError as err:
         print(f"qkmonitor report: {err}", file=sys.stderr)

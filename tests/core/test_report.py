@@ -6,6 +6,8 @@ import argparse
 import math
 import os
 import re
+import subprocess
+import sys
 import warnings
 
 import lightning.pytorch as pl
@@ -20,8 +22,19 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor import QKMonitorWarning
-from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.report import add_report_parser, build_report, main_report, run_report
+from qkmonitor.alerts import DEFAULT_RULES, KAPPA_RULE
+from qkmonitor.catalogue import metric as catalogue_metric
+from qkmonitor.report import (
+    _heads_figure,
+    _loss_figure,
+    _metric_figure,
+    _run_labels,
+    add_report_parser,
+    build_report,
+    main_report,
+    read_run,
+    run_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LAYER_TAG = re.compile(r"^qkmonitor/(?P<metric>[^/]+)/layer_(?P<layer>\d\d)$")
@@ -242,7 +255,8 @@ def test_nan_and_unknown_metrics_are_shown(tmp_path):
         "my_metric",
         "val/entropy",
     ]  # known, unknown, validation
-    assert "alerts: no alert counters logged; 0 message(s)" in report.text
+    # a rule's counter is written from its first alert on: none written, none fired
+    assert "alerts: none fired (no alert counter written); 0 message(s)" in report.text
 
 
 # -- the alerts ------------------------------------------------------------------------------
@@ -264,7 +278,7 @@ def test_alert_messages_and_counters(runs):
     }
     assert {rule: s.final for rule, s in run.alert_counts.items()} == counters
     assert counters["kappa"] == 8.0
-    assert "alerts: 8 fired: kappa 8 (none of " in report.text
+    assert "alerts: 8 fired: kappa 8" in report.text
     step, message = from_warnings[0]
     assert f"  step {step}  {message}" in report.text.splitlines()
     short = build_report([runs["alerting"]], plots=False, max_alerts=3).text
@@ -304,6 +318,7 @@ def test_plots_one_per_metric_and_heatmaps_in_the_default_folder(runs):
     )
     run = report.runs[0]
     expected = {f"{m}.png" for m in run.metrics} | {f"{m}_heads.png" for m in run.heads}
+    expected.add("training_loss.png")  # the task logs `train_loss`
     assert {p.name for p in report.plots} == expected == {p.name for p in out.iterdir()}
     assert {"kappa.png", "kappa_heads.png", "entropy.png"} <= expected
     assert "entropy_heads.png" not in expected  # the entropy monitor ran without per_head
@@ -331,6 +346,221 @@ def test_two_runs_side_by_side(runs, tmp_path):
     assert "A: alerts: none fired" in text and "B: alerts: 8 fired: kappa 8" in text
     assert {"kappa.png", "kappa_heads.png", "hidden_erank.png"} <= {p.name for p in report.plots}
     check_png(tmp_path / "cmp" / "kappa_heads.png")
+
+
+# -- the loss, units, alert thresholds, colour scales and labels -----------------------------
+
+
+def test_training_loss_is_read_plotted_and_told(runs, tmp_path):
+    expected = scalars(runs["plain"])["train_loss"]  # what CausalLMTask (the CLI's task) logs
+    report = build_report([runs["plain"]], out_dir=tmp_path / "report")
+    run = report.runs[0]
+    assert run.loss_tag == "train_loss"
+    assert list(zip(run.loss.steps, run.loss.values)) == expected
+    assert tmp_path / "report" / "training_loss.png" in report.plots
+    check_png(tmp_path / "report" / "training_loss.png")
+    (line,) = _loss_figure([run], ["A"]).axes[0].get_lines()
+    assert [tuple(point) for point in line.get_xydata()] == pytest.approx(expected)
+    told = next(line for line in report.text.splitlines() if "training loss (`train_loss`)" in line)
+    first, final = re.findall(r"([-\d.e+]+) at step (\d+)", told)
+    assert close(first[0], expected[0][1]) and int(first[1]) == expected[0][0], told
+    assert close(final[0], expected[-1][1]) and int(final[1]) == expected[-1][0], told
+
+
+@pytest.mark.parametrize(
+    ("tags", "found"),
+    [
+        (["train/loss"], "train/loss"),  # a plain loop's SummaryWriter, the Hugging Face Trainer
+        (["train_loss_step", "train_loss_epoch"], "train_loss_step"),  # Lightning, on_epoch=True
+        (["loss", "train_loss"], "train_loss"),
+        (["loss"], "loss"),
+        (["my_loss"], None),
+    ],
+)
+def test_the_loss_tags_lightning_and_plain_loops_write(tmp_path, tags, found):
+    write_run(tmp_path, {"qkmonitor/kappa/layer_00": [0.1, 0.2], **{t: [2.0, 1.0] for t in tags}})
+    run = read_run(tmp_path)
+    assert run.loss_tag == found
+    if found is None:
+        assert run.loss is None
+        report = build_report([tmp_path], out_dir=tmp_path / "report")
+        assert "training loss: none found (give its tag with `--loss-tag`)" in report.text
+        assert "training_loss.png" not in {p.name for p in report.plots}
+    else:
+        assert run.loss.values == (2.0, 1.0)
+
+
+def test_the_command_line_reads_a_loss_tag_it_is_given(tmp_path):
+    write_run(tmp_path / "v", {"qkmonitor/kappa/layer_00": [0.1, 0.2], "my_loss": [2.0, 0.5]})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qkmonitor.cli",
+            "report",
+            str(tmp_path / "v"),
+            "--loss-tag",
+            "my_loss",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "training loss (`my_loss`): 2 at step 0, 0.5 at step 1 (lowest 0.5)" in result.stdout
+    assert (tmp_path / "out" / "training_loss.png").is_file()
+
+
+def threshold_marks(ax) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """The alert thresholds a metric plot shows: rule -> the heights of its lines, and the notes of
+    thresholds off the plot by side (``above``/``below``)."""
+    lines: dict[str, list[float]] = {}
+    for line in ax.get_lines():
+        if (gid := line.get_gid() or "").startswith("alert "):
+            lines.setdefault(gid[6:], []).append(line.get_ydata()[0])
+    notes = {
+        text.get_gid()[7:]: text.get_text()
+        for text in ax.texts
+        if (text.get_gid() or "").startswith("alerts ")
+    }
+    return lines, notes
+
+
+def test_metric_plots_have_units_and_the_default_rules_thresholds(tmp_path):
+    values = {
+        "kappa": [0.1, 0.3, 0.4],  # its rule's 0.2 within the values: a line
+        "qk_spectral_norm": [0.5, 1.5, 2.0],  # the kappa rule's condition, >= 1: a line
+        "max_logit": [2.0, 3.0, 4.0],  # 20, 30, 50: far above, named in a note
+        "hidden_collapse": [0.5, 0.6, 0.55],  # 1e-3: far below, named in a note
+        "entropy": [1.0, 1.2, 1.1],  # no default rule
+        "val/kappa": [0.1, 0.3, 0.4],  # the rules watch training only
+        "my_metric": [1.0, 2.0, 3.0],
+    }
+    write_run(tmp_path / "v", {f"qkmonitor/{m}/layer_00": v for m, v in values.items()})
+    run = read_run(tmp_path / "v")
+    for name, series in values.items():
+        ax = _metric_figure([run], name, ["A"]).axes[0]
+        known = name.removeprefix("val/") if name != "my_metric" else None
+        assert ax.get_ylabel() == (f"{name} ({catalogue_metric(known).unit})" if known else name), (
+            name
+        )
+        expected = sorted(
+            (rule.name, test.threshold)
+            for rule in DEFAULT_RULES
+            for test in rule.tests
+            if test.metric == name
+        )
+        lines, notes = threshold_marks(ax)
+        drawn = sorted((rule, y) for rule, ys in lines.items() for y in ys)
+        noted = sorted(
+            (rule, threshold)
+            for rule, threshold in expected
+            if any(f"{threshold:g} ({rule})" in note for note in notes.values())
+        )
+        assert sorted(drawn + noted) == expected, name
+        low, high = ax.get_ylim()
+        assert all(low <= y <= high for _, y in drawn), name
+        assert min(series) >= low and max(series) <= high, name
+    kappa_lines, _ = threshold_marks(_metric_figure([run], "kappa", ["A"]).axes[0])
+    assert kappa_lines == {"kappa": [KAPPA_RULE.threshold]}
+    assert set(threshold_marks(_metric_figure([run], "max_logit", ["A"]).axes[0])[1]) == {"above"}
+    assert set(threshold_marks(_metric_figure([run], "hidden_collapse", ["A"]).axes[0])[1]) == {
+        "below"
+    }
+    for path in build_report([run.path], out_dir=tmp_path / "report").plots:
+        check_png(path)
+
+
+def write_heads(folder, per_metric: dict[str, list[list[list[float]]]]) -> None:
+    """Per metric, a (layers x heads) grid at steps 0, 1, ..., with the layer means the report
+    needs."""
+    values: dict[str, list[float]] = {}
+    for name, grids in per_metric.items():
+        for grid in grids:
+            for layer, heads in enumerate(grid):
+                tag = f"qkmonitor/{name}/layer_{layer:02d}"
+                values.setdefault(tag, []).append(sum(heads) / len(heads))
+                for head, value in enumerate(heads):
+                    values.setdefault(f"{tag}_head_{head:02d}", []).append(value)
+    write_run(folder, values)
+
+
+def test_heatmaps_share_one_scale_per_metric_across_heads_and_runs(tmp_path):
+    import numpy as np
+
+    from qkmonitor.dashboards import HeatmapScale
+
+    # two steps each: kappa's history reaches the colour range, as in TensorBoard's images
+    a = {
+        "kappa": [[[0.12, 0.15]], [[0.2, 0.3]]],
+        "eig_mean": [[[0.0, 0.0]], [[-0.02, 0.01]]],
+        "entropy": [[[9.0, 9.0]], [[1.0, 2.0]]],
+    }
+    b = {
+        "kappa": [[[0.1, 0.1]], [[0.25, 0.62]]],
+        "eig_mean": [[[0.0, 0.0]], [[0.005, 0.03]]],
+        "entropy": [[[9.0, 9.0]], [[1.5, 3.0]]],
+    }
+    write_heads(tmp_path / "a" / "recall" / "version_0", a)
+    write_heads(tmp_path / "b" / "recall" / "version_0", b)
+    runs = [read_run(tmp_path / "a" / "recall"), read_run(tmp_path / "b" / "recall")]
+    labels = _run_labels(runs)
+    assert labels == ["A: a/recall/version_0", "B: b/recall/version_0"]
+
+    def panels(name):
+        figure = _heads_figure(runs, name, labels)
+        images = [ax.images[0] for ax in figure.axes if ax.images]
+        assert len(images) == 2
+        return figure, images
+
+    # kappa: the range TensorBoard's heatmap images take, fed the runs' steps in turn
+    tensorboard = HeatmapScale(catalogue_metric("kappa").heatmap)
+    for grids in (a["kappa"], b["kappa"]):
+        for grid in grids:
+            tensorboard.update(torch.tensor(grid))
+    figure, images = panels("kappa")
+    clims = [image.get_clim() for image in images]
+    assert clims[0] == clims[1] == pytest.approx(tensorboard.range)
+    assert clims[0][0] <= 0.1 and clims[0][1] >= 0.62  # every value of both runs on the scale
+    titles = [ax.get_title() for ax in figure.axes if ax.images]
+    assert [t.splitlines()[0] for t in titles] == labels
+    bar = next(ax for ax in figure.axes if not ax.images)  # the colour bar: the rule's level
+    assert [line.get_ydata()[0] for line in bar.get_lines()] == [KAPPA_RULE.threshold]
+    # eig_mean, signed: centred at 0 on a diverging map, both runs' largest |value| at the ends
+    _, images = panels("eig_mean")
+    reach = max(abs(v) for run in (a, b) for v in run["eig_mean"][-1][0])  # the final values
+    clims = [image.get_clim() for image in images]  # TensorBoard stores float32
+    assert clims[0] == clims[1] == pytest.approx((-reach, reach), rel=1e-6)
+    cmap = images[0].get_cmap()
+    assert cmap.name.startswith("RdBu")
+    low_end, middle, high_end = (np.asarray(cmap(x)[:3]) for x in (0.0, 0.5, 1.0))
+    assert middle.min() > 0.9 and low_end[2] > low_end[0] and high_end[0] > high_end[2]
+    # entropy: no TensorBoard heatmap; the final values of both runs
+    _, images = panels("entropy")
+    assert [image.get_clim() for image in images] == [(1.0, 3.0)] * 2
+    # the runs' labels in the overlaid metric plots too
+    legend = _metric_figure(runs, "kappa", labels).axes[0].get_legend()
+    assert {text.get_text() for text in legend.get_texts()} >= set(labels)
+
+
+def test_run_labels_are_the_shortest_distinguishing_tail(tmp_path):
+    def run_at(*parts):
+        return type("Run", (), {"path": tmp_path.joinpath(*parts)})()
+
+    assert _run_labels([run_at("recall", "version_0"), run_at("recall", "version_1")]) == [
+        "A: recall/version_0",
+        "B: recall/version_1",
+    ]
+    assert _run_labels(
+        [run_at("x", "lr1", "recall", "version_0"), run_at("x", "lr2", "recall", "version_0")]
+    ) == [
+        "A: lr1/recall/version_0",
+        "B: lr2/recall/version_0",
+    ]
+    assert _run_labels([run_at("recall", "version_0")]) == ["A: recall/version_0"]
 
 
 # -- finding runs, errors and the command line -----------------------------------------------
