@@ -214,7 +214,8 @@ class AlertRule:
             ``value > threshold + margin`` (below); a trend never ends an alert by itself.
         warning: the warning class raised, warned or named.
         meaning: what firing says about attention.
-        advice: what to try.
+        advice: what to try; ``{qk_norm}`` in it becomes how to add QK-norm to the kind of model
+            the alert is about (:attr:`Alert.layer_kind`).
         also: further conditions that must hold at the same time (e.g. low rank *and* sparse).
         per_head: False for metrics of a whole layer (one value per layer, no head).
         growth: the factor per ``window`` steps the value must grow by (None: a level rule).
@@ -367,9 +368,34 @@ class AlertRule:
 
 _SWEEP = "benchmarks/instability.py"
 _REMEDY = (
-    "lower the peak learning rate or lengthen warmup; add QK-norm (TransformerConfig(qk_norm=True)) "
-    "or sigma-reparametrization; weight decay on the query/key projections"
+    "lower the peak learning rate or lengthen warmup; add QK-norm ({qk_norm}) or "
+    "sigma-reparametrization; weight decay on the query/key projections"
 )
+
+
+def _qk_norm_advice(layer_kind: str) -> str:
+    """How to add QK-norm to a layer of ``layer_kind`` (:attr:`AttentionLayer.kind`): the bundled
+    models' switch for qkmonitor's own attention, what to change for anyone else's."""
+    if layer_kind.startswith("qkmonitor."):
+        return "TransformerConfig(qk_norm=True)"
+    if layer_kind == "torch.nn.MultiheadAttention":
+        return (
+            "nn.MultiheadAttention has no switch for it: an attention module that normalizes q "
+            "and k after their projections"
+        )
+    if layer_kind.startswith("transformers."):
+        return (
+            "an RMSNorm on q and k after their projections, in the model's attention code, as "
+            "transformers' Qwen3 and OLMo 2 attention have"
+        )
+    if layer_kind:
+        return "a LayerNorm or RMSNorm on q and k after their projections, in the model's code"
+    return (
+        "normalize q and k after their projections; qkmonitor's bundled models: "
+        "TransformerConfig(qk_norm=True)"
+    )
+
+
 #: Learning, not failing: the trend rules stay quiet while the training loss falls by 5 % per 10
 #: steps, or is below a tenth of the run's first loss (the task is solved; its heads are sharp
 #: because that is the solution). On the calibration set this alone took the healthy runs alerted
@@ -586,6 +612,8 @@ class Alert:
         reference: for a trend rule, the value the growth was measured from, at ``reference_step``.
         also_values: the values of the rule's ``also`` conditions at ``step``, in order.
         also_references: for conditions with a trend, the ``(step, value)`` it was measured from.
+        layer_kind: the kind of attention layer (:attr:`AttentionLayer.kind`, set by the engine):
+            the advice says how to add QK-norm to that kind of model ("" when unknown).
     """
 
     rule: AlertRule
@@ -598,6 +626,11 @@ class Alert:
     reference_step: int | None = None
     also_values: tuple[float, ...] = ()
     also_references: tuple[tuple[int, float] | None, ...] = ()
+    layer_kind: str = ""
+
+    def with_layer_kind(self, layer_kind: str) -> Alert:
+        """This alert about a layer of ``layer_kind`` (:attr:`AttentionLayer.kind`)."""
+        return dataclasses.replace(self, layer_kind=layer_kind)
 
     @property
     def ratio(self) -> float | None:
@@ -631,7 +664,8 @@ class Alert:
         return (
             f"[qkmonitor:{self.rule.name}] {where}: {measured} (threshold {self.rule.describe()}, "
             f"{self.rule.patience} probe(s) in a row) at step {self.step}{lr_text}: {self.rule.meaning}. "
-            f"Try: {self.rule.advice}.{evidence}"
+            f"Try: {self.rule.advice.replace('{qk_norm}', _qk_norm_advice(self.layer_kind))}."
+            f"{evidence}"
         )
 
 

@@ -444,6 +444,7 @@ class MonitorEngine:
         else:
             self.latest, self.latest_step = values, step
             alerts = self.alerting.update(rows, step, names, self.qk_norm_layers)
+            alerts = [a.with_layer_kind(self.layers[a.layer].kind) for a in alerts]  # the advice
         self.publishing.publish(
             host,
             values,

@@ -4,6 +4,7 @@ layers, resume; and the messages."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from qkmonitor.alerts import (
     AlertTracker,
     Condition,
     LogitGrowthWarning,
+    OverLocalizationWarning,
 )
 
 LEVEL = AlertRule(
@@ -233,3 +235,66 @@ def test_engines_know_their_qk_norm_layers_and_the_kappa_rule_skips_them():
     for step, kappa in ((0, 0.1), (30, 0.3)):
         engine.record(PlainHost(), {"kappa": [torch.full((4,), kappa)] * 2}, step)
     assert fired == []
+
+
+def tiny_model(kind: str) -> torch.nn.Module:
+    if kind == "bundled":
+        from qkmonitor.models import DecoderLM, TransformerConfig
+
+        return DecoderLM(
+            TransformerConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_seq_len=8)
+        )
+    if kind == "torch":
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        return torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    ("kind", "advice"),
+    [
+        ("bundled", "add QK-norm (TransformerConfig(qk_norm=True))"),
+        ("torch", "add QK-norm (nn.MultiheadAttention has no switch for it: an attention module"),
+        ("transformers", "in the model's attention code, as transformers' Qwen3 and OLMo 2"),
+    ],
+)
+def test_the_advice_says_how_to_add_qk_norm_to_the_kind_of_model(kind, advice):
+    from qkmonitor.engine import Monitoring, QKSpectrum
+
+    # kappa >= 0 with the kappa rule's advice: fires for every head at the first probe
+    always = LEVEL.replace(
+        metric="kappa", threshold=0.0, warning=OverLocalizationWarning, advice=KAPPA_RULE.advice
+    )
+    fired = []
+    engine = QKSpectrum(alerts=[always], on_alert=lambda owner, alert: fired.append(alert))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = tiny_model(kind)
+        with Monitoring(model, [engine], every_n_steps=1) as monitoring, monitoring.step(0):
+            pass  # the spectrum is read from the weights
+    messages = [str(w.message) for w in caught if w.category is OverLocalizationWarning]
+    assert fired and len(messages) == len(fired)
+    assert {alert.layer_kind for alert in fired} == {layer.kind for layer in engine.layers}
+    for message in messages:
+        assert advice in message
+        assert kind == "bundled" or "TransformerConfig" not in message
+
+
+def test_an_alert_of_no_known_kind_names_qk_norm_and_the_bundled_switch():
+    tracker = AlertTracker([LEVEL.replace(advice="add QK-norm ({qk_norm})")])
+    (alert,) = feed(tracker, {0: [11.0]})
+    assert alert.layer_kind == ""
+    assert "Try: add QK-norm (normalize q and k after their projections; qkmonitor's bundled " in (
+        alert.message()
+    )
+    assert "{qk_norm}" not in alert.with_layer_kind("mylib.Attention").message()
