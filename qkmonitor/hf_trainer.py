@@ -24,6 +24,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, MonitorEngine, Monitoring, QKSpectrum
+from qkmonitor.tags import HF_HPARAMS_METRICS
 from qkmonitor.validation import check_optional_positive_int
 
 __all__ = ["QKMonitorCallback"]
@@ -98,6 +99,7 @@ class QKMonitorCallback(TrainerCallback):
             hparams=args.to_sanitized_dict(),
             optimizer=optimizer,
             every_n_steps=every,
+            hparams_metrics=HF_HPARAMS_METRICS,
         )
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:

@@ -14,6 +14,7 @@ reads both.
 from __future__ import annotations
 
 __all__ = [
+    "HF_HPARAMS_METRICS",
     "HPARAMS_METRICS",
     "LOSS_TAGS",
     "VAL_LOSS_TAGS",
@@ -33,6 +34,8 @@ VAL_LOSS_TAGS = ("val_loss", "eval/loss")
 #: What the HPARAMS tab compares runs by, besides the alert counters: Lightning's convention,
 #: which ``qkmonitor train``'s tasks follow.
 HPARAMS_METRICS = ("train_loss", "val_loss", "val_acc")
+#: The same for the Hugging Face Trainer, whose TensorBoard callback writes ``train/loss``, ``eval/loss``.
+HF_HPARAMS_METRICS = ("train/loss", "eval/loss")
 
 
 def layer_tag(prefix: str, metric: str, layer: int) -> str:

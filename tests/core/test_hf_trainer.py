@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 from torch.utils.data import Dataset
 from torch.utils.tensorboard import SummaryWriter
 
@@ -100,6 +101,11 @@ def test_a_trainer_run_logs_the_tags_and_numbers_of_the_engines(tmp_path, leftov
     assert "custom_scalars__config__" in acc.Tags()["tensors"]
     hparams = acc.summary_metadata["_hparams_/session_start_info"].plugin_data.content
     assert b"learning_rate" in hparams and b"qkmonitor/alert_kappa/threshold" in hparams
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(
+        acc.PluginTagToContent("hparams")["_hparams_/experiment"]
+    ).experiment
+    metrics = [info.name.tag for info in experiment.metric_infos]
+    assert metrics[:2] == ["train/loss", "eval/loss"]  # the tags the Trainer's own logger writes
 
 
 def test_a_step_that_raises_leaves_nothing_once_closed_and_a_clean_run_follows(tmp_path, leftovers):
