@@ -18,6 +18,8 @@ from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, Q
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from qkmonitor.cli import quiet_lightning
+
 
 class MarkedTokenClassifier(pl.LightningModule):
     def __init__(self, d_model: int = 32, layers: int = 2, heads: int = 4) -> None:
@@ -60,20 +62,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         AttentionEntropyMonitor(),
         EffectiveRankMonitor(max_probe_tokens=16),
     ]
-    trainer = pl.Trainer(
-        max_steps=args.steps,
-        logger=TensorBoardLogger(args.log_dir, name="own_encoder"),
-        callbacks=list(monitors),
-        log_every_n_steps=20,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(MarkedTokenClassifier())
+    with quiet_lightning():  # no tips or device report: the progress, alerts and results
+        trainer = pl.Trainer(
+            max_steps=args.steps,
+            logger=TensorBoardLogger(args.log_dir, name="own_encoder"),
+            callbacks=list(monitors),
+            log_every_n_steps=20,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(MarkedTokenClassifier())
+    print("layers:", ", ".join(f"{layer.name} ({layer.kind})" for layer in monitors[0].layers))
     for monitor in monitors:
         for metric, layers in monitor.latest.items():
             print(f"{metric:18s}", "  ".join(f"L{i}: {v.mean():.3f}" for i, v in enumerate(layers)))
     print(f"train_acc (last batch): {float(trainer.callback_metrics['train_acc']):.3f}")
-    print(f"\ntensorboard --logdir {args.log_dir}")
+    print(f"\ntensorboard --logdir {args.log_dir}\nqkmonitor report {trainer.logger.log_dir}")
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 

@@ -3,7 +3,8 @@
 The bundled decoder learns associative recall with a hand-written AdamW loop. ``Monitoring``
 drives the three engines that the Lightning callbacks wrap: it reads the weights at the start of
 each probe step, measures the forward inside ``with monitoring.step(step):`` and logs the same
-tags, layout and hparams to TensorBoard as the callbacks do.
+tags, layout and hparams to TensorBoard as the callbacks do. It prints the training loss as it goes
+(mean over the steps since the last line), so you can tell that it learns.
 
     python examples/plain_pytorch_loop.py [--steps 300] [--log-dir runs]
 """
@@ -54,6 +55,7 @@ def train(
         every_n_steps=every_n_steps,
         hparams={"lr": lr, "batch_size": batch_size, "d_model": 32},
     )
+    losses = []  # since the last printed line
     with monitoring:  # closes whatever is open at the end, even on an error
         for step in range(steps):
             rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(tokens)
@@ -68,7 +70,11 @@ def train(
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-            writer.add_scalar("train/loss", loss.item(), step)
+            losses.append(loss.item())
+            writer.add_scalar("train/loss", losses[-1], step)
+            if step % every_n_steps == 0 or step == steps - 1:
+                print(f"step {step:5d}  loss {sum(losses) / len(losses):.4f}")
+                losses.clear()
             if monitoring.should_stop:  # an alert with alert_action="stop" fired
                 break
     return monitoring
@@ -88,6 +94,7 @@ def main(argv: list[str] | None = None) -> Monitoring:
         [round(v.mean().item(), 3) for v in monitoring.engines[1].latest["entropy_norm"]],
     )
     print(f"tensorboard --logdir {args.log_dir}")
+    print(f"qkmonitor report {args.log_dir}/plain_pytorch_loop")
     return monitoring
 
 

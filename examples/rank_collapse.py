@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor import RankCollapseWarning
+from qkmonitor.cli import quiet_lightning
 
 
 class AttentionBlock(nn.Module):
@@ -60,18 +61,19 @@ class AttentionOnly(pl.LightningModule):
 def run(depth: int, skip: bool, log_dir: str) -> tuple[list[float], int]:
     pl.seed_everything(0, verbose=False)
     monitor = EffectiveRankMonitor(every_n_steps=5)
-    trainer = pl.Trainer(
-        max_steps=10,
-        logger=TensorBoardLogger(log_dir, name=f"rank_collapse_skip_{skip}"),
-        callbacks=[monitor],
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        log_every_n_steps=5,
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(AttentionOnly(depth, skip))
+    with quiet_lightning():  # no tips or device report
+        trainer = pl.Trainer(
+            max_steps=10,
+            logger=TensorBoardLogger(log_dir, name=f"rank_collapse_skip_{skip}"),
+            callbacks=[monitor],
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+            log_every_n_steps=5,
+        )
+        with warnings.catch_warnings(record=True) as caught:  # counted, not printed
+            warnings.simplefilter("always")
+            trainer.fit(AttentionOnly(depth, skip))
     fired = sum(issubclass(w.category, RankCollapseWarning) for w in caught)
     return [v.item() for v in monitor.latest["hidden_collapse"]], fired
 

@@ -20,7 +20,7 @@ import textwrap
 import warnings
 from collections.abc import Sequence
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "quiet_lightning"]
 
 
 def _number(text: str, kind: type, what: str, ok) -> int | float:
@@ -407,15 +407,24 @@ _BUILDERS = {
 
 
 def _train(args: argparse.Namespace) -> int:
-    with _quiet_lightning():
+    with quiet_lightning():
         return _run_training(args)
 
 
 @contextlib.contextmanager
-def _quiet_lightning():
-    """The terminal of ``qkmonitor train`` shows the progress, alerts, the summary and where things
-    went: Lightning's info lines (tips, device report) are turned down while it runs, and one known
-    deprecation warning from torch's pytree, which Lightning triggers, is filtered by its message."""
+def quiet_lightning():
+    """Turn Lightning's chatter down while the block runs: its info lines (tips, the device report,
+    why ``fit`` stopped) and one known deprecation warning from torch's pytree that Lightning
+    triggers (filtered by its message). Warnings (qkmonitor's alerts among them) and the progress
+    bar stay; qkmonitor's own info lines under Lightning (the layers it found) go through
+    Lightning's logger and are turned down too. ``qkmonitor train`` and the examples run in it.
+
+    Example::
+
+        with quiet_lightning():
+            trainer = pl.Trainer(max_steps=100, callbacks=[QKSpectrumMonitor()])
+            trainer.fit(model)
+    """
     import lightning.pytorch  # noqa: F401 -- its import sets its loggers' levels: set ours after it
 
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+#: What Lightning prints that the examples turn down (``qkmonitor.cli.quiet_lightning``, as
+#: ``qkmonitor train`` does): the device report, its tips, a pytree deprecation, why fit stopped.
+LIGHTNING_CHATTER = ("GPU available", "TPU available", "Tip:", "LeafSpec", "`Trainer.fit` stopped")
 
 
 def load(name: str):
@@ -72,6 +78,79 @@ def test_bundled_tasks_example_runs_every_task_with_the_monitors(tmp_path, capsy
     out = capsys.readouterr().out
     assert out.count("qkmonitor summary (spectrum at step 10, entropy at step 0") == 6
     assert {p.name for p in tmp_path.iterdir()} == set(codes)
+
+
+def run_example(name: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    """``python examples/{name}.py ARGS`` in a fresh interpreter, as a user runs it."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def chatter(result: subprocess.CompletedProcess) -> list[str]:
+    return [c for c in LIGHTNING_CHATTER if c in result.stdout or c in result.stderr]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "args", "shown"),
+    [
+        ("own_encoder", ["--steps", "20"], "layers: encoder.layers.0.self_attn (torch.nn.Multi"),
+        ("rank_collapse", ["--depth", "4"], "rank-collapse warnings: 0"),
+    ],
+)
+def test_lightning_examples_print_no_lightning_chatter(tmp_path, name, args, shown):
+    result = run_example(name, *args, "--log-dir", str(tmp_path), cwd=tmp_path)
+    assert chatter(result) == []
+    assert shown in result.stdout
+
+
+@pytest.mark.slow
+def test_hf_llama_default_run_is_quiet_fires_no_alert_and_learns(tmp_path):
+    pytest.importorskip("transformers")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = run_example("hf_llama", "--log-dir", str(tmp_path), cwd=tmp_path)
+    assert chatter(result) == []
+    assert "[qkmonitor:" not in result.stderr  # healthy defaults, no alert (the docstring says why)
+    assert "(transformers.llama)" in result.stdout  # the layers it found
+    (run,) = (tmp_path / "hf_llama").iterdir()
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    losses = [e.value for e in acc.Scalars("train_loss")]  # what `qkmonitor report` plots
+    final = float(re.search(r"train_loss \(last batch\): ([\d.]+)", result.stdout)[1])
+    assert final == pytest.approx(losses[-1], abs=5e-4)
+    # it learns: below where it was, and below a uniform guess among the 24 values recalled
+    assert final < losses[0] and final < math.log(24)
+
+
+def test_plain_pytorch_loop_prints_the_loss_it_logs(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = run_example(
+        "plain_pytorch_loop", "--steps", "60", "--log-dir", str(tmp_path), cwd=tmp_path
+    )
+    printed = [
+        (int(step), float(loss))
+        for step, loss in re.findall(r"^step +(\d+)  loss ([\d.]+)$", result.stdout, re.MULTILINE)
+    ]
+    acc = EventAccumulator(str(tmp_path / "plain_pytorch_loop"), size_guidance={"scalars": 0})
+    acc.Reload()
+    logged = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert [step for step, _ in printed] == [0, 25, 50, 59]
+    previous = -1
+    for step, loss in printed:  # each line: the mean since the line before
+        window = [logged[s] for s in range(previous + 1, step + 1)]
+        assert loss == pytest.approx(sum(window) / len(window), abs=5e-5), step
+        previous = step
+    assert printed[-1][1] < 0.8 * printed[0][1]  # it learns
 
 
 def run_tags(run_dir) -> dict[str, object]:
