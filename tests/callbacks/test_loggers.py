@@ -21,7 +21,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.catalogue import metric
-from qkmonitor.dashboards import grid_of, heatmap_image
+from qkmonitor.dashboards import HeatmapScale, grid_of, heatmap_image
 from qkmonitor.report import read_run
 
 
@@ -72,14 +72,33 @@ def fit(tmp_path, make_task, loggers, callbacks, quiet=True):
         ).fit(task, datamodule=data)
 
 
-def kappa_heatmap(spectrum_monitor):
-    """The kappa heatmap of the monitor's last probe, drawn again from its values."""
-    step = spectrum_monitor.latest_step
-    return heatmap_image(
-        grid_of(spectrum_monitor.latest["kappa"]),
-        *metric("kappa").heatmap,
-        title=f"kappa at step {step}",
-    )
+class KappaGrids(pl.Callback):
+    """Keeps the κ grid of each of a spectrum monitor's probes (put after the monitor)."""
+
+    def __init__(self, monitor) -> None:
+        self.monitor, self.grids = monitor, {}
+
+    def _keep(self) -> None:
+        if self.monitor.latest_step is not None:
+            self.grids.setdefault(self.monitor.latest_step, grid_of(self.monitor.latest["kappa"]))
+
+    def on_train_batch_start(self, *args) -> None:
+        self._keep()
+
+    def on_train_batch_end(self, *args) -> None:
+        self._keep()
+
+    def on_train_end(self, *args) -> None:
+        self._keep()
+
+
+def kappa_heatmap(recorded: KappaGrids):
+    """The κ heatmap of the last probe drawn again from the values: coloured on the run's range
+    (every probe drawn, the range widened over them in order, as the dashboards say)."""
+    scale = HeatmapScale(metric("kappa").heatmap)
+    for step in sorted(recorded.grids):
+        colours = scale.update(recorded.grids[step])
+    return heatmap_image(recorded.grids[step], *colours, title=f"kappa at step {step}")
 
 
 @pytest.fixture
@@ -220,11 +239,12 @@ def test_images_and_histograms_reach_wandb_under_the_loggers_prefix(
     from PIL import Image
 
     callbacks = drawing_monitors()
+    recorded = KappaGrids(callbacks[0])
     fit(
         tmp_path,
         make_task,
         WandbLogger(offline=True, save_dir=tmp_path, project="qk", prefix="train"),
-        callbacks,
+        [*callbacks, recorded],
     )
     run_dir, rows = wandb_history(wandb_offline, tmp_path)
     heatmaps = [
@@ -236,7 +256,7 @@ def test_images_and_histograms_reach_wandb_under_the_loggers_prefix(
         0,
         2,
     ]  # once a probe, under the logger's prefix as the scalars
-    expected = kappa_heatmap(callbacks[0])
+    expected = kappa_heatmap(recorded)
     entry = heatmaps[-1][1]
     assert (entry["height"], entry["width"]) == expected.shape[:2] and entry["count"] == 1
     (filename,) = entry["filenames"]
@@ -268,7 +288,8 @@ def test_images_and_alert_texts_reach_mlflow_as_artifacts_under_the_loggers_pref
     uri = (tmp_path / "mlruns").as_uri()
     logger = MLFlowLogger(experiment_name="qk", tracking_uri=uri, prefix="train")
     callbacks = drawing_monitors()
-    fit(tmp_path, make_task, logger, callbacks)
+    recorded = KappaGrids(callbacks[0])
+    fit(tmp_path, make_task, logger, [*callbacks, recorded])
     client = MlflowClient(tracking_uri=uri)
     heatmaps = [
         a.path for a in client.list_artifacts(logger.run_id, "train-qkmonitor/heatmap/kappa")
@@ -278,7 +299,7 @@ def test_images_and_alert_texts_reach_mlflow_as_artifacts_under_the_loggers_pref
         "train-qkmonitor/heatmap/kappa/step_000002.png",
     ]
     local = client.download_artifacts(logger.run_id, heatmaps[-1], str(tmp_path / "download"))
-    assert np.array_equal(np.asarray(Image.open(local).convert("RGB")), kappa_heatmap(callbacks[0]))
+    assert np.array_equal(np.asarray(Image.open(local).convert("RGB")), kappa_heatmap(recorded))
     patterns = [
         a.path
         for a in client.list_artifacts(logger.run_id, "train-qkmonitor/attention/layer_01/head_01")

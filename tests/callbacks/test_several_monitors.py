@@ -91,8 +91,19 @@ def test_three_prefixes_in_one_trainer_chart_every_tag_and_resume_each_state(tmp
         for p in patterns
         if not any(re.search(p, t) if p.startswith("^") else p == t for t in scalars)
     ]
-    assert patterns and unmatched == []
-    assert {c.title.split(":")[0] for c in layout.category} == {"enc", "dec", "qkmonitor"}
+    # two charts wait for tags the run may not write: the loss chart (the task's own tag; this task
+    # logs none) and a rule's alert counter (written from its first alert on; none fired here)
+    waiting = [p for p in unmatched if "/alerts/" in p or re.fullmatch(p, "train_loss")]
+    assert (
+        patterns and unmatched == waiting and len(waiting) == 4
+    )  # the loss and 3 prefixes' alerts
+    assert [c.title.split(":")[0] for c in layout.category][0] == "training"  # the loss first
+    assert {c.title.split(":")[0] for c in layout.category} == {
+        "training",
+        "enc",
+        "dec",
+        "qkmonitor",
+    }
 
     # resume: each monitor gets its own state back (the tracker counts and the last step)
     for monitor in first:
