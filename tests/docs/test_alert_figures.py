@@ -1,0 +1,34 @@
+"""The README's alert figures are the ones ``benchmarks/instability.py`` wrote to
+``docs/instability.json``, not numbers pasted from an earlier run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def block() -> str:
+    text = (ROOT / "README.md").read_text()
+    start, end = "<!-- alert-figures:start -->", "<!-- alert-figures:end -->"
+    return " ".join(text[text.index(start) + len(start) : text.index(end)].split())
+
+
+def test_the_readmes_alert_figures_are_the_sweeps():
+    summary = json.loads((ROOT / "docs" / "instability.json").read_text())["summary"]
+    val, cal = summary["validation"], summary["calibration"]
+    text = block()
+    assert f"validation, {val['runs']} runs" in text
+    assert f"**{val['healthy_alerted']} of {val['healthy']} healthy runs alerted**" in text
+    assert f"**{val['early_in_time']} of {val['early_separating']}** failures" in text
+    late = val["late_in_time"] / val["late_separating"]
+    assert f"**{val['late_in_time']} of {val['late_separating']}** later failures" in text
+    assert f"{round(100 * late)} %" in text
+    assert f"On the {cal['runs']} calibration runs: {cal['healthy_alerted']} healthy run" in text
+    assert re.search(
+        rf"{cal['early_in_time']} of {cal['early_separating']} and "
+        rf"{cal['late_in_time']} of {cal['late_separating']}\.",
+        text,
+    )
