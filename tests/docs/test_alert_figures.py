@@ -1,5 +1,6 @@
 """The README's alert figures are the ones ``benchmarks/instability.py`` wrote to
-``docs/instability.json``, not numbers pasted from an earlier run."""
+``docs/instability.json`` (and, for its rerun on another CPU, ``docs/instability_rerun.json``),
+not numbers pasted from an earlier run."""
 
 from __future__ import annotations
 
@@ -32,3 +33,16 @@ def test_the_readmes_alert_figures_are_the_sweeps():
         rf"{cal['late_in_time']} of {cal['late_separating']}\.",
         text,
     )
+
+
+def test_the_readmes_rerun_figures_are_the_reruns():
+    val = json.loads((ROOT / "docs" / "instability_rerun.json").read_text())["summary"][
+        "validation"
+    ]
+    text = block()
+    expected = (
+        f"{val['healthy_alerted']} of {val['healthy']} healthy runs alerted, "
+        f"{val['early_in_time']} of {val['early_separating']} and "
+        f"{val['late_in_time']} of {val['late_separating']} on the validation set"
+    )
+    assert expected in text
