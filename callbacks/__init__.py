@@ -3,6 +3,7 @@
 from .attention_entropy import AttentionEntropyMonitor
 from .base import ActivationMonitor, AttentionMonitor
 from .effective_rank import EffectiveRankMonitor
+from .qk_clip import QKClip
 from .qk_spectrum import QKSpectrumMonitor
 
 __all__ = [
@@ -10,5 +11,6 @@ __all__ = [
     "AttentionEntropyMonitor",
     "AttentionMonitor",
     "EffectiveRankMonitor",
+    "QKClip",
     "QKSpectrumMonitor",
 ]

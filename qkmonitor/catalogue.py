@@ -31,8 +31,10 @@ __all__ = [
 ]
 
 SPECTRUM, ENTROPY, RANK = "QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor"
+#: QK-Clip (:class:`qkmonitor.engine.QKClip`): a cure that logs what it did.
+CLIP = "QKClip"
 #: The monitors, in the order of the docs.
-MONITORS = (SPECTRUM, ENTROPY, RANK)
+MONITORS = (SPECTRUM, ENTROPY, RANK, CLIP)
 
 
 @dataclass(frozen=True)
@@ -269,6 +271,38 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "low",
         "effective rank",
         "entropy_norm of the same probe slice (the malignant_collapse rule pairs it with attn_erank)",
+    ),
+    MetricSpec(
+        "clip_max_logit",
+        CLIP,
+        True,
+        "logit",
+        (-_INF, _INF),
+        "high",
+        "QK-Clip",
+        "S_h: the largest scaled logit of the step's forwards, before the clip",
+        undefined="the layer did not run in the step",
+    ),
+    MetricSpec(
+        "clip_factor",
+        CLIP,
+        True,
+        "ratio",
+        (0.0, 1.0),
+        "low",
+        "QK-Clip",
+        "gamma_h = min(1, tau / S_h): what the head's logits were scaled by after the step (1: left alone)",
+        undefined="the layer did not run in the step",
+    ),
+    MetricSpec(
+        "clip_count",
+        CLIP,
+        True,
+        "clips",
+        (0.0, _INF),
+        "high",
+        "QK-Clip",
+        "steps at which the head was clipped, since the run's start",
     ),
 )
 

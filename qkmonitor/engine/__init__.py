@@ -9,6 +9,7 @@ these engines; a plain PyTorch loop drives them through :class:`Monitoring`. See
 """
 
 from qkmonitor.engine.base import ActivationEngine, Host, MonitorEngine, PlainHost
+from qkmonitor.engine.clip import QKClip
 from qkmonitor.engine.entropy import AttentionEntropy
 from qkmonitor.engine.options import MonitorOptions
 from qkmonitor.engine.rank import EffectiveRank
@@ -26,6 +27,7 @@ __all__ = [
     "MonitorOptions",
     "Monitoring",
     "PlainHost",
+    "QKClip",
     "QKSpectrum",
     "Sink",
     "SummaryWriterSink",

@@ -97,7 +97,7 @@ def test_three_prefixes_in_one_trainer_chart_every_tag_and_resume_each_state(tmp
     assert (
         patterns and unmatched == waiting and len(waiting) == 4
     )  # the loss and 3 prefixes' alerts
-    assert [c.title.split(":")[0] for c in layout.category][0] == "training"  # the loss first
+    assert layout.category[0].title.split(":")[0] == "training"  # the loss first
     assert {c.title.split(":")[0] for c in layout.category} == {
         "training",
         "enc",
