@@ -76,7 +76,9 @@ def test_bundled_tasks_example_runs_every_task_with_the_monitors(tmp_path, capsy
     codes = load("bundled_tasks").main(["--steps", "10", "--log-dir", str(tmp_path)])
     assert codes == {task: 0 for task in ("recall", "copy", "reverse", "charlm", "modular", "grid")}
     out = capsys.readouterr().out
-    assert out.count("qkmonitor summary (spectrum at step 10, entropy at step 0") == 6
+    assert out.count("qkmonitor summary after step 10 (") == 6
+    assert out.count("kappa, qk_erank: the weights after step 10\n") == 6
+    assert out.count("the last probed batch, at step 0\n") == 6
     assert {p.name for p in tmp_path.iterdir()} == set(codes)
 
 
