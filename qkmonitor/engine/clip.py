@@ -87,20 +87,26 @@ class QKClip(ActivationEngine):
         try:
             rows = layer.qk_rows()
         except (NotImplementedError, ValueError) as err:
-            self._messages.append(
-                (f"rows:{layer.name}", f"layer {layer.name!r} is not clipped: {err}.")
+            return self._skip(f"rows:{layer.name}", f"layer {layer.name!r} is not clipped: {err}.")
+        tensors = [
+            t for part in (rows.q, rows.k) for t in (part.weight, part.bias) if t is not None
+        ]
+        if any(callable(getattr(t, "full_tensor", None)) for t in tensors):  # a DTensor (FSDP2)
+            why = "its weights are sharded (FSDP2), which QKClip does not scale yet"
+            return self._skip(
+                f"sharded:{layer.name}", f"layer {layer.name!r} is not clipped: {why}."
             )
-            return None
         if rows.qk_norm:
             why = "the norm after the projections undoes a scaling of W_Q and W_K"
-            self._messages.append(
-                (
-                    f"qk_norm:{layer.name}",
-                    f"layer {layer.name!r} has QK-norm and is not clipped: {why}.",
-                )
+            return self._skip(
+                f"qk_norm:{layer.name}",
+                f"layer {layer.name!r} has QK-norm and is not clipped: {why}.",
             )
-            return None
         return rows
+
+    def _skip(self, key: str, message: str) -> None:
+        """Leave a layer unclipped, with one warning (given at the window's end, by ``finish``)."""
+        self._messages.append((key, message))
 
     # -- the window ------------------------------------------------------------------------------
 
@@ -151,7 +157,14 @@ class QKClip(ActivationEngine):
             if rows is None:
                 gamma = torch.ones_like(gamma)
             else:
-                rows.scale_logits(gamma)
+                try:
+                    rows.scale_logits(gamma)
+                except Exception as err:  # noqa: BLE001 -- a cure that fails leaves training alone
+                    name, why = self.layers[i].name, f"{type(err).__name__}: {err}"
+                    self._skip(
+                        f"scale:{name}", f"scaling layer {name!r} failed ({why}); not clipped."
+                    )
+                    gamma = torch.ones_like(gamma)
             counts = self._counts[i]
             if counts.numel() != gamma.numel():
                 counts = torch.zeros(gamma.numel(), dtype=torch.long)

@@ -1,4 +1,7 @@
-"""A tiny training job for the distributed test: `python ddp_job.py OUT_DIR DEVICES BATCH_PER_DEVICE`.
+"""A tiny training job for the distributed test: `python ddp_job.py OUT_DIR DEVICES BATCH_PER_DEVICE [clip]`.
+
+With ``clip``, QKClip alone runs (tau 0.5, below every head's logits) and each rank saves its query
+and key weights after the fit to ``OUT_DIR/qk_rank{R}.pt``.
 
 Lightning's DDP launcher re-runs this script once per extra rank; every rank sees the same
 generated data, and the DistributedSampler (shuffle off) deals rank r the samples r, r+W, r+2W, ...
@@ -10,7 +13,12 @@ import sys
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.callbacks import (
+    AttentionEntropyMonitor,
+    EffectiveRankMonitor,
+    QKClip,
+    QKSpectrumMonitor,
+)
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import CausalLMTask, make_recall_batch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -32,11 +40,16 @@ def main() -> None:
         lr=1e-3,
         warmup_steps=0,
     )
-    monitors = [
-        AttentionEntropyMonitor(every_n_steps=2, per_head=True),
-        QKSpectrumMonitor(every_n_steps=2),
-        EffectiveRankMonitor(every_n_steps=2),
-    ]
+    clip = len(sys.argv) > 4 and sys.argv[4] == "clip"
+    monitors = (
+        [QKClip(tau=0.5, per_head=True)]
+        if clip
+        else [
+            AttentionEntropyMonitor(every_n_steps=2, per_head=True),
+            QKSpectrumMonitor(every_n_steps=2),
+            EffectiveRankMonitor(every_n_steps=2),
+        ]
+    )
     trainer = pl.Trainer(
         default_root_dir=out_dir,
         max_steps=3,
@@ -52,6 +65,13 @@ def main() -> None:
         use_distributed_sampler=False,
     )
     trainer.fit(model)
+    if clip:
+        qk = {
+            n: p.detach().clone()
+            for n, p in model.named_parameters()
+            if "q_proj" in n or "k_proj" in n
+        }
+        torch.save(qk, f"{out_dir}/qk_rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 JOB = Path(__file__).with_name("ddp_job.py")
 
 
-def run_job(out_dir: Path, devices: int, batch_per_device: int) -> None:
+def run_job(out_dir: Path, devices: int, batch_per_device: int, *extra: str) -> None:
     env = {
         k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")
     }
     result = subprocess.run(
-        [sys.executable, str(JOB), str(out_dir), str(devices), str(batch_per_device)],
+        [sys.executable, str(JOB), str(out_dir), str(devices), str(batch_per_device), *extra],
         capture_output=True,
         text=True,
         timeout=300,
@@ -66,3 +66,26 @@ def test_ddp_logs_the_same_entropy_as_one_process_and_only_rank_zero_writes(tmp_
             )
         ):
             assert first_ddp[1] == pytest.approx(first_single[1], rel=1e-5, abs=1e-6), tag
+
+
+@pytest.mark.slow
+def test_qk_clip_under_ddp_scales_every_rank_alike_and_as_one_process_does(tmp_path):
+    """Each rank sees half the batch, so its own largest logits differ; the clip takes the largest
+    over the ranks, so both ranks scale by the same factors (their weights stay equal, bit for bit)
+    and by the single process's (the same 8 sequences in one batch)."""
+    import torch
+
+    run_job(tmp_path / "single", 1, 8, "clip")
+    run_job(tmp_path / "ddp", 2, 4, "clip")
+    rank0, rank1 = (torch.load(tmp_path / "ddp" / f"qk_rank{r}.pt") for r in (0, 1))
+    single = torch.load(tmp_path / "single" / "qk_rank0.pt")
+    assert rank0.keys() == rank1.keys() == single.keys() and rank0
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+        assert torch.allclose(rank0[name], single[name], rtol=1e-4, atol=1e-6), name
+    ddp = scalars(tmp_path / "ddp" / "run" / "version_0")
+    one = scalars(tmp_path / "single" / "run" / "version_0")
+    factor = "qkmonitor/clip_factor/layer_00_head_01"
+    assert [s for s, _ in ddp[factor]] == [0, 1, 2]
+    for (_, a), (_, b) in zip(ddp[factor], one[factor]):
+        assert a < 1 and a == pytest.approx(b, rel=1e-4)

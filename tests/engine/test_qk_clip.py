@@ -16,7 +16,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from qkmonitor.adapters import find_attention_layers
-from qkmonitor.clip import head_max_logits
+from qkmonitor.clip import QKRows, head_max_logits
 from qkmonitor.engine import AttentionEntropy, Monitoring, QKClip
 from qkmonitor.engine.sinks import MemorySink
 from qkmonitor.probes import ProbeRequest
@@ -193,3 +193,33 @@ def test_qk_clip_rescues_a_run_whose_logits_run_away():
     assert failing >= 1.2 * twin and failing_logit > 100
     assert clipped <= 1.1 * twin
     assert clipped_logit < 2 * 10.0  # measured before the step's clip: the step's growth on top
+
+
+def test_a_scaling_that_fails_is_warned_once_and_training_goes_on(monkeypatch):
+    def broken(self, gamma):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(QKRows, "scale_logits", broken)
+    model = sharp_model()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    clip = QKClip(tau=1e-3)
+    with pytest.warns(
+        RuntimeWarning, match=r"failed \(RuntimeError: boom\); not clipped"
+    ) as record:
+        frozen_step(model, [clip], steps=2)
+    assert sum("boom" in str(w.message) for w in record) == 2  # once per layer
+    assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
+    assert all(f.eq(1).all() for f in clip.latest["clip_factor"])
+    assert all(c.eq(0).all() for c in clip.clip_counts)
+
+
+def test_a_step_that_raises_leaves_nothing_on_the_model_and_clips_nothing(leftovers):
+    model = sharp_model()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    monitoring = Monitoring(model, [QKClip(tau=1e-3)], writer=MemorySink(), every_n_steps=1)
+    with pytest.raises(RuntimeError, match="the step fails"), monitoring.step(0):
+        model(TOKENS)
+        raise RuntimeError("the step fails")
+    monitoring.close()
+    assert leftovers(model) == []
+    assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
