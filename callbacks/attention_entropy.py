@@ -43,14 +43,14 @@ class AttentionEntropyMonitor(ActivationMonitor):
     - ``{prefix}/heatmap/entropy_norm``, ``{prefix}/heatmap/max_prob`` — layer x head images (at
       every ``visuals_every_n_probes``-th probe).
     - ``{prefix}/{metric}/layer_LL_head_HH`` with ``per_head=True``.
-    - ``{prefix}/alerts/logit_growth``, ``{prefix}/alerts/logit_burst``, ``{prefix}/alerts/logit_jump`` (the
-      default rules).
+    - ``{prefix}/alerts/logit_growth``, ``{prefix}/alerts/logit_burst``,
+      ``{prefix}/alerts/logit_jump`` (the default rules).
 
     Default alerts (calibrated on ``benchmarks/instability.py``), all on ``max_logit``:
     ``>= 30`` growing x8 per 20 steps while the loss is not falling
     (:data:`~qkmonitor.alerts.LOGIT_GROWTH_RULE`), ``>= 50`` after x10 within 10 steps
-    (:data:`~qkmonitor.alerts.LOGIT_BURST_RULE`, no loss gate), and ``>= 20`` after x5 within 10 steps
-    while the loss is not falling (:data:`~qkmonitor.alerts.LOGIT_JUMP_RULE`).
+    (:data:`~qkmonitor.alerts.LOGIT_BURST_RULE`, no loss gate), and ``>= 20`` after x5 within 10
+    steps while the loss is not falling (:data:`~qkmonitor.alerts.LOGIT_JUMP_RULE`).
     :data:`~qkmonitor.alerts.ENTROPY_COLLAPSE_RULE` is opt-in.
 
     Args (keyword-only): those of :class:`~qkmonitor.callbacks.QKSpectrumMonitor`, and

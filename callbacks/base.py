@@ -288,8 +288,8 @@ class AttentionMonitor(Callback):
             self._write_header(trainer, pl_module, monitors)
         if not trainer.loggers and self is monitors[0]:
             rank_zero_warn(
-                "qkmonitor: the Trainer has no logger; metrics are kept in each monitor's `.latest` "
-                "and alerts still fire, but nothing is written."
+                "qkmonitor: the Trainer has no logger; metrics are kept in each monitor's "
+                "`.latest` and alerts still fire, but nothing is written."
             )
 
     @override
@@ -313,8 +313,9 @@ class AttentionMonitor(Callback):
             if not sink.draws and f"no images {_run_dir(sink)}" not in self._headers:
                 self._headers.add(f"no images {_run_dir(sink)}")
                 rank_zero_warn(
-                    f"qkmonitor: no images for {type(sink.logger).__name__} (the heatmaps, histograms and "
-                    "attention images go to TensorBoard, W&B and MLflow loggers); its scalars are logged."
+                    f"qkmonitor: no images for {type(sink.logger).__name__} (the heatmaps, "
+                    "histograms and attention images go to TensorBoard, W&B and MLflow loggers); "
+                    "its scalars are logged."
                 )
         new = [sink for sink in sinks if sink.draws and _run_dir(sink) not in self._headers]
         if not new:

@@ -46,8 +46,8 @@ class EffectiveRankMonitor(ActivationMonitor):
 
     Default alerts: ``hidden_collapse <= 1e-3`` (rank collapse) and ``attn_entropy_norm <= 0.1``
     together with ``attn_erank <= 1.5`` (malignant collapse: sparse *and* low rank; sparse,
-    identity-like attention is benign and does not fire; quiet while the loss is falling or the task is
-    solved), each for 2 probes in a row.
+    identity-like attention is benign and does not fire; quiet while the loss is falling or the task
+    is solved), each for 2 probes in a row.
 
     Args:
         max_probe_sequences: sequences of the batch measured.

@@ -28,8 +28,8 @@ class QKSpectrumMonitor(AttentionMonitor):
 
         \kappa = \frac{\sigma_1}{\sum_i \sigma_i}, \quad
         \kappa_{eig} = \frac{|\lambda|_{max}}{\sum_i |\lambda_i|}, \quad
-        \mathrm{erank} = \exp\Big(-\sum_i p_i \log p_i\Big),\ p_i = \frac{\sigma_i}{\sum_j \sigma_j},
-        \quad \|W_{QK}\|_2 \cdot \mathrm{scale} = \sigma_1 \cdot \mathrm{scale}.
+        \mathrm{erank} = \exp\Big(-\sum_i p_i \log p_i\Big),\ p_i = \frac{\sigma_i}{\sum_j
+        \sigma_j}, \quad \|W_{QK}\|_2 \cdot \mathrm{scale} = \sigma_1 \cdot \mathrm{scale}.
 
     Logged keys (``LL`` = layer index, ``HH`` = head index, two digits; ``prefix`` =
     ``log_key_prefix``):

@@ -144,7 +144,8 @@ class MultiHeadAttention(nn.Module):
     def _row_scale(
         self, b: int, n: int, m: int, key_padding_mask: Tensor | None, device
     ) -> float | Tensor:
-        """The logit multiplier: a float when constant, else (B, 1, N, 1) from each row's key count."""
+        """The logit multiplier: a float when constant, else (B, 1, N, 1) from each row's key
+        count."""
         if self.scale_policy.constant:
             return float(self.scale_policy(torch.tensor(float(m)))) * self.logit_factor
         keys = attended_keys(

@@ -15,7 +15,8 @@ ROPE_SCALINGS = (None, "linear", "ntk", "yarn")
 
 @dataclass
 class TransformerConfig:
-    """Hyper-parameters of a bundled transformer. Invalid values raise ``ValueError`` naming the field.
+    """Hyper-parameters of a bundled transformer. Invalid values raise ``ValueError`` naming the
+    field.
 
     The defaults are the CPU-sized decoder of ``qkmonitor train``.
     """
@@ -104,7 +105,8 @@ class TransformerConfig:
             raise ValueError(f"Expected `rope_base` > 1, got {self.rope_base}")
         if self.rope_scaling is not None and not self.rope_scaling_factor > 1.0:
             raise ValueError(
-                f"Expected `rope_scaling_factor` > 1 with `rope_scaling`={self.rope_scaling!r}, got {self.rope_scaling_factor}"
+                f"Expected `rope_scaling_factor` > 1 with `rope_scaling`={self.rope_scaling!r}, "
+                f"got {self.rope_scaling_factor}"
             )
         if self.grid_size is not None:
             self.grid_size = tuple(self.grid_size)
@@ -113,7 +115,8 @@ class TransformerConfig:
         axes = {"rope_2d": 2, "rope_3d": 3}.get(self.positional)
         if axes is not None and (self.grid_size is None or len(self.grid_size) != axes):
             raise ValueError(
-                f"Expected `grid_size` with {axes} axes for `positional`={self.positional!r}, got {self.grid_size}"
+                f"Expected `grid_size` with {axes} axes for `positional`={self.positional!r}, got "
+                f"{self.grid_size}"
             )
 
     @property

@@ -77,7 +77,8 @@ class EncoderLayer(nn.Module):
     def forward(
         self, x: Tensor, key_padding_mask: Tensor | None = None, coords: Tensor | None = None
     ) -> Tensor:
-        """(B, N, d) -> (B, N, d); ``key_padding_mask`` (B, N) True where a token may be attended."""
+        """(B, N, d) -> (B, N, d); ``key_padding_mask`` (B, N) True where a token may be
+        attended."""
         x = self.attn_residual(
             x, lambda h: self.attn(h, key_padding_mask=key_padding_mask, coords=coords)
         )

@@ -9,7 +9,8 @@ __all__ = ["RMSNorm", "make_norm"]
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x²) + eps) · g`` over the last dim (Zhang & Sennrich 2019): no centering, no bias."""
+    """``x / sqrt(mean(x²) + eps) · g`` over the last dim (Zhang & Sennrich 2019): no centering, no
+    bias."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()

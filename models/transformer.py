@@ -177,8 +177,8 @@ class VisionEncoder(nn.Module):
         """(B, P, patch_dim) -> (B, P, d)."""
         if patches.dim() != 3 or patches.shape[1:] != (self.num_patches, self.config.patch_dim):
             raise ValueError(
-                f"Expected `patches` of shape (batch, {self.num_patches}, {self.config.patch_dim}), "
-                f"got {tuple(patches.shape)}"
+                f"Expected `patches` of shape (batch, {self.num_patches}, "
+                f"{self.config.patch_dim}), got {tuple(patches.shape)}"
             )
         x = self.patch_embed(patches)
         if self.positions is not None:

@@ -59,7 +59,8 @@ def dispatch_table(module: nn.Module):
 
 
 def eager_default(module: nn.Module) -> Callable | None:
-    """The ``eager_attention_forward`` next to the dispatching method, the modules' eager default."""
+    """The ``eager_attention_forward`` next to the dispatching method, the modules' eager
+    default."""
     method = _dispatching_method(module)
     return None if method is None else method.__globals__.get("eager_attention_forward")
 
@@ -76,7 +77,8 @@ def dispatches(module: nn.Module) -> bool:
 
 def _dispatching_method(module: nn.Module):
     """The first method the module's class runs (as resolved) that reads the registry, or None
-    (the module's own class: under compile a probed module's class is switched, qkmonitor.compiled)."""
+    (the module's own class: under compile a probed module's class is switched,
+    qkmonitor.compiled)."""
     cls = own_class(module)
     names = dict.fromkeys(
         name for base in cls.__mro__[: cls.__mro__.index(nn.Module)] for name in vars(base)
@@ -90,7 +92,8 @@ def _dispatching_method(module: nn.Module):
 
 
 def _reached(cls: type, name: str):
-    """The functions ``cls.name`` runs: the one it resolves to, then those its ``super()`` calls reach.
+    """The functions ``cls.name`` runs: the one it resolves to, then those its ``super()`` calls
+    reach.
 
     An override that calls ``super().forward(...)`` still dispatches; one that computes attention
     itself does not, whatever the base class did.
@@ -118,9 +121,9 @@ def _table_in(scope: dict | None):
 def why_no_dispatch(module: nn.Module) -> str:
     """The warning's reason for a module that :func:`dispatches` rejects: what is missing, where."""
     return (
-        f"transformers {transformers_version()}: {type(module).__name__} computes its attention inside "
-        f"the module without calling a function from `{REGISTRY}`, so there is no call to measure; "
-        "its query/key weight metrics still work (BERT dispatches from transformers 5.0)"
+        f"transformers {transformers_version()}: {type(module).__name__} computes its attention "
+        f"inside the module without calling a function from `{REGISTRY}`, so there is no call to "
+        "measure; its query/key weight metrics still work (BERT dispatches from transformers 5.0)"
     )
 
 

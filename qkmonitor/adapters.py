@@ -347,7 +347,8 @@ def _boolean_or_none(mask: Tensor | None) -> bool:
 
 
 def _is_causal_mask(attn_mask: Tensor, n: int, m: int) -> bool:
-    """Whether ``attn_mask`` is exactly the causal mask (bool True or float -inf above the diagonal)."""
+    """Whether ``attn_mask`` is exactly the causal mask (bool True or float -inf above the
+    diagonal)."""
     if attn_mask.dim() != 2 or tuple(attn_mask.shape) != (n, m) or n != m:
         return False
     future = torch.ones(n, m, dtype=torch.bool, device=attn_mask.device).triu(1)
@@ -417,7 +418,9 @@ register_family(
     "qkmonitor",
     _adapt_native,
     priority=10,
-    looked_for="qkmonitor attention modules and modules implementing SupportsQKMonitor (`qk_weights()`)",
+    looked_for=(
+        "qkmonitor attention modules and modules implementing SupportsQKMonitor (`qk_weights()`)"
+    ),
 )
 register_family("torch", _adapt_mha, priority=20, looked_for="torch.nn.MultiheadAttention")
 
@@ -461,9 +464,9 @@ def find_attention_layers(
     if not found:
         raise ValueError(
             f"No attention layers found in {type(model).__name__}: looked for {_looked_for()}. "
-            "Describe yours with qkmonitor.register_attention(qkmonitor.AttentionSpec(...)), or pass `layers=` "
-            "(AttentionLayer subclasses, modules, or a function of the model); see the README, "
-            "'Use it on your model'."
+            "Describe yours with qkmonitor.register_attention(qkmonitor.AttentionSpec(...)), or "
+            "pass `layers=` (AttentionLayer subclasses, modules, or a function of the model); see "
+            "the README, 'Use it on your model'."
         )
     return found
 
@@ -481,8 +484,8 @@ def _from_user(
             items = list(items)
         else:
             raise ValueError(
-                f"Expected the function passed as `layers` to return a module, an AttentionLayer or a "
-                f"list of them for the model, got {type(items).__name__}"
+                "Expected the function passed as `layers` to return a module, an AttentionLayer "
+                f"or a list of them for the model, got {type(items).__name__}"
             )
     elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)):
         items = list(layers)
@@ -500,7 +503,8 @@ def _from_user(
             continue
         if not isinstance(item, nn.Module):
             raise ValueError(
-                f"Expected `layers` to hold AttentionLayer or nn.Module items, got {type(item).__name__} at {i}"
+                "Expected `layers` to hold AttentionLayer or nn.Module items, got "
+                f"{type(item).__name__} at {i}"
             )
         if id(item) not in names:
             raise ValueError(
@@ -511,8 +515,8 @@ def _from_user(
         if layer is None:
             raise ValueError(
                 f"`layers[{i}]` ({type(item).__name__}) is not a supported attention module: "
-                f"expected one of: {_looked_for()}; or describe it with qkmonitor.AttentionSpec, or wrap it in "
-                "a qkmonitor.AttentionLayer subclass"
+                f"expected one of: {_looked_for()}; or describe it with qkmonitor.AttentionSpec, "
+                "or wrap it in a qkmonitor.AttentionLayer subclass"
             )
         result.append(layer)
     if not result:

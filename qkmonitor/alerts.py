@@ -262,14 +262,15 @@ class AlertRule:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
             raise ValueError(
-                f"Expected `name` to be a non-empty tag-safe string (letters, digits, '_', '.', '-'), "
-                f"got {self.name!r}"
+                "Expected `name` to be a non-empty tag-safe string (letters, digits, '_', '.', "
+                f"'-'), got {self.name!r}"
             )
         _check_test(self)
         check_positive_int("patience", self.patience)
         if not isinstance(self.warning, type) or not issubclass(self.warning, QKMonitorWarning):
             raise ValueError(
-                f"Expected `warning` to be a subclass of qkmonitor.QKMonitorWarning, got {self.warning!r}"
+                "Expected `warning` to be a subclass of qkmonitor.QKMonitorWarning, got "
+                f"{self.warning!r}"
             )
         for field_name in ("meaning", "advice", "evidence"):
             if not isinstance(getattr(self, field_name), str):
@@ -285,7 +286,8 @@ class AlertRule:
             not is_real(self.learning_drop) or not 0 < self.learning_drop < 1
         ):
             raise ValueError(
-                f"Expected `learning_drop` to be None or a fraction in (0, 1), got {self.learning_drop!r}"
+                "Expected `learning_drop` to be None or a fraction in (0, 1), got "
+                f"{self.learning_drop!r}"
             )
         if self.learning_window is not None and not is_int(self.learning_window, 1):
             raise ValueError(
@@ -307,7 +309,8 @@ class AlertRule:
     def crossed(
         self, value: float, reference: tuple[int, float] | None = None, step: int = 0
     ) -> bool:
-        """The rule's own test (level and trend) at one probe; ``also`` is checked by the tracker."""
+        """The rule's own test (level and trend) at one probe; ``also`` is checked by the
+        tracker."""
         return _crossed(self, value) and _grown(self, value, reference, step)
 
     def recovered(self, value: float) -> bool:
@@ -361,10 +364,10 @@ class AlertRule:
 
 
 # The defaults below are fitted on the calibration set of ``benchmarks/instability.py`` (six
-# task/architecture families, warmup and none, a learning-rate sweep each). Round 2 (these
-# values): calibration = seeds 0 and 1 of every family, validation = seed 2, never seen while
-# fitting. docs/alerts.md ("Does it warn in time?") has the per-run results of both sets; ``evidence``
-# quotes the calibration figures in every message.
+# task/architecture families, warmup and none, a learning-rate sweep each): calibration = seeds 0
+# and 1 of every family, validation = seed 2, never seen while fitting. docs/alerts.md ("Does it
+# warn in time?") has the per-run results of both sets; ``evidence`` quotes the calibration figures
+# in every message.
 
 _SWEEP = "benchmarks/instability.py"
 _REMEDY = (
@@ -410,19 +413,22 @@ KAPPA_RULE = AlertRule(
     patience=1,
     margin=0.05,
     warning=OverLocalizationWarning,
-    meaning="the head's query-key spectrum is concentrating on one direction fast (kappa = sigma_1 / "
-    "sum sigma_i of W_QK rising), its largest logit per unit input (sigma_1 * scale) is at least 1, and "
-    "the loss is not improving: the weight-side precursor of attention-logit growth",
+    meaning=(
+        "the head's query-key spectrum is concentrating on one direction fast (kappa = sigma_1 / "
+        "sum sigma_i of W_QK rising), its largest logit per unit input (sigma_1 * scale) is at "
+        "least 1, and the loss is not improving: the weight-side precursor of attention-logit "
+        "growth"
+    ),
     advice=_REMEDY,
     also=(Condition("qk_spectral_norm", 1.0, above=True),),
     growth=2.5,
     window=30,
     skip_qk_norm=True,
     evidence=(
-        f"fitted on the calibration set of {_SWEEP} (round 1: seed 0 of char-LM, recall, induction and "
-        "seq2seq; kept in round 2), where it fired on failed runs and on no healthy one. Without the loss gate it "
-        "fired on healthy induction-head formation; "
-        "without the qk_spectral_norm >= 1 condition on examples/hf_llama.py at step 40, where kappa rose "
+        f"fitted on the calibration set of {_SWEEP} (round 1: seed 0 of char-LM, recall, induction "
+        "and seq2seq; kept in round 2), where it fired on failed runs and on no healthy one. "
+        "Without the loss gate it fired on healthy induction-head formation; without the "
+        "qk_spectral_norm >= 1 condition on examples/hf_llama.py at step 40, where kappa rose "
         "x3.5 while sigma_1(W_QK) * scale was 0.1 and attention nearly uniform"
     ),
     **_LEARNING,
@@ -436,17 +442,20 @@ LOGIT_GROWTH_RULE = AlertRule(
     patience=1,
     margin=5.0,
     warning=LogitGrowthWarning,
-    meaning="the head's largest attention logit is growing exponentially (attention-logit growth, "
-    "Dehghani et al. 2023; Wortsman et al. 2023) while the loss is not improving: the softmax is "
-    "saturating and the loss will follow",
+    meaning=(
+        "the head's largest attention logit is growing exponentially (attention-logit growth, "
+        "Dehghani et al. 2023; Wortsman et al. 2023) while the loss is not improving: the softmax "
+        "is saturating and the loss will follow"
+    ),
     advice=_REMEDY,
     growth=8.0,
     window=20,
     evidence=(
-        f"fitted on the calibration set of {_SWEEP}. Healthy induction heads grow their logits x7 to x10 "
-        "per 20 steps while the loss falls: the loss gate, not the rate, tells them apart. At the former level 20 "
-        "it fired on a healthy vision run whose head went from 2.3 to 21 during a transient loss spike; at 30, "
-        "on no healthy run. A lower rate (x3 or x4) added 3 to 6 healthy runs alerted and one failed run in time"
+        f"fitted on the calibration set of {_SWEEP}. Healthy induction heads grow their logits x7 "
+        "to x10 per 20 steps while the loss falls: the loss gate, not the rate, tells them apart. "
+        "At the former level 20 it fired on a healthy vision run whose head went from 2.3 to 21 "
+        "during a transient loss spike; at 30, on no healthy run. A lower rate (x3 or x4) added 3 "
+        "to 6 healthy runs alerted and one failed run in time"
     ),
     **_LEARNING,
 )
@@ -459,18 +468,21 @@ LOGIT_BURST_RULE = AlertRule(
     patience=1,
     margin=10.0,
     warning=LogitGrowthWarning,
-    meaning="the head's largest attention logit jumped past 50 by a factor of 10 or more within 10 steps: "
-    "an immediate blow-up, typically at a high learning rate without warmup, before any trend can be "
-    "measured",
+    meaning=(
+        "the head's largest attention logit jumped past 50 by a factor of 10 or more within 10 "
+        "steps: an immediate blow-up, typically at a high learning rate without warmup, before "
+        "any trend can be measured"
+    ),
     advice=_REMEDY,
     growth=10.0,
     window=10,
     evidence=(
-        f"fitted on the calibration set of {_SWEEP}: without warmup, 15 of the 23 failing runs jumped x10 to "
-        "x440 within their first 10 steps, to 22-1150; healthy ones at most x7, to 37 (induction at lr 0.03). At the former "
-        "level 100 and x20 it missed char-LM at lr 0.03 (x10-x12, to 57-67). It has no loss gate (the loss may "
-        "still be falling from its first value); it fired on one healthy run, at lr 0.1, which blew up at step 10 "
-        "and recovered, while the same run of the other seed failed"
+        f"fitted on the calibration set of {_SWEEP}: without warmup, 15 of the 23 failing runs "
+        "jumped x10 to x440 within their first 10 steps, to 22-1150; healthy ones at most x7, to "
+        "37 (induction at lr 0.03). At the former level 100 and x20 it missed char-LM at lr 0.03 "
+        "(x10-x12, to 57-67). It has no loss gate (the loss may still be falling from its first "
+        "value); it fired on one healthy run, at lr 0.1, which blew up at step 10 and recovered, "
+        "while the same run of the other seed failed"
     ),
 )
 
@@ -482,15 +494,18 @@ LOGIT_JUMP_RULE = AlertRule(
     patience=1,
     margin=5.0,
     warning=LogitGrowthWarning,
-    meaning="the head's largest attention logit rose past 20 by a factor of 5 or more within 10 steps while the "
-    "loss was not falling: a fast early rise that learning does not explain",
+    meaning=(
+        "the head's largest attention logit rose past 20 by a factor of 5 or more within 10 steps "
+        "while the loss was not falling: a fast early rise that learning does not explain"
+    ),
     advice=_REMEDY,
     growth=5.0,
     window=10,
     evidence=(
-        f"fitted on the calibration set of {_SWEEP}: vision runs without warmup at lr 0.01-0.03 jumped x8 to "
-        "x34 at step 10 (to 21-89) while their loss rose, and separated 50 steps later; no other rule saw them. "
-        "Healthy induction heads rise as fast, while their loss falls: the loss gate tells them apart"
+        f"fitted on the calibration set of {_SWEEP}: vision runs without warmup at lr 0.01-0.03 "
+        "jumped x8 to x34 at step 10 (to 21-89) while their loss rose, and separated 50 steps "
+        "later; no other rule saw them. Healthy induction heads rise as fast, while their loss "
+        "falls: the loss gate tells them apart"
     ),
     **_LEARNING,
 )
@@ -506,14 +521,17 @@ ENTROPY_COLLAPSE_RULE = AlertRule(
     patience=1,
     margin=0.05,
     warning=EntropyCollapseWarning,
-    meaning="the head's attention is near one-hot and still sharpening (logits growing): entropy collapse "
-    "under logit growth. A sharp head with steady logits (previous-token, induction) is not flagged",
+    meaning=(
+        "the head's attention is near one-hot and still sharpening (logits growing): entropy "
+        "collapse under logit growth. A sharp head with steady logits (previous-token, induction) "
+        "is not flagged"
+    ),
     advice=_REMEDY,
     also=(Condition("max_logit", 10.0, above=True, growth=2.0, window=30),),
     evidence=(
-        f"in {_SWEEP} (validation set), it fired on 25 of 27 failed runs but also on 7 that did not "
-        "fail, 6 of them healthy, mostly induction-head formation; on the calibration set it flagged no failed "
-        "run in time that the default rules missed"
+        f"in {_SWEEP} (validation set), it fired on 25 of 27 failed runs but also on 7 that did "
+        "not fail, 6 of them healthy, mostly induction-head formation; on the calibration set it "
+        "flagged no failed run in time that the default rules missed"
     ),
 )
 
@@ -526,14 +544,20 @@ RANK_COLLAPSE_RULE = AlertRule(
     patience=2,
     margin=1e-3,
     warning=RankCollapseWarning,
-    meaning="the block's token representations have collapsed to (nearly) one vector: "
-    "||X - 1 mean(X)||_F / ||X||_F is close to 0 (rank collapse, Dong et al. 2021)",
-    advice="check the residual (skip) connections and the normalization, lower the depth or the "
-    "learning rate",
+    meaning=(
+        "the block's token representations have collapsed to (nearly) one vector: "
+        "||X - 1 mean(X)||_F / ||X||_F is close to 0 (rank collapse, Dong et al. 2021)"
+    ),
+    advice=(
+        "check the residual (skip) connections and the normalization, lower the depth or the "
+        "learning rate"
+    ),
     per_head=False,
-    evidence=f"in {_SWEEP} no run came near (lowest hidden_collapse 0.15), so it fired on none: the "
-    "logit-growth instability is not a rank collapse; Dong et al. 2021 show the collapse without skip "
-    "connections (examples/rank_collapse.py)",
+    evidence=(
+        f"in {_SWEEP} no run came near (lowest hidden_collapse 0.15), so it fired on none: the "
+        "logit-growth instability is not a rank collapse; Dong et al. 2021 show the collapse "
+        "without skip connections (examples/rank_collapse.py)"
+    ),
 )
 
 MALIGNANT_COLLAPSE_RULE = AlertRule(
@@ -544,17 +568,22 @@ MALIGNANT_COLLAPSE_RULE = AlertRule(
     patience=2,
     margin=0.05,
     warning=MalignantCollapseWarning,
-    meaning="the head's attention is near one-hot and its attention matrix is low-rank: most "
-    "queries attend the same few keys (sparse and low-rank, the malignant kind; sparse but "
-    "identity-like attention is benign — Qi et al. 2025)",
+    meaning=(
+        "the head's attention is near one-hot and its attention matrix is low-rank: most "
+        "queries attend the same few keys (sparse and low-rank, the malignant kind; sparse but "
+        "identity-like attention is benign — Qi et al. 2025)"
+    ),
     advice=_REMEDY,
     also=(Condition("attn_erank", 1.5, above=False, margin=0.5),),
-    evidence=f"in {_SWEEP}, solved vision runs (every query reads the two marked cells: sparse and low-rank, yet "
-    "correct) fired it until the loss gate was added; sparse heads (attn_entropy_norm <= 0.1) of runs that ended "
-    "within 10 % of the best "
-    "loss had attn_erank down to 3.1 (recall at lr 0.01, which fired under the former bound attn_erank_norm "
-    "<= 0.2) and, for one probe, 1.8 (recall at lr 0.03); a bound in directions (about one) means the same at "
-    "any probe size. It fired only after the loss had separated: it confirms rather than warns",
+    evidence=(
+        f"in {_SWEEP}, solved vision runs (every query reads the two marked cells: sparse and "
+        "low-rank, yet correct) fired it until the loss gate was added; sparse heads "
+        "(attn_entropy_norm <= 0.1) of runs that ended within 10 % of the best loss had "
+        "attn_erank down to 3.1 (recall at lr 0.01, which fired under the former bound "
+        "attn_erank_norm <= 0.2) and, for one probe, 1.8 (recall at lr 0.03); a bound in "
+        "directions (about one) means the same at any probe size. It fired only after the loss "
+        "had separated: it confirms rather than warns"
+    ),
     **_LEARNING,
 )
 
@@ -568,14 +597,19 @@ SPECTRAL_GROWTH_RULE = AlertRule(
     patience=1,
     margin=0.1,
     warning=LogitGrowthWarning,
-    meaning="the head's largest possible logit per unit input (sigma_1(W_QK) * scale, Zhai et al. 2023's "
-    "sigmaReparam quantity) is growing fast: nothing in the weights stops the logits from following",
+    meaning=(
+        "the head's largest possible logit per unit input (sigma_1(W_QK) * scale, Zhai et al. "
+        "2023's sigmaReparam quantity) is growing fast: nothing in the weights stops the logits "
+        "from following"
+    ),
     advice=_REMEDY,
     growth=4.0,
     window=30,
     skip_qk_norm=True,
-    evidence=f"in {_SWEEP}, it fired on 4 of the 5 failed runs (2 of them 20 or more steps ahead) and on no "
-    "other run; kappa and logit_growth flagged the same runs as early",
+    evidence=(
+        f"in {_SWEEP}, it fired on 4 of the 5 failed runs (2 of them 20 or more steps ahead) and "
+        "on no other run; kappa and logit_growth flagged the same runs as early"
+    ),
 )
 
 
@@ -663,9 +697,9 @@ class Alert:
         evidence = f" Evidence: {self.rule.evidence}." if self.rule.evidence else ""
         return (
             f"[qkmonitor:{self.rule.name}] {where}: {measured} (threshold {self.rule.describe()}, "
-            f"{self.rule.patience} probe(s) in a row) at step {self.step}{lr_text}: {self.rule.meaning}. "
-            f"Try: {self.rule.advice.replace('{qk_norm}', _qk_norm_advice(self.layer_kind))}."
-            f"{evidence}"
+            f"{self.rule.patience} probe(s) in a row) at step {self.step}{lr_text}: "
+            f"{self.rule.meaning}. Try: "
+            f"{self.rule.advice.replace('{qk_norm}', _qk_norm_advice(self.layer_kind))}.{evidence}"
         )
 
 
@@ -715,7 +749,8 @@ class AlertTracker:
                 are skipped.
             step: the global step of this probe.
             layer_names: the layers' module names, by index.
-            qk_norm_layers: indices of layers with QK-norm; rules with ``skip_qk_norm`` leave them out.
+            qk_norm_layers: indices of layers with QK-norm; rules with ``skip_qk_norm`` leave them
+                out.
             losses: the recent training loss, ``(step, loss)`` oldest first, for rules with
                 ``learning_drop``.
             first_loss: the run's first training loss (for ``solved_fraction``).

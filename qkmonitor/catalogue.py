@@ -98,8 +98,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         heatmap=(0.0, 1.0),
         undefined=_ZERO,
         summary=("mean", "max"),
-        reading="1/d_k: all directions of W_QK equal, 1: one direction; it rises as heads specialise, "
-        "a concern when it keeps rising while the loss stalls (the kappa alert)",
+        reading=(
+            "1/d_k: all directions of W_QK equal, 1: one direction; it rises as heads specialise, "
+            "a concern when it keeps rising while the loss stalls (the kappa alert)"
+        ),
     ),
     MetricSpec(
         "kappa_eig",
@@ -178,8 +180,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "mean over rows with n_i > 1 of H_i / log n_i: 1 = uniform, 0 = one-hot",
         heatmap=(0.0, 1.0),
         summary=("mean", "min"),
-        reading="1: uniform over the keys, 0: all on one key; sharp heads are normal where a task looks "
-        "things up, a concern when heads keep sharpening while the loss stalls",
+        reading=(
+            "1: uniform over the keys, 0: all on one key; sharp heads are normal where a task "
+            "looks things up, a concern when heads keep sharpening while the loss stalls"
+        ),
     ),
     MetricSpec(
         "max_prob",
@@ -202,8 +206,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "attention entropy",
         "largest pre-softmax score max_ij s_ij (after scaling) of the probe step",
         summary=("max",),
-        reading="the sharpest softmax input; it grows as heads sharpen, a concern when it grows "
-        "exponentially while the loss stalls (the logit alerts)",
+        reading=(
+            "the sharpest softmax input; it grows as heads sharpen, a concern when it grows "
+            "exponentially while the loss stalls (the logit alerts)"
+        ),
     ),
     MetricSpec(
         "sink_mass",
@@ -236,8 +242,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "effective rank",
         "||X - 1 mean(X)^T||_F / ||X||_F: -> 0 under rank collapse (Dong et al. 2021)",
         summary=("mean",),
-        reading="1: the tokens' representations share no mean, 0: all tokens one vector (rank collapse); "
-        "the instability suite's runs, failed ones included, stayed at 0.15 or above",
+        reading=(
+            "1: the tokens' representations share no mean, 0: all tokens one vector (rank "
+            "collapse); the instability suite's runs, failed ones included, stayed at 0.15 or "
+            "above"
+        ),
     ),
     MetricSpec(
         "attn_erank",
@@ -249,8 +258,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "effective rank",
         "effective rank of the head's attention matrix A on the probe slice",
         summary=("mean",),
-        reading="1: every query attends alike, up to the probe slice's rows (identity-like attention); "
-        "low together with a low entropy is the malignant collapse",
+        reading=(
+            "1: every query attends alike, up to the probe slice's rows (identity-like "
+            "attention); low together with a low entropy is the malignant collapse"
+        ),
     ),
     MetricSpec(
         "attn_erank_norm",
@@ -270,7 +281,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         (0.0, 1.0),
         "low",
         "effective rank",
-        "entropy_norm of the same probe slice (the malignant_collapse rule pairs it with attn_erank)",
+        "entropy_norm of the same probe slice (the malignant_collapse rule pairs it with "
+        "attn_erank)",
     ),
     MetricSpec(
         "clip_max_logit",
@@ -291,7 +303,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         (0.0, 1.0),
         "low",
         "QK-Clip",
-        "gamma_h = min(1, tau / S_h): what the head's logits were scaled by after the step (1: left alone)",
+        "gamma_h = min(1, tau / S_h): what the head's logits were scaled by after the step (1: "
+        "left alone)",
         undefined="the layer did not run in the step",
     ),
     MetricSpec(

@@ -4,8 +4,9 @@
 default; copy / reverse with the encoder-decoder; character-level LM on the standard library's own
 source; modular addition; a 2-D grid relation with the vision encoder; generated from a seed or read
 from the local Python installation, nothing downloaded) with the monitors on, writes TensorBoard
-logs under ``runs/``, and ends with a per-layer summary and the task's validation scores. The CLI is the one place in the core that imports Lightning and the
-bundled models, and it does so only inside the command that needs them.
+logs under ``runs/``, and ends with a per-layer summary and the task's validation scores. The CLI is
+the one place in the core that imports Lightning and the bundled models, and it does so only inside
+the command that needs them.
 """
 
 from __future__ import annotations
@@ -154,8 +155,10 @@ def _defaults_table() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qkmonitor",
-        description="Watch attention while a transformer trains: train a bundled model with the "
-        "monitors on (qkmonitor train), or read a run back (qkmonitor report).",
+        description=(
+            "Watch attention while a transformer trains: train a bundled model with the "
+            "monitors on (qkmonitor train), or read a run back (qkmonitor report)."
+        ),
     )
     from qkmonitor import __version__
     from qkmonitor.models.config import POSITIONAL
@@ -189,8 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-heads",
         type=_positive_int,
         default=None,
-        help="key/value heads for grouped-query attention; must divide --heads (default: as many as "
-        "--heads)",
+        help=(
+            "key/value heads for grouped-query attention; must divide --heads (default: as many "
+            "as --heads)"
+        ),
     )
     train.add_argument(
         "--batch-size",
@@ -205,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr-decay",
         choices=["constant", "cosine"],
         **per_task,
-        help=f"after warmup: keep the peak rate, or cosine to a tenth of it at the end ({_PER_TASK})",
+        help=(
+            f"after warmup: keep the peak rate, or cosine to a tenth of it at the end ({_PER_TASK})"
+        ),
     )
     train.add_argument(
         "--weight-decay",

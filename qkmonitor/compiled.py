@@ -1,4 +1,5 @@
-"""Probing modules that run under ``torch.compile``: switches set once per fit, not hooks per window.
+"""Probing modules that run under ``torch.compile``: switches set once per fit, not hooks per
+window.
 
 Dynamo guards a compiled graph on the Python state it read while tracing: the modules' hook
 dictionaries, attributes and configs. A probe that installs a hook, a route or a config for its

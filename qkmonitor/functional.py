@@ -16,11 +16,11 @@ the orthonormal factors leave the singular values alone, so ``σ(W_QK^h) = σ(R_
 ``(W_K^g)^T W_Q^h`` (``AB`` and ``BA`` share their non-zero eigenvalues).
 
 Every function accepts any leading batch dimensions, so a whole model's heads (layers stacked on
-a leading axis) go through in one call. The monitors use :mod:`qkmonitor.layer_spectra` instead, which
-goes layer by layer (no stacked copy of the model) through Gram matrices, several times faster at
-scale; the QR route here is the backward-stable reference. Inputs of any floating dtype are computed in float32, or
-in float64 when they are float64. A head whose weights hold NaN or Inf gets NaN values rather
-than an error.
+a leading axis) go through in one call. The monitors use :mod:`qkmonitor.layer_spectra` instead,
+which goes layer by layer (no stacked copy of the model) through Gram matrices, several times faster
+at scale; the QR route here is the backward-stable reference. Inputs of any floating dtype are
+computed in float32, or in float64 when they are float64. A head whose weights hold NaN or Inf gets
+NaN values rather than an error.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 def split_heads(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | None):
-    """Per-head factors ``W_Q^h`` (..., H, d, d_k), ``W_K^g`` (..., H_kv, d', d_k), and g for each h.
+    """Per-head factors ``W_Q^h`` (..., H, d, d_k), ``W_K^g`` (..., H_kv, d', d_k), and g for each
+    h.
 
     Checks the shapes and head counts, naming the argument that is off (``ValueError``).
     """
@@ -73,14 +74,16 @@ def split_heads(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | No
         )
     if w_q.shape[:-2] != w_k.shape[:-2]:
         raise ValueError(
-            f"Expected `w_q` and `w_k` to share leading dims, got {tuple(w_q.shape)} and {tuple(w_k.shape)}"
+            f"Expected `w_q` and `w_k` to share leading dims, got {tuple(w_q.shape)} and "
+            f"{tuple(w_k.shape)}"
         )
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"Expected `num_heads` to be a positive int, got {num_heads!r}")
     if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(
-            f"Expected `num_kv_heads` to be a positive int dividing `num_heads`={num_heads}, got {num_kv_heads!r}"
+            f"Expected `num_kv_heads` to be a positive int dividing `num_heads`={num_heads}, got "
+            f"{num_kv_heads!r}"
         )
     if w_q.shape[-2] % num_heads:
         raise ValueError(
@@ -89,7 +92,8 @@ def split_heads(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | No
     d_k = w_q.shape[-2] // num_heads
     if w_k.shape[-2] != num_kv_heads * d_k:
         raise ValueError(
-            f"Expected `w_k` to have num_kv_heads * d_k = {num_kv_heads} * {d_k} rows, got {w_k.shape[-2]}"
+            f"Expected `w_k` to have num_kv_heads * d_k = {num_kv_heads} * {d_k} rows, got "
+            f"{w_k.shape[-2]}"
         )
     lead = w_q.shape[:-2]
     wq = w_q.reshape(*lead, num_heads, d_k, w_q.shape[-1]).transpose(-1, -2)  # (..., H, d, d_k)
@@ -169,7 +173,8 @@ def qk_eigenvalues(
     """
     if w_q.shape[-1] != w_k.shape[-1]:
         raise ValueError(
-            f"Eigenvalues need a square W_QK: `w_q` and `w_k` input dims differ ({w_q.shape[-1]} vs {w_k.shape[-1]})"
+            f"Eigenvalues need a square W_QK: `w_q` and `w_k` input dims differ ({w_q.shape[-1]} "
+            f"vs {w_k.shape[-1]})"
         )
     dtype = compute_dtype(w_q, w_k)
     wq, wk, group = split_heads(
@@ -440,7 +445,10 @@ def masked_softmax(scores: Tensor, dim: int = -1, mask: Tensor | None = None) ->
         mask: optional bool (or 0/1), broadcastable to ``scores``, True where allowed.
 
     Example:
-        >>> masked_softmax(torch.tensor([[1e4, 1e4], [0.0, 0.0]]), mask=torch.tensor([[True, True], [False, False]]))
+        >>> masked_softmax(
+        ...     torch.tensor([[1e4, 1e4], [0.0, 0.0]]),
+        ...     mask=torch.tensor([[True, True], [False, False]]),
+        ... )
         tensor([[0.5000, 0.5000],
                 [0.0000, 0.0000]])
     """

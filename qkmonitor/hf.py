@@ -2,8 +2,8 @@
 
 Three families are recognised by structure, not by class name:
 
-- **LLaMA-family** (``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention``, ...): ``q_proj`` and
-  ``k_proj`` ``nn.Linear`` with the head counts on the module or its ``config``
+- **LLaMA-family** (``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention``, ...): ``q_proj``
+  and ``k_proj`` ``nn.Linear`` with the head counts on the module or its ``config``
   (``num_attention_heads``, ``num_key_value_heads`` for GQA/MQA, ``head_dim``); the scale is
   ``module.scaling``, else ``1/sqrt(head_dim)``. With RoPE, W_QK is the position-0 bilinear form;
   a QK-norm (``q_norm``/``k_norm``, e.g. Qwen3) is not part of it (``QKWeights.qk_norm`` says so).
@@ -23,11 +23,11 @@ module alone sees a shallow copy of the model config whose ``_attn_implementatio
 ``"qkmonitor_probe"``, a function registered through ``transformers.AttentionInterface`` that
 measures the call on the side, under ``no_grad``, then hands the same arguments to the
 implementation the model was using and returns its result unchanged. The shared model config is
-never written: ``transformers`` also builds the attention *mask* from ``config._attn_implementation``
-(``masking_utils``), so renaming it model-wide would change the masks the model computes with.
-The first open probe on a module installs that view (and a route holding the probes' observers
-in the module's ``__dict__``); the last one closed puts the module's own config object back and
-removes the route, so no state outlives the probes. GPT-2 with
+never written: ``transformers`` also builds the attention *mask* from
+``config._attn_implementation`` (``masking_utils``), so renaming it model-wide would change the
+masks the model computes with. The first open probe on a module installs that view (and a route
+holding the probes' observers in the module's ``__dict__``); the last one closed puts the module's
+own config object back and removes the route, so no state outlives the probes. GPT-2 with
 ``reorder_and_upcast_attn`` under eager attention bypasses the dispatch; there the module's
 ``_upcast_and_reordered_attn`` is wrapped on the instance instead.
 
@@ -79,7 +79,8 @@ PROBE_IMPLEMENTATION = "qkmonitor_probe"
 _ORIGINAL_KEY = "_qkmonitor_original_attn_implementation"
 
 
-#: Where probing keeps its route on a module (installed by the first open probe, removed by the last).
+#: Where probing keeps its route on a module (installed by the first open probe, removed by the
+#: last).
 _ROUTE_KEY = "_qkmonitor_route"
 
 
@@ -248,9 +249,11 @@ register_family(
     "transformers",
     _adapt_if_imported,
     priority=30,
-    looked_for="Hugging Face transformers attention (LLaMA-family `q_proj`/`k_proj`, GPT-2 `c_attn` Conv1D, "
-    "BERT `query`/`key`, and any module dispatching through ALL_ATTENTION_FUNCTIONS with projections "
-    "of a known name; needs the `hf` extra)",
+    looked_for=(
+        "Hugging Face transformers attention (LLaMA-family `q_proj`/`k_proj`, GPT-2 `c_attn` "
+        "Conv1D, BERT `query`/`key`, and any module dispatching through ALL_ATTENTION_FUNCTIONS "
+        "with projections of a known name; needs the `hf` extra)"
+    ),
 )
 
 

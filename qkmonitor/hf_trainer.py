@@ -1,12 +1,13 @@
 """The monitor engines in a Hugging Face ``transformers.Trainer``: a thin ``TrainerCallback``.
 
-The same engines, tags and dashboards as the Lightning callbacks and :class:`~qkmonitor.engine.Monitoring`
-(which this drives): the Trainer's ``on_step_begin`` opens the window of the optimizer step
-(probes opened on probe steps), the first micro-batch's end (``on_substep_end`` under gradient
-accumulation, else ``on_step_end``) measures and logs it — the first micro-batch of a step, as the
-Lightning callbacks measure — and ``on_step_end`` reads the weights after the update (so the spectrum is
-logged at steps 0, n, 2n, ... and after the last update that lands on one, as in Lightning),
-``on_train_end`` closes it. Needs ``transformers`` and ``accelerate`` (``pip install "qkmonitor[hf]"``).
+The same engines, tags and dashboards as the Lightning callbacks and
+:class:`~qkmonitor.engine.Monitoring` (which this drives): the Trainer's ``on_step_begin`` opens the
+window of the optimizer step (probes opened on probe steps), the first micro-batch's end
+(``on_substep_end`` under gradient accumulation, else ``on_step_end``) measures and logs it — the
+first micro-batch of a step, as the Lightning callbacks measure — and ``on_step_end`` reads the
+weights after the update (so the spectrum is logged at steps 0, n, 2n, ... and after the last update
+that lands on one, as in Lightning), ``on_train_end`` closes it. Needs ``transformers`` and
+``accelerate`` (``pip install "qkmonitor[hf]"``).
 
 ``transformers.Trainer`` gives callbacks no hook when a step raises. The next ``train()`` closes a
 window left open, and the callback is a context manager that closes it on the way out::
@@ -71,7 +72,8 @@ class QKMonitorCallback(TrainerCallback):
         )
         if not engines or not all(isinstance(e, MonitorEngine) for e in engines):
             raise ValueError(
-                f"Expected `engines` to be a non-empty list of MonitorEngine or None, got {engines!r}"
+                "Expected `engines` to be a non-empty list of MonitorEngine or None, got "
+                f"{engines!r}"
             )
         check_optional_positive_int("every_n_steps", every_n_steps)
         self.engines = engines

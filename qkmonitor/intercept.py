@@ -1,4 +1,5 @@
-r"""Any attention that goes through SDPA or a softmax: statistics by interception, weights by layout.
+r"""Any attention that goes through SDPA or a softmax: statistics by interception, weights by
+layout.
 
 While a probe is open on a module, and only inside that module's forward, a
 ``torch.overrides.TorchFunctionMode`` sees every torch call it makes. Two of them are attention:
@@ -116,7 +117,8 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def _position0(x: Tensor, batch: int, length: int) -> Tensor | None:
-    """Row of sequence position 0 of each sequence from a projection input ``(B, N, d)`` or ``(B·N, d)``."""
+    """Row of sequence position 0 of each sequence from a projection input ``(B, N, d)`` or
+    ``(B·N, d)``."""
     if x.dim() == 3 and x.shape[0] == batch and x.shape[1] == length:
         return x[:, 0]
     if x.dim() == 2 and x.shape[0] == batch * length:
@@ -161,7 +163,8 @@ def _predict(
 
 
 def _normed(norm: nn.Module, x: Tensor) -> Tensor:
-    """A QK-norm applied to ``(B, H, D)`` heads: per head, or over the whole width if it is that wide."""
+    """A QK-norm applied to ``(B, H, D)`` heads: per head, or over the whole width if it is that
+    wide."""
     weight = getattr(norm, "weight", None)
     width = weight.numel() if isinstance(weight, Tensor) else None
     dtype = weight.dtype if isinstance(weight, Tensor) else torch.float32
@@ -202,8 +205,8 @@ def check_layout(
     residual, layout = best
     if residual > tolerance:
         return (
-            f"the weights read as {layout.describe()} give queries/keys {residual:.2g} (relative) away from "
-            f"those the module computed (tolerance {tolerance:g})"
+            f"the weights read as {layout.describe()} give queries/keys {residual:.2g} (relative) "
+            f"away from those the module computed (tolerance {tolerance:g})"
         )
     return layout
 
@@ -298,7 +301,8 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 
 class _Route:
-    """What probing installed on one module: the hooks, the probes' observers, the captured inputs."""
+    """What probing installed on one module: the hooks, the probes' observers, the captured
+    inputs."""
 
     def __init__(self, module: nn.Module) -> None:
         self.observers = ObserverSet()
@@ -478,7 +482,8 @@ class LayoutChecked:
         self, candidates: list[QKLayout], *, trusted: bool = False, heads_from_call: bool = False
     ) -> None:
         """The candidate layouts; ``trusted``: the first one is used until a forward checks it;
-        ``heads_from_call``: the projections are known but not the head counts (taken from the call)."""
+        ``heads_from_call``: the projections are known but not the head counts (taken from the
+        call)."""
         self.layout_candidates = list(candidates)
         self.layout: QKLayout | None = self.layout_candidates[0] if trusted and candidates else None
         self.layout_error: str | None = None
@@ -577,7 +582,8 @@ class LayoutChecked:
         return copy
 
     def _judge(self, evidence: LayoutEvidence) -> QKLayout | str:
-        """The layout the evidence of one forward confirms, or why none (see :func:`check_layout`)."""
+        """The layout the evidence of one forward confirms, or why none (see
+        :func:`check_layout`)."""
         if not all(id(w) in evidence.inputs for w in self._layout_sources()):
             return _UNSEEN_PROJECTIONS
         candidates = self.layout_candidates
@@ -590,7 +596,10 @@ class LayoutChecked:
             )
             candidates = infer_layouts(self.module, heads=heads, kv_heads=kv, paths=self._paths)
             if not candidates:
-                return f"its projections {self._paths} do not split into the {heads} heads of its attention call"
+                return (
+                    f"its projections {self._paths} do not split into the {heads} heads of its "
+                    "attention call"
+                )
         return check_layout(self.module, candidates, evidence)
 
     def check_layout(self, result) -> str | None:
@@ -612,7 +621,10 @@ class LayoutChecked:
             if self._trusted:
                 return f"layer {self.name!r}: {why}, so its AttentionSpec layout is used unchecked"
             self.layout, self.layout_error = None, why
-            return f"layer {self.name!r}: {why}, so its weight layout cannot be checked; its spectrum metrics are NaN"
+            return (
+                f"layer {self.name!r}: {why}, so its weight layout cannot be checked; its "
+                "spectrum metrics are NaN"
+            )
         self.layout, self.layout_error = None, why
         return f"layer {self.name!r}: {why}; its spectrum metrics (kappa, ...) are NaN"
 
@@ -810,7 +822,10 @@ register_family(
     "intercepted",
     adapt_intercepted,
     priority=90,
-    looked_for="any module calling F.scaled_dot_product_attention or a 4-D softmax with query/key projections "
-    "named q_proj/k_proj, query/key, to_q/to_k, wq/wk, q/k, q_lin/k_lin, or fused qkv, c_attn, "
-    "query_key_value, Wqkv, qkv_proj (timm, litgpt, x-transformers, nanoGPT-style modules)",
+    looked_for=(
+        "any module calling F.scaled_dot_product_attention or a 4-D softmax with query/key "
+        "projections named q_proj/k_proj, query/key, to_q/to_k, wq/wk, q/k, q_lin/k_lin, or fused "
+        "qkv, c_attn, query_key_value, Wqkv, qkv_proj (timm, litgpt, x-transformers, "
+        "nanoGPT-style modules)"
+    ),
 )

@@ -1,7 +1,8 @@
-r"""The spectrum of every head's ``W_QK`` for a whole model, one layer at a time, from Gram matrices.
+r"""The spectrum of every head's ``W_QK`` for a whole model, one layer at a time, from Gram
+matrices.
 
-Conventions are those of :mod:`qkmonitor.functional` (docs/architecture.md, "Metric definitions"): for head
-``h`` of key/value group ``g``, ``W_Q^h`` is d x d_k, ``W_K^g`` is d' x d_k and
+Conventions are those of :mod:`qkmonitor.functional` (docs/architecture.md, "Metric definitions"):
+for head ``h`` of key/value group ``g``, ``W_Q^h`` is d x d_k, ``W_K^g`` is d' x d_k and
 ``W_QK^h = W_Q^h (W_K^g)^T``. Per layer, three batched products over the long dimension d are the
 only O(d) work:
 
@@ -174,7 +175,8 @@ def qk_head_spectra(
     """
     if w_q.dim() != 2 or w_k.dim() != 2:
         raise ValueError(
-            f"Expected 2-D `w_q` and `w_k` (one layer), got {tuple(w_q.shape)} and {tuple(w_k.shape)}"
+            f"Expected 2-D `w_q` and `w_k` (one layer), got {tuple(w_q.shape)} and "
+            f"{tuple(w_k.shape)}"
         )
     dtype = _gram_dtype(compute_dtype(w_q, w_k), w_q.device)
     with torch.no_grad():
@@ -228,10 +230,10 @@ def spectrum_of_layers(weights: Sequence[QKWeights]) -> LayerSpectra:
     Large layers are never stacked into one tensor (at 70B scale that would copy the whole model);
     the heads of one layer are batched. Consecutive small layers of one shape (together at most
     ``_RUN_ELEMENTS`` query-weight entries, 4 MiB of float32) are solved as one batch of heads:
-    per-call overheads, not arithmetic, are what small layers cost. A sharded weight (DTensor, FSDP2) is gathered for its layer
-    only. Per head, one symmetric eigenproblem gives the singular values behind ``kappa``,
-    ``qk_erank``, ``qk_spectral_norm`` and ``singular_values``, and one eigenproblem the
-    eigenvalues (:func:`qk_head_spectra`).
+    per-call overheads, not arithmetic, are what small layers cost. A sharded weight (DTensor,
+    FSDP2) is gathered for its layer only. Per head, one symmetric eigenproblem gives the singular
+    values behind ``kappa``, ``qk_erank``, ``qk_spectral_norm`` and ``singular_values``, and one
+    eigenproblem the eigenvalues (:func:`qk_head_spectra`).
 
     A layer whose eigen-solver fails (``torch.linalg.LinAlgError``) is all NaN, with a
     ``RuntimeWarning`` naming it; a head with NaN/Inf weights is NaN. Neither touches the other
@@ -432,7 +434,8 @@ def _metrics(
 
 
 def _gram_dtype(compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """float32 only where float32 matmuls are IEEE float32 (CPU, unless set otherwise); else float64."""
+    """float32 only where float32 matmuls are IEEE float32 (CPU, unless set otherwise); else
+    float64."""
     if compute_dtype == torch.float64 or device.type != "cpu":
         return torch.float64
     return torch.float32 if _cpu_float32_matmul_is_ieee() else torch.float64

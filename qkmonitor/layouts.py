@@ -193,7 +193,10 @@ class QKLayout:
     def describe(self) -> str:
         where = f"{self.q}/{self.k}" if self.k is not None else f"{self.q} ({self.fused})"
         pairing = "" if self.kv_index is None else f", key heads {list(self.kv_index)}"
-        return f"{where}, {self.num_heads} heads, {self.num_kv_heads} kv heads, d_k {self.head_dim}{pairing}"
+        return (
+            f"{where}, {self.num_heads} heads, {self.num_kv_heads} kv heads, d_k "
+            f"{self.head_dim}{pairing}"
+        )
 
 
 def grouped_index(heads: int, kv_heads: int) -> tuple[int, ...]:
@@ -497,7 +500,8 @@ class AttentionSpec:
             )
         ):
             raise ValueError(
-                f"Expected `scale` to be a positive float, an attribute name or None, got {self.scale!r}"
+                "Expected `scale` to be a positive float, an attribute name or None, got "
+                f"{self.scale!r}"
             )
 
     @property
@@ -526,7 +530,8 @@ class AttentionSpec:
                 found = _positive_int(_get(module, value))
                 if found is None:
                     raise ValueError(
-                        f"`{field_name}={value!r}`: {type(module).__name__} has no positive int there"
+                        f"`{field_name}={value!r}`: {type(module).__name__} has no positive int "
+                        "there"
                     )
                 return found
             return value
@@ -556,9 +561,9 @@ class AttentionSpec:
         )
         if not candidates:
             raise ValueError(
-                f"{type(module).__name__}: the projections {paths} do not split into the given heads "
-                f"(num_heads={heads}, num_kv_heads={kv_heads}); give `num_heads`, `num_kv_heads` and "
-                "`head_dim`"
+                f"{type(module).__name__}: the projections {paths} do not split into the given "
+                f"heads (num_heads={heads}, num_kv_heads={kv_heads}); give `num_heads`, "
+                "`num_kv_heads` and `head_dim`"
             )
         layout = candidates[0]
         if self.pairing == "modulo" and layout.num_kv_heads < layout.num_heads:

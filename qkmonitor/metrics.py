@@ -76,7 +76,8 @@ class AttentionStatistics(_PerHeadMetric):
         """Add the rows of one forward: every field (B, H, N)."""
         if stats.entropy.dim() != 3 or stats.entropy.shape[1] != self.num_heads:
             raise ValueError(
-                f"Expected statistics of shape (B, {self.num_heads}, N), got {tuple(stats.entropy.shape)}"
+                f"Expected statistics of shape (B, {self.num_heads}, N), got "
+                f"{tuple(stats.entropy.shape)}"
             )
         if stats.entropy.numel() == 0:  # an empty batch (0 sequences or 0 tokens): no row to add
             return

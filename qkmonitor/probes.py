@@ -186,7 +186,10 @@ class Probe:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Probe({self.name!r}, {'closed' if self.closed else 'open'}, calls={self._result.calls})"
+        return (
+            f"Probe({self.name!r}, {'closed' if self.closed else 'open'}, "
+            f"calls={self._result.calls})"
+        )
 
 
 class ObserverSet:

@@ -13,10 +13,10 @@ difference and the plots overlay them, each run labelled by the shortest tail of
 tells it from the other.
 
 Metrics are discovered from the tags of :mod:`qkmonitor.tags`, not from a fixed list; the known
-ones come first, in the catalogue's order (docs/metrics.md). Reading needs TensorBoard's ``EventAccumulator`` and
-plotting needs matplotlib (drawn on an Agg canvas, never through ``pyplot``, so the caller's
-backend is left alone); both are imported when first used, so importing this module is cheap and
-torch-free.
+ones come first, in the catalogue's order (docs/metrics.md). Reading needs TensorBoard's
+``EventAccumulator`` and plotting needs matplotlib (drawn on an Agg canvas, never through
+``pyplot``, so the caller's backend is left alone); both are imported when first used, so importing
+this module is cheap and torch-free.
 
 Example::
 
@@ -60,7 +60,8 @@ __all__ = [
     "run_report",
 ]
 
-#: Display order of the metrics the bundled monitors log (the catalogue's); any other follows, sorted.
+#: Display order of the metrics the bundled monitors log (the catalogue's); any other follows,
+#: sorted.
 KNOWN_METRICS = tuple(spec.name for spec in CATALOGUE)
 _SPECS = {spec.name: spec for spec in CATALOGUE}
 _EVENT_MARKER = "tfevents"
@@ -224,8 +225,9 @@ def resolve_run_dir(path: str | Path) -> tuple[Path, str | None]:
     )
     if not found:
         raise ValueError(
-            f"Run directory `{given}` holds no TensorBoard event files (events.out.tfevents.*) in it or "
-            "below it; expected the folder a TensorBoardLogger wrote, such as `runs/recall/version_0`."
+            f"Run directory `{given}` holds no TensorBoard event files (events.out.tfevents.*) in "
+            "it or below it; expected the folder a TensorBoardLogger wrote, such as "
+            "`runs/recall/version_0`."
         )
     if len(found) == 1:
         return found[0], None
@@ -324,7 +326,8 @@ def _no_scalars_message(folder: Path, prefix: str, tags: Sequence[str]) -> str:
     if others:
         return (
             message
-            + f"; found layer tags under the prefix {', '.join(f'`{p}`' for p in others)} (try `--prefix`)."
+            + f"; found layer tags under the prefix {', '.join(f'`{p}`' for p in others)} (try "
+            "`--prefix`)."
         )
     shown = ", ".join(f"`{t}`" for t in sorted(tags)[:5]) or "none"
     return message + f"; its scalar tags: {shown}{', ...' if len(tags) > 5 else ''}."
@@ -520,7 +523,10 @@ def format_report(
             f"  {_run_summary(run)}",
             f"  {_loss_text(run)}",
             "",
-            "final value, min and max over steps of the per-layer mean; the heads' range at the final step",
+            (
+                "final value, min and max over steps of the per-layer mean; the heads' range at "
+                "the final step"
+            ),
             *_single_table(run),
             "",
             *_alert_lines(run, max_alerts),
@@ -564,7 +570,8 @@ def _run_labels(runs: Sequence[RunData]) -> list[str]:
 
 
 def _spec(metric: str) -> MetricSpec | None:
-    """The catalogue entry of ``metric`` (``val/kappa``: ``kappa``'s), None for a metric it lacks."""
+    """The catalogue entry of ``metric`` (``val/kappa``: ``kappa``'s), None for a metric it
+    lacks."""
     return _SPECS.get(metric.removeprefix("val/"))
 
 
@@ -596,7 +603,8 @@ def _finite(values: Sequence[float]) -> list[float]:
 
 
 def _span(values: Sequence[float]) -> tuple[float, float] | None:
-    """The (low, high) to show ``values`` on; a range of rounding noise is widened to 5% around it."""
+    """The (low, high) to show ``values`` on; a range of rounding noise is widened to 5% around
+    it."""
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return None
@@ -1008,8 +1016,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "run_dirs",
         nargs="+",
         metavar="RUN_DIR",
-        help="a run folder (runs/recall/version_0) or a folder above one (the newest run "
-        "is taken); give two to compare them",
+        help=(
+            "a run folder (runs/recall/version_0) or a folder above one (the newest run "
+            "is taken); give two to compare them"
+        ),
     )
     parser.add_argument(
         "--out",
@@ -1042,8 +1052,10 @@ def add_report_parser(
     parser = subparsers.add_parser(
         "report",
         help="read a run back: per-layer table, alerts, PNG plots",
-        description="Read qkmonitor runs back from their TensorBoard event files: a per-layer table of "
-        "every metric, the alerts, and PNG plots. Two runs are compared side by side.",
+        description=(
+            "Read qkmonitor runs back from their TensorBoard event files: a per-layer table of "
+            "every metric, the alerts, and PNG plots. Two runs are compared side by side."
+        ),
         formatter_class=formatter_class,
     )
     _add_arguments(parser)

@@ -34,7 +34,8 @@ VAL_LOSS_TAGS = ("val_loss", "eval/loss")
 #: What the HPARAMS tab compares runs by, besides the alert counters: Lightning's convention,
 #: which ``qkmonitor train``'s tasks follow.
 HPARAMS_METRICS = ("train_loss", "val_loss", "val_acc")
-#: The same for the Hugging Face Trainer, whose TensorBoard callback writes ``train/loss``, ``eval/loss``.
+#: The same for the Hugging Face Trainer, whose TensorBoard callback writes ``train/loss``,
+#: ``eval/loss``.
 HF_HPARAMS_METRICS = ("train/loss", "eval/loss")
 
 

@@ -28,7 +28,8 @@ __all__ = [
 
 
 def is_real(value: object) -> bool:
-    """Whether ``value`` is a real number (``numbers.Real``: int, float, NumPy scalars), not a bool."""
+    """Whether ``value`` is a real number (``numbers.Real``: int, float, NumPy scalars), not a
+    bool."""
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
@@ -52,7 +53,8 @@ def check_positive_int(name: str, value: object) -> None:
 
 
 def check_optional_positive_int(name: str, value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is None or an int >= 1: "to be a positive int or None"."""
+    """Raise ``ValueError`` unless ``value`` is None or an int >= 1: "to be a positive int or
+    None"."""
     if value is not None and not is_int(value, 1):
         raise ValueError(f"Expected `{name}` to be a positive int or None, got {value!r}")
 
@@ -95,6 +97,7 @@ def check_real(
 
 
 def check_fraction(name: str, value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is a real number with ``0 < value < 1``: "in (0, 1)"."""
+    """Raise ``ValueError`` unless ``value`` is a real number with ``0 < value < 1``: "in (0,
+    1)"."""
     if not is_real(value) or not 0.0 < value < 1.0:
         raise ValueError(f"Expected `{name}` in (0, 1), got {value!r}")

@@ -1,11 +1,15 @@
 """Example tasks: LightningModules and LightningDataModules, generated on the fly or read from the
 local Python installation (nothing is downloaded).
 
-- ``recall``: multi-query associative recall, :class:`AssociativeRecallDataModule` + :class:`CausalLMTask`.
+- ``recall``: multi-query associative recall, :class:`AssociativeRecallDataModule` +
+  :class:`CausalLMTask`.
 - ``copy`` / ``reverse``: :class:`CopyReverseDataModule` + :class:`Seq2SeqTask` (encoder–decoder).
-- ``charlm``: :class:`PythonSourceDataModule` (the stdlib's own source, bytes) + :class:`CharLMTask`.
-- ``grid``: :class:`GridRelationDataModule` + :class:`VisionClassificationTask` (vision encoder, 2-D RoPE).
-- ``modular``: modular addition (grokking), :class:`ModularAdditionDataModule` + :class:`CausalLMTask`.
+- ``charlm``: :class:`PythonSourceDataModule` (the stdlib's own source, bytes) +
+  :class:`CharLMTask`.
+- ``grid``: :class:`GridRelationDataModule` + :class:`VisionClassificationTask` (vision encoder, 2-D
+  RoPE).
+- ``modular``: modular addition (grokking), :class:`ModularAdditionDataModule` +
+  :class:`CausalLMTask`.
 """
 
 from .base import TaskModule

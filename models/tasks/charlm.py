@@ -12,8 +12,8 @@ Characters are bytes: the files are read as bytes and each byte is a token (voca
 nothing is ever unknown or lost to decoding. The standard library's sources are nearly all
 ASCII, where a byte is a character; "per character" below means per byte. Training samples
 are random windows of ``seq_len + 1`` bytes (input and its next-byte targets); validation tiles
-the held-out text with non-overlapping windows, ``val_size`` of them evenly spread. Metrics: ``val_loss`` in nats per character
-and ``val_bpc = val_loss / ln 2`` in bits per character.
+the held-out text with non-overlapping windows, ``val_size`` of them evenly spread. Metrics:
+``val_loss`` in nats per character and ``val_bpc = val_loss / ln 2`` in bits per character.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ THIRD_PARTY = frozenset({"site-packages", "dist-packages"})  # not the standard 
 
 
 def python_source_files(root: str | Path | None = None) -> list[Path]:
-    """The ``.py`` files below ``root`` (default: the standard library), sorted, third-party excluded.
+    """The ``.py`` files below ``root`` (default: the standard library), sorted, third-party
+    excluded.
 
     Raises:
         ValueError: if ``root`` is not a directory or holds no ``.py`` file.
@@ -57,7 +58,8 @@ def python_source_files(root: str | Path | None = None) -> list[Path]:
 
 
 class _Windows(Dataset):
-    """``(x, y)`` pairs of ``seq_len`` bytes starting at each offset; ``y`` is ``x`` shifted by one."""
+    """``(x, y)`` pairs of ``seq_len`` bytes starting at each offset; ``y`` is ``x`` shifted by
+    one."""
 
     def __init__(self, text: Tensor, offsets: Tensor, seq_len: int) -> None:
         self.text, self.offsets, self.seq_len = text, offsets, seq_len
@@ -112,8 +114,8 @@ class PythonSourceDataModule(pl.LightningDataModule):
         check_fraction("val_fraction", val_fraction)
         if min(val_fraction, 1 - val_fraction) * max_chars <= seq_len:
             raise ValueError(
-                f"Expected `max_chars` ({max_chars}) to leave more than `seq_len` ({seq_len}) characters to "
-                f"both training and validation with `val_fraction`={val_fraction}"
+                f"Expected `max_chars` ({max_chars}) to leave more than `seq_len` ({seq_len}) "
+                f"characters to both training and validation with `val_fraction`={val_fraction}"
             )
         self.save_hyperparameters()
         self.vocab_size = VOCAB_SIZE
@@ -177,7 +179,8 @@ def _as_tokens(data: bytes) -> Tensor:
 
 
 class CharLMTask(CausalLMTask):
-    """:class:`~qkmonitor.models.tasks.CausalLMTask` that also logs ``{stage}_bpc``, bits per character.
+    """:class:`~qkmonitor.models.tasks.CausalLMTask` that also logs ``{stage}_bpc``, bits per
+    character.
 
     ``{stage}_loss`` is in nats per character (every position scored), ``{stage}_bpc`` the same
     in bits, ``{stage}_acc`` the next-character accuracy.

@@ -112,11 +112,13 @@ class GridRelationDataModule(pl.LightningDataModule):
         for name, value in (("height", height), ("width", width)):
             if value < 2:
                 raise ValueError(
-                    f"Expected `{name}` >= 2 (two cells must fit in a row and a column), got {value}"
+                    f"Expected `{name}` >= 2 (two cells must fit in a row and a column), got "
+                    f"{value}"
                 )
         if val_size % NUM_CLASSES:
             raise ValueError(
-                f"Expected `val_size` to be a multiple of {NUM_CLASSES} (balanced classes), got {val_size}"
+                f"Expected `val_size` to be a multiple of {NUM_CLASSES} (balanced classes), got "
+                f"{val_size}"
             )
         self.save_hyperparameters()
         self.grid_size = (height, width)

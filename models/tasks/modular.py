@@ -74,7 +74,8 @@ class ModularAdditionDataModule(pl.LightningDataModule):
         self.num_train = round(train_fraction * modulus**2)
         if not 0 < self.num_train < modulus**2:
             raise ValueError(
-                f"Expected `train_fraction` to leave both sets non-empty for `modulus`={modulus}, got {train_fraction}"
+                f"Expected `train_fraction` to leave both sets non-empty for `modulus`={modulus}, "
+                f"got {train_fraction}"
             )
         self.save_hyperparameters()
         self.vocab_size = modulus + 2

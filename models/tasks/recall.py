@@ -92,7 +92,8 @@ class AssociativeRecallDataModule(pl.LightningDataModule):
             )
         if num_keys < num_pairs:
             raise ValueError(
-                f"Expected `num_keys` >= `num_pairs` ({num_pairs}) for distinct keys, got {num_keys}"
+                f"Expected `num_keys` >= `num_pairs` ({num_pairs}) for distinct keys, got "
+                f"{num_keys}"
             )
         self.save_hyperparameters()
         self.vocab_size = num_keys + num_values

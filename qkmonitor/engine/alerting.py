@@ -201,8 +201,8 @@ class AlertPolicy:
         host.warn(
             f"{self.owner}: non-finite values at step {step} in "
             + " | ".join(parts)
-            + ". They are logged as NaN and fire no alert (are the weights or activations NaN/Inf?). "
-            "Warned again only if another layer goes bad.",
+            + ". They are logged as NaN and fire no alert (are the weights or activations "
+            "NaN/Inf?). Warned again only if another layer goes bad.",
             RuntimeWarning,
         )
 

@@ -356,16 +356,17 @@ class MonitorEngine:
         kinds = Counter(layer.kind for layer in self.layers)
         found = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
         host.info(
-            f"qkmonitor: {type(self).__name__} ({self.prefix}) measures {len(self.layers)} attention "
-            f"layer{'s' if len(self.layers) != 1 else ''}: {found}"
+            f"qkmonitor: {type(self).__name__} ({self.prefix}) measures {len(self.layers)} "
+            f"attention layer{'s' if len(self.layers) != 1 else ''}: {found}"
         )
         for name, cls in self.unmeasured:
             self.warn_once(
                 host,
                 f"unmeasured:{name}",
-                f"{name!r} ({cls}) looks like attention but no rule reads it, so it is not measured; "
-                "describe it with qkmonitor.register_attention(qkmonitor.AttentionSpec(...)) "
-                "(README, 'Use it on your model')",
+                f"{name!r} ({cls}) looks like attention but no rule reads it, so it is not "
+                "measured; describe it with "
+                "qkmonitor.register_attention(qkmonitor.AttentionSpec(...)) (README, 'Use it on "
+                "your model')",
             )
 
     def is_probe_step(self, step: int) -> bool:
@@ -396,7 +397,8 @@ class MonitorEngine:
         return True
 
     def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
-        """Measure the weights as they are after ``step`` optimizer steps, if that is a probe step."""
+        """Measure the weights as they are after ``step`` optimizer steps, if that is a probe
+        step."""
 
     def open(self, step: int, *, validation: bool = False) -> bool:
         """Open the probes of a probe window; True if any were opened."""
@@ -506,14 +508,15 @@ class ActivationEngine(MonitorEngine):
         unsupported = [layer.name for layer, ok in zip(self.layers, self._measurable) if not ok]
         if len(unsupported) == len(self.layers):
             raise ValueError(
-                f"{type(self).__name__}: layers {unsupported} give no attention statistics; describe them with "
-                "qkmonitor.AttentionSpec (statistics come from their SDPA or softmax call), or pass `layers=` with "
-                "qkmonitor.AttentionLayer subclasses that define `supports_stats` and `install(probe)`"
+                f"{type(self).__name__}: layers {unsupported} give no attention statistics; "
+                "describe them with qkmonitor.AttentionSpec (statistics come from their SDPA or "
+                "softmax call), or pass `layers=` with qkmonitor.AttentionLayer subclasses that "
+                "define `supports_stats` and `install(probe)`"
             )
         if unsupported:  # the adapters said why; the others are measured, these stay NaN
             warnings.warn(
-                f"{type(self).__name__}: layers {unsupported} give no attention statistics here; their "
-                "activation metrics are logged as NaN.",
+                f"{type(self).__name__}: layers {unsupported} give no attention statistics here; "
+                "their activation metrics are logged as NaN.",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -10,8 +10,8 @@ scaled logits :math:`s_{ij}`:
 
 A head's value is the mean over every row of every call in the probe window (rows with
 :math:`n_i \le 1` are left out of ``entropy_norm``, fully masked rows out of everything), except
-``max_logit``: the largest. Sums are torchmetrics states (:class:`qkmonitor.metrics.AttentionStatistics`),
-so under DDP the values cover every rank's rows.
+``max_logit``: the largest. Sums are torchmetrics states
+(:class:`qkmonitor.metrics.AttentionStatistics`), so under DDP the values cover every rank's rows.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ class AttentionEntropy(ActivationEngine):
             no_rows, no_spread = (computed["rows"] == 0).cpu(), (computed["norm_rows"] == 0).cpu()
             for name in self.metric_names:
                 values[name].append(computed.get(name, nan).float().cpu())
-                # no row (an empty batch), or no row with two keys (one-token sequences): NaN by definition
+                # no row (an empty batch), or no row with two keys (one-token sequences): NaN by
+                # definition
                 undefined[name].append(no_spread | no_rows if name == "entropy_norm" else no_rows)
         return values, {"undefined": undefined}

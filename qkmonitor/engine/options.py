@@ -27,8 +27,8 @@ def check_prefix(prefix: object) -> str:
     """A tag-safe ``log_key_prefix``: parts of letters, digits, ``_ . -`` joined by single ``/``."""
     if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
         raise ValueError(
-            "Expected `log_key_prefix` to be a tag-safe string (letters, digits, '_', '.', '-', parts joined "
-            f"by single '/', no leading or trailing '/'), got {prefix!r}"
+            "Expected `log_key_prefix` to be a tag-safe string (letters, digits, '_', '.', '-', "
+            f"parts joined by single '/', no leading or trailing '/'), got {prefix!r}"
         )
     return prefix
 
@@ -79,7 +79,8 @@ class MonitorOptions:
             )
         if self.on_alert is not None and not callable(self.on_alert):
             raise ValueError(
-                f"Expected `on_alert` to be a callable (owner, alert) or None, got {self.on_alert!r}"
+                "Expected `on_alert` to be a callable (owner, alert) or None, got "
+                f"{self.on_alert!r}"
             )
         object.__setattr__(self, "alerts", _checked_alerts(self.alerts))
         check_prefix(self.log_key_prefix)

@@ -119,7 +119,8 @@ class EffectiveRank(ActivationEngine):
         return columns, HeadMean(start)
 
     def _fit_heads(self, i: int, result: ProbeResult) -> None:
-        """A layer whose head count only its calls tell (read by interception) gets state of that size."""
+        """A layer whose head count only its calls tell (read by interception) gets state of that
+        size."""
         observed = [t.shape[1] for t in result.probs] + [s.entropy.shape[1] for s in result.stats]
         heads = self._columns[i]["attn_erank"].stop - self._columns[i]["attn_erank"].start
         if observed and observed[0] != heads and not self.layers[i].layout_ready:
@@ -132,8 +133,8 @@ class EffectiveRank(ActivationEngine):
             )
             if len(blocks) != len(self.layers) or not all(isinstance(b, nn.Module) for b in blocks):
                 raise ValueError(
-                    f"Expected `blocks` to give one module per attention layer ({len(self.layers)}), "
-                    f"got {[type(b).__name__ for b in blocks]}"
+                    "Expected `blocks` to give one module per attention layer "
+                    f"({len(self.layers)}), got {[type(b).__name__ for b in blocks]}"
                 )
             return blocks
         found = []
@@ -245,9 +246,9 @@ class EffectiveRank(ActivationEngine):
         )
 
     def _update(self, layer: int, samples: list[tuple[str, Tensor, Tensor | None]]) -> None:
-        """Add one layer's samples, ``(metric, (S, width) values, keep or None)``, to its aggregator:
-        metrics with the same number of samples side by side in one update (one per call that
-        gave them, when a layer ran several times)."""
+        """Add one layer's samples, ``(metric, (S, width) values, keep or None)``, to its
+        aggregator: metrics with the same number of samples side by side in one update (one per
+        call that gave them, when a layer ran several times)."""
         aggregate, columns = self._means[layer], self._columns[layer]
         rounds: list[dict[str, tuple[Tensor, Tensor | None]]] = []
         for name, values, keep in samples:

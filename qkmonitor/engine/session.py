@@ -33,9 +33,10 @@ def check_tag_collisions(engines: Sequence[MonitorEngine]) -> None:
         key = (engine.monitor, engine.prefix)
         if key in seen:
             raise ValueError(
-                f"Two {engine.monitor}s log under the same `log_key_prefix` {engine.prefix!r} (layers "
-                f"{seen[key].selection()!r} and {engine.selection()!r}); their tags would collide. "
-                "Give each its own `log_key_prefix`, e.g. 'qkmonitor/encoder' and 'qkmonitor/decoder'."
+                f"Two {engine.monitor}s log under the same `log_key_prefix` {engine.prefix!r} "
+                f"(layers {seen[key].selection()!r} and {engine.selection()!r}); their tags would "
+                "collide. Give each its own `log_key_prefix`, e.g. 'qkmonitor/encoder' and "
+                "'qkmonitor/decoder'."
             )
         seen[key] = engine
 
@@ -106,8 +107,14 @@ class Monitoring:
         from torch.utils.tensorboard import SummaryWriter
         from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
 
-        monitoring = Monitoring(model, [QKSpectrum(), AttentionEntropy()], writer=SummaryWriter("runs/x"),
-                                hparams={"lr": 3e-4}, optimizer=optimizer, every_n_steps=50)
+        monitoring = Monitoring(
+            model,
+            [QKSpectrum(), AttentionEntropy()],
+            writer=SummaryWriter("runs/x"),
+            hparams={"lr": 3e-4},
+            optimizer=optimizer,
+            every_n_steps=50,
+        )
         for step, batch in enumerate(loader):
             with monitoring.step(step):  # measures this step's forward on probe steps
                 loss = model(batch).loss
@@ -139,8 +146,8 @@ class Monitoring:
         for engine in engines:
             if isinstance(engine, type) and issubclass(engine, MonitorEngine):
                 raise TypeError(
-                    f"Expected engine instances in `engines`, got the class `{engine.__name__}`: pass an "
-                    f"instance: `{engine.__name__}()`"
+                    f"Expected engine instances in `engines`, got the class `{engine.__name__}`: "
+                    f"pass an instance: `{engine.__name__}()`"
                 )
         if not engines or not all(isinstance(e, MonitorEngine) for e in engines):
             raise ValueError(
@@ -158,9 +165,9 @@ class Monitoring:
             owner = engine._session() if engine._session is not None else None
             if owner is not None and owner is not self and not owner.closed:
                 raise ValueError(
-                    f"{type(engine).__name__} (prefix {engine.prefix!r}) is already used by another "
-                    "Monitoring that is not closed: give each Monitoring its own engines, or call "
-                    "close() on the first one"
+                    f"{type(engine).__name__} (prefix {engine.prefix!r}) is already used by "
+                    "another Monitoring that is not closed: give each Monitoring its own engines, "
+                    "or call close() on the first one"
                 )
         sinks = (
             []
@@ -196,7 +203,8 @@ class Monitoring:
 
     @contextmanager
     def validation(self, step: int) -> Iterator[Monitoring]:
-        """Measure the forwards inside (e.g. one validation batch) and log them under ``{prefix}/val``."""
+        """Measure the forwards inside (e.g. one validation batch) and log them under
+        ``{prefix}/val``."""
         self._check_step(step)
         with self._window(step, validation=True):
             yield self
@@ -241,7 +249,8 @@ class Monitoring:
             engine.observe_weights(self.host, step)
 
     def end(self) -> None:
-        """Close the window: measure, log and alert; every probe is closed even if logging raises."""
+        """Close the window: measure, log and alert; every probe is closed even if logging
+        raises."""
         try:
             for engine in self.engines:
                 engine.finish(self.host)

@@ -36,7 +36,8 @@ __all__ = ["QKSpectrum"]
 
 class QKSpectrum(MonitorEngine):
     """Logs κ, κ_eig, eig_mean, eig_var, qk_erank and qk_spectral_norm per layer and head, a κ
-    heatmap and a histogram of each layer's singular values (``{prefix}/qk_singular_values/layer_LL``).
+    heatmap and a histogram of each layer's singular values
+    (``{prefix}/qk_singular_values/layer_LL``).
 
     Reads weights only: at step 0 (the initialization) and after every ``every_n_steps``-th
     optimizer step. Arguments: ``options``, or the fields of
@@ -65,8 +66,9 @@ class QKSpectrum(MonitorEngine):
         blind = [layer.name for layer in self.layers if not layer.supports_weights]
         if len(blind) == len(self.layers):
             raise ValueError(
-                f"{type(self).__name__}: the query/key weights of {blind} are not found (no projection of a known "
-                "name); describe them with qkmonitor.AttentionSpec (README, 'Use it on your model')"
+                f"{type(self).__name__}: the query/key weights of {blind} are not found (no "
+                "projection of a known name); describe them with qkmonitor.AttentionSpec (README, "
+                "'Use it on your model')"
             )
 
     # -- the layout check of layers read by name ------------------------------------------------
@@ -158,8 +160,8 @@ class QKSpectrum(MonitorEngine):
                     self.warn_once(
                         host,
                         f"layout:{layer.name}",
-                        f"layer {layer.name!r} gave no forward to check its weight layout against; its "
-                        "spectrum metrics are NaN until one does",
+                        f"layer {layer.name!r} gave no forward to check its weight layout against; "
+                        "its spectrum metrics are NaN until one does",
                     )
                 continue
             with torch.no_grad():
@@ -172,8 +174,9 @@ class QKSpectrum(MonitorEngine):
                 self.warn_once(
                     host,
                     f"blind:{layer.name}",
-                    f"the query/key weights of layer {layer.name!r} are not found (no projection of a "
-                    "known name); its spectrum metrics are NaN. Describe it with qkmonitor.AttentionSpec.",
+                    f"the query/key weights of layer {layer.name!r} are not found (no projection "
+                    "of a known name); its spectrum metrics are NaN. Describe it with "
+                    "qkmonitor.AttentionSpec.",
                 )
 
     def _log(self, host: Host, step: int, spectra: LayerSpectra) -> None:

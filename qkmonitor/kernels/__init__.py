@@ -87,14 +87,14 @@ def attention(
 
     Returns:
         ``out`` of shape (B, H, N, D) in q's dtype (under autocast: in the autocast dtype, as
-        ``F.scaled_dot_product_attention`` returns it); with ``return_stats``, ``(out, stats)`` where
-        ``stats`` holds detached float32 (B, H, N) tensors (see :class:`AttentionStats`):
+        ``F.scaled_dot_product_attention`` returns it); with ``return_stats``, ``(out, stats)``
+        where ``stats`` holds detached float32 (B, H, N) tensors (see :class:`AttentionStats`):
         ``lse = log Σ_j exp(s_ij)``, ``entropy = −Σ_j p_ij log p_ij`` (nats),
         ``max_prob = max_j p_ij``, ``max_logit = max_j s_ij``, ``attended = |A_i|`` and
         ``sink_mass = Σ_{j<sink_tokens} p_ij``. A fully masked row has ``lse = max_logit = −inf``
         and ``entropy = max_prob = attended = sink_mass = 0``. Non-finite scores on allowed keys
-        (docs/architecture.md, "Precision and non-finite values"; ``attended`` always counts the allowed
-        keys):
+        (docs/architecture.md, "Precision and non-finite values"; ``attended`` always counts the
+        allowed keys):
 
         - a NaN score makes every other statistic of its row NaN (zeros stay reserved for
           fully masked rows);

@@ -76,7 +76,8 @@ def torch_attention(
         sink_tokens: number of leading keys whose attention mass is reported (0 for none).
         block_size: keys per block of the online computation; None reads ``DEFAULT_BLOCK_SIZE``
             (at call time, so that tests can shrink it to exercise many blocks).
-        output: False (with ``return_stats`` and no gradient needed): the statistics alone, out None.
+        output: False (with ``return_stats`` and no gradient needed): the statistics alone, out
+            None.
 
     Returns:
         ``out`` (B, H, N, D) in q's dtype, and either None or the detached float32 (B, H, N)
