@@ -138,7 +138,8 @@ class Chromium:
     def open(
         self, url: str, width: int, height: int, local_storage: dict[str, str] | None = None
     ) -> None:
-        """Load `url` in a `width` x `height` viewport, with `local_storage` set before its scripts run."""
+        """Load `url` in a `width` x `height` viewport, with `local_storage` set before its scripts
+        run."""
         for identifier in self._init_scripts:
             self.page("Page.removeScriptToEvaluateOnNewDocument", identifier=identifier)
         self._init_scripts = []
@@ -173,7 +174,8 @@ class Chromium:
     def wait_for(self, expression: str, ready, timeout: float = 30.0, interval: float = 0.25):
         """Evaluate `expression` until `ready(value)` holds; return the last value either way.
 
-        A page script that fails meanwhile (say, while the page is still loading) counts as not ready.
+        A page script that fails meanwhile (say, while the page is still loading) counts as not
+        ready.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -219,7 +221,8 @@ class Chromium:
 
 
 def write_run(root: Path) -> Path:
-    """A real Lightning run of the bundled tiny decoder with the three monitors, logged to TensorBoard."""
+    """A real Lightning run of the bundled tiny decoder with the three monitors, logged to
+    TensorBoard."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
     from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
@@ -307,7 +310,8 @@ class TensorBoard:
 
 @pytest.fixture(scope="module")
 def tensorboard(chromium_executable, tmp_path_factory):
-    """TensorBoard serving a freshly written run on 127.0.0.1, stopped afterwards whatever happens."""
+    """TensorBoard serving a freshly written run on 127.0.0.1, stopped afterwards whatever
+    happens."""
     root = tmp_path_factory.mktemp("browser")
     write_run(root / "runs")
     for attempt in range(3):  # the free port may be taken between probing and binding it
@@ -316,7 +320,8 @@ def tensorboard(chromium_executable, tmp_path_factory):
         log_path = root / f"tensorboard-{attempt}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                # run from `root` with a relative --logdir: the page shows "runs", as after `qkmonitor train`
+                # run from `root` with a relative --logdir: the page shows "runs", as after
+                # `qkmonitor train`
                 [
                     sys.executable,
                     "-m",
@@ -346,7 +351,8 @@ def tensorboard(chromium_executable, tmp_path_factory):
                 return
             if proc.poll() is None:
                 pytest.fail(
-                    f"TensorBoard did not serve the run within 60 s:\n{log_path.read_text()[-3000:]}"
+                    "TensorBoard did not serve the run within 60 "
+                    f"s:\n{log_path.read_text()[-3000:]}"
                 )
         finally:
             if proc.poll() is None:
@@ -371,5 +377,6 @@ def browser(chromium_executable, tmp_path_factory):
 
 @pytest.fixture
 def screenshot_dir(tmp_path) -> Path:
-    """docs/ with QKMONITOR_UPDATE_SCREENSHOTS=1 (the README embeds them), else the test's tmp_path."""
+    """docs/ with QKMONITOR_UPDATE_SCREENSHOTS=1 (the README embeds them), else the test's
+    tmp_path."""
     return REPO / "docs" if UPDATE_SCREENSHOTS else tmp_path

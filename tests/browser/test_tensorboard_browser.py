@@ -37,7 +37,8 @@ CUSTOM_SCALAR_CARDS = r"""(() => {
     let n = 0;
     const walk = (m) => { if (m.shadowRoot) walk(m.shadowRoot);
       for (const c of m.children || []) {
-        if (c.tagName === 'path' && c.classList.contains(kind) && (c.getAttribute('d') || '').length > 10) n++;
+        if (c.tagName === 'path' && c.classList.contains(kind)
+            && (c.getAttribute('d') || '').length > 10) n++;
         walk(c); } };
     walk(node);
     return n;
@@ -45,7 +46,8 @@ CUSTOM_SCALAR_CARDS = r"""(() => {
   const walk = (node) => { if (node.shadowRoot) walk(node.shadowRoot);
     for (const el of node.children || []) {
       const tag = el.tagName;
-      if (tag === 'TF-CUSTOM-SCALAR-MULTI-LINE-CHART-CARD' || tag === 'TF-CUSTOM-SCALAR-MARGIN-CHART-CARD') {
+      if (tag === 'TF-CUSTOM-SCALAR-MULTI-LINE-CHART-CARD'
+          || tag === 'TF-CUSTOM-SCALAR-MARGIN-CHART-CARD') {
         cards.push({kind: tag.includes('MARGIN') ? 'margin' : 'multiline', title: el.title,
                     lines: paths(el, 'line'), areas: paths(el, 'area')});
       } else walk(el);
@@ -77,7 +79,8 @@ IMAGE_CARDS = r"""(() => {
           for (const c of m.children || []) { if (c.tagName === 'IMG') img = img || c; find(c); } };
         find(el);
         const ok = img && img.complete;
-        cards.push({tag: el.tag, run: el.run, width: ok ? img.naturalWidth : 0, height: ok ? img.naturalHeight : 0});
+        cards.push({tag: el.tag, run: el.run, width: ok ? img.naturalWidth : 0,
+                    height: ok ? img.naturalHeight : 0});
       } else walk(el);
     } };
   walk(document);
@@ -86,7 +89,8 @@ IMAGE_CARDS = r"""(() => {
 
 
 def check_screenshot(path, size):
-    """A PNG of the viewport's size, with TensorBoard's orange header and a page that is not blank."""
+    """A PNG of the viewport's size, with TensorBoard's orange header and a page that is not
+    blank."""
     with Image.open(path) as image:
         assert image.format == "PNG" and image.size == size
         rgb = image.convert("RGB")
@@ -113,7 +117,8 @@ def test_custom_scalars_dashboard_draws_the_per_layer_charts(browser, tensorboar
         )
 
     size = (1640, 1320)
-    # no smoothing and no outlier clipping: with four points per line, the raw values are the picture
+    # no smoothing and no outlier clipping: with four points per line, the raw values are the
+    # picture
     browser.open(
         f"{tensorboard.url}/#custom_scalars&_smoothingWeight=0",
         *size,

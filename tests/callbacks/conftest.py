@@ -32,7 +32,8 @@ def tiny_task(lr: float = 3e-3, n_layers: int = 2, n_heads: int = 4, n_kv_heads:
 
 
 def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in a TensorBoard run directory, read back by TensorBoard's own EventAccumulator."""
+    """Every scalar in a TensorBoard run directory, read back by TensorBoard's own
+    EventAccumulator."""
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

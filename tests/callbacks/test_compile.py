@@ -1,11 +1,11 @@
 """The Lightning callbacks under ``torch.compile``: a fit logs what the uncompiled fit logs, nothing
 recompiles once warm, unprobed steps run the compiled graphs, and nothing stays on the model.
 
-Three ways users compile in Lightning: ``self.model = torch.compile(self.model)``, ``self.model.compile()``
-(in place) and ``trainer.fit(torch.compile(task))`` (Lightning compiles ``forward`` and the
-``*_step`` methods; with Lightning 2.6.6 and torch 2.13 dynamo fails on ``self.log`` there, with or
-without monitors, so that case uses a task that does not log). The backend counts the graphs and
-their calls and runs them as they are (as ``"eager"`` does).
+Three ways users compile in Lightning: ``self.model = torch.compile(self.model)``,
+``self.model.compile()`` (in place) and ``trainer.fit(torch.compile(task))`` (Lightning compiles
+``forward`` and the ``*_step`` methods; with Lightning 2.6.6 and torch 2.13 dynamo fails on
+``self.log`` there, with or without monitors, so that case uses a task that does not log). The
+backend counts the graphs and their calls and runs them as they are (as ``"eager"`` does).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ STEPS, WARM = 10, 4
 
 
 class Record(pl.Callback):
-    """After each batch: the monitors' values of a probe at that step, and the backend's counters."""
+    """After each batch: the monitors' values of a probe at that step, and the backend's
+    counters."""
 
     def __init__(self, monitors, backend) -> None:
         self.monitors, self.backend = monitors, backend

@@ -132,7 +132,10 @@ def test_every_alert_rule_field_is_checked_by_name(field, value):
 def test_a_rule_for_a_metric_the_monitor_does_not_log_lists_the_ones_it_does():
     with pytest.raises(
         ValueError,
-        match=r"'entropy_norm', 'max_logit', which QKSpectrumMonitor does not log; it logs kappa, kappa_eig",
+        match=(
+            r"'entropy_norm', 'max_logit', which QKSpectrumMonitor does not log; it logs kappa, "
+            r"kappa_eig"
+        ),
     ):
         QKSpectrumMonitor(alerts=[ENTROPY_COLLAPSE_RULE])
     with pytest.raises(ValueError, match="'kapa'"):
@@ -159,7 +162,9 @@ def test_a_class_in_the_callbacks_instead_of_an_instance_says_to_pass_an_instanc
             enable_model_summary=False,
             enable_checkpointing=False,
         )
-    except ValueError as err:  # Lightning before 2.6 refuses a class itself, inside Trainer(...), before any qkmonitor code
+    except ValueError as err:
+        # Lightning before 2.6 refuses a class itself, inside Trainer(...), before any qkmonitor
+        # code
         assert str(err) == "Expected a parent" and Version(lightning.__version__) < Version("2.6")
         return
     with pytest.raises(

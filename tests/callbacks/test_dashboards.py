@@ -49,7 +49,8 @@ def fit(tmp_path, make_task, logger, **kwargs):
 
 
 def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_path, make_task):
-    # visuals at every probe here; the default cadence (every 20th) is tests/engine/test_visuals.py's
+    # visuals at every probe here; the default cadence (every 20th) is
+    # tests/engine/test_visuals.py's
     fit(tmp_path, make_task, TensorBoardLogger(tmp_path, "run", 0), visuals_every_n_probes=1)
     run = tmp_path / "run" / "version_0"
     acc = EventAccumulator(str(run), size_guidance={"images": 0, "histograms": 0, "tensors": 0})
@@ -233,7 +234,8 @@ def test_heatmap_colours_follow_the_values_nan_is_grey_and_the_frame_has_labels_
 
 
 def test_the_shared_frame_of_one_shape_carries_nothing_from_one_image_to_the_next():
-    """Images of one shape share a cached frame: each keeps only its own title, numbers and cells."""
+    """Images of one shape share a cached frame: each keeps only its own title, numbers and
+    cells."""
     grid = torch.tensor([[0.1, 0.9], [0.4, 0.6]])
     first = heatmap_image(grid, title="kappa at step 10")
     heatmap_image(grid.flip(0) * 5, title="kappa at step 20 with a much longer title")

@@ -36,7 +36,8 @@ def monitors(**kwargs):
 
 
 def drawing_monitors():
-    """Visuals at every probe, and a kappa rule that fires at every probe (an alert text to write)."""
+    """Visuals at every probe, and a kappa rule that fires at every probe (an alert text to
+    write)."""
     always = KAPPA_RULE.replace(
         threshold=0.0,
         margin=0.0,

@@ -336,7 +336,8 @@ def test_resume_keeps_alert_state_and_does_not_repeat_alerts_or_steps(
 
 
 def test_on_alert_gets_the_trainer_and_can_lower_the_learning_rate(tmp_path, make_task):
-    # what docs/alerts.md suggests wiring up: halve the peak learning rate once per step that alerts.
+    # what docs/alerts.md suggests wiring up: halve the peak learning rate once per step that
+    # alerts.
     # The task's LambdaLR scheduler recomputes lr = base_lr * factor(step) every step, so the base
     # rate is what must change, and the optimizer's current rate with it.
     task, data = make_task(lr=1e-3)

@@ -151,7 +151,8 @@ def test_same_kind_same_prefix_is_refused_with_a_clear_message(tmp_path):
 
 def test_two_monitors_of_one_kind_under_one_prefix_get_qkmonitors_message_not_lightnings(tmp_path):
     """Same kind, prefix and layers: the same state key. Lightning's "more than one stateful
-    callback" would come from `Trainer(...)` without naming the prefix; qkmonitor's says what to do."""
+    callback" would come from `Trainer(...)` without naming the prefix; qkmonitor's says what to
+    do."""
     task, data = seq2seq_task()
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
@@ -164,8 +165,10 @@ def test_two_monitors_of_one_kind_under_one_prefix_get_qkmonitors_message_not_li
     )
     with pytest.raises(
         ValueError,
-        match=r"Two AttentionEntropyMonitors log under the same `log_key_prefix` "
-        r"'qkmonitor'.*Give each its own `log_key_prefix`",
+        match=(
+            r"Two AttentionEntropyMonitors log under the same `log_key_prefix` "
+            r"'qkmonitor'.*Give each its own `log_key_prefix`"
+        ),
     ):
         trainer.fit(task, datamodule=data)
 
@@ -198,7 +201,8 @@ def test_two_trainers_in_one_process_do_not_interfere(tmp_path):
 
 
 class SharedAttention(nn.Module):
-    """One attention module applied twice (weight sharing, as in ALBERT / Universal Transformers)."""
+    """One attention module applied twice (weight sharing, as in ALBERT / Universal
+    Transformers)."""
 
     def __init__(self) -> None:
         super().__init__()

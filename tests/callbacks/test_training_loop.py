@@ -134,7 +134,8 @@ def test_a_callback_reused_for_a_second_fit_starts_as_a_new_one(tmp_path, make_t
 
     from qkmonitor.alerts import KAPPA_RULE
 
-    def always():  # fires once per head and then stays active (hysteresis): its count is the head count
+    def always():
+        # fires once per head and then stays active (hysteresis): its count is the head count
         return KAPPA_RULE.replace(
             name="any_kappa",
             threshold=0.0,

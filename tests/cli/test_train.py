@@ -49,8 +49,8 @@ def test_short_run_writes_logs_and_prints_summary(tmp_path, capsys):
     # one line per source: the weights after the last step, the batch of the last probe
     assert "\n  kappa, qk_erank: the weights after step 12\n" in out
     assert (
-        "\n  entropy_norm, max_logit, hidden_collapse, attn_erank: the last probed batch, at step 8\n"
-        in out
+        "\n  entropy_norm, max_logit, hidden_collapse, attn_erank: the last probed batch, at step "
+        "8\n" in out
     )
     header = next(line for line in out.splitlines() if line.lstrip().startswith("layer"))
     assert header.split()[2:] == [

@@ -206,8 +206,9 @@ def test_lightning_hands_training_step_loss_to_the_rules(tmp_path):
 
 
 def test_only_the_losses_a_probe_can_read_are_kept():
-    # every 50 steps, windows of 10 + 10 steps: the first 10; the 20 steps before each multiple and the
-    # multiple; the 9 after it, where the probe of a multiple a run steps over lands (two optimizers)
+    # every 50 steps, windows of 10 + 10 steps: the first 10; the 20 steps before each multiple and
+    # the multiple; the 9 after it, where the probe of a multiple a run steps over lands (two
+    # optimizers)
     engine = AttentionEntropy(every_n_steps=50)
     for step in range(101):
         engine.observe_loss(step, float(step))

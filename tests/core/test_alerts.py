@@ -50,7 +50,8 @@ def feed(
 def test_a_level_rule_fires_once_and_again_only_after_recovering_past_the_margin():
     tracker = AlertTracker([LEVEL])
     fired = feed(tracker, {0: [12.0], 10: [15.0], 20: [9.5], 30: [12.0], 40: [8.9], 50: [10.0]})
-    # 9.5 is not below 10 - 1, so the alert at 0 stays active through 30; 8.9 recovers; 10 fires again
+    # 9.5 is not below 10 - 1, so the alert at 0 stays active through 30; 8.9 recovers; 10 fires
+    # again
     assert [(a.step, a.value) for a in fired] == [(0, 12.0), (50, 10.0)]
     assert tracker.counts == {"level": 2}
 
@@ -115,7 +116,8 @@ def test_patience_counts_consecutive_probes_where_level_and_trend_hold():
     fired = feed(
         tracker, {0: [1.0], 10: [1.0], 20: [1.0], 30: [20.0], 40: [3.0], 50: [30.0], 60: [200.0]}
     )
-    # 30: 20 >= 4 x 1 (streak 1); 40: 3 is below the level (0); 50: 30 >= 4 x 1 (1); 60: 200 >= 4 x 20 (2)
+    # 30: 20 >= 4 x 1 (streak 1); 40: 3 is below the level (0); 50: 30 >= 4 x 1 (1); 60: 200 >= 4 x
+    # 20 (2)
     assert [a.step for a in fired] == [60]
 
 

@@ -31,7 +31,8 @@ def test_the_docs_metric_table_is_the_catalogue():
 
 
 def test_every_row_of_the_table_has_its_eight_cells():
-    """A ``|`` in a meaning (``|lambda|``, ``||X||_F``) is escaped, so it does not split its cell."""
+    """A ``|`` in a meaning (``|lambda|``, ``||X||_F``) is escaped, so it does not split its
+    cell."""
     for line in markdown_table().splitlines():
         cells = re.split(r"(?<!\\)\|", line)[1:-1]
         assert len(cells) == 8, line

@@ -57,7 +57,8 @@ def test_batched_layers_equal_one_call_per_layer():
 
 
 def test_known_spectrum_gives_exact_kappa_and_erank():
-    """W_Q = U diag(s), W_K = V (orthonormal columns): W_QK = U diag(s) V^T has singular values s."""
+    """W_Q = U diag(s), W_K = V (orthonormal columns): W_QK = U diag(s) V^T has singular values
+    s."""
     gen = torch.Generator().manual_seed(2)
     d, d_k = 24, 4
     s = torch.tensor([8.0, 4.0, 2.0, 1.0], dtype=torch.float64)
@@ -208,7 +209,8 @@ def test_attention_stats_from_scores_marks_nonfinite_rows():
         expected = {
             "lse": torch.logsumexp(x, -1), "entropy": -(p * p.log()).sum(), "max_prob": p.max(),
             "max_logit": x.max(), "attended": keep.sum().double(),  # −inf is masking here
-            "sink_mass": torch.where(keep[:2], s[0, 0, row, :2].double() - torch.logsumexp(x, -1), -inf).exp().sum(),
+            "sink_mass": torch.where(keep[:2], s[0, 0, row, :2].double() - torch.logsumexp(x, -1),
+                                     -inf).exp().sum(),
         }  # fmt: skip
         for name, value in expected.items():
             assert_close(getattr(stats, name)[0, 0, row].double(), value, atol=1e-6, rtol=1e-6)

@@ -31,7 +31,8 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 40, 7
 TRANSFORMERS = Version(transformers.__version__)
-# BertSelfAttention calls its attention through ALL_ATTENTION_FUNCTIONS from 5.0; before, nothing to route
+# BertSelfAttention calls its attention through ALL_ATTENTION_FUNCTIONS from 5.0; before, nothing to
+# route
 BERT_DISPATCHES = TRANSFORMERS >= Version("5.0")
 NEEDS_BERT_DISPATCH = pytest.mark.skipif(
     not BERT_DISPATCHES,
@@ -524,7 +525,8 @@ def test_without_transformers_nothing_hf_is_looked_for(monkeypatch):
 
     model = build("llama")
     monkeypatch.setitem(sys.modules, "transformers", None)
-    # the Hugging Face family is not asked; the generic one still reads `LlamaAttention` by its names
+    # the Hugging Face family is not asked; the generic one still reads `LlamaAttention` by its
+    # names
     layers = find_attention_layers(model)
     assert layers and all(type(layer) is InterceptedAttentionLayer for layer in layers)
     with pytest.raises(ValueError, match="No attention layers found in Linear: looked for .*hf"):
@@ -535,14 +537,11 @@ def test_qkmonitor_imports_without_transformers():
     # torchmetrics imports transformers when it is installed, so it is loaded first; then
     # transformers is made unimportable before anything of qkmonitor is imported.
     code = (
-        "import sys, torchmetrics, lightning.pytorch\n"
-        "for name in [n for n in sys.modules if n == 'transformers' or n.startswith('transformers.')]:\n"
-        "    del sys.modules[name]\n"
-        "sys.modules['transformers'] = None\n"
-        "import qkmonitor, qkmonitor.hf, qkmonitor.callbacks\n"
-        "from qkmonitor.adapters import find_attention_layers\n"
-        "import torch\n"
-        "assert find_attention_layers(torch.nn.MultiheadAttention(8, 2))\n"
+        "import sys, torchmetrics, lightning.pytorch\nfor name in [n for n in sys.modules if n == "
+        "'transformers' or n.startswith('transformers.')]:\n    del "
+        "sys.modules[name]\nsys.modules['transformers'] = None\nimport qkmonitor, qkmonitor.hf, "
+        "qkmonitor.callbacks\nfrom qkmonitor.adapters import find_attention_layers\nimport "
+        "torch\nassert find_attention_layers(torch.nn.MultiheadAttention(8, 2))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

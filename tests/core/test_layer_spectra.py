@@ -1,4 +1,5 @@
-"""qkmonitor.layer_spectra against dense float64 linear algebra on the explicit d x d W_QK of each head.
+"""qkmonitor.layer_spectra against dense float64 linear algebra on the explicit d x d W_QK of each
+head.
 
 The tolerances are the bounds stated in the module docstring, evaluated for each head: with
 ``u`` the unit roundoff of the Gram products, ``ε = u·sqrt(d)``, ``S = ||W_Q^h|| ||W_K^g||``:
@@ -304,7 +305,8 @@ def test_zero_w_q_gives_undefined_ratios_and_zero_moments():
 
 
 def test_zero_w_qk_from_disjoint_factors_is_undefined_too():
-    """W_Q^h uses head coordinates 0-1, W_K^g coordinates 2-3: W_QK = Σ_k q_k k_k^T = 0, C nilpotent."""
+    """W_Q^h uses head coordinates 0-1, W_K^g coordinates 2-3: W_QK = Σ_k q_k k_k^T = 0, C
+    nilpotent."""
     gen = torch.Generator().manual_seed(7)
     w_q, w_k = torch.zeros(4, 12), torch.zeros(4, 12)
     w_q[:2], w_k[2:] = torch.randn(2, 12, generator=gen), torch.randn(2, 12, generator=gen)

@@ -63,7 +63,8 @@ def test_attention_statistics_carry_nan_rows_to_nan_heads():
     """A NaN row (a NaN score) is not a masked row: its head's means turn NaN, other heads not."""
     nan, inf = math.nan, math.inf
     rows = {"entropy": [[0.5, nan], [0.4, 0.2]], "attended": [[3, 3], [3, 3]],
-            "max_prob": [[0.6, nan], [0.5, 0.7]], "max_logit": [[1.0, nan], [2.0, 3.0]]}  # fmt: skip
+            "max_prob": [[0.6, nan], [0.5, 0.7]],
+            "max_logit": [[1.0, nan], [2.0, 3.0]]}  # fmt: skip
 
     def t(values):  # (1, H, N)
         return torch.tensor(values, dtype=torch.float32)[None]

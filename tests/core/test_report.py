@@ -128,7 +128,8 @@ def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 def layer_means(tags: dict[str, list]) -> dict[tuple[str, int], list[tuple[int, float]]]:
-    """(metric, layer) -> events of the mean-over-heads tags; the `_min`/`_max` head bands left out."""
+    """(metric, layer) -> events of the mean-over-heads tags; the `_min`/`_max` head bands left
+    out."""
     found = {
         (m["metric"], int(m["layer"])): events
         for tag, events in tags.items()
@@ -143,7 +144,8 @@ def layer_means(tags: dict[str, list]) -> dict[tuple[str, int], list[tuple[int, 
 
 
 def table_rows(text: str) -> dict[tuple[str, int], list[str]]:
-    """(metric, layer) -> the cells of that row of the table (the lines from its dashes to a blank line)."""
+    """(metric, layer) -> the cells of that row of the table (the lines from its dashes to a blank
+    line)."""
     rows, inside = {}, False
     for line in text.splitlines():
         if line.startswith("-----"):
@@ -597,8 +599,10 @@ def test_errors_name_the_path_and_what_was_expected(tmp_path):
     write_run(tmp_path / "other", {"train_loss": [1.0, 0.5]})
     with pytest.raises(
         ValueError,
-        match=r"`.*other` holds no qkmonitor scalars: expected tags like "
-        r"`qkmonitor/kappa/layer_00`.*`train_loss`",
+        match=(
+            r"`.*other` holds no qkmonitor scalars: expected tags like "
+            r"`qkmonitor/kappa/layer_00`.*`train_loss`"
+        ),
     ):
         build_report([tmp_path / "other"])
     write_run(tmp_path / "mine", {"watch/kappa/layer_00": [0.5]})

@@ -1,4 +1,5 @@
-"""A tiny training job for the distributed test: `python ddp_job.py OUT_DIR DEVICES BATCH_PER_DEVICE [clip]`.
+"""A tiny training job for the distributed test:
+`python ddp_job.py OUT_DIR DEVICES BATCH_PER_DEVICE [clip]`.
 
 With ``clip``, QKClip alone runs (tau 0.5, below every head's logits) and each rank saves its query
 and key weights after the fit to ``OUT_DIR/qk_rank{R}.pt``.

@@ -1,4 +1,5 @@
-"""The monitors under Lightning DDP on CPU (gloo, 2 processes) against one process on the same data."""
+"""The monitors under Lightning DDP on CPU (gloo, 2 processes) against one process on the same
+data."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every relative link in README.md and docs/*.md leads to a file, and every #anchor to a heading."""
+"""Every relative link in README.md and docs/*.md leads to a file, and every #anchor to a
+heading."""
 
 from __future__ import annotations
 

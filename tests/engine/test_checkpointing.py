@@ -1,5 +1,6 @@
-"""Activation checkpointing around the bundled model's blocks: a monitored run trains bit-identically
-to its unmonitored twin, and a forward recomputed in the backward is measured once (issue 19 item 6)."""
+"""Activation checkpointing around the bundled model's blocks: a monitored run trains
+bit-identically to its unmonitored twin, and a forward recomputed in the backward is measured once
+(issue 19 item 6)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ VOCAB, SEQ, STEPS = 16, 12, 10
 
 
 class Checkpointed(nn.Module):
-    """One block run under ``torch.utils.checkpoint``: its activations are recomputed in the backward."""
+    """One block run under ``torch.utils.checkpoint``: its activations are recomputed in the
+    backward."""
 
     def __init__(self, block: nn.Module, reentrant: bool) -> None:
         super().__init__()

@@ -3,8 +3,9 @@ recompiles nothing once warm, and nothing stays on the model.
 
 Every model trains twice from the same seed and batches, once as it is and once through
 ``torch.compile`` with a backend that counts the graphs dynamo hands it and their calls, and runs
-them as they are, as the ``eager`` backend does (``counting_backend``, tests/conftest.py). Both ways are covered: the monitors given the compiled module,
-and the monitors given the model while the loop calls a compiled wrapper they cannot see.
+them as they are, as the ``eager`` backend does (``counting_backend``, tests/conftest.py). Both ways
+are covered: the monitors given the compiled module, and the monitors given the model while the loop
+calls a compiled wrapper they cannot see.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class Llama(nn.Module):
 
 
 class ViT(nn.Module):
-    """timm's ``VisionTransformer`` (fused ``qkv``, SDPA) classifying 16 x 16 images of the tokens' seed."""
+    """timm's ``VisionTransformer`` (fused ``qkv``, SDPA) classifying 16 x 16 images of the tokens'
+    seed."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -32,7 +32,8 @@ def engines():
 
 
 def run_steps(model, monitored, batches, loss_of=lambda out: out.float().pow(2).mean()):
-    """One probed step per batch (every_n_steps=1); returns the qkmonitor warnings and the engines."""
+    """One probed step per batch (every_n_steps=1); returns the qkmonitor warnings and the
+    engines."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -185,8 +185,8 @@ def recall_run(clip_tau: float | None, qk_norm: bool = False) -> tuple[float, fl
 
 @pytest.mark.slow
 def test_qk_clip_rescues_a_run_whose_logits_run_away():
-    """Without the clip the logits run away (hundreds) and the loss ends >= 1.2 x the QK-norm twin's;
-    with QKClip(tau=10) they stay near tau and the loss ends within 10 % of the twin's."""
+    """Without the clip the logits run away (hundreds) and the loss ends >= 1.2 x the QK-norm
+    twin's; with QKClip(tau=10) they stay near tau and the loss ends within 10 % of the twin's."""
     failing, failing_logit = recall_run(None)
     twin, _ = recall_run(None, qk_norm=True)
     clipped, clipped_logit = recall_run(10.0)

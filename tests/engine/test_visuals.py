@@ -1,4 +1,5 @@
-"""The visuals' cadence, and what the TensorBoard sink writes, read back with TensorBoard's reader."""
+"""The visuals' cadence, and what the TensorBoard sink writes, read back with TensorBoard's
+reader."""
 
 from __future__ import annotations
 

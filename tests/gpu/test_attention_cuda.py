@@ -105,7 +105,8 @@ def test_statistics_against_float64(reference, dtype, n, m, d, heads, kv_heads, 
 
 @pytest.mark.parametrize("case", ["nan_query", "nan_key", "posinf_query"])
 def test_nonfinite_scores_on_the_gpu(reference, case):
-    """The compiled kernels' max returns the non-NaN operand: the NaN contract must not rely on m."""
+    """The compiled kernels' max returns the non-NaN operand: the NaN contract must not rely on
+    m."""
     # at most 128 long: one tile, no tuning; the GPU's NaN handling is the same in every tile
     q, k, v = (x.detach() for x in cuda_inputs(5, 2, 4, 2, 100, 128, 64, torch.bfloat16))
     if case == "nan_query":
@@ -138,5 +139,6 @@ def test_autocast_on_cuda(reference, dtype):
     ref = reference(q.detach(), k.detach(), v.detach(), causal=True)
     live = ref.attended > 1
     torch.testing.assert_close(stats.entropy[live].double() / ref.attended[live].log(),
-                               ref.entropy[live] / ref.attended[live].log(), atol=0.05, rtol=0)  # fmt: skip
+                               ref.entropy[live] / ref.attended[live].log(),
+                               atol=0.05, rtol=0)  # fmt: skip
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))

@@ -44,7 +44,8 @@ class RecordingLogger(Logger):
 
 def test_bf16_mixed_fit_with_all_monitors(tmp_path):
     data = AssociativeRecallDataModule(num_pairs=4, num_queries=4, num_keys=16, num_values=16,
-                                       batch_size=16, train_size=256, val_size=32, seed=0)  # fmt: skip
+                                       batch_size=16, train_size=256, val_size=32,
+                                       seed=0)  # fmt: skip
     config = TransformerConfig(
         vocab_size=data.vocab_size, d_model=128, n_layers=2, n_heads=2, max_seq_len=data.seq_len
     )  # fmt: skip  (head dim 64)

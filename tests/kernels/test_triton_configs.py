@@ -1,4 +1,5 @@
-"""The CUDA autotuning search space: what ``tuning.prune`` keeps for each shape (plain Python, no GPU)."""
+"""The CUDA autotuning search space: what ``tuning.prune`` keeps for each shape (plain Python, no
+GPU)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What the triton backend says when triton is missing or too old (no GPU, no triton import needed)."""
+"""What the triton backend says when triton is missing or too old (no GPU, no triton import
+needed)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def qkv():
 
 
 def cuda_like(q: torch.Tensor) -> SimpleNamespace:
-    """What `_choose_backend` reads of a CUDA tensor, for the `auto` branch on a CPU-only machine."""
+    """What `_choose_backend` reads of a CUDA tensor, for the `auto` branch on a CPU-only
+    machine."""
     return SimpleNamespace(dtype=q.dtype, shape=q.shape, is_cuda=True, device=torch.device("cuda"))
 
 
@@ -57,8 +59,10 @@ def old_triton(monkeypatch):
 def test_asking_for_triton_without_it_says_how_to_get_it(no_triton):
     with pytest.raises(
         ValueError,
-        match=r"`backend='triton'` cannot run: the `triton` package is not installed "
-        r"\(CUDA builds of torch bring it; .*pip install 'qkmonitor\[triton\]'",
+        match=(
+            r"`backend='triton'` cannot run: the `triton` package is not installed "
+            r"\(CUDA builds of torch bring it; .*pip install 'qkmonitor\[triton\]'"
+        ),
     ):
         attention(*qkv(), backend="triton")
 

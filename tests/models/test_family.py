@@ -1,4 +1,5 @@
-"""Every bundled model from one TransformerConfig: builds, runs, trains a step, keeps its promises."""
+"""Every bundled model from one TransformerConfig: builds, runs, trains a step, keeps its
+promises."""
 
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ def test_report_rows_from_known_measurements():
     assert rows[0][2:] == ["SDPA flash 300.0", "150.0", "0.50"]
     assert rows[1][2:] == ["SDPA flash 300.0", "100.0", "0.33"]
     overhead = {"model": "gpt2-small", "precision": "bf16-mixed",
-                "steps_per_s": {"no monitor": 20.0, "every 50": 19.0, "every step": 5.0}}  # fmt: skip
+                "steps_per_s": {"no monitor": 20.0, "every 50": 19.0,
+                                "every step": 5.0}}  # fmt: skip
     rows = report.overhead_rows(overhead)
     assert [row[3:] for row in rows] == [["19.0", "0.95"], ["5.0", "0.25"]]
     assert report.markdown(rows).splitlines()[0] == HEADER

@@ -1,4 +1,5 @@
-"""The model zoo: tiny third-party (and bundled) transformers, each with its own reading of W_Q and W_K.
+"""The model zoo: tiny third-party (and bundled) transformers, each with its own reading of W_Q and
+W_K.
 
 Every entry builds a model from its config with random weights (seeded), sharpens its attention
 (the query and key projections multiplied by a factor, so that the heads are not near-uniform),
@@ -60,7 +61,8 @@ QK = dict[str, tuple[Tensor, Tensor]]
 @dataclass
 class Built:
     """A built zoo entry. ``fail`` maps ``"before"``/``"after"`` to a child of the attention module
-    (relative name) that runs before/after the kernel; ``None`` there: patch ``fail_patch`` instead."""
+    (relative name) that runs before/after the kernel; ``None`` there: patch ``fail_patch``
+    instead."""
 
     model: nn.Module
     loss: Callable[[nn.Module], Tensor]
@@ -91,7 +93,7 @@ def entry(name: str, *requires: str):
     return register
 
 
-# ---------------------------------------------------------------------------------------------- helpers
+# ------------------------------------------------------------------------------------------ helpers
 
 
 def heads(w: Tensor, n: int) -> Tensor:
@@ -177,7 +179,7 @@ def seeded(seed: int = 0):
     torch.manual_seed(seed)
 
 
-# ---------------------------------------------------------------------------------------------- controls
+# ----------------------------------------------------------------------------------------- controls
 
 
 @entry("bundled")
@@ -287,7 +289,7 @@ def _hf_llama() -> Built:
     return Built(model, causal_lm(tokens()), qk, {"before": "q_proj", "after": "o_proj"})
 
 
-# ---------------------------------------------------------------------------------------------- timm
+# --------------------------------------------------------------------------------------------- timm
 
 
 def _timm_vit(fused: bool) -> Built:
@@ -326,7 +328,7 @@ entry("timm-vit-sdpa", "timm")(lambda: _timm_vit(True))
 entry("timm-vit-softmax", "timm")(lambda: _timm_vit(False))
 
 
-# ---------------------------------------------------------------------------------------------- nanoGPT
+# ------------------------------------------------------------------------------------------ nanoGPT
 
 
 @dataclass
@@ -492,7 +494,7 @@ entry("nanogpt-sdpa")(lambda: _nanogpt(True))
 entry("nanogpt-softmax")(lambda: _nanogpt(False))
 
 
-# ---------------------------------------------------------------------------------------------- torchtitan
+# --------------------------------------------------------------------------------------- torchtitan
 
 
 @dataclass
@@ -624,7 +626,7 @@ def _torchtitan() -> Built:
     return Built(model.train(), causal_lm(tokens(), hf=False), qk, {"before": "wq", "after": "wo"})
 
 
-# ---------------------------------------------------------------------------------------------- litgpt
+# ------------------------------------------------------------------------------------------- litgpt
 
 
 def _litgpt(pythia: bool) -> Built:
@@ -692,7 +694,7 @@ entry("litgpt-gqa", "litgpt")(lambda: _litgpt(False))
 entry("litgpt-pythia", "litgpt")(lambda: _litgpt(True))
 
 
-# ---------------------------------------------------------------------------------------------- x-transformers
+# ----------------------------------------------------------------------------------- x-transformers
 
 
 def _xtransformers(**attn_kwargs) -> Built:
@@ -737,7 +739,7 @@ entry("xtransformers-alibi-sdpa", "x_transformers")(
 )
 
 
-# ---------------------------------------------------------------------------------------------- Hugging Face
+# ------------------------------------------------------------------------------------- Hugging Face
 
 
 def _gpt_neox(impl: str) -> Built:
@@ -1006,7 +1008,8 @@ def _falcon(impl: str, layout: str, padded: bool = False) -> Built:
         "mqa": {"new_decoder_architecture": False, "multi_query": True},
         # the "new decoder architecture" (Falcon-40B/180B): per group [H/H_kv queries, k, v]
         "gqa": {"new_decoder_architecture": True, "num_kv_heads": 2},
-        # Falcon-RW: multi-head with ALiBi, per head [q, k, v]; ALiBi/sqrt(d_k) added to the float mask
+        # Falcon-RW: multi-head with ALiBi, per head [q, k, v]; ALiBi/sqrt(d_k) added to the float
+        # mask
         "alibi": {
             "new_decoder_architecture": False,
             "multi_query": False,

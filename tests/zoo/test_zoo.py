@@ -33,7 +33,7 @@ from qkmonitor.engine.sinks import MemorySink
 
 from .models import ZOO, Built
 
-# ---------------------------------------------------------------------------------------------- references
+# --------------------------------------------------------------------------------------- references
 
 
 def kappa_reference(wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,9 @@ def sdpa_reference(
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             allowed = allowed & attn_mask
-        else:  # additive: the library's "minus infinity" (-inf, finfo.min, -finfo.max // 2) marks a masked key
+        else:
+            # additive: the library's "minus infinity" (-inf, finfo.min, -finfo.max // 2) marks a
+            # masked key
             bias = attn_mask.double()
             allowed = allowed & torch.isfinite(bias) & (bias > torch.finfo(attn_mask.dtype).min / 4)
             s = s + torch.where(allowed, bias, 0.0)
@@ -108,7 +110,8 @@ def softmax_reference(logits: torch.Tensor):
 
 
 def mha_reference(arguments: dict):
-    """``F.multi_head_attention_forward`` (packed in-projection) in float64: (P, allowed, output)."""
+    """``F.multi_head_attention_forward`` (packed in-projection) in float64: (P, allowed,
+    output)."""
     a = arguments
     assert not a["use_separate_proj_weight"] and a["bias_k"] is None and not a["add_zero_attn"]
     assert a["dropout_p"] == 0.0 or not a["training"]
@@ -232,7 +235,8 @@ class Capture(TorchFunctionMode):
 
 
 def reference_statistics(records) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Per-head statistics of a module's recorded calls (rows pooled), and the self-checks' failures."""
+    """Per-head statistics of a module's recorded calls (rows pooled), and the self-checks'
+    failures."""
     ps, alloweds, problems = [], [], []
     for kind, arguments, out in records:
         if kind == "sdpa":
@@ -252,19 +256,21 @@ def reference_statistics(records) -> tuple[dict[str, torch.Tensor], list[str]]:
     return head_statistics(torch.cat(ps), torch.cat(alloweds)), problems
 
 
-# ---------------------------------------------------------------------------------------------- the tests
+# ---------------------------------------------------------------------------------------- the tests
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny models: a second torch thread only spins (and under load costs several times the run)."""
+    """Tiny models: a second torch thread only spins (and under load costs several times the
+    run)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
 
-#: Entries whose transformers code path differs before 5.0 in ways docs/usage.md names ("Works with"):
+#: Entries whose transformers code path differs before 5.0 in ways docs/usage.md names ("Works
+#: with"):
 #: T5 has no SDPA path, DistilBERT's attention class had another name, ModernBERT's reference
 #: here follows 5.x's masks, and GPT-BigCode's eager multi-query path folds the heads into the
 #: query sequence (qkmonitor then finds no (B, H, N, M) softmax and says the layer did not run).
@@ -359,7 +365,8 @@ def test_zoo_matches_float64_references(name, monkeypatch, leftovers):
         assert (
             0.2 < reference["entropy_norm"].mean() < 0.9
         ), (  # a test of something: not near-uniform
-            f"{layer_name}: reference entropy_norm {reference['entropy_norm']} (sharpen the zoo entry)"
+            f"{layer_name}: reference entropy_norm {reference['entropy_norm']} (sharpen the zoo "
+            "entry)"
         )
         i = layers[layer_name]
         for metric in ("entropy_norm", "max_prob"):

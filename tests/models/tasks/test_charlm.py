@@ -101,7 +101,8 @@ def test_bits_per_char_is_the_loss_in_base_two():
 
 @pytest.mark.slow
 def test_small_decoder_learns_python_source(fit):
-    """300 steps reach ~2.3 bits/char: far below the byte unigram entropy of Python source (~4.8)."""
+    """300 steps reach ~2.3 bits/char: far below the byte unigram entropy of Python source
+    (~4.8)."""
     pl.seed_everything(0, verbose=False)
     data = PythonSourceDataModule(
         max_chars=300_000, seq_len=64, batch_size=32, val_size=128, seed=0
