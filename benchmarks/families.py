@@ -88,7 +88,8 @@ class Family:
         return DecoderLM(self.config(qk_norm))
 
     def batches(self, seed: int) -> Iterator[Batch]:
-        """Training batches from the run's seed (fresh ones, except where a family repeats a set)."""
+        """Training batches from the run's seed (fresh ones, except where a family repeats a
+        set)."""
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
@@ -278,8 +279,9 @@ FAMILIES: dict[str, Family] = {
         Recall("recall", steps=300, batch_size=64, lrs=(3e-3, 1e-2, 3e-2, 1e-1)),
         Seq2Seq("seq2seq", steps=250, batch_size=48, lrs=(3e-3, 1e-2, 3e-2, 1e-1)),
         Vision("vision", steps=250, batch_size=32, lrs=(3e-3, 1e-2, 3e-2, 1e-1)),
-        # held out every 10 steps (the probe interval; separations come from 10-step means): evaluating it at
-        # every step was a quarter of the sweep's time. Rate 1e-3 left out: no run at it learned in 500 steps.
+        # held out every 10 steps (the probe interval; separations come from 10-step means):
+        # evaluating it at every step was a quarter of the sweep's time. Rate 1e-3 left out: no run
+        # at it learned in 500 steps.
         Grokking(
             "grokking",
             steps=500,

@@ -3,8 +3,8 @@
 Six task/architecture families of the bundled models (``benchmarks/families.py``: induction-head
 formation, char-LM, associative recall, an encoder-decoder, a vision encoder with 2-D RoPE,
 grokking), each at its learning-rate sweep, with a 50-step linear warmup and without, seeds 0, 1
-and 2. Every run trains with AdamW (betas 0.9/0.98, weight decay on matrices) in a plain loop with all
-three monitors on (:class:`qkmonitor.engine.Monitoring`, probe every 10 steps), their **default
+and 2. Every run trains with AdamW (betas 0.9/0.98, weight decay on matrices) in a plain loop with
+all three monitors on (:class:`qkmonitor.engine.Monitoring`, probe every 10 steps), their **default
 alert rules**, and the training loss handed to them (``Monitoring.observe_loss``), so the alerts are
 the ones a user would see. One process per core (``--jobs``), one thread each.
 
@@ -40,11 +40,14 @@ it warn in time?"). ``--quick`` writes its figure and JSON next to the cache ins
 
 Usage::
 
-    python benchmarks/instability.py            # 6 families x 3-4 rates x warmup on/off x 3 seeds (~20 min)
-    python benchmarks/instability.py --quick    # 2 rates, seed 0, 60 % of the steps (~3 min)
-    python benchmarks/instability.py --replay   # re-score the cached runs with the current rules (~30 s)
+    python benchmarks/instability.py            # 6 families x 3-4 rates x warmup on/off x 3 seeds
+    python benchmarks/instability.py --quick    # 2 rates, seed 0, 60 % of the steps
+    python benchmarks/instability.py --replay   # re-score the cached runs with the current rules
     python benchmarks/instability.py --qk-norm  # every run also with QK-norm
-    python benchmarks/instability.py --replay --round-1-rules  # the round-1 defaults on the same runs
+    # the round-1 defaults on the same runs
+    python benchmarks/instability.py --replay --round-1-rules
+
+The full sweep takes about 20 min, ``--quick`` about 3 min, ``--replay`` about 30 s.
 """
 
 from __future__ import annotations
@@ -152,7 +155,10 @@ class RunSpec:
 
     @property
     def key(self) -> str:
-        return f"{self.family}-lr{self.lr:g}-qk{int(self.qk_norm)}-s{self.seed}-w{self.warmup}-n{self.steps}"
+        return (
+            f"{self.family}-lr{self.lr:g}-qk{int(self.qk_norm)}-s{self.seed}-w{self.warmup}"
+            f"-n{self.steps}"
+        )
 
     @property
     def split(self) -> str:
@@ -504,7 +510,8 @@ def summary(scored: list[Scored]) -> dict[str, Any]:
 
 
 def _rule_stats(runs: list[Scored], rule: str) -> dict[str, Any]:
-    """How one rule did on its own: runs it fired on, failed runs it flagged in time, false alarms."""
+    """How one rule did on its own: runs it fired on, failed runs it flagged in time, false
+    alarms."""
 
     def alone(s: Scored) -> Scored:
         first = min((a["step"] for a in s.record.alerts if a["rule"] == rule), default=None)
@@ -624,11 +631,12 @@ def _fmt(value: Any) -> str:
 
 
 def tables(scored: list[Scored], stats: dict[str, Any]) -> str:
-    """Markdown: per-run verdicts, per-rule false alarms (validation), the summary per split and family."""
+    """Markdown: per-run verdicts, per-rule false alarms (validation), the summary per split and
+    family."""
     lines = [
         (
-            "| family | split | warmup | lr | seed | final loss | max logit | status | separates at | "
-            "first alert | in time | rules |"
+            "| family | split | warmup | lr | seed | final loss | max logit | status | separates "
+            "at | first alert | in time | rules |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -645,16 +653,16 @@ def tables(scored: list[Scored], stats: dict[str, Any]) -> str:
         spec = s.record.spec
         rules = sorted({a["rule"] for a in s.record.alerts})
         lines.append(
-            f"| {spec.family}{' (QK-norm)' if spec.qk_norm else ''} | {spec.split[:3]} | {spec.warmup} | "
-            f"{spec.lr:g} | {spec.seed} | {s.record.final_loss:.3f} | {s.record.max_logit:.3g} | {s.status} | "
-            f"{_fmt(s.separation)} | {_fmt(s.first_alert)} | {'yes' if s.in_time else '—'} | "
-            f"{', '.join(rules) or '—'} |"
+            f"| {spec.family}{' (QK-norm)' if spec.qk_norm else ''} | {spec.split[:3]} | "
+            f"{spec.warmup} | {spec.lr:g} | {spec.seed} | {s.record.final_loss:.3f} | "
+            f"{s.record.max_logit:.3g} | {s.status} | {_fmt(s.separation)} | {_fmt(s.first_alert)} "
+            f"| {'yes' if s.in_time else '—'} | {', '.join(rules) or '—'} |"
         )
     lines += [
         "",
         (
-            "| rule (validation set) | runs fired | failed runs flagged (in time) | false alarms (runs not "
-            "failed) | false-alarm rate | healthy runs fired |"
+            "| rule (validation set) | runs fired | failed runs flagged (in time) | false alarms "
+            "(runs not failed) | false-alarm rate | healthy runs fired |"
         ),
         "|---|---|---|---|---|---|",
     ]
@@ -671,9 +679,9 @@ def tables(scored: list[Scored], stats: dict[str, Any]) -> str:
     lines += [
         "",
         (
-            "| set | runs | failed | healthy | recall | precision | separating after step 30: flagged "
-            f">= {MIN_LEAD} steps ahead | separating by step 30: flagged by the next probe | "
-            "median lead | healthy runs alerted |"
+            "| set | runs | failed | healthy | recall | precision | separating after step 30: "
+            f"flagged >= {MIN_LEAD} steps ahead | separating by step 30: flagged by the next probe "
+            "| median lead | healthy runs alerted |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -781,12 +789,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     missing = [s for s in specs if records[s.key] is None]
     if missing and args.replay:
         sys.exit(
-            f"--replay: {len(missing)} run(s) not in {args.cache}, e.g. {missing[0].key}; run without --replay"
+            f"--replay: {len(missing)} run(s) not in {args.cache}, e.g. {missing[0].key}; run "
+            "without --replay"
         )
     fresh = set()
     if missing:
         print(
-            f"training {len(missing)} run(s) with {args.jobs} job(s); {len(specs) - len(missing)} cached",
+            f"training {len(missing)} run(s) with {args.jobs} job(s); {len(specs) - len(missing)} "
+            "cached",
             flush=True,
         )
         context = multiprocessing.get_context("spawn")
@@ -796,8 +806,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 records[record.spec.key] = record
                 fresh.add(record.spec.key)
                 print(
-                    f"  {record.spec.key}: final loss {record.final_loss:.3f}, max logit {record.max_logit:.3g}, "
-                    f"{len(record.live_alerts)} alert(s), {record.seconds:.0f} s",
+                    f"  {record.spec.key}: final loss {record.final_loss:.3f}, max logit "
+                    f"{record.max_logit:.3g}, {len(record.live_alerts)} alert(s), "
+                    f"{record.seconds:.0f} s",
                     flush=True,
                 )
     ordered = [records[s.key] for s in specs]

@@ -1,4 +1,5 @@
-"""Training steps per second with the monitors on, against none, on a bundled or a nanoGPT-style model.
+"""Training steps per second with the monitors on, against none, on a bundled or a nanoGPT-style
+model.
 
 Four configurations run interleaved, several rounds each, so machine noise hits them alike: no
 monitor; all three monitors at ``every_n_steps=50`` with their defaults (visuals at every 20th
@@ -52,8 +53,10 @@ Usage::
     python benchmarks/overhead.py --device cuda --model gpt2-small --precision bf16-mixed \\
         --steps 60 --rounds 1 --warmup-steps 4 --json overhead.json
     python benchmarks/overhead.py --dry-run       # arguments and report only, nothing trained
-    python benchmarks/overhead.py --arch nanogpt --compile --steps 300   # torch.compile'd, side by side
-    python benchmarks/overhead.py --arch nanogpt --offsets --steps 1000 --rounds 2   # a window, batch by batch
+    # torch.compile'd, side by side
+    python benchmarks/overhead.py --arch nanogpt --compile --steps 300
+    # a window, batch by batch
+    python benchmarks/overhead.py --arch nanogpt --offsets --steps 1000 --rounds 2
 """
 
 from __future__ import annotations
@@ -204,8 +207,8 @@ def run(args, config: tuple[int, int] | None, log_root: str, steps: int | None =
     trainer = pl.Trainer(max_steps=steps, accelerator=args.device, devices=1,
                          precision=args.precision, logger=TensorBoardLogger(log_root),
                          callbacks=[timer, *callbacks], enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-                         log_every_n_steps=50)  # fmt: skip
+                         enable_model_summary=False, enable_checkpointing=False,
+                         limit_val_batches=0, log_every_n_steps=50)  # fmt: skip
     trainer.fit(task, datamodule=data)
     return timer
 
@@ -307,8 +310,8 @@ def measure(args) -> dict[str, dict[str, float]]:
 
 
 def compiled_side_by_side(args) -> dict[str, float]:
-    """``--compile``: two copies of the model, ``torch.compile``'d alike (``--backend``), trained step
-    for step in one loop on the same batches, the second with all three monitors at
+    """``--compile``: two copies of the model, ``torch.compile``'d alike (``--backend``), trained
+    step for step in one loop on the same batches, the second with all three monitors at
     ``every_n_steps=50`` (a plain loop with :class:`~qkmonitor.engine.Monitoring`: the callbacks'
     hooks are measured by the Lightning runs). Each step of one is timed beside the same step of
     the other, so machine drift hits both. Returns the medians of the unprobed steps, the excess of
@@ -401,14 +404,16 @@ def offsets(
 
 def report_offsets(diffs: dict[int, float], quiet_step: float, every: int = 50) -> None:
     print(
-        "  a window, batch by batch (the defaults less no monitor, mean over every window of every round):"
+        "  a window, batch by batch (the defaults less no monitor, mean over every window of every "
+        "round):"
     )
     print("  " + "  ".join(f"{k:+d}: {1e3 * v:5.2f}" for k, v in diffs.items()) + "  (ms)")
     total = sum(diffs.values())
     print(
         f"  sum over offsets {min(diffs)}..{max(diffs)}: {1e3 * total:.1f} ms a window = "
-        f"{100 * total / every / quiet_step:.2f}% of the quiet step ({1e3 * quiet_step:.2f} ms) at every_n_steps={every} "
-        "(the hooks on other steps and the visuals of every 20th window come on top: see the default run)"
+        f"{100 * total / every / quiet_step:.2f}% of the quiet step ({1e3 * quiet_step:.2f} ms) at "
+        f"every_n_steps={every} (the hooks on other steps and the visuals of every 20th window "
+        "come on top: see the default run)"
     )
 
 
@@ -419,11 +424,12 @@ def report_compiled(figures: dict[str, float], args) -> None:
         f"all monitors every 50 steps on one:"
     )
     print(
-        f"  unprobed step: {1e3 * f['unprobed_plain_s']:.2f} ms compiled without monitors; with them "
-        f"{100 * f['unprobed_overhead']:+.2f}% (median of per-step ratios)"
+        f"  unprobed step: {1e3 * f['unprobed_plain_s']:.2f} ms compiled without monitors; with "
+        f"them {100 * f['unprobed_overhead']:+.2f}% (median of per-step ratios)"
     )
     print(
-        f"  probed window (the probed step and the spectrum's): {1e3 * f['window_s']:.1f} ms beyond the twin's steps"
+        f"  probed window (the probed step and the spectrum's): {1e3 * f['window_s']:.1f} ms "
+        "beyond the twin's steps"
     )
     print(
         f"  warm-up, steps 0-51 (compiling; the first copy to reach a graph compiles it for both): "
@@ -437,8 +443,8 @@ def report_compiled(figures: dict[str, float], args) -> None:
 
 def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
     print(
-        f"  {'configuration':36s} {'steps/s':>8s} {'between':>8s} {'window':>9s} {'hooks':>8s} {'in-run':>7s} "
-        f"{'setup':>7s} {'1st window':>10s}"
+        f"  {'configuration':36s} {'steps/s':>8s} {'between':>8s} {'window':>9s} {'hooks':>8s} "
+        f"{'in-run':>7s} {'setup':>7s} {'1st window':>10s}"
     )
     for name, f in figures.items():
         line = f"  {name:36s} {f['steps_per_s']:8.1f} {100 * f.get('overhead', math.nan):+7.1f}%"
@@ -454,18 +460,21 @@ def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
     d = figures[DEFAULTS]
     if "long_run" in d:
         print(
-            f"  defaults over a long run: {1e3 * d['window_s']:.1f} ms a window + visuals {1e3 * d['visuals_s']:.1f} ms "
-            f"every {VISUALS_EVERY} windows + hooks => {100 * d['long_run']:+.2f}% of the plain step"
+            f"  defaults over a long run: {1e3 * d['window_s']:.1f} ms a window + visuals "
+            f"{1e3 * d['visuals_s']:.1f} ms every {VISUALS_EVERY} windows + hooks => "
+            f"{100 * d['long_run']:+.2f}% of the plain step"
         )
     plain = figures["no monitor"].get("plain_step_s", math.nan)
     hooks = d.get("hooks_s", math.nan)
     print(
-        f"  unprobed step, {arch}: {1e3 * plain:.2f} ms with no monitor; the monitors' hooks (every "
-        f"{CONFIGS[DEFAULTS][0]} steps) add {1e3 * hooks:.3f} ms => {100 * hooks / plain:+.2f}% of the plain step"
+        f"  unprobed step, {arch}: {1e3 * plain:.2f} ms with no monitor; the monitors' hooks "
+        f"(every {CONFIGS[DEFAULTS][0]} steps) add {1e3 * hooks:.3f} ms => "
+        f"{100 * hooks / plain:+.2f}% of the plain step"
     )
     print(
-        "  between: steady time against the no-monitor run; window: a probe window's cost, in-run; hooks: the "
-        "monitors' hooks on an untouched batch; in-run: both over the run's own untouched batches"
+        "  between: steady time against the no-monitor run; window: a probe window's cost, "
+        "in-run; hooks: the monitors' hooks on an untouched batch; in-run: both over the run's "
+        "own untouched batches"
     )
 
 
@@ -484,14 +493,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--arch", choices=["bundled", "nanogpt"], default="bundled",
-        help="qkmonitor's bundled decoder, or a nanoGPT-style SDPA decoder of the same size found by interception",
+        help="qkmonitor's bundled decoder, or a nanoGPT-style SDPA decoder of the same size found "
+            "by interception",
     )  # fmt: skip
     parser.add_argument("--precision", default="32-true", help="Lightning's, e.g. bf16-mixed")
     parser.add_argument("--json", type=Path, help="also write the rates to this file")
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile'd twins stepped side by side in a plain loop, with and without monitors",
+        help=(
+            "torch.compile'd twins stepped side by side in a plain loop, with and without monitors"
+        ),
     )
     parser.add_argument(
         "--backend", default="inductor", help="with --compile: torch.compile's backend"
@@ -515,8 +527,8 @@ def main(argv: list[str] | None = None) -> None:
             return
         figures = compiled_side_by_side(args)
         print(
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, arch {args.arch}, "
-            f"{args.steps} steps"
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, "
+            f"arch {args.arch}, {args.steps} steps"
         )
         report_compiled(figures, args)
         if args.json:
@@ -537,8 +549,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.dry_run:
             return
         print(
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, arch {args.arch}, "
-            f"{args.steps} steps x {args.rounds} rounds"
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, "
+            f"arch {args.arch}, {args.steps} steps x {args.rounds} rounds"
         )
         report_offsets(*offsets(args))
         return
@@ -546,14 +558,16 @@ def main(argv: list[str] | None = None) -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" and not args.dry_run else (
         f"{torch.get_num_threads()} threads")  # fmt: skip
     arch = "" if args.arch == "bundled" else f", arch {args.arch}"  # the bundled header as before
-    print(f"torch {torch.__version__}, {where}, model {args.model}{arch}, precision {args.precision}, "
+    print(f"torch {torch.__version__}, {where}, model {args.model}{arch}, precision "
+        f"{args.precision}, "
           f"{args.steps} steps x {args.rounds} rounds")  # fmt: skip
     report(figures, args.arch)
     if args.json:
         rates = {name: f["steps_per_s"] for name, f in figures.items()}
-        args.json.write_text(json.dumps({"model": args.model, "arch": args.arch, "precision": args.precision,
-                                         "device": args.device, "steps": args.steps,
-                                         "steps_per_s": rates, "figures": figures}, indent=1))  # fmt: skip
+        args.json.write_text(json.dumps({"model": args.model, "arch": args.arch,
+                                         "precision": args.precision, "device": args.device,
+                                         "steps": args.steps, "steps_per_s": rates,
+                                         "figures": figures}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

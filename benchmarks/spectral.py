@@ -105,7 +105,8 @@ def best_of(fn: Callable[[], object], repeats: int) -> float:
 
 
 def best_of_with_cpu(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """Best (wall, CPU) seconds: the CPU time of all threads tells a loaded machine from a slow path."""
+    """Best (wall, CPU) seconds: the CPU time of all threads tells a loaded machine from a slow
+    path."""
     times = []
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -179,8 +180,8 @@ def part_one(case: Case, dense_heads: int, repeats: int) -> None:
     print(case.name)
     print(f"  dense {case.d}x{case.d} float64 SVD per head{scaled}: {t_dense * 1e3:10.1f} ms")
     print(
-        f"  QR  + {case.d_k}x{case.d_k} SVD, all layers stacked, sigma only:   {t_qr * 1e3:10.1f} ms"
-        f"   speed-up {t_dense / t_qr:7.1f}x   max |dsigma| / sigma_1 vs dense: {worst_qr:.1e}"
+        f"  QR  + {case.d_k}x{case.d_k} SVD, all layers stacked, sigma only:   {t_qr * 1e3:10.1f} "
+        f"ms   speed-up {t_dense / t_qr:7.1f}x   max |dsigma| / sigma_1 vs dense: {worst_qr:.1e}"
     )
     print(
         f"  Gram, layer by layer, every metric + sigma:        {t_gram * 1e3:10.1f} ms"
@@ -194,7 +195,8 @@ def part_one(case: Case, dense_heads: int, repeats: int) -> None:
 def old_probe(
     case: Case, layers: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
-    """The callback's former path: stack the layers of one shape, metrics, then the SVD again."""
+    """The stacked route timed against: stack the layers of one shape, metrics, then the SVD
+    again."""
     w_q, w_k = torch.stack([q for q, _ in layers]), torch.stack([k for _, k in layers])
     scale = torch.full((len(layers),), case.d_k**-0.5, dtype=torch.float64)
     metrics = qk_spectrum_metrics(w_q, w_k, case.heads, case.kv_heads, scale)
@@ -229,7 +231,8 @@ def part_two(case: Case, timed_layers: int, repeats: int) -> None:
 
 
 def accuracy(case: Case, w_q: torch.Tensor, w_k: torch.Tensor) -> None:
-    """Both paths on one layer against float64 (the QR route in float64, λ of W_K^T W_Q in float64)."""
+    """Both paths on one layer against float64 (the QR route in float64, λ of W_K^T W_Q in
+    float64)."""
     sigma = qk_singular_values(w_q.double(), w_k.double(), case.heads, case.kv_heads)  # (H, d_k)
     lam = qk_eigenvalues(w_q.double(), w_k.double(), case.heads, case.kv_heads)
     reference = {
@@ -256,10 +259,12 @@ def accuracy(case: Case, w_q: torch.Tensor, w_k: torch.Tensor) -> None:
         },
     }
     print(
-        f"  accuracy on one layer against float64 (S = ||W_Q^h|| ||W_K^g||, max over {case.heads} heads):"
+        f"  accuracy on one layer against float64 (S = ||W_Q^h|| ||W_K^g||, max over {case.heads} "
+        "heads):"
     )
     print(
-        f"  {'':20s}{'max|dsigma|/S':>15s}{'sigma_1 rel':>13s}{'|dkappa|':>11s}{'|derank|':>11s}{'|dkappa_eig|':>14s}"
+        f"  {'':20s}{'max|dsigma|/S':>15s}{'sigma_1 rel':>13s}{'|dkappa|':>11s}{'|derank|':>11s}"
+        f"{'|dkappa_eig|':>14s}"
     )
     for name, got in paths.items():
         d_sigma = ((got["sigma"].double() - sigma).abs().amax(-1) / scale).max().item()
