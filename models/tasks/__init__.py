@@ -18,7 +18,7 @@ from .copy_reverse import CopyReverseDataModule, Seq2SeqTask, make_copy_batch
 from .grid import GridRelationDataModule, VisionClassificationTask, make_grid_batch
 from .lm import CausalLMTask
 from .modular import ModularAdditionDataModule, make_modular_addition
-from .recall import AssociativeRecallDataModule, make_recall_batch
+from .recall import AssociativeRecallDataModule, make_recall_batch, train_recall_miniature
 
 __all__ = [
     "AssociativeRecallDataModule",
@@ -36,4 +36,5 @@ __all__ = [
     "make_modular_addition",
     "make_recall_batch",
     "python_source_files",
+    "train_recall_miniature",
 ]

@@ -10,9 +10,7 @@ import warnings
 import pytest
 import torch
 from qkmonitor.models import DecoderLM, TransformerConfig
-from qkmonitor.models.tasks import make_recall_batch
-from qkmonitor.models.tasks.base import IGNORE_INDEX, lr_factor
-from torch import nn
+from qkmonitor.models.tasks import train_recall_miniature
 from torch.testing import assert_close
 
 from qkmonitor.adapters import find_attention_layers
@@ -142,45 +140,20 @@ def test_bad_arguments_are_named(kwargs, name):
 
 
 def recall_run(clip_tau: float | None, qk_norm: bool = False) -> tuple[float, float]:
-    """The instability miniature of tests/core/test_instability.py at peak lr 0.1: (final loss,
-    largest logit seen at the probes)."""
-    torch.manual_seed(0)
-    pairs = 4
-    model = DecoderLM(
-        TransformerConfig(
-            vocab_size=8 * pairs,
-            d_model=32,
-            n_layers=2,
-            n_heads=4,
-            max_seq_len=3 * pairs,
-            qk_norm=qk_norm,
-            attention_backend="torch",
-        )
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.98), weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, 20))
+    """The instability miniature (``train_recall_miniature``, peak lr 0.1): (final loss, largest
+    logit AttentionEntropy saw at its probes)."""
     entropy = AttentionEntropy(every_n_steps=10, alerts=[])
     engines = [entropy] + ([QKClip(tau=clip_tau)] if clip_tau else [])
-    monitoring = Monitoring(model, engines, writer=MemorySink(), every_n_steps=10)
-    generator = torch.Generator().manual_seed(1)
-    losses, largest = [], 0.0
+    largest = []
+
+    def read(step: int) -> None:
+        if entropy.latest_step == step:
+            largest.extend(float(x.max()) for x in entropy.latest["max_logit"])
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for step in range(150):
-            tokens, targets = make_recall_batch(32, pairs, pairs, 4 * pairs, 4 * pairs, generator)
-            with monitoring.step(step):
-                loss = nn.functional.cross_entropy(
-                    model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
-                )
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            schedule.step()
-            losses.append(loss.item())
-            if entropy.latest_step == step:
-                largest = max(largest, max(float(x.max()) for x in entropy.latest["max_logit"]))
-    monitoring.close()
-    return sum(losses[-20:]) / 20, largest
+        losses = train_recall_miniature(engines, qk_norm=qk_norm, on_step=read)
+    return sum(losses[-20:]) / 20, max(largest)
 
 
 @pytest.mark.slow
