@@ -53,6 +53,7 @@ Usage::
     python benchmarks/overhead.py --device cuda --model gpt2-small --precision bf16-mixed \\
         --steps 60 --rounds 1 --warmup-steps 4 --json overhead.json
     python benchmarks/overhead.py --dry-run       # arguments and report only, nothing trained
+    python benchmarks/overhead.py --arch nanogpt --qk-clip   # also what QKClip costs
     # torch.compile'd, side by side
     python benchmarks/overhead.py --arch nanogpt --compile --steps 300
     # a window, batch by batch
@@ -81,7 +82,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/nanogpt.py
 
 from nanogpt import NanoGPTTask
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.callbacks import (
+    AttentionEntropyMonitor,
+    EffectiveRankMonitor,
+    QKClip,
+    QKSpectrumMonitor,
+)
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import (
     AssociativeRecallDataModule,
@@ -100,6 +106,13 @@ CONFIGS = {
 }
 DEFAULTS = "all monitors, every 50 steps"
 VISUALS = "every 50 steps, visuals every probe"
+#: with ``--qk-clip``: QK-Clip alone (tau 100), (``"clip"``, every_n_steps)
+QK_CLIP_CONFIGS = {"QKClip, every step": ("clip", 1), "QKClip, every 10 steps": ("clip", 10)}
+
+
+def every_of(config: tuple) -> int:
+    """The probe interval of a configuration."""
+    return config[1] if config[0] == "clip" else config[0]
 
 
 class Clock(pl.Callback):
@@ -146,6 +159,8 @@ def _synchronize(pl_module) -> None:
 def monitors(config: tuple[int, int] | None) -> list[pl.Callback]:
     if config is None:
         return []
+    if config[0] == "clip":
+        return [QKClip(tau=100.0, every_n_steps=config[1])]
     every, visuals = config
     return [
         QKSpectrumMonitor(every_n_steps=every, visuals_every_n_probes=visuals),
@@ -263,24 +278,25 @@ def measure(args) -> dict[str, dict[str, float]]:
         figures = {name: {"steps_per_s": math.nan} for name in CONFIGS}
         figures["no monitor"]["plain_step_s"] = math.nan
         return figures
-    clocks: dict[str, list[Clock]] = {name: [] for name in CONFIGS}
+    configs = {**CONFIGS, **(QK_CLIP_CONFIGS if args.qk_clip else {})}
+    clocks: dict[str, list[Clock]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as log_root:
         if args.warmup_steps:  # first-call costs (Triton autotuning, compiles) out of the rounds
             run(args, (1, 1), log_root, steps=args.warmup_steps)
         for _ in range(args.rounds):
-            for name, config in CONFIGS.items():
+            for name, config in configs.items():
                 clocks[name].append(run(args, config, log_root))
     base = clocks["no monitor"]
     plain_step = statistics.median(s for c in base for s in c.steps[1:])
     figures: dict[str, dict[str, float]] = {}
-    for name, config in CONFIGS.items():
+    for name, config in configs.items():
         rounds = clocks[name]
         out = {
             "steps_per_s": (args.steps - 1) / statistics.median(c.steady for c in rounds),
             "overhead": statistics.median(c.steady / b.steady - 1 for c, b in zip(rounds, base)),
         }
         if config is not None:
-            every = config[0]
+            every = every_of(config)
             out["setup_s"] = statistics.median(
                 c.first_batch_at - c.setup_at for c in rounds
             ) - statistics.median(b.first_batch_at - b.setup_at for b in base)
@@ -288,8 +304,8 @@ def measure(args) -> dict[str, dict[str, float]]:
                 c.steps[0] for c in rounds
             ) - statistics.median(b.steps[0] for b in base)
             out["hooks_s"] = statistics.median(hooks_untouched(c, every) for c in rounds)
-        if config is not None and config[0] > 1:
-            every = config[0]
+        if config is not None and every_of(config) > 1:
+            every = every_of(config)
             out["window_s"] = statistics.median(
                 window_cost(c, b, every) for c, b in zip(rounds, base)
             )
@@ -512,6 +528,11 @@ def main(argv: list[str] | None = None) -> None:
         "--offsets",
         action="store_true",
         help="where a window's time goes, batch by batch around the probe (defaults vs no monitor)",
+    )
+    parser.add_argument(
+        "--qk-clip",
+        action="store_true",
+        help="also QKClip alone (tau 100) every step and every 10 steps (what the cure costs)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="build model and data, train nothing"
