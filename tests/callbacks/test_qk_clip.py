@@ -71,3 +71,16 @@ def test_it_clips_after_every_step_logs_and_a_resume_keeps_the_counts(
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
         QKClip(**kwargs)
+
+
+def test_a_callback_reused_for_a_second_fit_counts_from_zero_again(tmp_path, make_task, scalars_of):
+    task, data = make_task(lr=0.05)
+    clip = QKClip(tau=0.01, per_head=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(tmp_path / "first", 2, [clip]).fit(task, datamodule=data)
+        first = [c.tolist() for c in clip.engine.clip_counts]
+        trainer(tmp_path / "second", 2, [clip]).fit(task, datamodule=data)
+    second = clips_logged(scalars_of(tmp_path / "second" / "run" / "version_0"))
+    assert sum(map(sum, first)) > 0
+    assert [c.tolist() for c in clip.engine.clip_counts] == second  # a new run, not first + second

@@ -89,7 +89,7 @@ def test_every_n_steps_and_the_counts_survive_a_resume():
     model = sharp_model()
     tau = float(torch.cat(measured(model)).median())
     clip = QKClip(tau=tau, every_n_steps=2)
-    monitoring = frozen_step(model, [clip], steps=3)  # clips at steps 0 and 2 (none left at 2)
+    frozen_step(model, [clip], steps=3)  # probes at steps 0 and 2
     assert clip.latest_step == 2
     counts = [c.tolist() for c in clip.clip_counts]
     assert sum(map(sum, counts)) > 0
@@ -98,7 +98,6 @@ def test_every_n_steps_and_the_counts_survive_a_resume():
     again.load_state_dict(state)
     Monitoring(model, [again], writer=MemorySink()).close()
     assert [c.tolist() for c in again.clip_counts] == counts
-    assert monitoring.host.should_stop is False
 
 
 def test_layers_with_qk_norm_are_left_alone_with_one_warning():
@@ -196,3 +195,49 @@ def test_a_step_that_raises_leaves_nothing_on_the_model_and_clips_nothing(leftov
     monitoring.close()
     assert leftovers(model) == []
     assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
+
+
+def clipped_run(
+    compiled_with=None, autocast: bool = False, every: int = 1, steps: int = 3
+) -> tuple[QKClip, dict]:
+    """Frozen steps of QKClip (every ``every`` steps) on ``sharp_model``, the loop calling a
+    ``torch.compile``'d model (``compiled_with``: its backend) or the model, the forward under bf16
+    autocast or not: (the engine, the weights after)."""
+    model = sharp_model(bias=True, n_kv_heads=2)
+    tau = float(torch.cat(measured(model)).median())
+    run = torch.compile(model, backend=compiled_with) if compiled_with else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    clip = QKClip(tau=tau, every_n_steps=every)
+    monitoring = Monitoring(model, [clip], writer=MemorySink(), every_n_steps=every)
+    for step in range(steps):
+        with monitoring.step(step):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = run(TOKENS)
+            out.float().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    monitoring.close()
+    return clip, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_under_torch_compile_the_clip_is_the_uncompiled_one(counting_backend, leftovers):
+    """A probed step runs uncompiled (qkmonitor.compiled), so the clip is measured as in eager
+    mode; the unprobed steps between run the compiled graphs."""
+    torch._dynamo.reset()
+    eager, eager_weights = clipped_run(every=2, steps=5)
+    backend = counting_backend()
+    compiled, weights = clipped_run(compiled_with=backend, every=2, steps=5)
+    assert backend.graphs > 0 and backend.calls >= 2  # the unprobed steps 1 and 3 ran compiled
+    assert [c.tolist() for c in compiled.clip_counts] == [c.tolist() for c in eager.clip_counts]
+    assert sum(int(c.sum()) for c in eager.clip_counts) > 0
+    for name, w in eager_weights.items():
+        assert torch.equal(weights[name], w), name
+    torch._dynamo.reset()
+
+
+def test_under_bf16_autocast_the_max_logit_is_measured_in_float32_and_weights_stay_float32():
+    clip, weights = clipped_run(autocast=True)
+    assert all(v.dtype == torch.float32 for v in clip.latest["clip_max_logit"])
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    assert sum(int(c.sum()) for c in clip.clip_counts) > 0  # heads above the median were clipped
+    assert all(torch.isfinite(v).all() for v in clip.latest["clip_factor"])
