@@ -72,12 +72,17 @@ class AttentionStatistics(_PerHeadMetric):
             dist_reduce_fx="max",
         )
 
-    def update(self, stats: AttentionStats) -> None:
-        """Add the rows of one forward: every field (B, H, N)."""
-        if stats.entropy.dim() != 3 or stats.entropy.shape[1] != self.num_heads:
+    def update(self, stats: AttentionStats, heads: slice | None = None) -> None:
+        """Add the rows of one forward: every field (B, H, N).
+
+        ``heads``: the slots the H heads go to (a range of width H); all of them by default. One
+        aggregator so holds several layers side by side (one ``compute`` and ``reset`` a probe for
+        all of them)."""
+        target = slice(0, self.num_heads) if heads is None else heads
+        width = len(range(self.num_heads)[target])
+        if stats.entropy.dim() != 3 or stats.entropy.shape[1] != width:
             raise ValueError(
-                f"Expected statistics of shape (B, {self.num_heads}, N), got "
-                f"{tuple(stats.entropy.shape)}"
+                f"Expected statistics of shape (B, {width}, N), got {tuple(stats.entropy.shape)}"
             )
         if stats.entropy.numel() == 0:  # an empty batch (0 sequences or 0 tokens): no row to add
             return
@@ -98,16 +103,16 @@ class AttentionStatistics(_PerHeadMetric):
         sums = torch.where(keep, torch.stack(columns), 0.0).sum(
             dim=(1, 3)
         )  # (fields, H): one reduction
-        self.entropy_sum += sums[0]
-        self.max_prob_sum += sums[1]
-        self.rows += sums[2]
-        self.entropy_norm_sum += sums[3]
-        self.norm_rows += sums[4]
+        self.entropy_sum[target] += sums[0]
+        self.max_prob_sum[target] += sums[1]
+        self.rows[target] += sums[2]
+        self.entropy_norm_sum[target] += sums[3]
+        self.norm_rows[target] += sums[4]
         if stats.sink_mass is not None:
-            self.sink_mass_sum += sums[5]
-            self.sink_rows += sums[6]
+            self.sink_mass_sum[target] += sums[5]
+            self.sink_rows[target] += sums[6]
         logits = torch.where(live, stats.max_logit.double(), float("-inf"))
-        self.max_logit = torch.maximum(self.max_logit, logits.amax(dim=(0, 2)))
+        self.max_logit[target] = torch.maximum(self.max_logit[target], logits.amax(dim=(0, 2)))
 
     def compute(self) -> dict[str, Tensor]:
         """Per-head (H,) float64 values; NaN where no row contributed or a row was NaN. Also

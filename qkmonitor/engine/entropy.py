@@ -16,6 +16,7 @@ A head's value is the mean over every row of every call in the probe window (row
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from typing import Any
@@ -48,7 +49,8 @@ class AttentionEntropy(ActivationEngine):
         check_non_negative_int("sink_tokens", sink_tokens)
         self.sink_tokens = sink_tokens
         super().__init__(**kwargs)
-        self._aggregators: list[AttentionStatistics] = []
+        self._heads: list[slice] = []  # each layer's slots in the aggregator
+        self._aggregator = AttentionStatistics(1)
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -60,41 +62,47 @@ class AttentionEntropy(ActivationEngine):
 
     def _prepare(self, model: nn.Module) -> None:
         super()._prepare(model)
-        # created on the CPU; each update moves them to where the statistics are
-        self._aggregators = [AttentionStatistics(layer.num_heads_hint) for layer in self.layers]
+        self._fit([layer.num_heads_hint for layer in self.layers])
+
+    def _fit(self, heads: list[int]) -> None:
+        """One aggregator for every layer, their heads side by side (created on the CPU; an update
+        moves it to where the statistics are): one ``compute`` and ``reset`` a probe."""
+        starts = [0, *itertools.accumulate(heads)]
+        self._heads = [slice(a, b) for a, b in itertools.pairwise(starts)]
+        self._aggregator = AttentionStatistics(max(starts[-1], 1))
 
     def _measure(
         self, results: list[ProbeResult], step: int, *, visuals: bool
     ) -> tuple[Values, dict[str, Any]]:
-        values: Values = {name: [] for name in self.metric_names}
-        undefined: dict[str, list[Tensor]] = {name: [] for name in self.metric_names}
-        for i, result in enumerate(results):
-            heads = [stats.entropy.shape[1] for stats in result.stats]
-            if (
-                heads
-                and heads[0] != self._aggregators[i].num_heads
-                and not self.layers[i].layout_ready
-            ):
-                # a layer read by interception: its calls tell its head count
-                self._aggregators[i] = AttentionStatistics(heads[0])
-            aggregator = self._aggregators[i]
+        heads = [h.stop - h.start for h in self._heads]
+        observed = [
+            result.stats[0].entropy.shape[1] if result.stats and not layer.layout_ready else count
+            for layer, result, count in zip(self.layers, results, heads)
+        ]
+        if observed != heads:  # layers read by interception: their calls tell their head counts
+            self._fit(observed)
+        aggregator = self._aggregator
+        for result, columns in zip(results, self._heads):
             for stats in result.stats:
                 if aggregator.device != stats.entropy.device:
                     aggregator.to(stats.entropy.device)
-                aggregator.update(stats)
-            # compute() on every rank, updated or not: it is the collective that sums the states
-            # across processes (a rank that saw no rows adds zeros; no rows at all gives NaN)
-            with warnings.catch_warnings():
-                warnings.filterwarnings(
-                    "ignore", message=".*was called before the ``update`` method.*"
-                )
-                computed = aggregator.compute()
-            aggregator.reset()
-            nan = torch.full((aggregator.num_heads,), math.nan)
-            no_rows, no_spread = (computed["rows"] == 0).cpu(), (computed["norm_rows"] == 0).cpu()
-            for name in self.metric_names:
-                values[name].append(computed.get(name, nan).float().cpu())
-                # no row (an empty batch), or no row with two keys (one-token sequences): NaN by
-                # definition
-                undefined[name].append(no_spread | no_rows if name == "entropy_norm" else no_rows)
+                aggregator.update(stats, columns)
+        # compute() on every rank, updated or not: it is the collective that sums the states
+        # across processes (a rank that saw no rows adds zeros; no rows at all gives NaN)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+            computed = aggregator.compute()
+        aggregator.reset()
+        nan = torch.full((aggregator.num_heads,), math.nan)
+        # (torchmetrics makes a one-slot result a scalar)
+        computed = {name: value.float().cpu().reshape(-1) for name, value in computed.items()}
+        no_rows, no_spread = computed["rows"] == 0, computed["norm_rows"] == 0
+        values: Values = {}
+        undefined: dict[str, list[Tensor]] = {}
+        for name in self.metric_names:
+            # no row (an empty batch), or no row with two keys (one-token sequences): NaN by
+            # definition
+            blank = no_spread | no_rows if name == "entropy_norm" else no_rows
+            values[name] = [computed.get(name, nan)[h] for h in self._heads]
+            undefined[name] = [blank[h] for h in self._heads]
         return values, {"undefined": undefined}

@@ -104,27 +104,30 @@ class EffectiveRank(ActivationEngine):
         self._probe_sequences = _share_of_this_rank(self.max_probe_sequences)
         self.blocks = self._find_blocks(model)
         self._batch_first = [getattr(layer.module, "batch_first", True) for layer in self.layers]
-        # one aggregator per layer, every metric side by side in it: metric -> its columns
-        self._columns, self._means = [], []
-        for layer in self.layers:
-            columns, mean = self._layer_state(layer.num_heads_hint)
+        self._fit([layer.num_heads_hint for layer in self.layers])
+
+    def _fit(self, heads: list[int]) -> None:
+        """One aggregator for every layer and metric, side by side (one ``compute`` and ``reset`` a
+        probe): ``self._columns[i]`` maps each metric of layer i to its slots."""
+        self._columns, start = [], 0
+        for count in heads:
+            columns = {}
+            for spec in self.specs:
+                width = count if spec.per_head else 1
+                columns[spec.name], start = slice(start, start + width), start + width
             self._columns.append(columns)
-            self._means.append(mean)
+        self._mean = HeadMean(max(start, 1))
 
-    def _layer_state(self, heads: int) -> tuple[dict[str, slice], HeadMean]:
-        columns, start = {}, 0
-        for spec in self.specs:
-            width = heads if spec.per_head else 1
-            columns[spec.name], start = slice(start, start + width), start + width
-        return columns, HeadMean(start)
-
-    def _fit_heads(self, i: int, result: ProbeResult) -> None:
-        """A layer whose head count only its calls tell (read by interception) gets state of that
+    def _fit_heads(self, results: list[ProbeResult]) -> None:
+        """Layers whose head count only their calls tell (read by interception) get slots of that
         size."""
-        observed = [t.shape[1] for t in result.probs] + [s.entropy.shape[1] for s in result.stats]
-        heads = self._columns[i]["attn_erank"].stop - self._columns[i]["attn_erank"].start
-        if observed and observed[0] != heads and not self.layers[i].layout_ready:
-            self._columns[i], self._means[i] = self._layer_state(observed[0])
+        heads = [c["attn_erank"].stop - c["attn_erank"].start for c in self._columns]
+        observed = []
+        for layer, result, count in zip(self.layers, results, heads):
+            seen = [t.shape[1] for t in result.probs] + [s.entropy.shape[1] for s in result.stats]
+            observed.append(seen[0] if seen and not layer.layout_ready else count)
+        if observed != heads:
+            self._fit(observed)
 
     def _find_blocks(self, model: nn.Module) -> list[nn.Module]:
         if self._blocks_spec is not None:
@@ -186,8 +189,7 @@ class EffectiveRank(ActivationEngine):
         undefined: dict[str, list[Tensor]] = {m: [] for m in self.metric_names}
         images: Images = {}
         hidden, self._hidden = self._hidden, {}
-        for i, result in enumerate(results):
-            self._fit_heads(i, result)
+        self._fit_heads(results)
         # the spectra of every layer's cuts in a few batched calls (layers of one shape together)
         streams = [(i, x) for i in sorted(hidden) for x in hidden[i]]
         stream_metrics = _batched(
@@ -199,17 +201,18 @@ class EffectiveRank(ActivationEngine):
         pattern_ranks = _batched(
             _attention_erank, [probs for _, probs in patterns]
         )  # per pattern: (S, H)
-        samples: list[list[tuple[str, Tensor, Tensor | None]]] = [[] for _ in results]
+        slots = self._columns
+        samples: list[tuple[slice, Tensor, Tensor | None]] = []
         for (i, x), (erank, collapse) in zip(streams, stream_metrics):
             single = torch.full(collapse[:, None].shape, x.shape[-2] < 2, device=collapse.device)
-            samples[i] += [
-                ("hidden_erank", erank[:, None], None),
-                ("hidden_collapse", collapse[:, None], ~single),
+            samples += [
+                (slots[i]["hidden_erank"], erank[:, None], None),
+                (slots[i]["hidden_collapse"], collapse[:, None], ~single),
             ]  # one token: undefined, left out
         for (i, probs), (rank,) in zip(patterns, pattern_ranks):
-            samples[i] += [
-                ("attn_erank", rank, None),
-                ("attn_erank_norm", rank / min(probs.shape[-2:]), None),
+            samples += [
+                (slots[i]["attn_erank"], rank, None),
+                (slots[i]["attn_erank_norm"], rank / min(probs.shape[-2:]), None),
             ]
         for i, result in enumerate(results):
             for stats in result.stats:
@@ -217,8 +220,7 @@ class EffectiveRank(ActivationEngine):
                 n = stats.attended[:s, :, :r].double()
                 norm = normalized_entropy(stats.entropy[:s, :, :r].double(), n)
                 keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
-                samples[i].append(("attn_entropy_norm", _mean_rows(norm, n > 1), keep))
-            self._update(i, samples[i])
+                samples.append((slots[i]["attn_entropy_norm"], _mean_rows(norm, n > 1), keep))
             if (
                 result.probs and result.probs[0].numel()
             ):  # drawn when published (visuals, or the run's end)
@@ -228,16 +230,14 @@ class EffectiveRank(ActivationEngine):
                             probs, title=f"layer {i}, head {h}, step {step}, sequence 0"
                         )
                     )
-            with warnings.catch_warnings():  # compute() on every rank: it is the collective
-                warnings.filterwarnings(
-                    "ignore", message=".*was called before the ``update`` method.*"
-                )
-                means = self._means[i].compute().float().cpu()
-            counted = (
-                self._means[i].count.cpu() > 0
-            )  # no sample (an empty batch, one token): undefined
-            self._means[i].reset()
-            for name, columns in self._columns[i].items():
+        self._update(samples)
+        with warnings.catch_warnings():  # compute() on every rank: it is the collective
+            warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+            means = self._mean.compute().float().cpu().reshape(-1)  # one slot: a scalar
+        counted = self._mean.count.cpu() > 0  # no sample (an empty batch, one token): undefined
+        self._mean.reset()
+        for layer_columns in self._columns:
+            for name, columns in layer_columns.items():
                 values[name].append(means[columns])
                 undefined[name].append(~counted[columns])
         return (
@@ -245,36 +245,37 @@ class EffectiveRank(ActivationEngine):
             {"images": images, "undefined": {name: undefined[name] for name in self.metric_names}},
         )
 
-    def _update(self, layer: int, samples: list[tuple[str, Tensor, Tensor | None]]) -> None:
-        """Add one layer's samples, ``(metric, (S, width) values, keep or None)``, to its
-        aggregator: metrics with the same number of samples side by side in one update (one per
+    def _update(self, samples: list[tuple[slice, Tensor, Tensor | None]]) -> None:
+        """Add samples, ``(slots, (S, width) values, keep or None)``, to the aggregator: samples
+        with the same count S side by side in one update, every layer's at once (one update per
         call that gave them, when a layer ran several times)."""
-        aggregate, columns = self._means[layer], self._columns[layer]
-        rounds: list[dict[str, tuple[Tensor, Tensor | None]]] = []
-        for name, values, keep in samples:
+        rounds: list[dict[tuple[int, int], tuple[slice, Tensor, Tensor | None]]] = []
+        for columns, values, keep in samples:
             if values.shape[0] == 0:  # an empty batch: no sample
                 continue
             values = values.reshape(values.shape[0], -1)
+            key = (columns.start, columns.stop)
             slot = next(
                 (
                     r
                     for r in rounds
-                    if name not in r and next(iter(r.values()))[0].shape[0] == values.shape[0]
+                    if key not in r and next(iter(r.values()))[1].shape[0] == values.shape[0]
                 ),
                 None,
             )
             if slot is None:
                 rounds.append(slot := {})
-            slot[name] = (values, keep)
+            slot[key] = (columns, values, keep)
+        aggregate = self._mean
         for parts in rounds:
-            first = next(iter(parts.values()))[0]
+            first = next(iter(parts.values()))[1]
             block = torch.zeros(
                 first.shape[0], aggregate.num_heads, dtype=torch.float64, device=first.device
             )
             kept = torch.zeros(block.shape, dtype=torch.bool, device=first.device)
-            for name, (values, keep) in parts.items():
-                block[:, columns[name]] = values
-                kept[:, columns[name]] = True if keep is None else keep.reshape(values.shape)
+            for columns, values, keep in parts.values():
+                block[:, columns] = values
+                kept[:, columns] = True if keep is None else keep.reshape(values.shape)
             if aggregate.device != block.device:
                 aggregate.to(block.device)
             aggregate.update(block, kept)
