@@ -43,6 +43,10 @@ class ScoresCall:
 
         return masked_softmax(self.scores[:sequences, :, :rows])
 
+    def max_logits(self) -> Tensor:
+        scores = self.scores.detach()
+        return _largest(scores.to(_score_dtype(scores.dtype)))
+
 
 class FailedCall:
     """A call that could not be read: measuring it raises the original error."""
@@ -54,6 +58,9 @@ class FailedCall:
         raise self.error
 
     def probs(self, sequences: int, rows: int) -> Tensor:
+        raise self.error
+
+    def max_logits(self) -> Tensor:
         raise self.error
 
 
@@ -138,12 +145,7 @@ class MaskedCall:
         from qkmonitor.functional import attention_stats_from_scores
         from qkmonitor.kernels import attention_stats
 
-        if (
-            self.allowed is None
-            and self.bias is None
-            and self.window is None
-            and self.softcap is None
-        ):
+        if self._kernel_case():
             try:
                 with autocast_off():
                     return attention_stats(
@@ -173,6 +175,52 @@ class MaskedCall:
                 for i in range(b)
             ],
             dim=0,
+        )
+
+    def max_logits(self) -> Tensor:
+        """(B, H) largest scaled logits: from blocks of scores without the softmax; with a mask
+        beyond causal and key padding, from the explicit scores a few rows at a time. Computed
+        once however many probes ask."""
+        cached = self._cache.get("max_logits")
+        if cached is None:
+            cached = self._cache["max_logits"] = self._max_logits()
+        return cached
+
+    def _max_logits(self) -> Tensor:
+        from qkmonitor.kernels import attention_max_logits
+
+        if self._kernel_case():
+            try:
+                return attention_max_logits(
+                    self.q,
+                    self.k,
+                    causal=self.causal,
+                    key_padding_mask=self.padding,
+                    scale=self.scale,
+                )
+            except ValueError:  # a shape or dtype the kernel does not take: explicit scores
+                pass
+        b, h, n = self.q.shape[:3]
+        rows = max(1, _MAX_SCORES // (h * max(1, self.k.shape[2])))
+        per_sequence = []
+        for i in range(b):
+            best = None
+            for r in range(0, n, rows):
+                scores, allowed = self._scores(slice(i, i + 1), slice(r, r + rows))
+                block = _largest(torch.where(allowed, scores, float("-inf")))
+                best = block if best is None else torch.maximum(best, block)
+            if best is None:  # no query row
+                best = torch.full((1, h), float("-inf"), device=self.q.device)
+            per_sequence.append(best)
+        return torch.cat(per_sequence) if per_sequence else torch.empty(0, h)
+
+    def _kernel_case(self) -> bool:
+        """Whether the mask is only causal and/or key padding (what the fused kernel takes)."""
+        return (
+            self.allowed is None
+            and self.bias is None
+            and self.window is None
+            and self.softcap is None
         )
 
     def probs(self, sequences: int, rows: int) -> Tensor:
@@ -222,6 +270,17 @@ def _cat_stats(parts: list, dim: int):
             for name, values in fields.items()
         }
     )
+
+
+def _score_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _largest(scores: Tensor) -> Tensor:
+    """(B, H, N, M) scores (``-inf`` where blocked) -> (B, H) largest; ``-inf`` without any."""
+    if scores.shape[-1] == 0 or scores.shape[-2] == 0:
+        return scores.new_full(scores.shape[:2], float("-inf"))
+    return scores.amax(dim=(-2, -1))
 
 
 def _rows_of(mask: Tensor, seqs: slice, rows: slice) -> Tensor:

@@ -51,17 +51,19 @@ def clip_factors(max_logits: Tensor, tau: float) -> Tensor:
     return torch.where(clipped, tau / torch.where(clipped, s, 1.0), 1.0)
 
 
-def head_max_logits(stats: list, num_heads: int) -> Tensor:
-    """``(H,)`` float64: each head's largest scaled logit over the calls' statistics.
+def head_max_logits(per_call: list[Tensor], num_heads: int) -> Tensor:
+    """``(H,)`` float64: each head's largest scaled logit over the calls of a probe window.
 
     Args:
-        stats: :class:`~qkmonitor.kernels.AttentionStats` of each observed call (``max_logit`` of
-            shape ``(B, H, N)``; a fully masked row holds ``-inf`` and takes no part).
+        per_call: each observed call's ``(B, H)`` largest logits (``ProbeResult.max_logits``;
+            ``-inf`` for a sequence whose rows may attend no key, which takes no part).
         num_heads: H; ``-inf`` for every head when there is no call.
     """
     out = torch.full((num_heads,), -math.inf, dtype=torch.float64)
-    for call in stats:
-        per_head = call.max_logit.detach().to(torch.float64).amax(dim=(0, 2)).cpu()
+    for call in per_call:
+        if call.shape[0] == 0:  # an empty batch
+            continue
+        per_head = call.detach().to(torch.float64).amax(dim=0).cpu()
         out = torch.maximum(out, per_head)  # NaN propagates: a NaN score is reported, not hidden
     return out
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from qkmonitor.compiled import NeverCompiled
-from qkmonitor.kernels import AttentionStats, attention_stats, autocast_off
+from qkmonitor.kernels import AttentionStats, attention_max_logits, attention_stats, autocast_off
 from qkmonitor.validation import check_bool, check_non_negative_int, is_int
 
 __all__ = [
@@ -78,15 +78,18 @@ class ProbeRequest:
             ``sequences`` sequences and ``rows`` query rows (all keys), ``(S, H, R, M)`` float32.
         layout: a layout probe: the layer checks the W_Q/W_K layout it read by name against the
             first call (:mod:`qkmonitor.intercept`), instead of being measured.
+        max_logits: each head's largest scaled logit of every call, ``(B, H)``, without the
+            softmax (what QK-Clip needs; from the statistics where the call has them already).
     """
 
     stats: bool = True
     sink_tokens: int = 0
     probs_slice: tuple[int, int] | None = None
     layout: bool = False
+    max_logits: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("stats", "layout"):
+        for name in ("stats", "layout", "max_logits"):
             check_bool(name, getattr(self, name))
         check_non_negative_int("sink_tokens", self.sink_tokens)
         if self.probs_slice is not None and not (
@@ -112,6 +115,11 @@ class AttentionCall(Protocol):
         """(S, H, R, M) attention probabilities of the first sequences and query rows, float32."""
         ...
 
+    def max_logits(self) -> Tensor:
+        """(B, H): each head's largest scaled logit over the rows and the keys they may attend,
+        float32 or better; ``-inf`` where no key may be attended."""
+        ...
+
 
 @dataclass
 class ProbeResult:
@@ -120,12 +128,14 @@ class ProbeResult:
     Attributes:
         stats: the statistics of each call (empty unless requested).
         probs: the probability slice of each call (empty unless requested).
+        max_logits: each call's (B, H) largest logits (empty unless requested).
         calls: forwards observed.
         failures: reasons of the calls whose measurement failed (they are in no list above).
     """
 
     stats: list[AttentionStats] = field(default_factory=list)
     probs: list[Tensor] = field(default_factory=list)
+    max_logits: list[Tensor] = field(default_factory=list)
     calls: int = 0
     failures: list[str] = field(default_factory=list)
 
@@ -160,8 +170,10 @@ class Probe:
         self._result.calls += 1
         try:
             with torch.no_grad(), autocast_off(), side_computation():
-                stats = call.stats(self.request.sink_tokens) if self.request.stats else None
-                probs = call.probs(*self.request.probs_slice) if self.request.probs_slice else None
+                request = self.request
+                stats = call.stats(request.sink_tokens) if request.stats else None
+                probs = call.probs(*request.probs_slice) if request.probs_slice else None
+                largest = call.max_logits() if request.max_logits else None
         except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
             self._result.failures.append(f"{type(err).__name__}: {err}")
             return
@@ -169,6 +181,8 @@ class Probe:
             self._result.stats.append(stats)
         if probs is not None:
             self._result.probs.append(probs)
+        if largest is not None:
+            self._result.max_logits.append(largest)
 
     def close(self) -> ProbeResult:
         """Remove what opening installed (once) and return the measurements; idempotent."""
@@ -291,6 +305,20 @@ class KernelCall:
             self._stats[sink_tokens] = cached
         return cached
 
+    def max_logits(self) -> Tensor:
+        """From the statistics where they were computed (the bundled kernel's running max),
+        else from blocks of scores without the softmax
+        (:func:`qkmonitor.kernels.attention_max_logits`)."""
+        if self._stats:
+            return _rows_max(next(iter(self._stats.values())).max_logit)
+        return attention_max_logits(
+            self.q,
+            self.k,
+            causal=self.causal,
+            key_padding_mask=self.key_padding_mask,
+            scale=self.scale,
+        )
+
     def probs(self, sequences: int, rows: int) -> Tensor:
         from qkmonitor.functional import attention_probs
 
@@ -306,3 +334,10 @@ class KernelCall:
         return attention_probs(
             q, self.k[:sequences], scale=self.scale, key_padding_mask=pad, bias=bias
         )
+
+
+def _rows_max(max_logit: Tensor) -> Tensor:
+    """(B, H, N) per-row largest logits -> (B, H); ``-inf`` without rows."""
+    if max_logit.shape[-1] == 0:
+        return max_logit.new_full(max_logit.shape[:2], float("-inf"))
+    return max_logit.amax(dim=-1)

@@ -116,7 +116,7 @@ class QKClip(ActivationEngine):
         return super().open(step)
 
     def _request(self) -> ProbeRequest:
-        return ProbeRequest(stats=True)
+        return ProbeRequest(stats=False, max_logits=True)  # the largest logits alone
 
     def _open_extra(self) -> None:
         """Layers whose weights are read by name check their layout on the window's forward."""
@@ -146,7 +146,7 @@ class QKClip(ActivationEngine):
     ) -> tuple[Values, dict[str, Any]]:
         heads = [self._num_heads(i, result) for i, result in enumerate(results)]
         s = _largest_over_ranks(
-            [head_max_logits(result.stats, h) for result, h in zip(results, heads)]
+            [head_max_logits(result.max_logits, h) for result, h in zip(results, heads)]
         )
         values: Values = {"clip_max_logit": [], "clip_factor": [], "clip_count": []}
         undefined: dict[str, list[Tensor]] = {"clip_max_logit": [], "clip_factor": []}
@@ -178,8 +178,8 @@ class QKClip(ActivationEngine):
         return values, {"undefined": undefined}
 
     def _num_heads(self, i: int, result: ProbeResult) -> int:
-        if result.stats:
-            return result.stats[0].max_logit.shape[1]
+        if result.max_logits:
+            return result.max_logits[0].shape[1]
         return self.layers[i].num_heads_hint
 
     # -- resume ----------------------------------------------------------------------------------

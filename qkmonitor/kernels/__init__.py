@@ -33,10 +33,17 @@ import warnings
 import torch
 
 from qkmonitor.kernels._stats import AttentionStats, attended_keys
-from qkmonitor.kernels._torch import autocast_off, torch_attention
+from qkmonitor.kernels._torch import autocast_off, max_logits, torch_attention
 from qkmonitor.validation import check_bool, is_int, is_real
 
-__all__ = ["AttentionStats", "attended_keys", "attention", "attention_stats", "autocast_off"]
+__all__ = [
+    "AttentionStats",
+    "attended_keys",
+    "attention",
+    "attention_max_logits",
+    "attention_stats",
+    "autocast_off",
+]
 
 BACKENDS = ("auto", "triton", "torch")
 #: The oldest triton the kernels run on (``triton.knobs``). On CPU, the interpreter of 3.4 - 3.8
@@ -160,6 +167,32 @@ def attention_stats(
             backend=backend,
             output=False,
         )[1]
+
+
+def attention_max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Each head's largest scaled logit ``max_{i, j} scale · q_i · k_j`` over the keys each row may
+    attend, without the softmax: ``AttentionStats.max_logit`` reduced over the rows, from blocks of
+    query rows (no N x M matrix of a whole sequence; on any device, in float32 or float64).
+    Arguments as :func:`attention`, without the values.
+
+    Returns:
+        (B, H) float32 (float64 for float64 inputs); ``-inf`` for a head of a sequence whose rows
+        may attend no key.
+    """
+    q, k, _ = _autocast_inputs(q, k, k)
+    _check_inputs(q, k, k, key_padding_mask, causal, scale, True, 0)
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    with torch.no_grad(), autocast_off(q.device.type):
+        return max_logits(q, k, causal=bool(causal), key_padding_mask=key_padding_mask, scale=scale)
 
 
 def _attention(

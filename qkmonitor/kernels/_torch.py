@@ -40,7 +40,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["autocast_off", "torch_attention"]
+__all__ = ["autocast_off", "max_logits", "torch_attention"]
 
 DEFAULT_BLOCK_SIZE = 256
 #: With statistics, SDPA for the output (and its gradient) where it is exact, as without them
@@ -117,6 +117,56 @@ def torch_attention(
     if not return_stats:
         return out, None
     return out, (lse, entropy, max_prob, max_logit, sink if sink_tokens > 0 else None)
+
+
+#: :func:`max_logits`: score elements per block of query rows (16 MiB in float32)
+MAX_LOGIT_BLOCK = 1 << 22
+
+
+def max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    scale: float,
+    block_elements: int | None = None,
+) -> torch.Tensor:
+    r"""Each head's largest scaled logit, ``max_{i, j allowed} scale · q_i · k_j``, alone.
+
+    QK-Clip's input without the softmax: the scores of a block of query rows against every key,
+    masked and reduced to their maximum, one block at a time, so that no (N, M) matrix of a whole
+    sequence is held. The scores are those of the statistics' forward (the same products in the
+    same dtype), so the result equals ``AttentionStats.max_logit`` reduced over rows. Inputs
+    already validated, as :func:`torch_attention`'s.
+
+    Args:
+        q: (B, H, N, D) queries; k: (B, H_kv, M, D) keys, H_kv dividing H.
+        causal, key_padding_mask, scale: as :func:`torch_attention`.
+        block_elements: scores per block (B · H · rows · M); None reads :data:`MAX_LOGIT_BLOCK`.
+
+    Returns:
+        (B, H) in float32 (float64 for float64 inputs): ``-inf`` for a head whose rows may attend
+        no key, NaN where a score is NaN.
+    """
+    block_elements = MAX_LOGIT_BLOCK if block_elements is None else block_elements
+    batch, heads, n, _ = q.shape
+    kv_heads, m_keys = k.shape[1], k.shape[2]
+    cd = _compute_dtype(q.dtype)
+    q_g = _grouped(q, kv_heads).to(cd) * scale  # (B, H_kv, G, N, D)
+    keys = k[:, :, None].to(cd).transpose(-1, -2)  # (B, H_kv, 1, D, M)
+    best = torch.full((batch, kv_heads, heads // kv_heads), _NEG_INF, dtype=cd, device=q.device)
+    if n == 0 or m_keys == 0:
+        return best.reshape(batch, heads)
+    step = max(1, block_elements // max(1, batch * heads * m_keys))
+    rows = torch.arange(n, device=q.device)
+    for r0 in range(0, n, step):
+        s = q_g[..., r0 : r0 + step, :] @ keys  # (B, H_kv, G, rows, M)
+        allowed = _allowed(rows[r0 : r0 + step], 0, m_keys, m_keys - n, causal, key_padding_mask)
+        if allowed is not None:
+            s = torch.where(allowed, s, _NEG_INF)
+        best = torch.maximum(best, s.amax(dim=(-2, -1)))
+    return best.reshape(batch, heads)
 
 
 def _sdpa_is_exact(

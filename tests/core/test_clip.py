@@ -13,7 +13,6 @@ from torch.testing import assert_close
 
 from qkmonitor.adapters import find_attention_layers
 from qkmonitor.clip import clip_factors, head_max_logits
-from qkmonitor.kernels import AttentionStats
 from qkmonitor.probes import ProbeRequest
 
 
@@ -33,15 +32,13 @@ def test_a_bad_tau_is_named(tau):
         clip_factors(torch.ones(2), tau)
 
 
-def test_head_max_logits_is_the_largest_over_calls_batch_and_rows():
-    def stats(max_logit):
-        z = torch.zeros_like(max_logit)
-        return AttentionStats(lse=z, entropy=z, max_prob=z, max_logit=max_logit, attended=z + 1)
-
-    a = torch.tensor([[[1.0, 5.0], [2.0, -math.inf]]])  # (B=1, H=2, N=2)
-    b = torch.tensor([[[7.0, 0.0], [-math.inf, -math.inf]]])
-    assert head_max_logits([stats(a), stats(b)], 2).tolist() == [7.0, 2.0]
+def test_head_max_logits_is_the_largest_over_calls_and_batch():
+    a = torch.tensor([[1.0, 5.0], [2.0, -math.inf]])  # (B=2, H=2): one call
+    b = torch.tensor([[7.0, -math.inf]])  # another call, one sequence
+    assert head_max_logits([a, b], 2).tolist() == [7.0, 5.0]
     assert head_max_logits([], 3).tolist() == [-math.inf] * 3
+    assert head_max_logits([torch.empty(0, 2)], 2).tolist() == [-math.inf] * 2  # an empty batch
+    assert math.isnan(head_max_logits([torch.tensor([[math.nan, 1.0]]), a], 2)[0])
 
 
 def measured(layer, run) -> torch.Tensor:
@@ -51,7 +48,9 @@ def measured(layer, run) -> torch.Tensor:
             run()
     finally:
         result = probe.close()
-    return head_max_logits(result.stats, layer.qk_rows().num_heads)
+    # from the statistics' path, independent of the max-only one the clip reads
+    per_call = [stats.max_logit.amax(dim=-1) for stats in result.stats]
+    return head_max_logits(per_call, layer.qk_rows().num_heads)
 
 
 class Encoder(nn.Module):
