@@ -31,6 +31,13 @@ Usage::
     python benchmarks/attention.py --device cuda      # the Triton table on a GPU
     python benchmarks/attention.py --device cuda --causal true --repeats 5 --json out.json
     python benchmarks/attention.py --device cuda --dry-run   # the GPU table's layout, no GPU
+    python benchmarks/attention.py --max-logits --quick   # QK-Clip's input alone, see below
+
+``--max-logits`` times what a QK-Clip probe pays per observed call: each head's largest logit
+alone (``attention_max_logits``: blocks of QKᵀ and a max, no softmax) against the full statistics
+without an output (``attention_stats``, what a probe of the entropy monitor pays) and against the
+model's own SDPA forward, with the max-only path's peak extra memory (CPU: as above) against the
+N x N scores it never forms.
 """
 
 from __future__ import annotations
@@ -49,7 +56,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from qkmonitor.kernels import attention  # after the path insert
+from qkmonitor.kernels import (
+    attention,
+    attention_max_logits,
+    attention_stats,
+)  # after the path insert
 
 GIB = 2**30
 
@@ -356,6 +367,47 @@ def _no_grad_call(fn, q, k, v, causal):
     return run
 
 
+def run_max_logits(args, device: str) -> None:
+    """The ``--max-logits`` table: per call, the max-only path against the statistics and SDPA."""
+    lengths = args.lengths or ([256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192])
+    d, heads, batch = (args.head_dim or [64])[0], args.heads or 2, args.batch or 1
+    repeats = args.repeats or 3
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if device == "cpu":
+        _malloc_mode(precise=False)
+    print(
+        f"{device.upper()}, {dtype}, B={batch} H={heads} D={d}: per call, the largest logits alone "
+        "(max only) vs the statistics without output (stats) vs the SDPA forward; median times; "
+        "peak extra memory of the max-only path vs the N x N float32 scores."
+    )
+    header = ["N", "causal", "max only", "stats", "max / stats", "sdpa fwd", "max / sdpa",
+              "max-only mem", "N x N scores"]  # fmt: skip
+    rows = []
+    for n in lengths:
+        for causal in (False, True):
+            rows.append(_max_logits_row(batch, heads, n, d, dtype, device, causal, repeats))
+            print(f"  done N={n} causal={causal}", file=sys.stderr, flush=True)
+    print_table(header, rows)
+
+
+def _max_logits_row(batch, heads, n, d, dtype, device, causal, repeats) -> list[str]:
+    q, k, v = make_inputs(batch, heads, n, d, dtype, device, grad=False)
+    timer = cpu_time if device == "cpu" else cuda_time
+    peak_bytes = cpu_peak_bytes if device == "cpu" else cuda_peak_bytes
+
+    def max_only():
+        return attention_max_logits(q, k, causal=causal)
+
+    t_max = timer(max_only, repeats)
+    t_stats = timer(lambda: attention_stats(q, k, causal=causal), repeats)
+    t_sdpa = timer(lambda: sdpa(q, k, v, causal), repeats)
+    return [
+        str(n), str(causal), f"{t_max * 1e3:,.2f} ms", f"{t_stats * 1e3:,.2f} ms",
+        f"{t_max / t_stats:.2f}", f"{t_sdpa * 1e3:,.2f} ms", f"{t_max / t_sdpa:.2f}",
+        fmt_bytes(peak_bytes(max_only)), fmt_bytes(batch * heads * n * n * 4),
+    ]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -378,6 +430,9 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="GPU: also write the rows to this file")
     parser.add_argument(
+        "--max-logits", action="store_true", help="QK-Clip's input alone (see the docstring)"
+    )
+    parser.add_argument(
         "--budget-s", type=float, help="GPU: measure no new shape after this many seconds"
     )
     parser.add_argument(
@@ -394,7 +449,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--device cuda: no CUDA device")
     if args.dry_run and device != "cuda":
         parser.error("--dry-run lays out the GPU table: use it with --device cuda")
-    if device == "cuda":
+    if args.max_logits:
+        run_max_logits(args, device)
+    elif device == "cuda":
         results = run_cuda(args)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))

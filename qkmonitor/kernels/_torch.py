@@ -164,7 +164,7 @@ def max_logits(
         s = q_g[..., r0 : r0 + step, :] @ keys  # (B, H_kv, G, rows, M)
         allowed = _allowed(rows[r0 : r0 + step], 0, m_keys, m_keys - n, causal, key_padding_mask)
         if allowed is not None:
-            s = torch.where(allowed, s, _NEG_INF)
+            s.masked_fill_(~allowed, _NEG_INF)  # in place: one block of scores held at a time
         best = torch.maximum(best, s.amax(dim=(-2, -1)))
     return best.reshape(batch, heads)
 
