@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 from qkmonitor.models.tasks.base import lr_factor
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/families.py
 
@@ -87,7 +88,7 @@ from qkmonitor.alerts import (
     Alert,
     AlertRule,
 )
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClip, QKSpectrum
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY = 10  # probe interval (steps) of every monitor
@@ -98,6 +99,8 @@ EARLY = 30  # a run separating by this step must be flagged by the first probe a
 WARMUP = 50  # linear warmup steps of the warmup arm
 #: bumped when what a run records changes; a cached run of another version is trained again
 RECORD_VERSION = 2
+#: where the bundled models keep their transformer blocks (Muon's 2-D weights, ``--arms``)
+BLOCK_CONTAINERS = ("blocks", "encoder", "decoder")
 MONITORS = ("QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor")
 #: rules that are not defaults, scored alone on the sweep: (rule, the monitor that has its metric)
 OPT_IN = (
@@ -117,6 +120,7 @@ OPT_IN = (
 CALIBRATION_SEEDS = (0, 1)
 CALIBRATION = {(family, seed) for family in FAMILIES for seed in CALIBRATION_SEEDS}
 SEEDS = (0, 1, 2)
+VALIDATION_SEED = 2
 
 
 def round_1_rules() -> dict[str, list[AlertRule]]:
@@ -152,13 +156,24 @@ class RunSpec:
     seed: int
     warmup: int
     steps: int
+    optimizer: str = "adamw"  # or "muon" (the --arms sweep)
+    clip_tau: float | None = None  # QKClip(tau) at every step (the --arms sweep)
 
     @property
     def key(self) -> str:
+        arm = ("" if self.optimizer == "adamw" else f"-{self.optimizer}") + (
+            "" if self.clip_tau is None else f"-clip{self.clip_tau:g}"
+        )
         return (
             f"{self.family}-lr{self.lr:g}-qk{int(self.qk_norm)}-s{self.seed}-w{self.warmup}"
-            f"-n{self.steps}"
+            f"-n{self.steps}{arm}"
         )
+
+    @property
+    def arm(self) -> str:
+        """The optimizer and the cure, e.g. ``"Muon + QK-Clip"``."""
+        name = "AdamW" if self.optimizer == "adamw" else "Muon"
+        return name + ("" if self.clip_tau is None else " + QK-Clip")
 
     @property
     def split(self) -> str:
@@ -182,6 +197,7 @@ class RunRecord:
     live_alerts: list[dict[str, Any]]
     seconds: float
     alerts: list[dict[str, Any]] = field(default_factory=list)  # from the replay (the scored ones)
+    clips: int = 0  # (step, head) pairs QKClip scaled (clip arms)
 
     @property
     def final_loss(self) -> float:
@@ -252,22 +268,17 @@ def train_run(spec: RunSpec) -> RunRecord:
     torch.manual_seed(spec.seed)
     family = spec.task
     model = family.model(spec.qk_norm)
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    others = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": matrices, "weight_decay": family.weight_decay},
-            {"params": others, "weight_decay": 0.0},
-        ],
-        lr=spec.lr,
-        betas=(0.9, 0.98),
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, spec.warmup)
-    )
+    optimizers = _optimizers(model, spec)
+    schedules = [
+        torch.optim.lr_scheduler.LambdaLR(o, lambda step: lr_factor(step, spec.warmup))
+        for o in optimizers
+    ]
     fired: list[Alert] = []
     engines = _engines(on_alert=lambda owner, alert: fired.append(alert))
-    monitoring = Monitoring(model, engines, optimizer=optimizer, every_n_steps=EVERY)
+    clip = None if spec.clip_tau is None else QKClip(tau=spec.clip_tau, every_n_steps=1)
+    monitoring = Monitoring(
+        model, engines + ([clip] if clip else []), optimizer=optimizers[0], every_n_steps=EVERY
+    )
     losses, scored = [], []
     probes: dict[int, dict[str, list[list[float]]]] = {}
     batches = family.batches(spec.seed)
@@ -282,9 +293,11 @@ def train_run(spec: RunSpec) -> RunRecord:
                 loss = family.loss(model, batch)
                 monitoring.observe_loss(loss)
                 loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            schedule.step()
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            for schedule in schedules:
+                schedule.step()
             losses.append(float(loss))
             if step % family.held_out_every == 0 or step >= spec.steps - FINAL_WINDOW:
                 held = family.held_out(model, spec.seed)
@@ -297,9 +310,38 @@ def train_run(spec: RunSpec) -> RunRecord:
                             for name, grid in engine.latest.items()
                         }
                     )
-    return RunRecord(
-        spec, losses, scored, probes, [_alert_row(a) for a in fired], time.perf_counter() - start
-    )
+    alerts = [_alert_row(a) for a in fired]
+    clips = sum(int(c.sum()) for c in clip.clip_counts) if clip else 0
+    return RunRecord(spec, losses, scored, probes, alerts, time.perf_counter() - start, clips=clips)
+
+
+def _optimizers(model: nn.Module, spec: RunSpec) -> list[torch.optim.Optimizer]:
+    """AdamW (betas 0.9/0.98, weight decay on matrices) on every parameter; or, for ``"muon"``,
+    ``torch.optim.Muon`` on the 2-D weights of the transformer blocks and AdamW at a tenth of the
+    rate on the rest (embeddings, heads, norms), as Muon's authors do."""
+    family = spec.task
+
+    def adamw(matrices: list, others: list, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            [
+                {"params": matrices, "weight_decay": family.weight_decay},
+                {"params": others, "weight_decay": 0.0},
+            ],
+            lr=lr,
+            betas=(0.9, 0.98),
+        )
+
+    named = list(model.named_parameters())
+    if spec.optimizer == "adamw":
+        matrices = [p for _, p in named if p.dim() >= 2]
+        return [adamw(matrices, [p for _, p in named if p.dim() < 2], spec.lr)]
+    hidden = [p for n, p in named if p.dim() == 2 and n.split(".")[0] in BLOCK_CONTAINERS]
+    chosen = {id(p) for p in hidden}
+    rest = [p for _, p in named if id(p) not in chosen]
+    return [
+        torch.optim.Muon(hidden, lr=spec.lr, weight_decay=family.weight_decay),
+        adamw([p for p in rest if p.dim() >= 2], [p for p in rest if p.dim() < 2], spec.lr / 10),
+    ]
 
 
 def replay(
@@ -361,6 +403,7 @@ def _save(record: RunRecord, cache: Path) -> None:
         "probes": {str(k): v for k, v in record.probes.items()},
         "live_alerts": record.live_alerts,
         "seconds": record.seconds,
+        "clips": record.clips,
     }
     (cache / f"{record.spec.key}.json").write_text(json.dumps(data))
 
@@ -376,7 +419,13 @@ def _load(spec: RunSpec, cache: Path) -> RunRecord | None:
         return None
     probes = {int(k): v for k, v in data["probes"].items()}
     return RunRecord(
-        spec, data["losses"], data["scored"], probes, data["live_alerts"], data["seconds"]
+        spec,
+        data["losses"],
+        data["scored"],
+        probes,
+        data["live_alerts"],
+        data["seconds"],
+        clips=data.get("clips", 0),
     )
 
 
@@ -747,6 +796,163 @@ def sweep(args: argparse.Namespace) -> list[RunSpec]:
     return specs
 
 
+# -- the QK-Clip arms (--arms) ---------------------------------------------------------------------
+
+ARM_STYLES = {
+    "AdamW": ("tab:blue", "-"),
+    "AdamW + QK-Clip": ("tab:cyan", "--"),
+    "Muon": ("tab:red", "-"),
+    "Muon + QK-Clip": ("tab:orange", "--"),
+}
+
+
+def arm_specs(specs: list[RunSpec], tau: float) -> list[RunSpec]:
+    """Each run of the sweep in four arms: AdamW and Muon, each without and with QK-Clip(tau)."""
+    return [
+        dataclasses.replace(spec, optimizer=optimizer, clip_tau=clip)
+        for spec in specs
+        for optimizer in ("adamw", "muon")
+        for clip in (None, tau)
+    ]
+
+
+def arms_summary(records: list[RunRecord]) -> dict[str, Any]:
+    """What QK-Clip did to each unclipped run's twin (same family, optimizer, rate, seed, warmup).
+
+    Per family, ``best`` is the lowest final loss of any run of any arm. An unclipped run
+    **failed** when its final loss is >= FAIL_RATIO x best (losses plus the family's floor) at a
+    rate above the best rate of its own arm (as in the alert sweep), and is **healthy** when within
+    HEALTHY_RATIO x best. For a failed run: its clipped twin's ratio to best (rescued when within
+    HEALTHY_RATIO, i.e. 10 %); for a healthy one: the twin's final loss against it."""
+    out: dict[str, Any] = {"families": {}, "failed": [], "healthy": []}
+    for family in sorted({r.spec.family for r in records}):
+        runs = [r for r in records if r.spec.family == family]
+        floor = FAMILIES[family].floor
+        best = min(r.final_loss for r in runs)
+        out["families"][family] = {"best": best}
+        for run in runs:
+            if run.spec.clip_tau is not None:
+                continue
+            twin = next(
+                (
+                    r
+                    for r in runs
+                    if r.spec.clip_tau is not None
+                    and r.spec == dataclasses.replace(run.spec, clip_tau=r.spec.clip_tau)
+                ),
+                None,
+            )
+            if twin is None:
+                continue
+            same_arm = [
+                r
+                for r in runs
+                if r.spec.clip_tau is None
+                and (r.spec.optimizer, r.spec.warmup, r.spec.seed)
+                == (run.spec.optimizer, run.spec.warmup, run.spec.seed)
+            ]
+            best_lr = min(same_arm, key=lambda r: r.final_loss).spec.lr
+            ratio = _ratio(run.final_loss, best, floor)
+            row = {
+                "run": run.spec.key,
+                "arm": run.spec.arm,
+                "ratio": ratio,
+                "clipped_ratio": _ratio(twin.final_loss, best, floor),
+                "final": run.final_loss,
+                "clipped_final": twin.final_loss,
+                "max_logit": run.max_logit,
+                "clipped_max_logit": twin.max_logit,
+                "clips": twin.clips,
+            }
+            if ratio >= FAIL_RATIO and run.spec.lr > best_lr:
+                out["failed"].append(row)
+            elif ratio <= HEALTHY_RATIO:
+                row["change"] = (twin.final_loss + floor) / (run.final_loss + floor) - 1
+                out["healthy"].append(row)
+    failed, healthy = out["failed"], out["healthy"]
+    out["rescued"] = sum(r["clipped_ratio"] <= HEALTHY_RATIO for r in failed)
+    out["healthy_changes"] = sorted(r["change"] for r in healthy)
+    return out
+
+
+def arms_table(records: list[RunRecord], stats: dict[str, Any]) -> str:
+    """Markdown: per family and rate, each arm's final loss and largest logit (clips); then the
+    failed and healthy runs' twins."""
+    arms = list(ARM_STYLES)
+    lines = [
+        "| family | lr | " + " | ".join(arms) + " |",
+        "|---|---|" + "---|" * len(arms),
+    ]
+    cells: dict[tuple, RunRecord] = {
+        (r.spec.family, r.spec.lr, r.spec.arm): r for r in records
+    }  # one seed and warmup per table
+    for family in sorted({r.spec.family for r in records}):
+        for lr in sorted({r.spec.lr for r in records if r.spec.family == family}):
+            row = []
+            for arm in arms:
+                r = cells.get((family, lr, arm))
+                clips = f", {r.clips} clips" if r is not None and r.spec.clip_tau else ""
+                row.append("–" if r is None else f"{r.final_loss:.3f} ({r.max_logit:.3g}{clips})")
+            lines.append(f"| {family} | {lr:g} | " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "| failed run | ratio to best | with QK-Clip | max logit | with QK-Clip | clips |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in stats["failed"]:
+        lines.append(
+            f"| {r['run']} | {r['ratio']:.2f} | {r['clipped_ratio']:.2f} | {r['max_logit']:.3g} "
+            f"| {r['clipped_max_logit']:.3g} | {r['clips']} |"
+        )
+    changes = stats["healthy_changes"]
+    lines += [
+        "",
+        (
+            f"failed runs rescued (within {HEALTHY_RATIO:g} x the best): {stats['rescued']} of "
+            f"{len(stats['failed'])}"
+        ),
+        f"healthy runs: {len(changes)}; final loss with QK-Clip against without: "
+        + (f"{min(changes):+.2%} to {max(changes):+.2%}" if changes else "none"),
+    ]
+    return "\n".join(lines)
+
+
+def draw_arms(records: list[RunRecord], tau: float, path: Path) -> None:
+    """Per family: final loss and largest attention logit against the learning rate, one line per
+    arm (Agg canvas)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    families = sorted({r.spec.family for r in records})
+    figure = Figure(figsize=(10, 2.7 * len(families)), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(families), 2, squeeze=False)
+    for row, family in enumerate(families):
+        loss_ax, logit_ax = axes[row]
+        for arm, (color, style) in ARM_STYLES.items():
+            runs = sorted(
+                (r for r in records if r.spec.family == family and r.spec.arm == arm),
+                key=lambda r: r.spec.lr,
+            )
+            lrs = sorted({r.spec.lr for r in runs})
+            for ax, value in ((loss_ax, "final_loss"), (logit_ax, "max_logit")):
+                mean = [
+                    statistics.fmean(getattr(r, value) for r in runs if r.spec.lr == lr)
+                    for lr in lrs
+                ]
+                ax.plot(lrs, mean, style, marker="o", ms=3, color=color, label=arm)
+        logit_ax.axhline(tau, color="grey", ls=":", lw=0.8)
+        loss_ax.set(xscale="log", xlabel="peak learning rate", ylabel="final loss (nats)")
+        loss_ax.set_title(f"{family}: final loss", fontsize=9)
+        logit_ax.set(
+            xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit"
+        )
+        logit_ax.set_title(f"{family}: largest logit over training (·· tau = {tau:g})", fontsize=9)
+        loss_ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rates, 1 seed, 60 %% of the steps")
@@ -756,9 +962,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--warmups",
         type=int,
         nargs="+",
-        default=[WARMUP, 0],
-        help="linear warmup steps, then the peak rate (0: none)",
+        default=None,
+        help="linear warmup steps, then the peak rate (0: none); default 50 and 0 (--arms: 50)",
     )
+    parser.add_argument(
+        "--arms",
+        action="store_true",
+        help="QK-Clip's proof: every run with AdamW and Muon, each without and with QKClip "
+        "(seed 2 and warmup 50 unless given); figure and JSON docs/qk_clip_sweep.*",
+    )
+    parser.add_argument("--clip-tau", type=float, default=100.0, help="--arms: QKClip's tau")
     parser.add_argument("--qk-norm", action="store_true", help="every run also with QK-norm")
     parser.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel"
@@ -782,9 +995,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = parser.parse_args(argv)
     if args.seeds is None:
-        args.seeds = [0] if args.quick else list(SEEDS)
+        args.seeds = [0] if args.quick else [VALIDATION_SEED] if args.arms else list(SEEDS)
+    if args.warmups is None:
+        args.warmups = [WARMUP] if args.arms else [WARMUP, 0]
     start = time.perf_counter()
-    specs = sweep(args)
+    specs = arm_specs(sweep(args), args.clip_tau) if args.arms else sweep(args)
     records = {s.key: _load(s, args.cache) for s in specs}
     missing = [s for s in specs if records[s.key] is None]
     if missing and args.replay:
@@ -812,6 +1027,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     flush=True,
                 )
     ordered = [records[s.key] for s in specs]
+    if args.arms:
+        return _report_arms(ordered, args, time.perf_counter() - start)
     for record in ordered:
         record.alerts = replay(record, round_1_rules() if args.round_1_rules else None)
         if record.spec.key in fresh and not args.round_1_rules:
@@ -843,6 +1060,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"\n{len(specs)} runs ({len(fresh)} trained now) in {time.perf_counter() - start:.0f} s; "
         f"figure {args.out / f'instability{suffix}.png'}"
     )
+    return stats
+
+
+def _report_arms(records: list[RunRecord], args: argparse.Namespace, seconds: float) -> dict:
+    stats = arms_summary(records)
+    suffix = "_quick" if args.quick else ""
+    out = args.out or (args.cache if args.quick else ROOT / "docs")
+    draw_arms(records, args.clip_tau, out / f"qk_clip_sweep{suffix}.png")
+    runs = [
+        {
+            **dataclasses.asdict(r.spec),
+            "arm": r.spec.arm,
+            "final_loss": r.final_loss,
+            "max_logit": r.max_logit,
+            "clips": r.clips,
+            "seconds": r.seconds,
+        }
+        for r in records
+    ]
+    settings = {
+        "seeds": args.seeds,
+        "warmups": args.warmups,
+        "tau": args.clip_tau,
+        "quick": args.quick,
+    }
+    (out / f"qk_clip_sweep{suffix}.json").write_text(
+        json.dumps({"settings": settings, "summary": stats, "runs": runs}, indent=1)
+    )
+    print(arms_table(records, stats))
+    print(f"\n{len(records)} runs in {seconds:.0f} s; figure {out / f'qk_clip_sweep{suffix}.png'}")
     return stats
 
 
