@@ -125,7 +125,10 @@ class MultiHeadAttention(nn.Module):
         )
         if self._observers:
             sink = self._observers.sink_tokens()
-            out, stats = attention(q, k, v, return_stats=True, sink_tokens=sink, **kwargs)
+            if self._observers.wants_stats() or self._fused(q):
+                out, stats = attention(q, k, v, return_stats=True, sink_tokens=sink, **kwargs)
+            else:  # the largest logits alone: read from q and k, not from a statistics pass
+                out, stats = attention(q, k, v, **kwargs), None
             self._observers.notify(
                 KernelCall(
                     q,
@@ -159,18 +162,25 @@ class MultiHeadAttention(nn.Module):
         return bool(self._observers)
 
     def register_probe(
-        self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0
+        self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0, stats: bool = True
     ) -> Callable[[], None]:
         """Hand every following forward to ``observer`` until the returned function is called.
 
         The forward then asks the kernel for its per-row statistics (same pass, no N x N matrix,
         with the most sink keys any observer wants) and passes a
-        :class:`~qkmonitor.probes.KernelCall` holding them, the scaled queries and the keys.
+        :class:`~qkmonitor.probes.KernelCall` holding them, the scaled queries and the keys. When
+        no observer reads statistics (``stats=False``: QK-Clip's largest logits) the torch
+        backend skips them (the call computes the maximum alone when read); the fused kernel
+        keeps them, as they cost it next to nothing.
 
         Returns:
             A function that removes exactly this observer.
         """
-        return self._observers.add(observer, sink_tokens)
+        return self._observers.add(observer, sink_tokens, stats)
+
+    def _fused(self, q: Tensor) -> bool:
+        """Whether the Triton kernel runs this call (its statistics are nearly free)."""
+        return self.backend == "triton" or (self.backend == "auto" and q.is_cuda)
 
     def qk_weights(self) -> QKWeights:
         """``W_Q``, ``W_K`` and the logit scale at the training length.

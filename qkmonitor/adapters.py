@@ -9,6 +9,7 @@ user module may implement too.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -66,7 +67,9 @@ class SupportsQKMonitor(Protocol):
     it hands every following forward to ``observer`` as an
     :class:`~qkmonitor.probes.AttentionCall` (e.g. a :class:`~qkmonitor.probes.KernelCall` holding
     the kernel's statistics), and returns a function that removes exactly that observer
-    (:class:`~qkmonitor.probes.ObserverSet` does the bookkeeping).
+    (:class:`~qkmonitor.probes.ObserverSet` does the bookkeeping). If it also takes ``stats=``,
+    an observer that reads no per-row statistics (QK-Clip's) is registered with ``stats=False``,
+    and the module may skip computing them.
     """
 
     def qk_weights(self) -> QKWeights: ...
@@ -200,8 +203,10 @@ class NativeAttentionLayer(AttentionLayer):
 
     def install(self, probe: Probe) -> Callable[[], None]:
         module = self.module
+        request = probe.request
+        skip_stats = {"stats": False} if not request.stats and _takes_stats(module) else {}
         remove_observer = module.register_probe(
-            probe.observe, sink_tokens=probe.request.sink_tokens
+            probe.observe, sink_tokens=request.sink_tokens, **skip_stats
         )
         remove_switch = add_forward_hooks(self.module)  # under compile: run eagerly while probed
 
@@ -522,3 +527,11 @@ def _from_user(
     if not result:
         raise ValueError("Expected `layers` to name at least one attention layer, got none")
     return result
+
+
+def _takes_stats(module: nn.Module) -> bool:
+    """Whether the module's ``register_probe`` takes ``stats=`` (an observer that reads none)."""
+    try:
+        return "stats" in inspect.signature(module.register_probe).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False

@@ -215,21 +215,26 @@ class ObserverSet:
     """
 
     def __init__(self) -> None:
-        self._observers: dict[int, tuple[Callable[[AttentionCall], None], int]] = {}
+        self._observers: dict[int, tuple[Callable[[AttentionCall], None], int, bool]] = {}
         self._next = 0
         self._sink = 0
+        self._stats = False
 
     def add(
-        self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0
+        self, observer: Callable[[AttentionCall], None], sink_tokens: int = 0, stats: bool = True
     ) -> Callable[[], None]:
+        """Register ``observer``; ``stats=False``: it reads no per-row statistics (only the
+        largest logits, or the probabilities), so a forward may skip computing them."""
         _notify.prepare()  # eagerly, before dynamo may trace a forward that notifies
         key, self._next = self._next, self._next + 1
-        self._observers[key] = (observer, sink_tokens)
+        self._observers[key] = (observer, sink_tokens, stats)
         self._sink = max(self._sink, sink_tokens)
+        self._stats = self._stats or stats
 
         def remove() -> None:
             self._observers.pop(key, None)
-            self._sink = max((sink for _, sink in self._observers.values()), default=0)
+            self._sink = max((sink for _, sink, _ in self._observers.values()), default=0)
+            self._stats = any(wants for _, _, wants in self._observers.values())
 
         return remove
 
@@ -244,6 +249,11 @@ class ObserverSet:
         ``torch.compile`` the forward reads one value, not the observers)."""
         return self._sink
 
+    def wants_stats(self) -> bool:
+        """Whether any observer reads the per-row statistics (kept up to date, like
+        :meth:`sink_tokens`)."""
+        return self._stats
+
     def notify(self, call: AttentionCall) -> None:
         """Hand ``call`` to every observer registered now. Never traced by ``torch.compile``: a
         compiled forward calls the observers of the current probe window, not those it saw when it
@@ -252,7 +262,7 @@ class ObserverSet:
 
 
 def _notify_observers(observers: ObserverSet, call: AttentionCall) -> None:
-    for observer, _ in list(observers._observers.values()):
+    for observer, _, _ in list(observers._observers.values()):
         observer(call)
 
 

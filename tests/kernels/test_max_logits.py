@@ -145,3 +145,36 @@ def test_a_max_only_probe_records_the_largest_logits_and_no_statistics():
 def test_a_bad_max_logits_request_is_named(value):
     with pytest.raises(ValueError, match="`max_logits`"):
         ProbeRequest(max_logits=value)
+
+
+def test_the_bundled_attention_skips_its_statistics_pass_for_a_max_only_probe(monkeypatch):
+    """On the torch backend a QK-Clip probe costs the forward no statistics pass; the largest
+    logits it reads are those the statistics would give."""
+    import qkmonitor.models.attention as bundled
+    from qkmonitor.models import DecoderLM, TransformerConfig
+
+    from qkmonitor.adapters import find_attention_layers
+
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2))
+    tokens = torch.randint(0, 11, (2, 7))
+    calls = []
+    real = bundled.attention
+    monkeypatch.setattr(
+        bundled,
+        "attention",
+        lambda *a, **kw: calls.append(kw.get("return_stats")) or real(*a, **kw),
+    )
+    (layer,) = find_attention_layers(model)
+    max_only = layer.open_probe(ProbeRequest(stats=False, max_logits=True))
+    with torch.no_grad():
+        model(tokens)
+    largest = max_only.close().max_logits
+    assert calls == [None]  # no statistics asked of the kernel
+    with_stats = layer.open_probe(ProbeRequest(stats=True))
+    with torch.no_grad():
+        model(tokens)
+    (stats,) = with_stats.close().stats
+    assert calls == [None, True]
+    torch.testing.assert_close(largest[0], stats.max_logit.amax(-1), rtol=1e-6, atol=1e-6)
+    assert not layer.module._observers  # both probes removed what they installed
