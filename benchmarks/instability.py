@@ -658,17 +658,25 @@ def draw(scored: list[Scored], path: Path) -> None:
         )
         loss_ax.axhline(FAIL_RATIO * (best + floor) - floor, color="grey", ls="--", lw=0.8)
         loss_ax.axhline(HEALTHY_RATIO * (best + floor) - floor, color="grey", ls=":", lw=0.8)
-        loss_ax.set(xscale="log", xlabel="peak learning rate", ylabel="final loss (nats)")
-        loss_ax.set_title(
-            f"{family} ({split}): final loss; X alerted, -- failed, ·· healthy", fontsize=9
+        _label(
+            loss_ax,
+            logit_ax,
+            f"{family} ({split}): final loss; X alerted, -- failed, ·· healthy",
+            f"{family}: largest attention logit over training",
         )
-        logit_ax.set(
-            xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit"
-        )
-        logit_ax.set_title(f"{family}: largest attention logit over training", fontsize=9)
-        loss_ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
+
+
+def _label(loss_ax, logit_ax, loss_title: str, logit_title: str) -> None:
+    """A family's row of the figures: final loss and largest logit against the learning rate."""
+    loss_ax.set(xscale="log", xlabel="peak learning rate", ylabel="final loss (nats)")
+    loss_ax.set_title(loss_title, fontsize=9)
+    logit_ax.set(
+        xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit"
+    )
+    logit_ax.set_title(logit_title, fontsize=9)
+    loss_ax.legend(fontsize=7)
 
 
 def _fmt(value: Any) -> str:
@@ -942,13 +950,12 @@ def draw_arms(records: list[RunRecord], tau: float, path: Path) -> None:
                 ]
                 ax.plot(lrs, mean, style, marker="o", ms=3, color=color, label=arm)
         logit_ax.axhline(tau, color="grey", ls=":", lw=0.8)
-        loss_ax.set(xscale="log", xlabel="peak learning rate", ylabel="final loss (nats)")
-        loss_ax.set_title(f"{family}: final loss", fontsize=9)
-        logit_ax.set(
-            xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit"
+        _label(
+            loss_ax,
+            logit_ax,
+            f"{family}: final loss",
+            f"{family}: largest logit over training (·· tau = {tau:g})",
         )
-        logit_ax.set_title(f"{family}: largest logit over training (·· tau = {tau:g})", fontsize=9)
-        loss_ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
 
