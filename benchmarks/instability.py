@@ -827,18 +827,21 @@ def arm_specs(specs: list[RunSpec], tau: float) -> list[RunSpec]:
 def arms_summary(records: list[RunRecord]) -> dict[str, Any]:
     """What QK-Clip did to each unclipped run's twin (same family, optimizer, rate, seed, warmup).
 
-    Per family, ``best`` is the lowest final loss of any run of any arm. An unclipped run
-    **failed** when its final loss is >= FAIL_RATIO x best (losses plus the family's floor) at a
-    rate above the best rate of its own arm (as in the alert sweep), and is **healthy** when within
-    HEALTHY_RATIO x best. For a failed run: its clipped twin's ratio to best (rescued when within
-    HEALTHY_RATIO, i.e. 10 %); for a healthy one: the twin's final loss against it."""
+    Per family and optimizer, ``best`` is the lowest final loss of its runs, clipped or not (a
+    cure cannot be asked to make AdamW reach what Muon reaches). An unclipped run **failed** when
+    its final loss is >= FAIL_RATIO x best (losses plus the family's floor) at a rate above the
+    best rate of its own arm (as in the alert sweep), and is **healthy** when within HEALTHY_RATIO
+    x best. For a failed run: its clipped twin's ratio to best (rescued when within HEALTHY_RATIO,
+    i.e. 10 %); for a healthy one: the twin's final loss against it."""
     out: dict[str, Any] = {"families": {}, "failed": [], "healthy": []}
     for family in sorted({r.spec.family for r in records}):
-        runs = [r for r in records if r.spec.family == family]
         floor = FAMILIES[family].floor
-        best = min(r.final_loss for r in runs)
-        out["families"][family] = {"best": best}
-        for run in runs:
+        in_family = [r for r in records if r.spec.family == family]
+        out["families"][family] = {"best": {}}
+        for run in in_family:
+            runs = [r for r in in_family if r.spec.optimizer == run.spec.optimizer]
+            best = min(r.final_loss for r in runs)
+            out["families"][family]["best"][run.spec.optimizer] = best
             if run.spec.clip_tau is not None:
                 continue
             twin = next(
@@ -1072,7 +1075,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _report_arms(records: list[RunRecord], args: argparse.Namespace, seconds: float) -> dict:
     stats = arms_summary(records)
-    suffix = "_quick" if args.quick else ""
+    suffix = ("" if args.clip_tau == 100 else f"_tau{args.clip_tau:g}") + (
+        "_quick" if args.quick else ""
+    )
     out = args.out or (args.cache if args.quick else ROOT / "docs")
     draw_arms(records, args.clip_tau, out / f"qk_clip_sweep{suffix}.png")
     runs = [
