@@ -89,16 +89,49 @@ class ProjectionRows:
         changed = (factors != 1).nonzero().flatten()
         if changed.numel() == 0:
             return
-        rows = self.rows.to(self.weight.device)[changed.to(self.weight.device)]  # (c, d_k)
+        rows = self.rows[changed]  # (c, d_k)
         flat = rows.flatten()
-        per_row = factors[changed].repeat_interleave(rows.shape[1])  # (c * d_k,)
+        per_row = factors[changed].to(torch.float64).repeat_interleave(rows.shape[1])  # (c * d_k,)
         with torch.no_grad():
             for tensor in (self.weight, self.bias):
                 if tensor is None:
                     continue
-                f = per_row.to(device=tensor.device, dtype=torch.float64)
-                f = f.view(-1, *([1] * (tensor.dim() - 1)))
-                tensor[flat] = (tensor[flat].to(torch.float64) * f).to(tensor.dtype)
+                local, start = local_rows(tensor)
+                mine = (flat >= start) & (flat < start + local.shape[0])
+                index = (flat[mine] - start).to(local.device)
+                f = per_row[mine].to(local.device).view(-1, *([1] * (local.dim() - 1)))
+                local[index] = (local[index].to(torch.float64) * f).to(local.dtype)
+
+
+def local_rows(tensor: Tensor) -> tuple[Tensor, int]:
+    """The rows of ``tensor`` this process holds, to write in place, and the global index of the
+    first: all of a plain tensor (from 0); a DTensor's local shard, for one mesh dimension
+    sharded along the rows (``Shard(0)``, FSDP2's parameters: ``torch.chunk``'s split) or
+    replicated.
+
+    Raises:
+        ValueError: another layout (sharded along the columns, several mesh dimensions).
+    """
+    if not callable(getattr(tensor, "to_local", None)):
+        return tensor, 0
+    placements = tuple(tensor.placements)
+    local = tensor.to_local()
+    if len(placements) == 1 and placements[0].is_replicate():
+        return local, 0
+    if len(placements) != 1 or not placements[0].is_shard(0):
+        raise ValueError(
+            f"Expected a weight sharded along its rows (Shard(0)) or replicated on one mesh "
+            f"dimension, got placements {placements}"
+        )
+    mesh = tensor.device_mesh
+    chunk = -(-tensor.shape[0] // mesh.size())  # torch.chunk: ceil(rows / ranks) a rank
+    start = min(mesh.get_local_rank() * chunk, tensor.shape[0])
+    if local.shape[0] != min(chunk, tensor.shape[0] - start):
+        raise ValueError(
+            f"Expected the local shard of rows {start}.. to hold "
+            f"{min(chunk, tensor.shape[0] - start)} rows, got {local.shape[0]}"
+        )
+    return local, start
 
 
 @dataclass(frozen=True)

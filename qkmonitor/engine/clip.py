@@ -88,14 +88,6 @@ class QKClip(ActivationEngine):
             rows = layer.qk_rows()
         except (NotImplementedError, ValueError) as err:
             return self._skip(f"rows:{layer.name}", f"layer {layer.name!r} is not clipped: {err}.")
-        tensors = [
-            t for part in (rows.q, rows.k) for t in (part.weight, part.bias) if t is not None
-        ]
-        if any(callable(getattr(t, "full_tensor", None)) for t in tensors):  # a DTensor (FSDP2)
-            why = "its weights are sharded (FSDP2), which QKClip does not scale yet"
-            return self._skip(
-                f"sharded:{layer.name}", f"layer {layer.name!r} is not clipped: {why}."
-            )
         if rows.qk_norm:
             why = "the norm after the projections undoes a scaling of W_Q and W_K"
             return self._skip(

@@ -50,3 +50,24 @@ def test_full_parameters_is_a_no_op_without_fsdp():
     before = model.weight.detach().clone()
     with full_parameters(model), full_parameters(None):
         assert torch.equal(model.weight, before)
+
+
+def test_qk_clip_writes_a_dtensors_rows_through_its_local_shard(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from qkmonitor.clip import ProjectionRows, local_rows
+
+    mesh = init_device_mesh("cpu", (1,))
+    weight = torch.arange(12.0).view(4, 3)
+    rows = ProjectionRows(
+        distribute_tensor(weight, mesh, [Shard(0)]), None, torch.arange(4).view(2, 2)
+    )
+    rows.scale(torch.tensor([0.5, 1.0]))  # head 0 is rows 0-1
+    expected = weight.clone()
+    expected[:2] *= 0.5
+    assert torch.equal(rows.weight.full_tensor(), expected)
+    replicated = distribute_tensor(weight, mesh, [Replicate()])
+    assert local_rows(replicated)[1] == 0
+    with pytest.raises(ValueError, match=r"Shard\(0\)"):
+        local_rows(distribute_tensor(weight, mesh, [Shard(1)]))

@@ -1,0 +1,48 @@
+"""QK-Clip on FSDP2's sharded parameters: two gloo ranks that ``fully_shard`` the model scale their
+row shards so that the full weights are the single process's, bit for bit up to float rounding."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkmonitor.clip import local_rows
+
+JOB = Path(__file__).with_name("fsdp2_clip_job.py")
+
+
+def run_job(out_dir: Path, world: int) -> dict:
+    out_dir.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    result = subprocess.run(
+        [sys.executable, str(JOB), str(out_dir), str(world)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out_dir / "qk.pt")
+
+
+@pytest.mark.slow
+def test_qk_clip_scales_fsdp2_row_shards_as_one_process_scales_the_whole(tmp_path):
+    single, sharded = run_job(tmp_path / "one", 1), run_job(tmp_path / "two", 2)
+    assert all(int(c.sum()) > 0 for c in single["counts"])  # every layer was clipped
+    for a, b in zip(single["counts"], sharded["counts"]):
+        assert torch.equal(a, b)
+    assert single["weights"].keys() == sharded["weights"].keys()
+    for name, weight in single["weights"].items():
+        torch.testing.assert_close(sharded["weights"][name], weight, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plain_tensor_is_all_its_own_rows():
+    weight = torch.ones(4, 3)
+    local, start = local_rows(weight)
+    assert local is weight and start == 0
