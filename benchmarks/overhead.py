@@ -58,6 +58,8 @@ Usage::
     python benchmarks/overhead.py --arch nanogpt --compile --steps 300
     # a window, batch by batch
     python benchmarks/overhead.py --arch nanogpt --offsets --steps 1000 --rounds 2
+    # a window, part by part (timers inside the engines; nested parts overlap)
+    python benchmarks/overhead.py --parts --steps 1000
 """
 
 from __future__ import annotations
@@ -494,6 +496,51 @@ def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
     )
 
 
+#: ``--parts``: the window's parts timed, as (module, qualified name); nested parts overlap
+PARTS = (
+    ("qkmonitor.engine.spectrum", "QKSpectrum.observe_weights"),
+    ("qkmonitor.engine.spectrum", "spectrum_of_layers"),
+    ("qkmonitor.engine.entropy", "AttentionEntropy._measure"),
+    ("qkmonitor.engine.rank", "EffectiveRank._measure"),
+    ("qkmonitor.engine.base", "MonitorEngine.record"),
+    ("qkmonitor.engine.alerting", "AlertPolicy.update"),
+    ("qkmonitor.engine.publishing", "ValuePublisher.publish"),
+)
+
+
+def parts(args) -> dict[str, float]:
+    """``--parts``: one run at the defaults with a timer around each of :data:`PARTS`; seconds per
+    probe window (wall time on the training thread, nested parts included in their callers')."""
+    import importlib
+
+    totals: dict[str, float] = {}
+    undo = []
+    for module_name, qualified in PARTS:
+        owner = importlib.import_module(module_name)
+        *path, attr = qualified.split(".")
+        for name in path:
+            owner = getattr(owner, name)
+        original = getattr(owner, attr)
+
+        def timed(*a, _original=original, _name=qualified, **kw):
+            start = time.perf_counter()
+            try:
+                return _original(*a, **kw)
+            finally:
+                totals[_name] = totals.get(_name, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+        undo.append((owner, attr, original))
+    try:
+        with tempfile.TemporaryDirectory() as log_root:
+            run(args, CONFIGS[DEFAULTS], log_root)
+    finally:
+        for owner, attr, original in reversed(undo):
+            setattr(owner, attr, original)
+    windows = args.steps // CONFIGS[DEFAULTS][0]
+    return {name: totals.get(name, 0.0) / windows for _, name in PARTS}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -535,6 +582,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also QKClip alone (tau 100) every step and every 10 steps (what the cure costs)",
     )
     parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="where a window's time goes, part by part (one run at the defaults, timed inside)",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="build model and data, train nothing"
     )
     args = parser.parse_args(argv)
@@ -565,6 +617,15 @@ def main(argv: list[str] | None = None) -> None:
                     indent=1,
                 )
             )
+        return
+    if args.parts:
+        if args.dry_run:
+            return
+        print(
+            f"torch {torch.__version__}, model {args.model}, arch {args.arch}, {args.steps} steps"
+        )
+        for name, seconds in parts(args).items():
+            print(f"  {name:34s} {seconds * 1e3:6.2f} ms a window")
         return
     if args.offsets:
         if args.dry_run:

@@ -71,3 +71,5 @@ def test_the_readmes_sentence_on_the_sweep_is_the_sweeps():
     assert max(summary["healthy_changes"]) < 0.01  # "costs healthy runs under 1 %"
     assert "costs healthy runs under 1 %" in readme
     assert f"brings {summary['rescued']} of {len(summary['failed'])} failed runs back" in readme
+    missed = [r["clipped_ratio"] for r in summary["failed"] if r["clipped_ratio"] > 1.1]
+    assert f"(the others miss by {min(missed):.2f} × to {max(missed):.0f} ×)" in readme
