@@ -134,7 +134,7 @@ class Clock(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         _synchronize(pl_module)
         self.marks.append(time.perf_counter())
-        if batch_idx == 0:
+        if len(self.marks) == 1:  # the run's first batch (batch_idx is 0 again every epoch)
             self.first_batch_at = self.marks[-1]
 
     def on_train_end(self, trainer, pl_module):
