@@ -64,3 +64,31 @@ def test_each_heads_qk_product_is_scaled_by_its_factor_and_the_others_are_untouc
         healthy = gamma == 1
         assert torch.equal(wq_after[healthy], wq[healthy]), layer_name
         assert torch.equal(wk_after[healthy], wk[healthy]), layer_name
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_the_max_only_probe_reads_what_the_statistics_read(name, leftovers):
+    """QKClip's probe (the largest logits alone, no softmax) on every layout the zoo reads: the same
+    per-call, per-head maxima as the statistics' path, and nothing left installed."""
+    built = build(name)
+    layers = find_attention_layers(built.model)
+    measurable = [layer for layer in layers if layer.supports_stats]
+    assert measurable, name
+    max_only = [
+        layer.open_probe(ProbeRequest(stats=False, max_logits=True)) for layer in measurable
+    ]
+    with_stats = [layer.open_probe(ProbeRequest(stats=True)) for layer in measurable]
+    try:
+        with torch.no_grad():
+            built.loss(built.model)
+    finally:
+        results = [(a.close(), b.close()) for a, b in zip(max_only, with_stats)]
+    assert leftovers(built.model) == []
+    for layer, (largest, stats) in zip(measurable, results):
+        assert not largest.failures and not stats.failures, (layer.name, largest.failures)
+        assert largest.calls == stats.calls > 0, layer.name
+        assert len(largest.max_logits) == len(stats.stats), layer.name
+        for got, call in zip(largest.max_logits, stats.stats):
+            expected = call.max_logit.amax(dim=-1)
+            scale = expected[torch.isfinite(expected)].abs().amax()
+            assert_close(got.float(), expected.float(), rtol=1e-5, atol=1e-5 * scale)
