@@ -137,15 +137,24 @@ class QKClip(ActivationEngine):
         self, results: list[ProbeResult], step: int, *, visuals: bool
     ) -> tuple[Values, dict[str, Any]]:
         heads = [self._num_heads(i, result) for i, result in enumerate(results)]
-        s = _largest_over_ranks(
+        s, disagree = _largest_over_ranks(
             [head_max_logits(result.max_logits, h) for result, h in zip(results, heads)]
         )
+        for i in disagree:
+            name = self.layers[i].name
+            self._skip(
+                f"heads:{name}",
+                f"layer {name!r} is not clipped at step {step}: the processes disagree on its "
+                "head count (a rank whose forward did not run it reads its configured one).",
+            )
         values: Values = {"clip_max_logit": [], "clip_factor": [], "clip_count": []}
         undefined: dict[str, list[Tensor]] = {"clip_max_logit": [], "clip_factor": []}
         for i, (result, s_layer) in enumerate(zip(results, s)):
             ran = result.calls > 0
             gamma = clip_factors(s_layer, self.tau)
-            rows = self._rows_of(i) if ran and bool((gamma < 1).any()) else None
+            # from the largest logits over every rank alone: a rank whose forward did not run the
+            # layer scales it as the others do (its replica stays theirs)
+            rows = self._rows_of(i) if bool((gamma < 1).any()) else None
             if rows is None:
                 gamma = torch.ones_like(gamma)
             else:
@@ -161,7 +170,7 @@ class QKClip(ActivationEngine):
             if counts.numel() != gamma.numel():
                 counts = torch.zeros(gamma.numel(), dtype=torch.long)
             self._counts[i] = counts + (gamma < 1).long()
-            missing = torch.full(gamma.shape, not ran)
+            missing = torch.full(gamma.shape, not ran or i in disagree)  # NaN: undefined
             values["clip_max_logit"].append(torch.where(missing, math.nan, s_layer).float())
             values["clip_factor"].append(torch.where(missing, math.nan, gamma).float())
             values["clip_count"].append(self._counts[i].float())
@@ -189,15 +198,32 @@ class QKClip(ActivationEngine):
         return list(self._counts)
 
 
-def _largest_over_ranks(per_layer: list[Tensor]) -> list[Tensor]:
-    """Each head's largest logit over the processes of a distributed run (one ``all_reduce``); a
-    NaN counts as ``+inf`` there, so that every rank leaves that head alone."""
+def _largest_over_ranks(per_layer: list[Tensor]) -> tuple[list[Tensor], list[int]]:
+    """Each head's largest logit over the processes of a distributed run, and the layers whose
+    head count the processes disagree on (NaN there, on every rank: not clipped).
+
+    A NaN counts as ``+inf`` in the reduction, so that every rank leaves that head alone. Two
+    ``all_reduce`` calls: the head counts (their largest and smallest), then the maxima.
+    """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return per_layer
-    flat = torch.cat(per_layer).nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
+        return per_layer, []
     device = (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     )
+    sizes = torch.tensor([t.numel() for t in per_layer], dtype=torch.float64)
+    spread = torch.cat([sizes, -sizes]).to(device)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)  # the largest count, and minus the smallest
+    largest, smallest = spread.cpu().chunk(2)
+    smallest = -smallest
+    disagree = [i for i in range(len(per_layer)) if largest[i] != smallest[i]]
+    parts = [
+        torch.full((int(largest[i]),), -math.inf, dtype=torch.float64) if i in disagree else t
+        for i, t in enumerate(per_layer)
+    ]  # the same sizes on every rank
+    flat = torch.cat(parts).nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
     flat = flat.to(device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-    return list(flat.cpu().split([t.numel() for t in per_layer]))
+    reduced = list(flat.cpu().split([p.numel() for p in parts]))
+    for i in disagree:
+        reduced[i] = torch.full(per_layer[i].shape, math.nan, dtype=torch.float64)
+    return reduced, disagree

@@ -1,8 +1,10 @@
-"""QK-Clip on FSDP2's sharded parameters: two gloo ranks that ``fully_shard`` the model scale their
-row shards so that the full weights are the single process's, bit for bit up to float rounding."""
+"""QK-Clip across processes: FSDP2's sharded parameters (two gloo ranks that ``fully_shard`` the
+model scale their row shards so that the full weights are the single process's, to float
+rounding), and ranks that disagree on a layer's head count."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -46,3 +48,23 @@ def test_a_plain_tensor_is_all_its_own_rows():
     weight = torch.ones(4, 3)
     local, start = local_rows(weight)
     assert local is weight and start == 0
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_on_a_layers_head_count_leave_it_alone_together(tmp_path):
+    """No hang and no crash: the layer every rank counts alike is reduced (a NaN reads +inf: not
+    clipped), the other is NaN on every rank and named."""
+    result = subprocess.run(
+        [sys.executable, str(JOB.with_name("clip_ranks_job.py")), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        assert out["disagree"] == [1]
+        layer0, layer1 = out["reduced"]
+        assert layer0.tolist() == [4.0, 5.0, math.inf]
+        assert layer1.shape == ((2,) if rank == 0 else (4,)) and layer1.isnan().all()
