@@ -5,9 +5,6 @@ rounding), and ranks that disagree on a layer's head count."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,21 +12,14 @@ import torch
 
 from qkmonitor.clip import local_rows
 
+from .jobs import run_script
+
 JOB = Path(__file__).with_name("fsdp2_clip_job.py")
 
 
 def run_job(out_dir: Path, world: int) -> dict:
     out_dir.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    result = subprocess.run(
-        [sys.executable, str(JOB), str(out_dir), str(world)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(JOB, out_dir, world)
     return torch.load(out_dir / "qk.pt")
 
 
@@ -54,14 +44,7 @@ def test_a_plain_tensor_is_all_its_own_rows():
 def test_ranks_that_disagree_on_a_layers_head_count_leave_it_alone_together(tmp_path):
     """No hang and no crash: the layer every rank counts alike is reduced (a NaN reads +inf: not
     clipped), the other is NaN on every rank and named."""
-    result = subprocess.run(
-        [sys.executable, str(JOB.with_name("clip_ranks_job.py")), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(JOB.with_name("clip_ranks_job.py"), tmp_path, timeout=120)
     for rank in (0, 1):
         out = torch.load(tmp_path / f"rank{rank}.pt")
         assert out["disagree"] == [1]

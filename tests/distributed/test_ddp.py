@@ -3,30 +3,18 @@ data."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from .jobs import run_script
+
 JOB = Path(__file__).with_name("ddp_job.py")
 
 
 def run_job(out_dir: Path, devices: int, batch_per_device: int, *extra: str) -> None:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")
-    }
-    result = subprocess.run(
-        [sys.executable, str(JOB), str(out_dir), str(devices), str(batch_per_device), *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(JOB, out_dir, devices, batch_per_device, *extra)
 
 
 def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
