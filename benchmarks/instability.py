@@ -44,6 +44,9 @@ Usage::
     python benchmarks/instability.py --quick    # 2 rates, seed 0, 60 % of the steps
     python benchmarks/instability.py --replay   # re-score the cached runs with the current rules
     python benchmarks/instability.py --qk-norm  # every run also with QK-norm
+    # QK-Clip's proof: AdamW and Muon, each without and with QKClip (docs/qk_clip.md)
+    python benchmarks/instability.py --arms
+    python benchmarks/instability.py --arms --clip-tau 30
     # the round-1 defaults on the same runs
     python benchmarks/instability.py --replay --round-1-rules
 

@@ -9,6 +9,7 @@ user module may implement too.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable
@@ -531,7 +532,13 @@ def _from_user(
 
 def _takes_stats(module: nn.Module) -> bool:
     """Whether the module's ``register_probe`` takes ``stats=`` (an observer that reads none)."""
+    return _register_probe_takes_stats(type(module))
+
+
+@functools.cache
+def _register_probe_takes_stats(cls: type) -> bool:
+    """Read once per class: QKClip installs a probe at every step."""
     try:
-        return "stats" in inspect.signature(module.register_probe).parameters
-    except (TypeError, ValueError):  # no signature to read
+        return "stats" in inspect.signature(cls.register_probe).parameters
+    except (AttributeError, TypeError, ValueError):  # on the instance only, or no signature
         return False
