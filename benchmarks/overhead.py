@@ -172,10 +172,13 @@ def monitors(config: tuple[int, int] | None) -> list[pl.Callback]:
 
 
 class HookTimer:
-    """Seconds each batch spends in the monitors' ``on_train_batch_start`` / ``_end`` hooks."""
+    """Seconds each batch spends in the monitors' ``on_train_batch_start`` / ``_end`` hooks, by
+    the batch's place in the run as ``clock`` counts them (``batch_idx`` starts again at 0 every
+    epoch); ``clock`` comes before the monitors in the callback list."""
 
-    def __init__(self, callbacks: list[pl.Callback]) -> None:
+    def __init__(self, callbacks: list[pl.Callback], clock: Clock) -> None:
         self.seconds: dict[int, float] = {}
+        self.clock = clock
         for callback in callbacks:
             for hook in ("on_train_batch_start", "on_train_batch_end"):
                 setattr(callback, hook, self._timed(getattr(callback, hook)))
@@ -186,10 +189,8 @@ class HookTimer:
             try:
                 return hook(trainer, pl_module, *args)
             finally:
-                batch_idx = args[-1]
-                self.seconds[batch_idx] = (
-                    self.seconds.get(batch_idx, 0.0) + time.perf_counter() - start
-                )
+                batch = len(self.clock.marks) - 1
+                self.seconds[batch] = self.seconds.get(batch, 0.0) + time.perf_counter() - start
 
         return timed
 
@@ -220,7 +221,7 @@ def run(args, config: tuple[int, int] | None, log_root: str, steps: int | None =
     pl.seed_everything(0, verbose=False)
     task, data = task_and_data(args.model, steps, args.arch)
     timer, callbacks = Clock(), monitors(config)
-    timer.hooks = HookTimer(callbacks)
+    timer.hooks = HookTimer(callbacks, timer)
     trainer = pl.Trainer(max_steps=steps, accelerator=args.device, devices=1,
                          precision=args.precision, logger=TensorBoardLogger(log_root),
                          callbacks=[timer, *callbacks], enable_progress_bar=False,
@@ -264,9 +265,10 @@ def untouched_step(clock: Clock, every: int) -> float:
 
 
 def hooks_untouched(clock: Clock, every: int) -> float:
-    """Seconds per untouched batch in the monitors' hooks (median)."""
+    """Seconds per untouched batch in the monitors' hooks: the mean, not the median, since their
+    cost has two levels (the steps whose loss a rule reads, and the quiet ones)."""
     values = [s for i, s in clock.hooks.seconds.items() if i and not touched(i, every)]
-    return statistics.median(values) if values else 0.0
+    return statistics.fmean(values) if values else 0.0
 
 
 def measure(args) -> dict[str, dict[str, float]]:
@@ -508,12 +510,14 @@ PARTS = (
 )
 
 
-def parts(args) -> dict[str, float]:
-    """``--parts``: one run at the defaults with a timer around each of :data:`PARTS`; seconds per
-    probe window (wall time on the training thread, nested parts included in their callers')."""
+def parts(args) -> dict[str, tuple[float, float]]:
+    """``--parts``: one run at the defaults with a timer around each of :data:`PARTS`; per part,
+    the median seconds of a call (the probe at step 0 carries first-call costs) and the calls a
+    probe window makes (wall time on the training thread, nested parts included in their
+    callers')."""
     import importlib
 
-    totals: dict[str, float] = {}
+    calls: dict[str, list[float]] = {name: [] for _, name in PARTS}
     undo = []
     for module_name, qualified in PARTS:
         owner = importlib.import_module(module_name)
@@ -527,7 +531,7 @@ def parts(args) -> dict[str, float]:
             try:
                 return _original(*a, **kw)
             finally:
-                totals[_name] = totals.get(_name, 0.0) + time.perf_counter() - start
+                calls[_name].append(time.perf_counter() - start)
 
         setattr(owner, attr, timed)
         undo.append((owner, attr, original))
@@ -537,8 +541,11 @@ def parts(args) -> dict[str, float]:
     finally:
         for owner, attr, original in reversed(undo):
             setattr(owner, attr, original)
-    windows = args.steps // CONFIGS[DEFAULTS][0]
-    return {name: totals.get(name, 0.0) / windows for _, name in PARTS}
+    windows = args.steps // CONFIGS[DEFAULTS][0] + 1  # steps 0, 50, ..., the last multiple
+    return {
+        name: (statistics.median(seconds) if seconds else 0.0, len(seconds) / windows)
+        for name, seconds in calls.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -624,8 +631,10 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"torch {torch.__version__}, model {args.model}, arch {args.arch}, {args.steps} steps"
         )
-        for name, seconds in parts(args).items():
-            print(f"  {name:34s} {seconds * 1e3:6.2f} ms a window")
+        for name, (seconds, per_window) in parts(args).items():
+            print(
+                f"  {name:34s} {seconds * 1e3:6.2f} ms a call (median), {per_window:.0f} a window"
+            )
         return
     if args.offsets:
         if args.dry_run:

@@ -330,9 +330,8 @@ class AttentionMonitor(Callback):
     def _observe_loss(self, outputs: Any) -> None:
         """Hand the batch's training loss (``training_step``'s return: the tensor, or its
         ``"loss"``) to the engine, at the step the batch started on, for the rules that read it."""
-        if not self.engine.wants_loss(self._batch_step):
-            return
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        mapping = type(outputs) is dict or isinstance(outputs, Mapping)  # Lightning's: a dict
+        loss = outputs.get("loss") if mapping else outputs
         if isinstance(loss, Tensor) and loss.numel() == 1:
             self.engine.observe_loss(self._batch_step, loss)
 
@@ -391,8 +390,9 @@ class ActivationMonitor(AttentionMonitor):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_step = trainer.global_step
-        self.engine.open(self._batch_step)
+        step = self._batch_step = trainer.global_step
+        if step not in self.engine.between_probes:  # none opens there (`steps_after`)
+            self.engine.open(step)
 
     @override
     def on_train_batch_end(
@@ -403,9 +403,15 @@ class ActivationMonitor(AttentionMonitor):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        engine, step = self.engine, self._batch_step
+        if step in engine.between_probes:  # at most the loss to keep (`steps_after`)
+            if step not in engine.quiet:
+                self._observe_loss(outputs)
+            return
         self._observe_loss(outputs)
-        if self.engine.probing:
-            self.engine.finish(LightningHost(trainer))
+        if engine.probing:
+            engine.finish(LightningHost(trainer))
+        engine.plan(step)
 
     @override
     def on_validation_batch_start(

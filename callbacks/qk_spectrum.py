@@ -94,8 +94,9 @@ class QKSpectrumMonitor(AttentionMonitor):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_step = trainer.global_step
-        self.engine.open(self._batch_step)  # layouts read by name are checked on the first batch
+        step = self._batch_step = trainer.global_step
+        if step not in self.engine.between_probes:  # layouts read by name: the first batch checks
+            self.engine.open(step)
 
     @override
     def on_train_batch_end(
@@ -106,14 +107,18 @@ class QKSpectrumMonitor(AttentionMonitor):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        engine, step, after = self.engine, self._batch_step, trainer.global_step  # after: the
+        # global step after this batch's optimizer step, whose weights a probe reads
+        if step in engine.between_probes and after in engine.between_probes:  # `steps_after`
+            if step not in engine.quiet:
+                self._observe_loss(outputs)
+            return
         self._observe_loss(outputs)
-        if self.engine.probing:
-            self.engine.finish(LightningHost(trainer))
-        step = trainer.global_step
-        if step > 0 and self.engine.is_probe_step(
-            step
-        ):  # after the optimizer step: the weights of this step
-            self._observe(trainer, step)
+        if engine.probing:
+            engine.finish(LightningHost(trainer))
+        if after > 0 and engine.is_probe_step(after):
+            self._observe(trainer, after)
+        engine.plan(after)
 
     def _observe(self, trainer: pl.Trainer, step: int) -> None:
         # under FSDP every rank holds a shard: the engine gathers the full weights for the read

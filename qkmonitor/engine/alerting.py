@@ -84,26 +84,38 @@ class AlertPolicy:
 
     # -- the training loss -------------------------------------------------------------------
 
-    def wants_loss(self, step: int, every_n_steps: int | None) -> bool:
-        """Whether the loss of ``step`` can matter: a rule reads the loss and ``step`` is among the
-        first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` steps, within the rules' loss windows
-        before a multiple of ``every_n_steps``, or in the first of those steps after one (where the
-        probe of a skipped multiple lands)."""
+    def wants_loss(self, step: int, every_n_steps: int | None, latest_step: int | None) -> bool:
+        """Whether a rule may read the loss of ``step``: a rule reads the loss, and ``step`` is
+        among the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` steps (its first loss),
+        within :attr:`loss_lead` steps before a multiple of ``every_n_steps`` or at one, or in an
+        interval whose probe is still to come (``latest_step``, the last probe's step, is before
+        the interval: the probe of a multiple that two optimizers step over lands after it). At
+        ``every_n_steps=50`` with the default rules: 21 steps of 50; at 10, every step."""
         if not self.reads_loss:
             return False
         every = every_n_steps
-        # also the first steps after a multiple: the probe step of a multiple that is skipped
-        # (two optimizers)
         return (
             every is None
             or step < LOSS_SMOOTHING
-            or (-step) % every <= self.loss_horizon
-            or step % every < LOSS_SMOOTHING
+            or (-step) % every <= self.loss_lead
+            or latest_step is None
+            or latest_step < step - step % every
         )
 
+    @property
+    def loss_lead(self) -> int:
+        """How many steps before a probe the rules read the loss: their longest loss window plus
+        :data:`~qkmonitor.alerts.LOSS_SMOOTHING`; 0 when no rule reads it."""
+        return self.loss_horizon if self.reads_loss else 0
+
     def observe_loss(self, step: int, loss: Tensor | float) -> None:
-        """Keep the loss of ``step``, as a detached tensor (read only when a probe needs it)."""
-        self._losses.append((step, loss.detach() if isinstance(loss, Tensor) else float(loss)))
+        """Keep the loss of ``step``, as a tensor without autograd history (read only when a probe
+        needs it; Lightning's loss is already detached, and kept as it is)."""
+        if isinstance(loss, Tensor):
+            loss = loss.detach() if loss.requires_grad else loss
+        else:
+            loss = float(loss)
+        self._losses.append((step, loss))
         if len(self._first_losses) < LOSS_SMOOTHING:
             self._first_losses.append(self._losses[-1][1])
 
@@ -245,9 +257,13 @@ class AlertPolicy:
 
 
 def _as_floats(values: list[Tensor | float]) -> list[float]:
-    """``values`` as Python floats; the tensors among them read from the device in one stack."""
+    """``values`` as Python floats; the tensors among them read from an accelerator in one stack
+    (one synchronization), on the CPU one by one (a stack costs ten times more there)."""
     tensors = [v for v in values if isinstance(v, Tensor)]
     if not tensors:
         return list(values)  # type: ignore[arg-type]
-    read = iter(torch.stack([t.reshape(()).float() for t in tensors]).tolist())
+    if all(t.device.type == "cpu" for t in tensors):
+        read = iter([float(t) for t in tensors])
+    else:
+        read = iter(torch.stack([t.reshape(()).float() for t in tensors]).tolist())
     return [next(read) if isinstance(v, Tensor) else v for v in values]

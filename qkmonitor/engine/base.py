@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.adapters import AttentionLayer, find_attention_layers
-from qkmonitor.alerts import Alert, AlertRule, AlertTracker
+from qkmonitor.alerts import LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
 from qkmonitor.catalogue import MetricSpec, metric, names_of
 from qkmonitor.compiled import SwitchedForward, UncompiledForward, compiled_roots
 from qkmonitor.engine.alerting import AlertPolicy
@@ -46,6 +46,10 @@ __all__ = [
     "Values",
     "check_prefix",
 ]
+
+
+#: no step (:attr:`MonitorEngine.between_probes` and ``quiet`` before a batch has been seen)
+NO_STEPS = range(0)
 
 
 class Host:
@@ -179,6 +183,8 @@ class MonitorEngine:
         #: The last validation probe's values, like :attr:`latest`.
         self.latest_validation: Values = {}
         self._warned: set[str] = set()
+        #: steps at which a host skips all but the loss, and all (:meth:`steps_after`)
+        self.between_probes, self.quiet = NO_STEPS, NO_STEPS
 
     @property
     def prefix(self) -> str:
@@ -208,10 +214,10 @@ class MonitorEngine:
     def wants_loss(self, step: int) -> bool:
         """Whether the loss of ``step`` can matter: a rule reads the loss and ``step`` is among the
         first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` steps, within the rules' loss windows
-        before a multiple of ``every_n_steps``, or in the first of those steps after one (where the
-        probe of a skipped multiple lands): at ``every_n_steps=50``, 30 steps of 50; at 10, every
-        step."""
-        return self.alerting.wants_loss(step, self.every_n_steps)
+        before a multiple of ``every_n_steps`` or at one, or in an interval whose probe is still to
+        come (:meth:`~qkmonitor.engine.alerting.AlertPolicy.wants_loss`): at
+        ``every_n_steps=50``, 21 steps of 50; at 10, every step."""
+        return self.alerting.wants_loss(step, self.every_n_steps, self.latest_step)
 
     def first_loss(self) -> float | None:
         """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses
@@ -259,6 +265,7 @@ class MonitorEngine:
             self._start_run()
         if self.every_n_steps is None:
             self.every_n_steps = max(1, int(default_every_n_steps))
+        self.between_probes, self.quiet = NO_STEPS, NO_STEPS
         self.release()  # an earlier bind's switches (validate, then fit)
         self.layers = find_attention_layers(model, self.options.layers)
         self.unmeasured = (
@@ -381,6 +388,38 @@ class MonitorEngine:
             self.latest_step is not None and step // every > self.latest_step // every
         )
 
+    def plan(self, step: int) -> None:
+        """After the work of the batch at ``step``: once :attr:`between_probes` lies behind, the
+        steps ahead where a host may skip work (:meth:`steps_after`). A host calls it at the end
+        of every batch whose work it did not skip."""
+        if step >= self.between_probes.stop:
+            self.between_probes, self.quiet = self.steps_after(step)
+
+    def steps_after(self, step: int) -> tuple[range, range]:
+        """The steps after ``step`` where a host may skip work, as ``(between_probes, quiet)``.
+
+        ``between_probes``: steps up to the next multiple of ``every_n_steps`` once the probe of
+        ``step``'s interval is done (the next interval's probe may land on any of its steps): no
+        probe window opens there (:meth:`is_probe_step` is False) and no weights are read; only
+        the loss may be kept. ``quiet``: those of them whose loss no rule reads either
+        (:meth:`wants_loss` is False), where a host skips everything. Both may be empty;
+        ``between_probes.stop`` is after ``step``, so the plan is made once per interval. At
+        ``every_n_steps=50`` with the default rules: steps 1 to 49 after a probe at 0, of them
+        1 to 29 quiet (the rules read the 20 steps before a probe). A batch's hooks run between
+        two training steps, when little of the monitor's code is in the CPU's caches: each line
+        they skip there counts."""
+        every, latest = self.every_n_steps, self.latest_step
+        none = range(step + 1, step + 1)
+        if every is None or self.probing or latest is None or latest > step:
+            return none, none
+        first = step - step % every  # the interval's first step, a multiple of every_n_steps
+        if latest < first:  # the probe of this interval is still to come
+            return none, none
+        lead = self.alerting.loss_lead  # the steps before the next probe whose loss is read
+        quiet_from = max(step + 1, LOSS_SMOOTHING if lead else 0)  # and the run's first losses
+        quiet = range(quiet_from, max(quiet_from, first + every - lead))
+        return range(step + 1, first + every), quiet
+
     def draws_visuals(self, step: int) -> bool:
         """Whether the probe at ``step`` draws the visuals: every ``visuals_every_n_probes``-th
         probe, counting the one at step 0."""
@@ -481,6 +520,7 @@ class MonitorEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._restored = True
         self.latest_step = state.get("latest_step")
+        self.between_probes, self.quiet = NO_STEPS, NO_STEPS
         self.alerting.load_state_dict(state)
 
 

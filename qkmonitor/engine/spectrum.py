@@ -77,6 +77,13 @@ class QKSpectrum(MonitorEngine):
     def probing(self) -> bool:
         return bool(self._checks) or self._pending is not None
 
+    def steps_after(self, step: int) -> tuple[range, range]:
+        """As :meth:`MonitorEngine.steps_after`, and none while a layer may wait for its layout
+        check (the next batch opens its probe)."""
+        if self._layouts_waiting:
+            return range(step + 1, step + 1), range(step + 1, step + 1)
+        return super().steps_after(step)
+
     def open(self, step: int, *, validation: bool = False) -> bool:
         """Open a layout probe on every layer still waiting for its check (none: nothing)."""
         if validation or self._checks or not self._layouts_waiting:

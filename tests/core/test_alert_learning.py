@@ -207,14 +207,27 @@ def test_lightning_hands_training_step_loss_to_the_rules(tmp_path):
 
 def test_only_the_losses_a_probe_can_read_are_kept():
     # every 50 steps, windows of 10 + 10 steps: the first 10; the 20 steps before each multiple and
-    # the multiple; the 9 after it, where the probe of a multiple a run steps over lands (two
-    # optimizers)
+    # the multiple; after a probe nothing until the next window
     engine = AttentionEntropy(every_n_steps=50)
     for step in range(101):
         engine.observe_loss(step, float(step))
+        if step % 50 == 0:
+            engine.latest_step = step  # the probe of the step, which records after the loss
     kept = [s for s, _ in engine.loss_history()]
-    assert kept == [*range(10), *range(30, 60), *range(80, 101)]
+    assert kept == [*range(10), *range(30, 51), *range(80, 101)]
     assert engine.first_loss() == pytest.approx(4.5)  # mean of steps 0..9
+
+
+def test_the_losses_before_a_probe_that_lands_after_its_multiple_are_kept():
+    # two optimizers step over 50: the probe lands at 51, and its window reads the loss up to it
+    engine = AttentionEntropy(every_n_steps=50)
+    engine.latest_step = 0
+    for step in range(21, 61, 2):
+        engine.observe_loss(step, float(step))
+        if step == 51:
+            engine.latest_step = step
+    kept = [s for s, _ in engine.loss_history()]
+    assert kept == [*range(31, 52, 2)]
 
 
 def test_the_loss_history_survives_a_resume_and_a_fresh_engine_then_decides_as_the_old_one():
