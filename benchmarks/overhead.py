@@ -17,8 +17,8 @@ configuration (medians over rounds):
   while they train) take beyond the median untouched batch *of the same run*, less what the same
   batches take beyond the median in the no-monitor run (Lightning's own periodic logging lands on
   them too), per window;
-- **hooks, untouched**: the monitors' own hook time on the batches they do not probe, per batch
-  (timed directly around the hooks);
+- **hooks, untouched**: the monitors' own hook time on the batches they do not probe, the mean
+  per batch (timed directly around the hooks; batches counted in the run's order);
 - **in-run overhead**: window cost spread over ``every_n_steps`` untouched batches, plus the hooks;
   for the defaults, also the visuals' extra cost (the visuals configuration's window cost minus the
   default one's) spread over ``visuals_every_n_probes`` windows — the figure a long run pays;
