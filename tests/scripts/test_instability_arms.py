@@ -4,24 +4,14 @@ did to the failed and the healthy runs, from records whose losses are known (not
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def instability():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import instability
-
-        yield instability
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+def instability(benchmark_module):
+    return benchmark_module("instability")
 
 
 def record(instability, spec, final: float, clips: int = 0):

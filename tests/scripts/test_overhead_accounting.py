@@ -4,24 +4,13 @@ time belongs to that batch in the run's order, also in a second epoch (where Lig
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def overhead():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import overhead
-
-        yield overhead
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+def overhead(benchmark_module):
+    return benchmark_module("overhead")
 
 
 class Sleeper:
