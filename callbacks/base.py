@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
@@ -29,6 +30,7 @@ from qkmonitor.engine import (
     check_tag_collisions,
     write_run_header,
 )
+from qkmonitor.engine.sinks import is_summary_writer
 from qkmonitor.engine.base import ActivationEngine, Values
 
 __all__ = [
@@ -157,14 +159,19 @@ class MLflowSink(LoggerSink):
         return f"{self.tag_prefix}{tag}/step_{step:06d}.{suffix}"
 
 
-def logger_sink(logger: Any) -> LoggerSink:
-    """The sink for one of the Trainer's loggers: W&B and MLflow by class, TensorBoard (or any
-    logger whose ``experiment`` is a ``SummaryWriter``) by its writer, scalars alone otherwise."""
+def logger_sink(logger: Any) -> LoggerSink | None:
+    """The sink for one of the Trainer's loggers, chosen by what it really writes to: W&B and
+    MLflow by class, TensorBoard by its ``experiment`` being a ``SummaryWriter``, scalars alone
+    otherwise; None for Lightning's stand-in (``DummyLogger``: ``fast_dev_run``, the ``Tuner``),
+    which writes nothing. A stand-in experiment answers every method (``DummyExperiment``, also a
+    logger's on the ranks that do not write), so the methods an object answers say nothing."""
+    if isinstance(logger, DummyLogger):
+        return None
     if isinstance(logger, WandbLogger):
         return WandbSink(logger)
     if isinstance(logger, MLFlowLogger):
         return MLflowSink(logger)
-    if hasattr(getattr(logger, "experiment", None), "add_image"):
+    if is_summary_writer(getattr(logger, "experiment", None)):
         return TensorBoardSink(logger)
     return LoggerSink(logger)
 
@@ -181,7 +188,7 @@ class LightningHost(Host):
         return self.trainer.is_global_zero
 
     def sinks(self) -> list[LoggerSink]:
-        return [logger_sink(logger) for logger in self.trainer.loggers]
+        return [sink for logger in self.trainer.loggers if (sink := logger_sink(logger))]
 
     def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
         rank_zero_warn(message, category=category)

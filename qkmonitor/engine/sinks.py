@@ -17,7 +17,7 @@ import numpy as np
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch import Tensor
 
-__all__ = ["MemorySink", "Sink", "SummaryWriterSink", "flatten_hparams"]
+__all__ = ["MemorySink", "Sink", "SummaryWriterSink", "flatten_hparams", "is_summary_writer"]
 
 
 @runtime_checkable
@@ -40,6 +40,20 @@ class Sink(Protocol):
     def log_layout(self, layout: dict) -> None: ...
 
     def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None: ...
+
+
+def is_summary_writer(writer: object) -> bool:
+    """Whether ``writer`` is a TensorBoard ``SummaryWriter``: torch's, or tensorboardX's (which
+    Lightning's TensorBoardLogger uses where it is installed), told by class, not by the methods an
+    object answers (a stand-in answers them all)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    if isinstance(writer, SummaryWriter):
+        return True
+    return any(
+        cls.__name__ == "SummaryWriter" and cls.__module__.partition(".")[0] == "tensorboardX"
+        for cls in type(writer).__mro__
+    )
 
 
 class SummaryWriterSink:
