@@ -54,7 +54,8 @@ class AttentionEntropyMonitor(ActivationMonitor):
     :data:`~qkmonitor.alerts.ENTROPY_COLLAPSE_RULE` is opt-in.
 
     Args (keyword-only): those of :class:`~qkmonitor.callbacks.QKSpectrumMonitor`, and
-        sink_tokens: also log ``sink_mass`` on the first this-many keys (0: off).
+        sink_tokens: also log ``sink_mass`` on the first this-many keys (0: off; at most 256,
+            ``qkmonitor.engine.entropy.MAX_SINK_TOKENS``).
         probe_validation: also measure the first validation batch of each validation run, logged
             under ``{prefix}/val/...``.
 

@@ -30,8 +30,8 @@ from qkmonitor.engine import (
     check_tag_collisions,
     write_run_header,
 )
-from qkmonitor.engine.sinks import is_summary_writer
 from qkmonitor.engine.base import ActivationEngine, Values
+from qkmonitor.engine.sinks import is_summary_writer
 
 __all__ = [
     "ActivationMonitor",

@@ -18,6 +18,7 @@ __all__ = [
     "check_bool",
     "check_fraction",
     "check_int_at_least",
+    "check_int_between",
     "check_non_negative_int",
     "check_optional_positive_int",
     "check_positive_int",
@@ -63,6 +64,13 @@ def check_int_at_least(name: str, value: object, minimum: int) -> None:
     """Raise ``ValueError`` unless ``value`` is an int >= ``minimum``: "to be an int >= minimum"."""
     if not is_int(value, minimum):
         raise ValueError(f"Expected `{name}` to be an int >= {minimum}, got {value!r}")
+
+
+def check_int_between(name: str, value: object, low: int, high: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int with ``low <= value <= high``: "to be an
+    int in [low, high]"."""
+    if not is_int(value, low) or value > high:
+        raise ValueError(f"Expected `{name}` to be an int in [{low}, {high}], got {value!r}")
 
 
 def check_non_negative_int(name: str, value: object) -> None:

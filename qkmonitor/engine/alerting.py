@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +24,27 @@ from qkmonitor.catalogue import metric
 if TYPE_CHECKING:
     from qkmonitor.engine.base import Host
 
-__all__ = ["AlertPolicy"]
+__all__ = ["AlertPolicy", "check_loss"]
+
+
+def check_loss(loss: object) -> None:
+    """Raise ``ValueError`` unless ``loss`` is one training loss: a real number (NaN and inf
+    included: a diverged loss is a loss) or a real tensor of one element. Read nothing from the
+    device."""
+    if isinstance(loss, Tensor):
+        ok = loss.numel() == 1 and not (loss.dtype == torch.bool or loss.is_complex())
+    else:
+        ok = isinstance(loss, Real) and not isinstance(loss, bool)
+    if not ok:
+        got = (
+            f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, Tensor)
+            else f"{type(loss).__name__} {loss!r}"
+        )
+        raise ValueError(
+            f"Expected `loss` to be a number or a tensor of one element (the step's mean loss), "
+            f"got {got}"
+        )
 
 
 class AlertPolicy:

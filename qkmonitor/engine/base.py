@@ -30,7 +30,7 @@ from qkmonitor.adapters import AttentionLayer, find_attention_layers
 from qkmonitor.alerts import LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
 from qkmonitor.catalogue import MetricSpec, metric, names_of
 from qkmonitor.compiled import SwitchedForward, UncompiledForward, compiled_roots
-from qkmonitor.engine.alerting import AlertPolicy
+from qkmonitor.engine.alerting import AlertPolicy, check_loss
 from qkmonitor.engine.options import MonitorOptions, check_prefix
 from qkmonitor.engine.publishing import Histograms, Images, ValuePublisher, Values, as_rows
 from qkmonitor.engine.sinks import Sink
@@ -207,7 +207,14 @@ class MonitorEngine:
     def observe_loss(self, step: int, loss: Tensor | float) -> None:
         """The training loss of the batch at ``step`` (call it at every step, before the step's
         :meth:`finish`). Kept as a detached tensor, read only when a probe's rules need it (no
-        device sync on the other steps); a no-op when no rule reads the loss."""
+        device sync on the other steps); a no-op when no rule reads the loss.
+
+        Raises:
+            ValueError: ``loss`` is not a number or a tensor of one element (at every step, kept
+                or not).
+        """
+        if type(loss) is not Tensor or loss.numel() != 1 or not loss.is_floating_point():
+            check_loss(loss)
         if self.wants_loss(step):
             self.alerting.observe_loss(step, loss)
 

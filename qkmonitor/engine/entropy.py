@@ -29,16 +29,22 @@ from qkmonitor.catalogue import ENTROPY, names_of
 from qkmonitor.engine.base import ActivationEngine, Values
 from qkmonitor.metrics import AttentionStatistics
 from qkmonitor.probes import ProbeRequest, ProbeResult
-from qkmonitor.validation import check_non_negative_int
+from qkmonitor.validation import check_int_between
 
-__all__ = ["AttentionEntropy"]
+__all__ = ["MAX_SINK_TOKENS", "AttentionEntropy"]
+
+#: the most keys ``sink_tokens`` may name: an attention sink is a few keys at a sequence's start
+#: (StreamingLLM keeps 4); the mass on hundreds of keys measures a window, not a sink, and a count
+#: at or past a sequence's length makes ``sink_mass`` 1 by definition
+MAX_SINK_TOKENS = 256
 
 
 class AttentionEntropy(ActivationEngine):
     """Logs entropy, entropy_norm, max_prob and max_logit (and sink_mass with ``sink_tokens``).
 
     Args:
-        sink_tokens: also log ``sink_mass``, the mean attention mass on the first this-many keys.
+        sink_tokens: also log ``sink_mass``, the mean attention mass on the first this-many keys
+            (0 to :data:`MAX_SINK_TOKENS`; 0: off).
         **kwargs: ``options`` or the fields of :class:`~qkmonitor.engine.MonitorOptions`.
     """
 
@@ -46,7 +52,7 @@ class AttentionEntropy(ActivationEngine):
     default_rules = (LOGIT_GROWTH_RULE, LOGIT_BURST_RULE, LOGIT_JUMP_RULE)
 
     def __init__(self, *, sink_tokens: int = 0, **kwargs: Any) -> None:
-        check_non_negative_int("sink_tokens", sink_tokens)
+        check_int_between("sink_tokens", sink_tokens, 0, MAX_SINK_TOKENS)
         self.sink_tokens = sink_tokens
         super().__init__(**kwargs)
         self._heads: list[slice] = []  # each layer's slots in the aggregator

@@ -19,6 +19,7 @@ gets samples r, r + W, ...) the ranks together measure the sequences one process
 
 from __future__ import annotations
 
+import reprlib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,10 +79,18 @@ class EffectiveRank(ActivationEngine):
         check_positive_int("max_probe_sequences", max_probe_sequences)
         check_positive_int("max_probe_tokens", max_probe_tokens)
         check_non_negative_int("pattern_heads", pattern_heads)
-        if blocks is not None and not callable(blocks) and not isinstance(blocks, Sequence):
+        if not (
+            blocks is None
+            or callable(blocks)
+            or (
+                isinstance(blocks, Sequence)
+                and not isinstance(blocks, (str, bytes))
+                and all(isinstance(block, nn.Module) for block in blocks)
+            )
+        ):
             raise ValueError(
-                f"Expected `blocks` to be a list of modules, a function of the model or None, "
-                f"got {type(blocks).__name__}"
+                "Expected `blocks` to be a list of modules, a function of the model or None, "
+                f"got {type(blocks).__name__} {reprlib.repr(blocks)}"
             )
         super().__init__(**kwargs)
         self.max_probe_sequences = max_probe_sequences

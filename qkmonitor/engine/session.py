@@ -10,18 +10,21 @@ for both paths.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from os import PathLike
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from qkmonitor.dashboards import LayoutSection, custom_scalars_layout
+from qkmonitor.engine.alerting import check_loss
 from qkmonitor.engine.base import MonitorEngine, PlainHost
 from qkmonitor.engine.publisher import PUBLISHER
-from qkmonitor.engine.sinks import Sink, SummaryWriterSink
+from qkmonitor.engine.sinks import Sink, SummaryWriterSink, is_summary_writer
 from qkmonitor.tags import HPARAMS_METRICS, alert_tag
+from qkmonitor.validation import check_positive_int
 
 __all__ = ["Monitoring", "check_tag_collisions", "write_run_header"]
 
@@ -87,6 +90,64 @@ def write_run_header(
         )
 
 
+def _checked_engines(engines: object) -> list[MonitorEngine]:
+    """``engines`` as a list, each an engine instance, or a ValueError (TypeError for a class)
+    that names what was given."""
+    if isinstance(engines, MonitorEngine):
+        name = type(engines).__name__
+        raise ValueError(
+            f"Expected `engines` to be a list of engines, got one {name}: pass `[{name}(...)]`"
+        )
+    if not isinstance(engines, Iterable) or isinstance(engines, (str, bytes, Mapping)):
+        raise ValueError(
+            f"Expected `engines` to be a non-empty list of MonitorEngine, got "
+            f"{type(engines).__name__} {engines!r}"
+        )
+    engines = list(engines)
+    for engine in engines:
+        if isinstance(engine, type) and issubclass(engine, MonitorEngine):
+            raise TypeError(
+                f"Expected engine instances in `engines`, got the class `{engine.__name__}`: "
+                f"pass an instance: `{engine.__name__}()`"
+            )
+    if not engines or not all(isinstance(e, MonitorEngine) for e in engines):
+        raise ValueError(
+            f"Expected `engines` to be a non-empty list of MonitorEngine, got {engines!r}"
+        )
+    return engines
+
+
+def _sink_of(writer: object) -> Sink:
+    """The sink of ``Monitoring(writer=...)``: a qkmonitor :class:`Sink` as it is, a TensorBoard
+    ``SummaryWriter`` wrapped; anything else is a ValueError that says what to pass."""
+    if is_summary_writer(writer):
+        return SummaryWriterSink(writer)
+    if isinstance(writer, Sink) and not isinstance(writer, (str, bytes, PathLike)):
+        return writer
+    hint = (
+        f": pass `SummaryWriter({str(writer)!r})` (torch.utils.tensorboard)"
+        if isinstance(writer, (str, bytes, PathLike))
+        else ""
+    )
+    raise ValueError(
+        "Expected `writer` to be a torch.utils.tensorboard.SummaryWriter, a qkmonitor Sink or "
+        f"None, got {type(writer).__name__} {writer!r}{hint}"
+    )
+
+
+def _check_optimizer(optimizer: object) -> None:
+    """``Monitoring(optimizer=...)`` is read for its learning rate: a torch optimizer (or a wrapper
+    with its ``param_groups``), or None."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return
+    groups = getattr(optimizer, "param_groups", None)
+    if not (isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups)):
+        raise ValueError(
+            "Expected `optimizer` to be a torch.optim.Optimizer (read for the learning rate) or "
+            f"None, got {type(optimizer).__name__} {optimizer!r}"
+        )
+
+
 class Monitoring:
     """Engines on one model in a plain loop.
 
@@ -142,24 +203,20 @@ class Monitoring:
             raise ValueError(
                 f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}"
             )
-        engines = list(engines)
-        for engine in engines:
-            if isinstance(engine, type) and issubclass(engine, MonitorEngine):
-                raise TypeError(
-                    f"Expected engine instances in `engines`, got the class `{engine.__name__}`: "
-                    f"pass an instance: `{engine.__name__}()`"
-                )
-        if not engines or not all(isinstance(e, MonitorEngine) for e in engines):
+        engines = _checked_engines(engines)
+        check_positive_int("every_n_steps", every_n_steps)
+        sinks = [] if writer is None else [_sink_of(writer)]
+        _check_optimizer(optimizer)
+        if hparams is not None and not isinstance(hparams, Mapping):
             raise ValueError(
-                f"Expected `engines` to be a non-empty list of MonitorEngine, got {engines!r}"
+                f"Expected `hparams` to be a dict of hyper-parameters or None, got "
+                f"{type(hparams).__name__} {hparams!r}"
             )
-        if (
-            isinstance(every_n_steps, bool)
-            or not isinstance(every_n_steps, int)
-            or every_n_steps < 1
+        if isinstance(hparams_metrics, str) or not all(
+            isinstance(tag, str) for tag in hparams_metrics
         ):
             raise ValueError(
-                f"Expected `every_n_steps` to be a positive int, got {every_n_steps!r}"
+                f"Expected `hparams_metrics` to be a list of scalar tags, got {hparams_metrics!r}"
             )
         for engine in engines:
             owner = engine._session() if engine._session is not None else None
@@ -169,11 +226,6 @@ class Monitoring:
                     "another Monitoring that is not closed: give each Monitoring its own engines, "
                     "or call close() on the first one"
                 )
-        sinks = (
-            []
-            if writer is None
-            else [writer if isinstance(writer, Sink) else SummaryWriterSink(writer)]
-        )
         self.engines = engines
         self.closed = False
         for engine in engines:
@@ -232,13 +284,19 @@ class Monitoring:
     def observe_loss(self, loss: Tensor | float, step: int | None = None) -> None:
         """The training loss of this step (of the open :meth:`step` window by default), for the
         rules that tell learning from failing (``AlertRule.learning_drop``). Call it at every step;
-        it reads nothing from the device until a probe needs it."""
+        it reads nothing from the device until a probe needs it.
+
+        Raises:
+            ValueError: ``loss`` is not a number or a tensor of one element, or no ``step`` is
+                given outside a step window.
+        """
         step = self._step if step is None else step
         if step is None:
             raise ValueError(
                 "Expected `step`: observe_loss outside a step window needs the step it belongs to"
             )
         self._check_step(step)
+        check_loss(loss)
         for engine in self.engines:
             engine.observe_loss(step, loss)
 

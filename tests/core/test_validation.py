@@ -14,6 +14,7 @@ from qkmonitor.validation import (
     check_bool,
     check_fraction,
     check_int_at_least,
+    check_int_between,
     check_non_negative_int,
     check_optional_positive_int,
     check_positive_int,
@@ -38,6 +39,8 @@ def test_predicates_reject_bools_where_a_number_is_expected():
         (check_optional_positive_int, ("n", 0), "Expected `n` to be a positive int or None, got 0"),
         (check_int_at_least, ("n", 1, 2), "Expected `n` to be an int >= 2, got 1"),
         (check_non_negative_int, ("n", -1), "Expected `n` to be an int >= 0, got -1"),
+        (check_int_between, ("n", 9, 0, 8), "Expected `n` to be an int in [0, 8], got 9"),
+        (check_int_between, ("n", -1, 0, 8), "Expected `n` to be an int in [0, 8], got -1"),
         (check_real, ("x", float("nan")), "Expected `x` to be a finite number, got nan"),
         (check_real, ("x", 1, {"above": 1}), "Expected `x` to be a finite number > 1, got 1"),
         (check_real, ("x", -1, {"at_least": 0}), "Expected `x` to be a finite number >= 0, got -1"),
@@ -58,6 +61,7 @@ def test_valid_values_pass():
     check_positive_int("n", 1)
     check_optional_positive_int("n", None)
     check_int_at_least("n", 2, 2)
+    check_int_between("n", 8, 0, 8)
     check_non_negative_int("n", 0)
     check_real("x", 2.5, above=1)
     check_real("x", 0, at_least=0)
