@@ -346,13 +346,22 @@ class AttentionMonitor(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self.engine.release()
+        # a failed step or Ctrl+C (Lightning calls this for both): the window of the failed step
+        # is closed unlogged, and the last completed probe is drawn, as at a normal end
+        self._end_run(trainer)
+
+    def _end_run(self, trainer: pl.Trainer) -> None:
+        """Close a window left open (unlogged), draw the last probe's visuals if it drew none,
+        take out the switches and wait for the visuals to be written."""
+        try:
+            self.engine.abort()
+            self.engine.draw_final(LightningHost(trainer))
+        finally:
+            self.engine.release()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.engine.abort()  # a probed batch that never ended (e.g. skipped)
-        self.engine.draw_final(LightningHost(trainer))  # the pictures show the final state
-        self.engine.release()  # the switches under compile; waits for the visuals
+        self._end_run(trainer)  # a probed batch that never ended (e.g. skipped) is closed too
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -12,8 +12,10 @@ import signal
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.models import DecoderLM, TransformerConfig
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
 from qkmonitor.adapters import find_attention_layers
@@ -136,3 +138,53 @@ def test_a_model_built_in_configure_model_is_found_and_measured_where_it_lives(t
     assert all(torch.isfinite(heads).all() for heads in entropy.latest["entropy_norm"])
     assert all(torch.isfinite(heads).all() for heads in rank.latest["hidden_collapse"])
     assert str(entropy.engine._aggregator.device) == "cpu"  # where the statistics were
+
+
+def images_by_tag(log_dir) -> dict[str, list[int]]:
+    """Every image tag of a TensorBoard run, with the steps it was written at (TensorBoard's own
+    reader)."""
+    acc = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    acc.Reload()
+    return {tag: [event.step for event in acc.Images(tag)] for tag in acc.Tags()["images"]}
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("fail_at", [5, 6])  # between two probes, and inside the probe at 6
+def test_an_interrupted_run_draws_its_last_completed_probe_as_a_finished_run_does(
+    tmp_path, error, fail_at, leftovers
+):
+    """Probes at 0, 2, 4 (6 fails or is never reached); visuals every 20th probe, so only step 0
+    is drawn on the way. A run that fails at step 5 or 6 ends with the pictures of the last probe
+    it completed, as a run that ends normally does: step 4 for the forward's monitors; for the
+    spectrum, which reads the weights at a step's start, step 6 when the step that fails is 6."""
+
+    def run(version, steps, fail):
+        torch.manual_seed(0)
+        task = Task(MODELS["bundled"](), fail_at=fail, error=error)
+        fit = pl.Trainer(
+            default_root_dir=tmp_path,
+            max_steps=steps,
+            callbacks=monitors(),
+            logger=TensorBoardLogger(tmp_path, name="run", version=version),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            log_every_n_steps=1,
+        )
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            fit.fit(task)
+        except (RuntimeError, SystemExit):  # Lightning's graceful shutdown after Ctrl+C
+            assert fail is not None
+        finally:
+            signal.signal(signal.SIGINT, handler)  # Lightning ignores Ctrl+C during shutdown
+        assert leftovers(task) == []
+        return images_by_tag(tmp_path / "run" / version)
+
+    finished, interrupted = run("finished", 5, None), run("interrupted", 10, fail_at)
+    assert finished["qkmonitor/heatmap/kappa"] == [0, 4]
+    assert any(tag.startswith("qkmonitor/attention/") for tag in finished)
+    assert interrupted.keys() == finished.keys()
+    weights = {f"qkmonitor/heatmap/{name}" for name in QKSpectrumMonitor().metric_names}
+    for tag, steps in interrupted.items():
+        assert steps == ([0, fail_at] if tag in weights and fail_at == 6 else finished[tag]), tag
