@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qkmonitor.installs import add_hooks, set_attribute
+
 __all__ = [
     "NeverCompiled",
     "SwitchedForward",
@@ -231,7 +233,7 @@ class UncompiledForward:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self._holders = 0
-        self._compiled: dict[str, Callable] = {}
+        self._undo: list[Callable[[], None]] = []  # puts the compiled methods back
 
     @classmethod
     def of(cls, module: nn.Module) -> UncompiledForward:
@@ -248,16 +250,16 @@ class UncompiledForward:
             context = getattr(self.module, "_compiler_ctx", None) or {}
             for name in self.METHODS:
                 original, compiled = context.get(f"original_{name}"), self.module.__dict__.get(name)
-                if original is not None and compiled is not None:
-                    self._compiled[name] = compiled
-                    self.module.__dict__[name] = original
+                if original is not None and compiled is not None:  # a copy keeps the compiled
+                    self._undo.append(set_attribute(self.module, name, original))
         return self._release
 
     def _release(self) -> None:
         self._holders -= 1
         if self._holders == 0:
-            compiled, self._compiled = self._compiled, {}
-            self.module.__dict__.update(compiled)
+            undo, self._undo = self._undo, []
+            for restore in undo:
+                restore()
 
 
 _UNCOMPILED: weakref.WeakKeyDictionary[nn.Module, UncompiledForward] = weakref.WeakKeyDictionary()
@@ -269,7 +271,8 @@ def add_forward_hooks(
     """What a probe installs on ``module`` for its window: ``pre(module, args, kwargs)`` before
     and ``post(module, args, output)`` after each forward (also when it raises, with ``output``
     None). Through the module's :class:`SwitchedForward` when it has one (compile), else as
-    ordinary forward hooks, removed by the returned function."""
+    ordinary forward hooks recorded in the module's :mod:`~qkmonitor.installs` (a copy of the module
+    leaves them out), removed by the returned function."""
     switch = switch_of(module)
     if switch is not None:
         return switch.add(pre, post)
@@ -278,9 +281,4 @@ def add_forward_hooks(
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
     if post is not None:
         handles.append(module.register_forward_hook(post, always_call=True))
-
-    def remove() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return remove
+    return add_hooks(module, handles)  # a copy of the module carries none of them

@@ -58,6 +58,7 @@ from qkmonitor import _hf_compat
 from qkmonitor.adapters import AttentionLayer, QKWeights
 from qkmonitor.calls import FailedCall, MaskedCall
 from qkmonitor.clip import ProjectionRows, QKRows, linear_rows
+from qkmonitor.installs import set_attribute
 from qkmonitor.intercept import LayoutChecked
 from qkmonitor.layouts import infer_layouts
 from qkmonitor.probes import ObserverSet, Probe, side_computation
@@ -91,6 +92,7 @@ class _Route:
         self.observers = ObserverSet()
         self.restore = restore
         self.default_scale = default_scale
+        self.undo_install: Callable[[], None] = lambda: None  # takes the route off the module
 
 
 class HFAttentionLayer(AttentionLayer):
@@ -123,13 +125,13 @@ class HFAttentionLayer(AttentionLayer):
             if restore is None:  # warned: the probe sees no call, and the monitor says so
                 return lambda: None
             route = _Route(restore, self._default_scale)
-            module.__dict__[_ROUTE_KEY] = route
+            route.undo_install = set_attribute(module, _ROUTE_KEY, route)
         remove_observer = route.observers.add(probe.observe, probe.request.sink_tokens)
 
         def remove() -> None:
             remove_observer()
             if not route.observers and module.__dict__.get(_ROUTE_KEY) is route:
-                del module.__dict__[_ROUTE_KEY]
+                route.undo_install()
                 route.restore()
 
         return remove
@@ -384,12 +386,7 @@ def _route_module(layer: HFAttentionLayer) -> Callable[[], None] | None:
     if probe_config._attn_implementation != PROBE_IMPLEMENTATION:
         _warn(layer.name, "this transformers version keeps `config._attn_implementation` elsewhere")
         return None
-    module.config = probe_config
-
-    def restore() -> None:
-        module.config = config
-
-    return restore
+    return set_attribute(module, "config", probe_config)  # a copy keeps the model's own config
 
 
 def _route_gpt2_upcast(layer: HFAttentionLayer) -> Callable[[], None]:
@@ -409,12 +406,7 @@ def _route_gpt2_upcast(layer: HFAttentionLayer) -> Callable[[], None]:
         _capture(module, query, key, mask, seen, original="eager")
         return own(query, key, value, attention_mask, *args, **kwargs)  # head_mask before 5.0
 
-    module.__dict__["_upcast_and_reordered_attn"] = upcast_and_reordered_attn
-
-    def restore() -> None:
-        module.__dict__.pop("_upcast_and_reordered_attn", None)
-
-    return restore
+    return set_attribute(module, "_upcast_and_reordered_attn", upcast_and_reordered_attn)
 
 
 def _probe_attention(

@@ -46,6 +46,7 @@ from qkmonitor.adapters import AttentionLayer, QKWeights
 from qkmonitor.calls import FailedCall, MaskedCall, ScoresCall, split_mask
 from qkmonitor.clip import QKRows
 from qkmonitor.compiled import add_forward_hooks
+from qkmonitor.installs import set_attribute
 from qkmonitor.layouts import (
     HEADS_NAMES,
     AttentionSpec,
@@ -313,6 +314,7 @@ class _Route:
         self._first = True
         self._qk: tuple[Tensor, Tensor] | None = None
         self._remove_hooks = add_forward_hooks(module, pre=self._enter, post=self._leave)
+        self.undo_install: Callable[[], None] = lambda: None  # takes the route off the module
 
     def _enter(self, module: nn.Module, args, kwargs) -> None:
         self._inputs, self._first, self._qk = {}, True, None
@@ -447,8 +449,9 @@ def _route_probe(
     inputs of ``weights`` for a layout check."""
     route = module.__dict__.get(_ROUTE_KEY)
     if route is None:
-        route = module.__dict__[_ROUTE_KEY] = _Route(module)
+        route = _Route(module)
         route.heads = heads
+        route.undo_install = set_attribute(module, _ROUTE_KEY, route)
     remove_observer = route.observers.add(observe or probe.observe, probe.request.sink_tokens)
     keys = [id(w) for w in weights]
     for key in keys:
@@ -461,7 +464,7 @@ def _route_probe(
             if not route.weights[key]:
                 del route.weights[key]
         if not route.observers and module.__dict__.get(_ROUTE_KEY) is route:
-            del module.__dict__[_ROUTE_KEY]
+            route.undo_install()
             route.remove()
 
     return remove

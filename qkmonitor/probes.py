@@ -244,6 +244,12 @@ class ObserverSet:
     def __len__(self) -> int:
         return len(self._observers)
 
+    def __reduce__(self):
+        """A copy (``copy.deepcopy``, ``pickle``) is an empty set: observers belong to the probe
+        window of the module they were registered on, never to a copy of it
+        (:mod:`qkmonitor.installs`)."""
+        return (ObserverSet, ())
+
     def sink_tokens(self) -> int:
         """The most sink keys any observer asked for (an int kept up to date: under
         ``torch.compile`` the forward reads one value, not the observers)."""
