@@ -10,6 +10,7 @@ for a keyboard interrupt), at ``on_train_end`` and at ``teardown``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from qkmonitor.engine import (
     write_run_header,
 )
 from qkmonitor.engine.base import ActivationEngine, Values
+from qkmonitor.engine.guard import GuardedSink, report_write_faults
 from qkmonitor.engine.sinks import is_summary_writer
 
 __all__ = [
@@ -121,6 +123,9 @@ class TensorBoardSink(LoggerSink):
     def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
         self._writer.log_hparams(params, metrics)
 
+    def flush(self) -> None:
+        self._writer.flush()
+
 
 class WandbSink(LoggerSink):
     """A ``WandbLogger``: images through its ``log_image`` (media under the image's tag) and
@@ -176,6 +181,40 @@ def logger_sink(logger: Any) -> LoggerSink | None:
     return LoggerSink(logger)
 
 
+#: each logger's guarded sink (:func:`guarded_sink`), made once: its guard counts the writes lost
+_GUARDED: weakref.WeakKeyDictionary[Any, GuardedSink] = weakref.WeakKeyDictionary()
+
+
+def guarded_sink(logger: Any) -> GuardedSink | None:
+    """The logger's sink (:func:`logger_sink`) behind its guard (:mod:`qkmonitor.engine.guard`:
+    a write that fails is lost, not the fit), one per logger, shared by every monitor that writes
+    there; a TensorBoard directory is retried once it can be written again."""
+    guarded = _GUARDED.get(logger)
+    if guarded is None:
+        sink = logger_sink(logger)
+        if sink is None:
+            return None
+        where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        destination = f"{type(logger).__name__} ({where})" if where else type(logger).__name__
+        tensorboard = isinstance(sink, TensorBoardSink)
+        if tensorboard:  # a SummaryWriter: its thread writes (engine.guard)
+            directory, reset = sink._writer.log_dir, sink._writer.reset
+            destination = str(directory)
+        else:
+            directory, reset = None, None
+        guarded = _GUARDED[logger] = GuardedSink(
+            sink, destination, directory=directory, reset=reset, asynchronous=tensorboard
+        )
+    return guarded
+
+
+def lost_writes(trainer: pl.Trainer) -> dict[str, int]:
+    """How many of the monitors' writes each of the Trainer's loggers lost (by destination), over
+    the loggers' lives; empty when none was lost."""
+    sinks = LightningHost(trainer).sinks()
+    return {sink.destination: sink.lost_total for sink in sinks if sink.lost_total}
+
+
 class LightningHost(Host):
     """A Trainer as the engine's host."""
 
@@ -187,8 +226,8 @@ class LightningHost(Host):
     def is_logging_rank(self) -> bool:  # type: ignore[override]
         return self.trainer.is_global_zero
 
-    def sinks(self) -> list[LoggerSink]:
-        return [sink for logger in self.trainer.loggers if (sink := logger_sink(logger))]
+    def sinks(self) -> list[GuardedSink]:
+        return [sink for logger in self.trainer.loggers if (sink := guarded_sink(logger))]
 
     def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
         rank_zero_warn(message, category=category)
@@ -353,11 +392,15 @@ class AttentionMonitor(Callback):
     def _end_run(self, trainer: pl.Trainer) -> None:
         """Close a window left open (unlogged), draw the last probe's visuals if it drew none,
         take out the switches and wait for the visuals to be written."""
+        host = LightningHost(trainer)
         try:
             self.engine.abort()
-            self.engine.draw_final(LightningHost(trainer))
+            self.engine.draw_final(host)
         finally:
             self.engine.release()
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
+        if trainer.is_global_zero and monitors[-1] is self:  # after every monitor's last write
+            report_write_faults(host, host.sinks())  # how many writes were lost, once per logger
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

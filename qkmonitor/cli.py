@@ -456,6 +456,7 @@ def _run_training(args: argparse.Namespace) -> int:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+    from qkmonitor.callbacks.base import lost_writes
 
     pl.seed_everything(args.seed, verbose=False)
     try:
@@ -501,7 +502,8 @@ def _run_training(args: argparse.Namespace) -> int:
     print(_what_trains(args, task, trainer, logger.log_dir), flush=True)
     trainer.fit(task, datamodule=data)
     final = trainer.validate(task, datamodule=data, verbose=False)[0]
-    print(_summary(monitors, final, logger.log_dir, step=trainer.global_step))
+    lost = lost_writes(trainer)
+    print(_summary(monitors, final, logger.log_dir, step=trainer.global_step, lost=lost))
     if checkpoint is not None and checkpoint.best_model_path:
         print(f"checkpoint: {checkpoint.best_model_path}")
     else:
@@ -603,10 +605,17 @@ def summary_columns() -> list[tuple[str, str, str]]:
     return [(spec.monitor, spec.name, agg) for spec in CATALOGUE for agg in spec.summary]
 
 
-def _summary(monitors: list, final: dict[str, float], log_dir: str, step: int | None = None) -> str:
+def _summary(
+    monitors: list,
+    final: dict[str, float],
+    log_dir: str,
+    step: int | None = None,
+    lost: dict[str, int] | None = None,
+) -> str:
     """A per-layer table of each monitor's last probe, which probe each column comes from, a
     legend of the columns (from the metric catalogue), the alerts and the task's final
-    validation scores; ``step``: the optimizer steps trained."""
+    validation scores; ``step``: the optimizer steps trained; ``lost``: the monitors' writes a
+    destination lost (``callbacks.base.lost_writes``), a line when any was."""
     by_kind = {m.engine.monitor: m for m in monitors}
     columns = [c for c in summary_columns() if c[0] in by_kind]
     header = ["layer", "name"] + [m if agg == "mean" else f"{m} {agg}" for _, m, agg in columns]
@@ -628,6 +637,7 @@ def _summary(monitors: list, final: dict[str, float], log_dir: str, step: int | 
     fired = ", ".join(f"{name}: {n}" for name, n in counts.items() if n)
     alerts = fired or f"none (rules watched: {', '.join(counts) or 'none'})"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
+    lost = lost or {}
     after = f" after step {step}" if step is not None else ""
     return "\n".join(
         [
@@ -638,6 +648,10 @@ def _summary(monitors: list, final: dict[str, float], log_dir: str, step: int | 
             *map(line, rows),
             *_legend(columns),
             f"alerts fired: {alerts}",
+            *[
+                f"writes lost: {n} to {where} (see the warnings above)"
+                for where, n in (lost or {}).items()
+            ],
             f"final validation: {scores}",
         ]
     )

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from qkmonitor.catalogue import metric
 from qkmonitor.dashboards import HeatmapScale, attention_image, grid_of, heatmap_image
+from qkmonitor.engine.guard import confirm_writes, warn_write_faults
 from qkmonitor.engine.publisher import PUBLISHER
 from qkmonitor.engine.sinks import Sink
 from qkmonitor.tags import alert_scalars, alert_tag, head_tag, layer_tag, worst_tag
@@ -156,6 +157,8 @@ class ValuePublisher:
         sinks = host.sinks()
         for sink in sinks:
             sink.log_scalars(scalars, step)
+        confirm_writes(sinks)  # a TensorBoard writer's failure shows when flushed (engine.guard)
+        warn_write_faults(host, sinks)  # a destination that failed or resumed
         drawing = [sink for sink in sinks if sink.draws]
         if not drawing or validation:
             return

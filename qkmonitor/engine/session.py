@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from qkmonitor.dashboards import LayoutSection, custom_scalars_layout
 from qkmonitor.engine.alerting import check_loss
 from qkmonitor.engine.base import MonitorEngine, PlainHost
+from qkmonitor.engine.guard import GuardedSink, report_write_faults
 from qkmonitor.engine.publisher import PUBLISHER
 from qkmonitor.engine.sinks import Sink, SummaryWriterSink, is_summary_writer
 from qkmonitor.tags import HPARAMS_METRICS, alert_tag
@@ -117,13 +118,17 @@ def _checked_engines(engines: object) -> list[MonitorEngine]:
     return engines
 
 
-def _sink_of(writer: object) -> Sink:
-    """The sink of ``Monitoring(writer=...)``: a qkmonitor :class:`Sink` as it is, a TensorBoard
-    ``SummaryWriter`` wrapped; anything else is a ValueError that says what to pass."""
+def _sink_of(writer: object) -> GuardedSink:
+    """The sink of ``Monitoring(writer=...)``, guarded (:mod:`~qkmonitor.engine.guard`: a write
+    that fails is lost, not the run): a TensorBoard ``SummaryWriter`` as a
+    :class:`SummaryWriterSink`, retried once its directory can be written again; a qkmonitor
+    :class:`Sink` as it is. Anything else is a ValueError that says what to pass."""
     if is_summary_writer(writer):
-        return SummaryWriterSink(writer)
+        sink = SummaryWriterSink(writer)
+        where = sink.log_dir
+        return GuardedSink(sink, str(where), directory=where, reset=sink.reset, asynchronous=True)
     if isinstance(writer, Sink) and not isinstance(writer, (str, bytes, PathLike)):
-        return writer
+        return GuardedSink(writer, type(writer).__name__)
     hint = (
         f": pass `SummaryWriter({str(writer)!r})` (torch.utils.tensorboard)"
         if isinstance(writer, (str, bytes, PathLike))
@@ -346,6 +351,7 @@ class Monitoring:
             flush = getattr(sink, "flush", None)
             if callable(flush):
                 flush()
+        report_write_faults(self.host, self.host.sinks())  # how many writes were lost, if any
 
     def __enter__(self) -> Monitoring:
         return self

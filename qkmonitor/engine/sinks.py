@@ -127,6 +127,27 @@ class SummaryWriterSink:
     def flush(self) -> None:
         self.writer.flush()
 
+    @property
+    def log_dir(self) -> str | None:
+        """The writer's run directory."""
+        return getattr(self.writer, "log_dir", None) or getattr(self.writer, "logdir", None)
+
+    def reset(self) -> None:
+        """Drop the writer's event file after a failed write: a TensorBoard writer whose
+        background thread failed (its directory gone, read-only or full) refuses every later
+        write and raises again when flushed or closed; ``SummaryWriter`` opens a new event file
+        at its next write (TensorBoard reads every event file of a run directory)."""
+        writer = self.writer
+        failed = getattr(writer, "file_writer", None)
+        if failed is None:
+            return
+        try:  # a live writer is closed; a failed one raises at once and is dropped (closing it
+            failed.flush()  # would wait on its dead thread)
+            failed.close()
+        except Exception:  # noqa: BLE001,S110 -- it failed already; what it held is lost
+            pass
+        writer.file_writer = writer.all_writers = None
+
 
 class MemorySink:
     """Keeps everything written, in lists: ``scalars`` holds ``(tag, value, step)``."""
