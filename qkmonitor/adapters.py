@@ -34,7 +34,18 @@ __all__ = [
     "QKWeights",
     "SupportsQKMonitor",
     "find_attention_layers",
+    "parameters_without_data",
 ]
+
+
+def parameters_without_data(module: nn.Module) -> list[str]:
+    """The names of the module's parameters that hold no data: on the meta device, or lazy and
+    not yet materialised (``nn.LazyLinear`` before its first forward)."""
+    return [
+        name
+        for name, p in module.named_parameters()
+        if p.is_meta or isinstance(p, nn.parameter.UninitializedTensorMixin)
+    ]
 
 
 @dataclass(frozen=True)

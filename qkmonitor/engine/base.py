@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.adapters import AttentionLayer, find_attention_layers
+from qkmonitor.adapters import AttentionLayer, find_attention_layers, parameters_without_data
 from qkmonitor.alerts import LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
 from qkmonitor.catalogue import MetricSpec, metric, names_of
 from qkmonitor.compiled import SwitchedForward, UncompiledForward, compiled_roots
@@ -274,6 +274,11 @@ class MonitorEngine:
             self.every_n_steps = max(1, int(default_every_n_steps))
         self.between_probes, self.quiet = NO_STEPS, NO_STEPS
         self.release()  # an earlier bind's switches (validate, then fit)
+        self._model = weakref.ref(model)
+        if self._lazy(model):  # no shapes to find layers by: nothing is measured in this run
+            self.layers, self.unmeasured, self.qk_norm_layers = [], [], frozenset()
+            self._compiled_roots = []
+            return
         self.layers = find_attention_layers(model, self.options.layers)
         self.unmeasured = (
             unmeasured_attention_like(model, self.layers) if self.options.layers is None else []
@@ -282,7 +287,6 @@ class MonitorEngine:
             i for i, layer in enumerate(self.layers) if layer.has_qk_norm
         )
         self._prepare(model)
-        self._model = weakref.ref(model)
         self._compiled_roots = compiled_roots(
             model
         )  # switched at the first window, after every engine's discovery
@@ -367,6 +371,9 @@ class MonitorEngine:
     def report_discovery(self, host: Host) -> None:
         """One line of what was found (at fit start), and a warning per attention-like module that
         is not measured."""
+        if not self.layers:  # a lazy model (bind warned why)
+            host.info(f"qkmonitor: {type(self).__name__} ({self.prefix}) measures nothing")
+            return
         kinds = Counter(layer.kind for layer in self.layers)
         found = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
         host.info(
@@ -382,6 +389,52 @@ class MonitorEngine:
                 "qkmonitor.register_attention(qkmonitor.AttentionSpec(...)) (README, 'Use it on "
                 "your model')",
             )
+
+    def _lazy(self, model: nn.Module) -> bool:
+        """Whether ``model`` holds lazy parameters not yet materialised (``nn.LazyLinear`` before
+        its first forward): they have no shape, so no layer can be found by them; warned once
+        (the same text from every engine: Python shows it once)."""
+        lazy = [
+            name
+            for name, p in model.named_parameters()
+            if isinstance(p, nn.parameter.UninitializedTensorMixin)
+        ]
+        if lazy:
+            more = f" and {len(lazy) - 1} more" if len(lazy) > 1 else ""
+            warnings.warn(  # one place and one text for every engine: shown once
+                f"qkmonitor: the model's lazy parameters are not materialised yet ({lazy[0]!r}"
+                f"{more}), so its attention layers cannot be found and nothing is measured in "
+                "this run; run one forward (an example batch) before the fit or the loop to "
+                "materialise them; training goes on.",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        return bool(lazy)
+
+    def without_data(self) -> bool:
+        """Whether a measured layer's parameters hold no data (a model on the meta device, or a
+        lazy one not yet materialised): then nothing is measured — probes opened on such a model
+        would fail on its first read — and training goes on, with one warning a run (the same
+        text from every engine: Python shows it once). Asked at probe steps only."""
+        names = [
+            f"{layer.name}.{name}" if layer.name else name
+            for layer in self.layers
+            for name in parameters_without_data(layer.module)
+        ]
+        if not names:
+            return False
+        if "no data" not in self._warned:
+            self._warned.add("no data")
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            warnings.warn(  # one place and one text for every engine: shown once
+                f"qkmonitor: the attention layers' parameters hold no data ({names[0]!r}{more}: "
+                "on the meta device, or lazy and not yet materialised), so nothing is measured "
+                "until they do (e.g. `model.to_empty(device=...)` and an initialisation, or a "
+                "first forward of a lazy module); training goes on.",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        return True
 
     def is_probe_step(self, step: int) -> bool:
         """Whether ``step`` (optimizer steps so far) is probed: the first step at or after each
@@ -581,6 +634,7 @@ class ActivationEngine(MonitorEngine):
             self._window is not None
             or not self.layers
             or (not validation and not self.is_probe_step(step))
+            or self.without_data()
         ):
             return False
         self._switch_if_compiled()

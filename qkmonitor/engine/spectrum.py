@@ -86,7 +86,7 @@ class QKSpectrum(MonitorEngine):
 
     def open(self, step: int, *, validation: bool = False) -> bool:
         """Open a layout probe on every layer still waiting for its check (none: nothing)."""
-        if validation or self._checks or not self._layouts_waiting:
+        if validation or self._checks or not self._layouts_waiting or self.without_data():
             return False
         self._switch_if_compiled()
         waiting = [layer for layer in self.layers if layer.needs_layout_check]
@@ -137,7 +137,7 @@ class QKSpectrum(MonitorEngine):
         Args:
             full_model: the wrapped model under FSDP (v1), whose shards are gathered for the read.
         """
-        if not self.is_probe_step(step):
+        if not self.layers or not self.is_probe_step(step) or self.without_data():
             return
         self._warn_blind(host)
         ready = {
