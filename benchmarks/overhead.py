@@ -54,8 +54,9 @@ Usage::
         --steps 60 --rounds 1 --warmup-steps 4 --json overhead.json
     python benchmarks/overhead.py --dry-run       # arguments and report only, nothing trained
     python benchmarks/overhead.py --arch nanogpt --qk-clip   # also what QKClip costs
-    # torch.compile'd, side by side
-    python benchmarks/overhead.py --arch nanogpt --compile --steps 300
+    # two copies stepped side by side in one loop, one monitored (drift cancelled)
+    python benchmarks/overhead.py --side-by-side --steps 1000
+    python benchmarks/overhead.py --arch nanogpt --compile --steps 300   # compiled
     # a window, batch by batch
     python benchmarks/overhead.py --arch nanogpt --offsets --steps 1000 --rounds 2
     # a window, part by part (timers inside the engines; nested parts overlap)
@@ -79,6 +80,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/nanogpt.py
@@ -329,13 +331,16 @@ def measure(args) -> dict[str, dict[str, float]]:
     return figures
 
 
-def compiled_side_by_side(args) -> dict[str, float]:
-    """``--compile``: two copies of the model, ``torch.compile``'d alike (``--backend``), trained
-    step for step in one loop on the same batches, the second with all three monitors at
-    ``every_n_steps=50`` (a plain loop with :class:`~qkmonitor.engine.Monitoring`: the callbacks'
-    hooks are measured by the Lightning runs). Each step of one is timed beside the same step of
-    the other, so machine drift hits both. Returns the medians of the unprobed steps, the excess of
-    the probed windows, the warm-up of each (compiling), and the graphs compiled after warm-up."""
+def side_by_side(args) -> dict[str, float]:
+    """``--side-by-side`` (eager) and ``--compile``: two copies of the model (``torch.compile``'d
+    alike with ``--compile``), trained step for step in one loop on the same batches, the second
+    with all three monitors at ``every_n_steps=50`` (a plain loop with
+    :class:`~qkmonitor.engine.Monitoring`: the callbacks' hooks are measured by the Lightning
+    runs). Which copy steps first alternates, and each step of one is timed beside the same step
+    of the other, so machine drift hits both. Returns :func:`paired_figures` of the per-step
+    times, the one-time costs around them (the ``Monitoring``'s construction: discovery and the
+    run header; its ``close``: the final drawing), and under compile the warm-up of each copy and
+    the graphs compiled after warm-up."""
     from torch._dynamo.utils import counters
 
     from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
@@ -346,18 +351,23 @@ def compiled_side_by_side(args) -> dict[str, float]:
     twins[1].load_state_dict(twins[0].state_dict())
     _, data = task_and_data(args.model, args.steps, args.arch)
     data.setup("fit")
-    batches = iter(data.train_dataloader())
+    batches = (batch for _ in range(args.steps) for batch in data.train_dataloader())  # epochs
     models = [task.to(args.device) for task in twins]
-    compiled = [torch.compile(task, backend=args.backend) for task in models]
+    stepped = (
+        [torch.compile(task, backend=args.backend) for task in models] if args.compile else models
+    )
     optimizers = [torch.optim.AdamW(task.parameters(), lr=1e-3) for task in models]
     engines = [
-        QKSpectrum(every_n_steps=every),
+        QKSpectrum(every_n_steps=every, per_head=True),
         AttentionEntropy(every_n_steps=every),
         EffectiveRank(every_n_steps=every),
     ]
     times: list[list[float]] = [[], []]
     warm_graphs = 0
-    with Monitoring(compiled[1], engines) as monitoring:
+    with tempfile.TemporaryDirectory() as log_dir:
+        start = time.perf_counter()
+        monitoring = Monitoring(stepped[1], engines, writer=SummaryWriter(log_dir))
+        construction = time.perf_counter() - start
         for step in range(args.steps):
             if step == every + 2:  # after a probed, an unprobed and a second probed step
                 warm_graphs = counters["stats"]["unique_graphs"]
@@ -366,7 +376,7 @@ def compiled_side_by_side(args) -> dict[str, float]:
                 start = time.perf_counter()
                 with monitoring.step(step) if i else contextlib.nullcontext():
                     loss = torch.nn.functional.cross_entropy(
-                        compiled[i](tokens).flatten(0, 1), targets.flatten(), ignore_index=-100
+                        stepped[i](tokens).flatten(0, 1), targets.flatten(), ignore_index=-100
                     )
                     loss.backward()
                     optimizers[i].step()
@@ -375,18 +385,61 @@ def compiled_side_by_side(args) -> dict[str, float]:
                         monitoring.observe_loss(loss)
                 _synchronize(models[i])
                 times[i].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        monitoring.close()
+        closing = time.perf_counter() - start
     plain, monitored = times
-    unprobed = [i for i in range(1, args.steps) if not touched(i, every)]
-    windows = [i for i in range(1, args.steps) if touched(i, every) and i > every]
-    median_plain = statistics.median(plain[i] for i in unprobed)
     return {
-        "unprobed_plain_s": median_plain,
-        "unprobed_overhead": statistics.median(monitored[i] / plain[i] for i in unprobed) - 1,
-        "window_s": sum(monitored[i] - plain[i] for i in windows) / (len(windows) / 2 or 1),
+        **paired_figures(plain, monitored, every),
+        "construction_s": construction,
+        "close_s": closing,
         "warmup_plain_s": sum(plain[: every + 2]),
         "warmup_monitored_s": sum(monitored[: every + 2]),
         "graphs_after_warmup": counters["stats"]["unique_graphs"] - warm_graphs,
     }
+
+
+def paired_figures(plain: list[float], monitored: list[float], every: int) -> dict[str, float]:
+    """The monitors' cost from two copies' per-step times, step ``i`` of one beside step ``i`` of
+    the other.
+
+    - ``interval_*``: over each whole probe interval after the first (steps ``k·every`` to
+      ``(k+1)·every − 1``, its probe included), the paired ratio ``Σ monitored / Σ plain − 1``;
+      the median over intervals, and the 5th and 95th percentiles (a 90 % interval);
+    - ``unprobed_overhead``: the median per-step ratio on the steps no monitor touches;
+    - ``first_interval_extra_s``: what the first interval (the first probes' one-time work: the
+      layout checks, first calls) costs beyond a median interval's excess, in seconds;
+    - ``interval_excess_s``: a median interval's excess, in seconds (what each further
+      ``every`` steps add).
+    """
+    n = min(len(plain), len(monitored)) // every * every
+    intervals = [range(k, k + every) for k in range(every, n, every)]
+    if not intervals:
+        raise ValueError(f"Expected at least two whole probe intervals of {every} steps, got {n}")
+    ratios = sorted(
+        sum(monitored[i] for i in steps) / sum(plain[i] for i in steps) - 1 for steps in intervals
+    )
+    excess = statistics.median(sum(monitored[i] - plain[i] for i in steps) for steps in intervals)
+    first = sum(monitored[i] - plain[i] for i in range(every))
+    unprobed = [i for i in range(1, n) if not touched(i, every)]
+    return {
+        "interval_median": statistics.median(ratios),
+        "interval_low": _percentile(ratios, 0.05),
+        "interval_high": _percentile(ratios, 0.95),
+        "intervals": len(ratios),
+        "interval_excess_s": excess,
+        "first_interval_extra_s": first - excess,
+        "unprobed_plain_s": statistics.median(plain[i] for i in unprobed),
+        "unprobed_overhead": statistics.median(monitored[i] / plain[i] for i in unprobed) - 1,
+    }
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, interpolated between the two nearest."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def offsets(
@@ -437,28 +490,39 @@ def report_offsets(diffs: dict[int, float], quiet_step: float, every: int = 50) 
     )
 
 
-def report_compiled(figures: dict[str, float], args) -> None:
+def report_side_by_side(figures: dict[str, float], args) -> None:
     f = figures
+    how = f"torch.compile (backend {args.backend})" if args.compile else "eager"
     print(
-        f"  torch.compile (backend {args.backend}), two copies stepped side by side in one loop, "
-        f"all monitors every 50 steps on one:"
+        f"  {how}, two copies stepped side by side in one loop (Monitoring, a SummaryWriter), "
+        "the three monitors every 50 steps on one (per_head on the spectrum):"
     )
     print(
-        f"  unprobed step: {1e3 * f['unprobed_plain_s']:.2f} ms compiled without monitors; with "
-        f"them {100 * f['unprobed_overhead']:+.2f}% (median of per-step ratios)"
+        f"  a probe interval (50 steps, its probe included), paired: "
+        f"{100 * f['interval_median']:+.2f}% at the median of {f['intervals']} intervals "
+        f"(90 % of them within {100 * f['interval_low']:+.2f}% .. "
+        f"{100 * f['interval_high']:+.2f}%), "
+        f"{1e3 * f['interval_excess_s']:.1f} ms an interval"
     )
     print(
-        f"  probed window (the probed step and the spectrum's): {1e3 * f['window_s']:.1f} ms "
-        "beyond the twin's steps"
+        f"  unprobed step: {1e3 * f['unprobed_plain_s']:.2f} ms without monitors; with them "
+        f"{100 * f['unprobed_overhead']:+.2f}% (median of per-step ratios)"
     )
     print(
-        f"  warm-up, steps 0-51 (compiling; the first copy to reach a graph compiles it for both): "
-        f"{f['warmup_plain_s']:.1f} s without monitors, {f['warmup_monitored_s']:.1f} s with them"
+        f"  once a run: {1e3 * f['construction_s']:.0f} ms to construct (discovery, the header), "
+        f"{1e3 * f['first_interval_extra_s']:.0f} ms more in the first interval (first probes), "
+        f"{1e3 * f['close_s']:.0f} ms to close (the final drawing)"
     )
-    print(
-        f"  graphs compiled after warm-up (a probed, an unprobed, a second probed step): "
-        f"{f['graphs_after_warmup']}"
-    )
+    if args.compile:
+        print(
+            f"  warm-up, steps 0-51 (compiling; the first copy to reach a graph compiles it for "
+            f"both): {f['warmup_plain_s']:.1f} s without monitors, "
+            f"{f['warmup_monitored_s']:.1f} s with them"
+        )
+        print(
+            f"  graphs compiled after warm-up (a probed, an unprobed, a second probed step): "
+            f"{f['graphs_after_warmup']}"
+        )
 
 
 def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
@@ -576,6 +640,11 @@ def main(argv: list[str] | None = None) -> None:
         ),
     )
     parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="eager twins stepped side by side in a plain loop, with and without monitors",
+    )
+    parser.add_argument(
         "--backend", default="inductor", help="with --compile: torch.compile's backend"
     )
     parser.add_argument(
@@ -602,22 +671,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-    if args.compile:
+    if args.compile or args.side_by_side:
         if args.dry_run:
             return
-        figures = compiled_side_by_side(args)
+        figures = side_by_side(args)
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, "
             f"arch {args.arch}, {args.steps} steps"
         )
-        report_compiled(figures, args)
+        report_side_by_side(figures, args)
         if args.json:
             args.json.write_text(
                 json.dumps(
                     {
                         "model": args.model,
                         "arch": args.arch,
-                        "compile": args.backend,
+                        "compile": args.backend if args.compile else None,
                         "steps": args.steps,
                         "figures": figures,
                     },

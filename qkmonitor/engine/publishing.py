@@ -157,8 +157,9 @@ class ValuePublisher:
         sinks = host.sinks()
         for sink in sinks:
             sink.log_scalars(scalars, step)
-        confirm_writes(sinks)  # a TensorBoard writer's failure shows when flushed (engine.guard)
-        warn_write_faults(host, sinks)  # a destination that failed or resumed
+        # a TensorBoard writer's failure shows when it is flushed, off the training thread
+        PUBLISHER.submit(partial(confirm_writes, sinks))
+        warn_write_faults(host, sinks)  # a destination that failed or resumed (engine.guard)
         drawing = [sink for sink in sinks if sink.draws]
         if not drawing or validation:
             return

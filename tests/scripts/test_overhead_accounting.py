@@ -47,3 +47,33 @@ def test_hook_times_go_to_the_batch_in_the_runs_order_across_epochs(overhead, mo
 class _Module:
     def parameters(self):
         return iter([torch.zeros(1)])
+
+
+def test_paired_figures_from_known_step_times(overhead):
+    """Two copies' per-step times: the plain copy at 10 ms a step, drifting by interval (the
+    machine), the monitored one 1 % slower on unprobed steps, with a probe of +5 ms at each
+    multiple of 10 and +40 ms more at step 0 (a first probe's one-time work)."""
+    every, intervals = 10, 6
+    drift = [1.0, 1.3, 0.8, 1.1, 0.9, 1.2]
+    plain = [0.010 * drift[i // every] for i in range(every * intervals)]
+    monitored = [
+        t * 1.01 + (0.005 if i % every == 0 else 0.0) + (0.040 if i == 0 else 0.0)
+        for i, t in enumerate(plain)
+    ]
+    f = overhead.paired_figures(plain, monitored, every)
+    expected = sorted(
+        (sum(monitored[k : k + every]) / sum(plain[k : k + every]) - 1)
+        for k in range(every, every * intervals, every)
+    )
+    assert f["intervals"] == intervals - 1
+    assert f["interval_median"] == pytest.approx(expected[2])
+    assert f["interval_low"] == pytest.approx(expected[0] + 0.2 * (expected[1] - expected[0]))
+    assert f["interval_high"] == pytest.approx(expected[3] + 0.8 * (expected[4] - expected[3]))
+    # each interval: 1 % of its steps plus the probe's 5 ms; the median one is the 1.1 interval
+    assert f["interval_excess_s"] == pytest.approx(0.01 * 0.010 * 1.1 * every + 0.005)
+    assert f["first_interval_extra_s"] == pytest.approx(
+        0.01 * 0.010 * every + 0.005 + 0.040 - f["interval_excess_s"]
+    )
+    assert f["unprobed_overhead"] == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="at least two whole probe intervals of 10 steps"):
+        overhead.paired_figures(plain[:15], monitored[:15], every)
