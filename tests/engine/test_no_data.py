@@ -40,6 +40,10 @@ def test_a_meta_model_is_not_measured_with_one_warning_then_measured_once_materi
         model = MODELS[kind]()
     monitored = engines()
     tokens = torch.randint(VOCAB, (2, SEQ))
+    try:  # the model's own forward on the meta device, unmonitored
+        model(tokens.to("meta"))
+    except RuntimeError as err:  # transformers 4.48's rotary embedding enters autocast("meta")
+        pytest.skip(f"{kind}'s bare forward does not run on the meta device here: {err}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         monitoring = Monitoring(model, monitored, every_n_steps=1)
