@@ -126,6 +126,15 @@ class TensorBoardSink(LoggerSink):
     def flush(self) -> None:
         self._writer.flush()
 
+    @property
+    def log_dir(self) -> str | None:
+        """The writer's run directory."""
+        return self._writer.log_dir
+
+    def reset(self) -> None:
+        """After a failed write: the writer opens a new event file (``SummaryWriterSink.reset``)."""
+        self._writer.reset()
+
 
 class WandbSink(LoggerSink):
     """A ``WandbLogger``: images through its ``log_image`` (media under the image's tag) and
@@ -198,7 +207,7 @@ def guarded_sink(logger: Any) -> GuardedSink | None:
         destination = f"{type(logger).__name__} ({where})" if where else type(logger).__name__
         tensorboard = isinstance(sink, TensorBoardSink)
         if tensorboard:  # a SummaryWriter: its thread writes (engine.guard)
-            directory, reset = sink._writer.log_dir, sink._writer.reset
+            directory, reset = sink.log_dir, sink.reset
             destination = str(directory)
         else:
             directory, reset = None, None
