@@ -133,6 +133,8 @@ class GuardedSink:
             try:
                 method(*args)
             except Exception as err:  # noqa: BLE001 -- a logging fault never stops training
+                if self._pending:  # what the writer took before: confirmed, or lost with this
+                    self._flush(failure_counts=False)
                 self._fail(err, step, lost=1)
                 return
             if self._asynchronous:
@@ -142,17 +144,19 @@ class GuardedSink:
             if retry and self._flush():
                 self._resumed(step)
 
-    def _flush(self) -> bool:
-        """Flush the sink (if it can be); False if that failed (its pending writes are lost)."""
+    def _flush(self, *, failure_counts: bool = True) -> bool:
+        """Flush the sink (if it can be); False if that failed: its pending writes are lost (a
+        failure of its own, unless ``failure_counts`` is False: a write's failure follows)."""
         flush = getattr(self.sink, "flush", None)
         if not callable(flush):
             return True
         try:
             flush()
         except Exception as err:  # noqa: BLE001 -- a logging fault never stops training
-            self._fail(err, self._pending_since, lost=0)
+            if failure_counts:
+                self._fail(err, self._pending_since, lost=0)
             return False
-        self._pending = 0
+        self._pending, self._pending_since = 0, None
         return True
 
     def _may_retry(self) -> bool:

@@ -343,3 +343,41 @@ def test_report_help_shows_each_default_once(capsys):
     text = capsys.readouterr().out
     blocks = re.split(r"\n(?=  --)", text[text.index("  --out") :])
     assert len(blocks) >= 3 and all(block.count("default") <= 1 for block in blocks), blocks
+
+
+def test_a_log_directory_that_fails_mid_run_is_counted_in_the_summary(
+    tmp_path, capsys, monkeypatch
+):
+    """Every write to the run's TensorBoard writer raises from step 4 on (a full disk): the run
+    ends normally, and the summary's `writes lost` line gives the count the run's end warned."""
+    from qkmonitor.engine.sinks import SummaryWriterSink
+
+    def full(method):
+        def write(self, *args):
+            if args[-1] >= 4:  # every write method takes the step last
+                raise OSError(28, "No space left on device")
+            return method(self, *args)
+
+        return write
+
+    for name in ("log_scalars", "log_text", "log_image", "log_histogram"):
+        monkeypatch.setattr(SummaryWriterSink, name, full(getattr(SummaryWriterSink, name)))
+    with pytest.warns(RuntimeWarning) as caught:
+        code = main(
+            ["train", "--steps", "12", "--every-n-steps", "4", "--no-progress-bar",
+             "--log-dir", str(tmp_path / "runs"), "--no-checkpoint"]
+        )  # fmt: skip
+    assert code == 0
+    run_dir = tmp_path / "runs" / "recall" / "version_0"
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "writes lost" in line]
+    lost = int(re.fullmatch(rf"writes lost: (\d+) to {re.escape(str(run_dir))} \(.*\)", line)[1])
+    assert lost >= 3 + 2 + 2  # at least the scalars of the probes at 4, 8 (12 for the spectrum)
+    messages = [str(w.message) for w in caught if "qkmonitor: " in str(w.message)]
+    assert next(m for m in messages if "failed at" in m).startswith(
+        f"qkmonitor: writing to {run_dir} failed at step 4 (OSError: [Errno 28]"
+    )
+    report = (
+        f"qkmonitor: {lost} write(s) to {run_dir} were lost (steps 4 to 12); it still fails "
+        "(OSError: [Errno 28] No space left on device)."
+    )
+    assert [m for m in messages if m.startswith(f"qkmonitor: {lost} write(s)")] == [report]
