@@ -637,7 +637,6 @@ def _summary(
     fired = ", ".join(f"{name}: {n}" for name, n in counts.items() if n)
     alerts = fired or f"none (rules watched: {', '.join(counts) or 'none'})"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
-    lost = lost or {}
     after = f" after step {step}" if step is not None else ""
     return "\n".join(
         [

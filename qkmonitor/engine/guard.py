@@ -111,6 +111,11 @@ class GuardedSink:
             if not self._failing:
                 self._flush()
 
+    @property
+    def unconfirmed(self) -> bool:
+        """Whether an asynchronous sink accepted writes since its last flush that went through."""
+        return bool(self._pending)
+
     def confirm(self) -> None:
         """Flush an asynchronous sink that accepted writes since its last flush (once a probe, on
         the publishing thread: :func:`confirm_writes`): its writes are confirmed, or a failure

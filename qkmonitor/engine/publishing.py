@@ -158,7 +158,8 @@ class ValuePublisher:
         for sink in sinks:
             sink.log_scalars(scalars, step)
         # a TensorBoard writer's failure shows when it is flushed, off the training thread
-        PUBLISHER.submit(partial(confirm_writes, sinks))
+        if any(getattr(sink, "unconfirmed", False) for sink in sinks):
+            PUBLISHER.submit(partial(confirm_writes, sinks))
         warn_write_faults(host, sinks)  # a destination that failed or resumed (engine.guard)
         drawing = [sink for sink in sinks if sink.draws]
         if not drawing or validation:
