@@ -1,11 +1,12 @@
 """The Lightning side of qkmonitor: Trainer hooks mapped onto the core engines.
 
-Each callback owns one :class:`~qkmonitor.engine.MonitorEngine` and nothing else: the engine
-knows the layers, decides the probe steps, measures, alerts and builds the tags; this module gives
-it a :class:`LightningHost` (the Trainer's loggers as sinks, a sink per kind of logger:
-:func:`logger_sink`; ``rank_zero_warn``, ``should_stop``, the learning rate) and calls it from the
-hooks. Probes are closed on success, on exception (``on_exception``, which Lightning also calls
-for a keyboard interrupt), at ``on_train_end`` and at ``teardown``.
+Each callback drives one or more :class:`~qkmonitor.engine.MonitorEngine` through one set of
+hooks (:class:`AttentionMonitor`): the engines know the layers, decide the probe steps, measure,
+alert and build the tags; this module gives them a :class:`LightningHost` (the Trainer's loggers
+as sinks, a sink per kind of logger: :func:`logger_sink`; ``rank_zero_warn``, ``should_stop``,
+the learning rate) and calls them from the hooks. Probes are closed on success, on exception
+(``on_exception``, which Lightning also calls for a keyboard interrupt), at ``on_train_end`` and
+at ``teardown``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from qkmonitor.engine import (
     check_tag_collisions,
     write_run_header,
 )
-from qkmonitor.engine.base import ActivationEngine, Values
+from qkmonitor.engine.base import NO_STEPS, ActivationEngine, Values, finish_windows
 from qkmonitor.engine.guard import GuardedSink, report_write_faults
+from qkmonitor.engine.publishing import ScalarBatch
 from qkmonitor.engine.sinks import is_summary_writer
 
 __all__ = [
@@ -227,9 +229,10 @@ def lost_writes(trainer: pl.Trainer) -> dict[str, int]:
 class LightningHost(Host):
     """A Trainer as the engine's host."""
 
-    def __init__(self, trainer: pl.Trainer) -> None:
+    def __init__(self, trainer: pl.Trainer, scalar_batch: ScalarBatch | None = None) -> None:
         self.trainer = trainer
         self.owner = trainer
+        self.scalar_batch = scalar_batch
 
     @property
     def is_logging_rank(self) -> bool:  # type: ignore[override]
@@ -270,58 +273,108 @@ class _StateKey:
         return instance._state_key
 
 
-class AttentionMonitor(Callback):
-    """Base of the qkmonitor callbacks: a Lightning adapter over one engine.
+def _common(ranges: list[range]) -> range:
+    """The steps every range holds (ranges of consecutive steps)."""
+    start = max((r.start for r in ranges), default=0)
+    stop = min((r.stop for r in ranges), default=0)
+    return range(start, max(start, stop))
 
-    Its state (alert counts, the last probe step) goes into a checkpoint under :attr:`state_key`,
-    where Lightning puts a callback's ``state_dict``, and comes back through ``load_state_dict`` on
-    a resume. It is written by ``on_save_checkpoint`` rather than ``state_dict``: Lightning checks
-    the keys of callbacks that override ``state_dict`` inside ``Trainer(...)``, and two monitors of
-    one kind under one prefix would meet its "more than one stateful callback" error there instead
-    of qkmonitor's, which names the prefix to change (``setup``).
+
+class AttentionMonitor(Callback):
+    """Base of the qkmonitor callbacks: one set of Lightning hooks over one or more engines.
+
+    Every callback is this driver: the single monitors (``QKSpectrumMonitor``,
+    ``AttentionEntropyMonitor``, ``EffectiveRankMonitor``, ``QKClip``) drive one engine,
+    ``QKMonitor`` several. A batch costs one schedule check: the steps where every engine may skip
+    its work (the intersection of their ``between_probes``, and of their ``quiet`` steps) are
+    skipped at once. Otherwise the batch's loss is read once and handed to the engines whose rules
+    read it, the windows of the engines that probed are closed together
+    (:func:`~qkmonitor.engine.base.finish_windows`: their aggregators reduced across processes in
+    one collective), and the scalars of a probe step go out in one write
+    (:class:`~qkmonitor.engine.publishing.ScalarBatch`: the spectrum read after the step before it
+    waits for the activations measured in it).
+
+    The engines' state (alert counts, the last probe step) goes into a checkpoint under
+    :attr:`state_key`, where Lightning puts a callback's ``state_dict``, and comes back through
+    ``load_state_dict`` on a resume. It is written by ``on_save_checkpoint`` rather than
+    ``state_dict``: Lightning checks the keys of callbacks that override ``state_dict`` inside
+    ``Trainer(...)``, and two monitors of one kind under one prefix would meet its "more than one
+    stateful callback" error there instead of qkmonitor's, which names the prefix to change
+    (``setup``).
 
     Args:
-        engine: the engine this callback drives.
+        engines: the engines this callback drives.
+        probe_validation: also measure the first batch of each validation run with the engines of
+            the forward pass, logged under ``{prefix}/val/...`` (no alerts).
     """
 
-    def __init__(self, engine: MonitorEngine) -> None:
-        self.engine = engine
+    def __init__(self, *engines: MonitorEngine, probe_validation: bool = False) -> None:
+        if not isinstance(probe_validation, bool):
+            raise ValueError(f"Expected `probe_validation` to be a bool, got {probe_validation!r}")
+        self.engines: list[MonitorEngine] = list(engines)
+        if len(self.engines) == 1:
+            self.engine = self.engines[0]
+        self.probe_validation = probe_validation
+        self._weights = [e for e in self.engines if e.reads_weights]  # read after a step's update
+        self._loss_readers: list[MonitorEngine] = []  # engines whose rules read the loss (bind)
+        self._between, self._quiet = NO_STEPS, NO_STEPS  # every engine's, in common
+        self._scalars = ScalarBatch()
         self._headers: set[str] = set()
         self._batch_step = 0  # the global step the current training batch started on
         # Lightning reads `state_key` at every hook call of every callback (its profiler names
         # the hook with it); prefix and selection are fixed at construction, so build it once
-        self._state_key = self._generate_state_key(prefix=engine.prefix, layers=engine.selection())
+        first = self.engines[0]
+        prefix = ",".join(dict.fromkeys(e.prefix for e in self.engines))
+        self._state_key = self._generate_state_key(prefix=prefix, layers=first.selection())
 
-    # -- the engine's state, read where users and tests look for it ---------------------------
+    # -- the engines' state, read where users and tests look for it ---------------------------
 
     @property
     def layers(self) -> list[AttentionLayer]:
-        return self.engine.layers
+        return self.engines[0].layers
 
     @property
     def latest(self) -> Values:
-        """The last probe's values: metric -> one (num_heads,) float CPU tensor per layer."""
-        return self.engine.latest
+        """The last probe's values: metric -> one (num_heads,) float CPU tensor per layer (every
+        engine's metrics)."""
+        return {name: grid for engine in self.engines for name, grid in engine.latest.items()}
+
+    @property
+    def latest_validation(self) -> Values:
+        """The last validation probe's values, like :attr:`latest`."""
+        return {
+            name: grid for engine in self.engines for name, grid in engine.latest_validation.items()
+        }
 
     @property
     def latest_step(self) -> int | None:
-        return self.engine.latest_step
+        """The step of the latest probe (of any engine)."""
+        steps = [e.latest_step for e in self.engines if e.latest_step is not None]
+        return max(steps) if steps else None
 
     @property
     def tracker(self) -> AlertTracker:
-        return self.engine.tracker
+        return self._one_engine("tracker").tracker
 
     @property
     def prefix(self) -> str:
-        return self.engine.prefix
+        return self.engines[0].prefix
 
     @property
     def every_n_steps(self) -> int | None:
-        return self.engine.every_n_steps
+        return self._one_engine("every_n_steps").every_n_steps
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        return self.engine.metric_names
+        return tuple(name for engine in self.engines for name in engine.metric_names)
+
+    def _one_engine(self, what: str) -> MonitorEngine:
+        if len(self.engines) != 1:
+            raise AttributeError(
+                f"{type(self).__name__} drives {len(self.engines)} engines, each with its own "
+                f"`{what}`: read it on one of `.engines`"
+            )
+        return self.engines[0]
 
     state_key = _StateKey()
 
@@ -329,16 +382,16 @@ class AttentionMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
+        monitors = _monitors(trainer)
         if monitors[0] is self:  # before a checkpoint is restored or a model searched
-            check_tag_collisions([m.engine for m in monitors])
+            check_tag_collisions([e for m in monitors for e in m.engines])
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # here, not in `setup`: a model built in `configure_model` exists now, the strategy has
         # put it on its device, and Lightning has not yet written its own hparams record
         self._bind(trainer, pl_module)
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
+        monitors = _monitors(trainer)
         if monitors[-1] is self:  # every monitor is bound now: one header for the run
             self._write_header(trainer, pl_module, monitors)
         if not trainer.loggers and self is monitors[0]:
@@ -349,12 +402,20 @@ class AttentionMonitor(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.engine.layers:  # `trainer.validate(...)` without a fit
+        if not self.engines[0].layers:  # `trainer.validate(...)` without a fit
             self._bind(trainer, pl_module)
 
     def _bind(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.engine.bind(pl_module, default_every_n_steps=trainer.log_every_n_steps)
-        self.engine.report_discovery(LightningHost(trainer))
+        host = self._host(trainer)
+        for engine in self.engines:
+            engine.bind(pl_module, default_every_n_steps=trainer.log_every_n_steps)
+            engine.report_discovery(host)
+        self._loss_readers = [e for e in self.engines if e.reads_loss]
+        self._between, self._quiet = NO_STEPS, NO_STEPS
+        self._scalars = ScalarBatch()
+
+    def _host(self, trainer: pl.Trainer) -> LightningHost:
+        return LightningHost(trainer, scalar_batch=self._scalars)
 
     def _write_header(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, monitors: list[AttentionMonitor]
@@ -379,88 +440,24 @@ class AttentionMonitor(Callback):
         datamodule = getattr(trainer, "datamodule", None)
         if datamodule is not None:
             hparams.update(getattr(datamodule, "hparams", {}))
-        write_run_header(new, [m.engine for m in monitors], hparams)
+        write_run_header(new, [e for m in monitors for e in m.engines], hparams)
         self._headers.update(_run_dir(sink) for sink in new)
 
-    def _observe_loss(self, outputs: Any) -> None:
-        """Hand the batch's training loss (``training_step``'s return: the tensor, or its
-        ``"loss"``) to the engine, at the step the batch started on, for the rules that read it."""
-        mapping = type(outputs) is dict or isinstance(outputs, Mapping)  # Lightning's: a dict
-        loss = outputs.get("loss") if mapping else outputs
-        if isinstance(loss, Tensor) and loss.numel() == 1:
-            self.engine.observe_loss(self._batch_step, loss)
-
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        # a failed step or Ctrl+C (Lightning calls this for both): the window of the failed step
-        # is closed unlogged, and the last completed probe is drawn, as at a normal end
-        self._end_run(trainer)
-
-    def _end_run(self, trainer: pl.Trainer) -> None:
-        """Close a window left open (unlogged), draw the last probe's visuals if it drew none,
-        take out the switches and wait for the visuals to be written."""
-        host = LightningHost(trainer)
-        try:
-            self.engine.abort()
-            self.engine.draw_final(host)
-        finally:
-            self.engine.release()
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
-        if trainer.is_global_zero and monitors[-1] is self:  # after every monitor's last write
-            report_write_faults(host, host.sinks())  # how many writes were lost, once per logger
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._end_run(trainer)  # a probed batch that never ended (e.g. skipped) is closed too
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.engine.release()
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        if "callbacks" in checkpoint:  # absent from a weights-only checkpoint
-            checkpoint["callbacks"][self.state_key] = self.engine.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.engine.load_state_dict(state_dict)
-
-
-class ActivationMonitor(AttentionMonitor):
-    """A monitor of the forward pass: probes open for the first batch of every
-    ``every_n_steps``-th optimizer step (step 0 included) and close when that batch ends.
-
-    Values are logged at the step the batch started on, i.e. for the weights the spectrum monitor
-    logs at the same step. Validation is not probed unless ``probe_validation=True``: then the
-    first batch of every validation run is measured and logged under ``{prefix}/val/...`` (no
-    alerts).
-    """
-
-    engine: ActivationEngine
-
-    def __init__(self, engine: ActivationEngine, probe_validation: bool = False) -> None:
-        if not isinstance(probe_validation, bool):
-            raise ValueError(f"Expected `probe_validation` to be a bool, got {probe_validation!r}")
-        super().__init__(engine)
-        self.probe_validation = probe_validation
-
-    @property
-    def latest_validation(self) -> Values:
-        """The last validation probe's values, like :attr:`latest`."""
-        return self.engine.latest_validation
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == 0:  # the spectrum at initialization
+            self._observe_weights(trainer, 0)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = self._batch_step = trainer.global_step
-        if step not in self.engine.between_probes:  # none opens there (`steps_after`)
-            self.engine.open(step)
+        if step in self._between:  # no engine opens a window there (`steps_after`)
+            return
+        for engine in self.engines:
+            if step not in engine.between_probes:
+                engine.open(step)
 
     @override
     def on_train_batch_end(
@@ -471,15 +468,40 @@ class ActivationMonitor(AttentionMonitor):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        engine, step = self.engine, self._batch_step
-        if step in engine.between_probes:  # at most the loss to keep (`steps_after`)
-            if step not in engine.quiet:
+        # `after`: the global step after this batch's optimizer step, whose weights a probe reads
+        step, after = self._batch_step, trainer.global_step
+        if step in self._between and (after in self._between or not self._weights):
+            if step not in self._quiet:  # at most the loss to keep (`steps_after`)
                 self._observe_loss(outputs)
             return
         self._observe_loss(outputs)
-        if engine.probing:
-            engine.finish(LightningHost(trainer))
-        engine.plan(step)
+        host = self._host(trainer)
+        finish_windows(host, [e for e in self.engines if e.probing])
+        if after > 0:
+            self._observe_weights(trainer, after)
+        for engine in self.engines:
+            engine.plan(after if engine.reads_weights else step)
+        self._between = _common([e.between_probes for e in self.engines])
+        self._quiet = _common([e.quiet for e in self.engines])
+        self._scalars.flush(host, up_to=step)  # one write a probe step
+
+    def _observe_weights(self, trainer: pl.Trainer, step: int) -> None:
+        # under FSDP every rank holds a shard: the engine gathers the full weights for the read
+        host = self._host(trainer)
+        for engine in self._weights:
+            engine.observe_weights(host, step, full_model=trainer.strategy.model)
+
+    def _observe_loss(self, outputs: Any) -> None:
+        """Hand the batch's training loss (``training_step``'s return: the tensor, or its
+        ``"loss"``), read once, to the engines whose rules read it, at the step the batch started
+        on."""
+        if not self._loss_readers:
+            return
+        mapping = type(outputs) is dict or isinstance(outputs, Mapping)  # Lightning's: a dict
+        loss = outputs.get("loss") if mapping else outputs
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            for engine in self._loss_readers:
+                engine.observe_loss(self._batch_step, loss)
 
     @override
     def on_validation_batch_start(
@@ -496,7 +518,8 @@ class ActivationMonitor(AttentionMonitor):
             and dataloader_idx == 0
             and not trainer.sanity_checking
         ):
-            self.engine.open(trainer.global_step, validation=True)
+            for engine in self.engines:
+                engine.open(trainer.global_step, validation=True)
 
     @override
     def on_validation_batch_end(
@@ -508,7 +531,87 @@ class ActivationMonitor(AttentionMonitor):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self.engine.finish(LightningHost(trainer))
+        probing = [e for e in self.engines if e.probing]
+        if probing or self._scalars:
+            host = self._host(trainer)
+            finish_windows(host, probing)
+            self._scalars.flush(host, up_to=trainer.global_step)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # a failed step or Ctrl+C (Lightning calls this for both): the window of the failed step
+        # is closed unlogged, and the last completed probe is drawn, as at a normal end
+        self._end_run(trainer)
+
+    def _end_run(self, trainer: pl.Trainer) -> None:
+        """Close a window left open (unlogged), write the scalars held, draw the last probe's
+        visuals if it drew none, take out the switches and wait for the visuals to be written."""
+        host = self._host(trainer)
+        try:
+            for engine in self.engines:
+                engine.abort()
+            self._scalars.flush(host)
+            for engine in self.engines:
+                engine.draw_final(host)
+        finally:
+            for engine in self.engines:
+                engine.release()
+        monitors = _monitors(trainer)
+        if trainer.is_global_zero and monitors[-1] is self:  # after every monitor's last write
+            report_write_faults(host, host.sinks())  # how many writes were lost, once per logger
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_run(trainer)  # a probed batch that never ended (e.g. skipped) is closed too
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for engine in self.engines:
+            engine.release()
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if "callbacks" in checkpoint:  # absent from a weights-only checkpoint
+            checkpoint["callbacks"][self.state_key] = self._state()
+
+    def _state(self) -> dict[str, Any]:
+        """One engine's state as it is; several engines' by monitor."""
+        if len(self.engines) == 1:
+            return self.engines[0].state_dict()
+        return {engine.monitor: engine.state_dict() for engine in self.engines}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if len(self.engines) == 1:
+            self.engines[0].load_state_dict(state_dict)
+        else:
+            for engine in self.engines:
+                engine.load_state_dict(state_dict.get(engine.monitor, {}))
+        self._between, self._quiet = NO_STEPS, NO_STEPS
+
+
+class ActivationMonitor(AttentionMonitor):
+    """A monitor of the forward pass: probes open for the first batch of every
+    ``every_n_steps``-th optimizer step (step 0 included) and close when that batch ends.
+
+    Values are logged at the step the batch started on, i.e. for the weights the spectrum monitor
+    logs at the same step. Validation is not probed unless ``probe_validation=True``: then the
+    first batch of every validation run is measured and logged under ``{prefix}/val/...`` (no
+    alerts).
+    """
+
+    engine: ActivationEngine
+
+    def __init__(self, engine: ActivationEngine, probe_validation: bool = False) -> None:
+        super().__init__(engine, probe_validation=probe_validation)
+
+
+def _monitors(trainer: pl.Trainer) -> list[AttentionMonitor]:
+    return [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
 
 
 def _run_dir(sink: LoggerSink) -> str:

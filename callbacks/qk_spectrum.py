@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import lightning.pytorch as pl
-from typing_extensions import override
 
 from qkmonitor.adapters import LayerSpec
 from qkmonitor.alerts import Alert, AlertRule
 from qkmonitor.engine import MonitorOptions, QKSpectrum
 
-from .base import AttentionMonitor, LightningHost
+from .base import AttentionMonitor
 
 __all__ = ["QKSpectrumMonitor"]
 
@@ -84,42 +82,5 @@ class QKSpectrumMonitor(AttentionMonitor):
         visuals_every_n_probes: int = 20,
     ) -> None:
         super().__init__(QKSpectrum(options=MonitorOptions.pick(locals())))
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_step == 0:  # the spectrum at initialization
-            self._observe(trainer, 0)
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        step = self._batch_step = trainer.global_step
-        if step not in self.engine.between_probes:  # layouts read by name: the first batch checks
-            self.engine.open(step)
-
-    @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        engine, step, after = self.engine, self._batch_step, trainer.global_step  # after: the
-        # global step after this batch's optimizer step, whose weights a probe reads
-        if step in engine.between_probes and after in engine.between_probes:  # `steps_after`
-            if step not in engine.quiet:
-                self._observe_loss(outputs)
-            return
-        self._observe_loss(outputs)
-        if engine.probing:
-            engine.finish(LightningHost(trainer))
-        if after > 0 and engine.is_probe_step(after):
-            self._observe(trainer, after)
-        engine.plan(after)
-
-    def _observe(self, trainer: pl.Trainer, step: int) -> None:
-        # under FSDP every rank holds a shard: the engine gathers the full weights for the read
-        self.engine.observe_weights(LightningHost(trainer), step, full_model=trainer.strategy.model)
+        # the hooks are AttentionMonitor's: the weights are read at step 0 and after the update
+        # that ends each n-th step, the first batch checks the layouts of layers read by name

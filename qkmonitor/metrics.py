@@ -21,7 +21,10 @@ gives that head ``max_logit = +inf`` and NaN means.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
 
@@ -29,12 +32,15 @@ from qkmonitor.functional import normalized_entropy
 from qkmonitor.kernels import AttentionStats
 from qkmonitor.validation import check_positive_int
 
-__all__ = ["AttentionStatistics", "HeadMean"]
+__all__ = ["AttentionStatistics", "HeadMean", "reduce_across_ranks"]
 
 
 class _PerHeadMetric(Metric):
-    """A metric with one slot per head; subclasses add their states."""
+    """A metric with one slot per head; subclasses add their states, reduced across processes by
+    ``sum``, except those named in :attr:`max_states`."""
 
+    #: the states reduced by ``max`` across processes (:func:`reduce_across_ranks`)
+    max_states: tuple[str, ...] = ()
     is_differentiable = False
     higher_is_better = None
     full_state_update = False
@@ -52,6 +58,8 @@ class AttentionStatistics(_PerHeadMetric):
     Args:
         num_heads: H of the layer.
     """
+
+    max_states = ("max_logit",)
 
     def __init__(self, num_heads: int, **kwargs) -> None:
         super().__init__(num_heads, **kwargs)
@@ -172,3 +180,31 @@ class HeadMean(_PerHeadMetric):
 
     def compute(self) -> Tensor:
         return self.total / self.count
+
+
+def reduce_across_ranks(metrics: Sequence[_PerHeadMetric]) -> None:
+    """Reduce the states of ``metrics`` over the processes in place, all of them in one
+    collective: each process's states side by side in one float64 vector, one ``all_gather``, then
+    per state the sum over processes (the max for :attr:`~_PerHeadMetric.max_states`). Build such
+    metrics with ``sync_on_compute=False``: ``compute()`` then reads the reduced states, where
+    torchmetrics' own sync would gather each state apart (two collectives a state). Nothing is done
+    without an initialised process group of more than one process. Every process must call it
+    with the same metrics, of the same sizes."""
+    if not metrics or not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    states = [(m, name) for m in metrics for name in m._defaults]
+    device = getattr(metrics[0], states[0][1]).device
+    flat = torch.cat([getattr(m, name).reshape(-1).to(device, torch.float64) for m, name in states])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    stacked = torch.stack(gathered)  # (world, every state's slots)
+    start = 0
+    for m, name in states:
+        state = getattr(m, name)
+        part = stacked[:, start : start + state.numel()]
+        start += state.numel()
+        reduced = part.amax(0) if name in m.max_states else part.sum(0)
+        setattr(m, name, reduced.reshape(state.shape).to(state.device, state.dtype))

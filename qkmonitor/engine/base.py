@@ -16,6 +16,7 @@ them and logs nothing. Every path closes what it opened.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 import weakref
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 from qkmonitor.adapters import AttentionLayer, find_attention_layers, parameters_without_data
 from qkmonitor.alerts import LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
@@ -32,9 +34,18 @@ from qkmonitor.catalogue import MetricSpec, metric, names_of
 from qkmonitor.compiled import SwitchedForward, UncompiledForward, compiled_roots
 from qkmonitor.engine.alerting import AlertPolicy, check_loss
 from qkmonitor.engine.options import MonitorOptions, check_prefix
-from qkmonitor.engine.publishing import Histograms, Images, ValuePublisher, Values, as_rows
+from qkmonitor.engine.publishing import (
+    Histograms,
+    Images,
+    ScalarBatch,
+    ValuePublisher,
+    Values,
+    as_rows,
+    write_scalars,
+)
 from qkmonitor.engine.sinks import Sink
 from qkmonitor.intercept import unmeasured_attention_like
+from qkmonitor.metrics import reduce_across_ranks
 from qkmonitor.probes import Probe, ProbeRequest, ProbeResult
 
 __all__ = [
@@ -44,12 +55,38 @@ __all__ = [
     "MonitorOptions",
     "PlainHost",
     "Values",
+    "Window",
     "check_prefix",
+    "finish_windows",
 ]
 
 
 #: no step (:attr:`MonitorEngine.between_probes` and ``quiet`` before a batch has been seen)
 NO_STEPS = range(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A closed probe window whose measures wait for the reduction across processes: its step,
+    whether it was a validation window, and what the engine carries to
+    :meth:`ActivationEngine.complete`."""
+
+    step: int
+    validation: bool
+    carried: Any
+
+
+def finish_windows(host: Host, engines: Sequence[ActivationEngine]) -> None:
+    """Close the open windows of ``engines`` and log them, their aggregators reduced across
+    processes together: one collective for all of them under DDP
+    (:func:`~qkmonitor.metrics.reduce_across_ranks`). An engine alone may have its own
+    :meth:`~MonitorEngine.finish` (QKClip's); several must split theirs
+    (:meth:`ActivationEngine.close_window`, :meth:`ActivationEngine.complete`)."""
+    windows = [(engine, engine.close_window(host)) for engine in engines]
+    closed = [(engine, window) for engine, window in windows if window is not None]
+    reduce_across_ranks([m for engine, _ in closed for m in engine.aggregators()])
+    for engine, window in closed:
+        engine.complete(host, window)
 
 
 class Host:
@@ -62,9 +99,20 @@ class Host:
 
     owner: Any = None
     is_logging_rank: bool = True
+    #: where a probe's scalars wait to be written with those of the other engines at the same step
+    #: (one write a probe, :class:`~qkmonitor.engine.publishing.ScalarBatch`); None: at once
+    scalar_batch: ScalarBatch | None = None
 
     def sinks(self) -> list[Sink]:
         return []
+
+    def write_scalars(self, scalars: dict[str, float], step: int) -> None:
+        """Write one probe's scalars to every sink (on the logging rank), or add them to
+        :attr:`scalar_batch`."""
+        if self.scalar_batch is not None:
+            self.scalar_batch.add(scalars, step)
+        else:
+            write_scalars(self, scalars, step)
 
     def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
         warnings.warn(message, category, stacklevel=3)
@@ -135,6 +183,9 @@ class MonitorEngine:
     #: the catalogue's name of the monitor whose metrics this engine computes
     monitor: str = ""
     default_rules: tuple[AlertRule, ...] = ()
+    #: whether it measures the weights after a step's update (:meth:`observe_weights`), which a
+    #: host reads at the end of the step before a probe step
+    reads_weights: bool = False
 
     def __init__(self, *, options: MonitorOptions | None = None, **fields: Any) -> None:
         if options is None:
@@ -506,6 +557,14 @@ class MonitorEngine:
     def finish(self, host: Host) -> None:
         """Close the open probes and log what they measured."""
 
+    def close_window(self, host: Host) -> Window | None:
+        """Close the open window and hold what it measured until the aggregators of every engine
+        closed with it are reduced across processes (:func:`finish_windows`), then
+        :meth:`~ActivationEngine.complete`; an engine without aggregators finishes here and
+        returns None."""
+        self.finish(host)
+        return None
+
     def abort(self) -> None:
         """Close the open probes without logging (a failed step, teardown)."""
 
@@ -679,16 +738,46 @@ class ActivationEngine(MonitorEngine):
         self.close_probes()
 
     def finish(self, host: Host) -> None:
+        window = self.close_window(host)
+        if window is not None:
+            reduce_across_ranks(self.aggregators())
+            self.complete(host, window)
+
+    def close_window(self, host: Host) -> Window | None:
+        """The first half of :meth:`finish`: close the open probes and add what they measured to
+        this process's aggregators (no collective); None when no window is open."""
         if self._window is None:
-            return
+            return None
         step, validation = self._window
         results = self.close_probes()
         self._report_missing(host, results)
         with torch.no_grad():
-            values, extra = self._measure(
+            carried = self._accumulate(
                 results, step, visuals=not validation and self.draws_visuals(step)
             )
-        self.record(host, values, step, validation=validation, **extra)
+        return Window(step, validation, carried)
+
+    def aggregators(self) -> list[Metric]:
+        """The torchmetrics states a window adds to, reduced across processes before
+        :meth:`complete` (:func:`~qkmonitor.metrics.reduce_across_ranks`)."""
+        return []
+
+    def complete(self, host: Host, window: Window) -> None:
+        """The second half of :meth:`finish`, once the aggregators hold every process's share:
+        the values, recorded (alerts, tags) at the window's step."""
+        with torch.no_grad():
+            values, extra = self._values(window.carried)
+        self.record(host, values, window.step, validation=window.validation, **extra)
+
+    def _accumulate(self, results: list[ProbeResult], step: int, *, visuals: bool) -> Any:
+        """Add the closed probes' results to the aggregators; what :meth:`_values` needs after the
+        reduction. By default the whole :meth:`_measure` (engines without aggregators)."""
+        return self._measure(results, step, visuals=visuals)
+
+    def _values(self, carried: Any) -> tuple[Values, dict[str, Any]]:
+        """The values and extra ``record`` arguments, from the reduced aggregators and what
+        :meth:`_accumulate` carried."""
+        return carried
 
     def _report_missing(self, host: Host, results: list[ProbeResult]) -> None:
         measured = [t for r in results for t in [*(s.entropy for s in r.stats), *r.probs]]

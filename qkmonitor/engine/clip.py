@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from qkmonitor.catalogue import CLIP
 from qkmonitor.clip import QKRows, clip_factors, head_max_logits
-from qkmonitor.engine.base import ActivationEngine, Host, Values
+from qkmonitor.engine.base import ActivationEngine, Host, Values, Window
 from qkmonitor.probes import Probe, ProbeRequest, ProbeResult
 from qkmonitor.validation import check_real
 
@@ -125,9 +125,9 @@ class QKClip(ActivationEngine):
             if message:
                 self._messages.append((f"layout:{self.layers[i].name}", message))
 
-    def finish(self, host: Host) -> None:
+    def close_window(self, host: Host) -> Window | None:
         try:
-            super().finish(host)
+            return super().close_window(host)
         finally:
             messages, self._messages = self._messages, []
             for key, message in messages:

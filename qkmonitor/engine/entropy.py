@@ -11,7 +11,8 @@ scaled logits :math:`s_{ij}`:
 A head's value is the mean over every row of every call in the probe window (rows with
 :math:`n_i \le 1` are left out of ``entropy_norm``, fully masked rows out of everything), except
 ``max_logit``: the largest. Sums are torchmetrics states
-(:class:`qkmonitor.metrics.AttentionStatistics`), so under DDP the values cover every rank's rows.
+(:class:`qkmonitor.metrics.AttentionStatistics`), reduced across processes with the other engines'
+(:func:`qkmonitor.engine.base.finish_windows`), so under DDP the values cover every rank's rows.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 from qkmonitor.alerts import LOGIT_BURST_RULE, LOGIT_GROWTH_RULE, LOGIT_JUMP_RULE
 from qkmonitor.catalogue import ENTROPY, names_of
@@ -56,7 +58,7 @@ class AttentionEntropy(ActivationEngine):
         self.sink_tokens = sink_tokens
         super().__init__(**kwargs)
         self._heads: list[slice] = []  # each layer's slots in the aggregator
-        self._aggregator = AttentionStatistics(1)
+        self._aggregator = AttentionStatistics(1, sync_on_compute=False)
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -75,11 +77,12 @@ class AttentionEntropy(ActivationEngine):
         moves it to where the statistics are): one ``compute`` and ``reset`` a probe."""
         starts = [0, *itertools.accumulate(heads)]
         self._heads = [slice(a, b) for a, b in itertools.pairwise(starts)]
-        self._aggregator = AttentionStatistics(max(starts[-1], 1))
+        self._aggregator = AttentionStatistics(max(starts[-1], 1), sync_on_compute=False)
 
-    def _measure(
-        self, results: list[ProbeResult], step: int, *, visuals: bool
-    ) -> tuple[Values, dict[str, Any]]:
+    def aggregators(self) -> list[Metric]:
+        return [self._aggregator]
+
+    def _accumulate(self, results: list[ProbeResult], step: int, *, visuals: bool) -> None:
         heads = [h.stop - h.start for h in self._heads]
         observed = [
             result.stats[0].entropy.shape[1] if result.stats and not layer.layout_ready else count
@@ -93,8 +96,11 @@ class AttentionEntropy(ActivationEngine):
                 if aggregator.device != stats.entropy.device:
                     aggregator.to(stats.entropy.device)
                 aggregator.update(stats, columns)
-        # compute() on every rank, updated or not: it is the collective that sums the states
-        # across processes (a rank that saw no rows adds zeros; no rows at all gives NaN)
+
+    def _values(self, carried: None) -> tuple[Values, dict[str, Any]]:
+        # the states hold every rank's rows (reduced by the caller: a rank that saw no rows adds
+        # zeros; no rows at all gives NaN)
+        aggregator = self._aggregator
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
             computed = aggregator.compute()

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
 from qkmonitor.catalogue import RANK
@@ -125,7 +126,7 @@ class EffectiveRank(ActivationEngine):
                 width = count if spec.per_head else 1
                 columns[spec.name], start = slice(start, start + width), start + width
             self._columns.append(columns)
-        self._mean = HeadMean(max(start, 1))
+        self._mean = HeadMean(max(start, 1), sync_on_compute=False)
 
     def _fit_heads(self, results: list[ProbeResult]) -> None:
         """Layers whose head count only their calls tell (read by interception) get slots of that
@@ -191,11 +192,11 @@ class EffectiveRank(ActivationEngine):
 
         return hook
 
-    def _measure(
-        self, results: list[ProbeResult], step: int, *, visuals: bool
-    ) -> tuple[Values, dict[str, Any]]:
-        values: Values = {m: [] for m in self.metric_names}
-        undefined: dict[str, list[Tensor]] = {m: [] for m in self.metric_names}
+    def aggregators(self) -> list[Metric]:
+        return [self._mean]
+
+    def _accumulate(self, results: list[ProbeResult], step: int, *, visuals: bool) -> Images:
+        """Add the window's samples to the aggregator; the attention images are carried."""
         images: Images = {}
         hidden, self._hidden = self._hidden, {}
         self._fit_heads(results)
@@ -240,7 +241,12 @@ class EffectiveRank(ActivationEngine):
                         )
                     )
         self._update(samples)
-        with warnings.catch_warnings():  # compute() on every rank: it is the collective
+        return images
+
+    def _values(self, images: Images) -> tuple[Values, dict[str, Any]]:
+        values: Values = {m: [] for m in self.metric_names}
+        undefined: dict[str, list[Tensor]] = {m: [] for m in self.metric_names}
+        with warnings.catch_warnings():  # the states hold every rank's samples (reduced before)
             warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
             means = self._mean.compute().float().cpu().reshape(-1)  # one slot: a scalar
         counted = self._mean.count.cpu() > 0  # no sample (an empty batch, one token): undefined

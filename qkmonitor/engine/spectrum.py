@@ -53,6 +53,8 @@ class QKSpectrum(MonitorEngine):
     monitor = SPECTRUM
     default_rules = (KAPPA_RULE,)
 
+    reads_weights = True
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._checks: list[tuple[AttentionLayer, Probe]] = []
