@@ -4,6 +4,7 @@ from .attention_entropy import AttentionEntropyMonitor
 from .base import ActivationMonitor, AttentionMonitor
 from .effective_rank import EffectiveRankMonitor
 from .qk_clip import QKClip
+from .qk_monitor import QKMonitor
 from .qk_spectrum import QKSpectrumMonitor
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "AttentionMonitor",
     "EffectiveRankMonitor",
     "QKClip",
+    "QKMonitor",
     "QKSpectrumMonitor",
 ]

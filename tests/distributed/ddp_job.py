@@ -2,14 +2,18 @@
 `python ddp_job.py OUT_DIR DEVICES BATCH_PER_DEVICE [clip]`.
 
 With ``clip``, QKClip alone runs (tau 0.5, below every head's logits) and each rank saves its query
-and key weights after the fit to ``OUT_DIR/qk_rank{R}.pt``.
+and key weights after the fit to ``OUT_DIR/qk_rank{R}.pt``. With ``qkmonitor``, one QKMonitor runs
+in place of the three callbacks, and each rank writes to ``OUT_DIR/collectives_rank{R}.json`` the
+collectives ``torch.distributed`` was asked for inside each of its hook calls that probed, by step.
 
 Lightning's DDP launcher re-runs this script once per extra rank; every rank sees the same
 generated data, and the DistributedSampler (shuffle off) deals rank r the samples r, r+W, r+2W, ...
 so one global batch of the DDP run is the single-process run's batch.
 """
 
+import json
 import sys
+from collections import Counter
 
 import lightning.pytorch as pl
 import torch
@@ -18,6 +22,7 @@ from qkmonitor.callbacks import (
     AttentionEntropyMonitor,
     EffectiveRankMonitor,
     QKClip,
+    QKMonitor,
     QKSpectrumMonitor,
 )
 from qkmonitor.models import TransformerConfig
@@ -33,6 +38,40 @@ class Job(CausalLMTask):
         return DataLoader(data, batch_size=int(sys.argv[3]), sampler=sampler, shuffle=False)
 
 
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "broadcast",
+    "all_gather_object",
+)
+
+
+class CountedQKMonitor(QKMonitor):
+    """QKMonitor counting the collectives asked for inside ``on_train_batch_end``, by step."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.collectives: dict[int, Counter] = {}
+        self._inside = False
+        for name in COLLECTIVES:
+            original = getattr(torch.distributed, name)
+
+            def counted(*args, _original=original, _name=name, **kw):
+                if self._inside:
+                    self.collectives.setdefault(self._batch_step, Counter())[_name] += 1
+                return _original(*args, **kw)
+
+            setattr(torch.distributed, name, counted)
+
+    def on_train_batch_end(self, *args, **kwargs):
+        self._inside = True
+        try:
+            super().on_train_batch_end(*args, **kwargs)
+        finally:
+            self._inside = False
+
+
 def main() -> None:
     out_dir, devices = sys.argv[1], int(sys.argv[2])
     pl.seed_everything(0, verbose=False)
@@ -42,9 +81,12 @@ def main() -> None:
         warmup_steps=0,
     )
     clip = len(sys.argv) > 4 and sys.argv[4] == "clip"
+    one = len(sys.argv) > 4 and sys.argv[4] == "qkmonitor"
     monitors = (
         [QKClip(tau=0.5, per_head=True)]
         if clip
+        else [CountedQKMonitor(every_n_steps=2, per_head=True)]
+        if one
         else [
             AttentionEntropyMonitor(every_n_steps=2, per_head=True),
             QKSpectrumMonitor(every_n_steps=2),
@@ -73,6 +115,10 @@ def main() -> None:
             if "q_proj" in n or "k_proj" in n
         }
         torch.save(qk, f"{out_dir}/qk_rank{trainer.global_rank}.pt")
+    if one:
+        counts = {step: dict(c) for step, c in monitors[0].collectives.items()}
+        with open(f"{out_dir}/collectives_rank{trainer.global_rank}.json", "w") as f:
+            json.dump(counts, f)
 
 
 if __name__ == "__main__":

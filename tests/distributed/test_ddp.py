@@ -78,3 +78,28 @@ def test_qk_clip_under_ddp_scales_every_rank_alike_and_as_one_process_does(tmp_p
     assert [s for s, _ in ddp[factor]] == [0, 1, 2]
     for (_, a), (_, b) in zip(ddp[factor], one[factor]):
         assert a < 1 and a == pytest.approx(b, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_qk_monitor_under_ddp_reduces_every_probe_in_one_collective(tmp_path):
+    """The entropy and rank aggregates of a probe go across the ranks together in one all_gather
+    (torchmetrics would gather each state apart), and the logged values are the single process's
+    on the same 8 sequences."""
+    import json
+
+    run_job(tmp_path / "single", 1, 8, "qkmonitor")
+    run_job(tmp_path / "ddp", 2, 4, "qkmonitor")
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / "ddp" / f"collectives_rank{rank}.json").read_text())
+        assert counts == {"0": {"all_gather": 1}, "2": {"all_gather": 1}}, counts
+    single = scalars(tmp_path / "single" / "run" / "version_0")
+    ddp = scalars(tmp_path / "ddp" / "run" / "version_0")
+    tags = [t for t in single if t.startswith("qkmonitor/") and "/alerts/" not in t]
+    assert "qkmonitor/max_logit/layer_00_head_01" in tags and "qkmonitor/kappa/layer_00" in tags
+    assert sorted(tags) == sorted(
+        t for t in ddp if t.startswith("qkmonitor/") and "/alerts/" not in t
+    )
+    for tag in tags:
+        step, value = single[tag][0]
+        assert ddp[tag][0][0] == step == 0, tag
+        assert ddp[tag][0][1] == pytest.approx(value, rel=1e-5, abs=1e-6), tag
