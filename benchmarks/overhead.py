@@ -70,9 +70,11 @@ import contextlib
 import inspect
 import json
 import math
+import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -197,6 +199,10 @@ class HookTimer:
         return timed
 
 
+#: ``--model`` sizes on bytes of Python source: (sequence length, d_model, layers, heads)
+SIZES = {"medium": (256, 256, 6, 8), "gpt2-small": (1024, 768, 12, 12)}
+
+
 def task_and_data(
     model: str, steps: int, arch: str = "bundled"
 ) -> tuple[pl.LightningModule, pl.LightningDataModule]:
@@ -206,11 +212,13 @@ def task_and_data(
         data = AssociativeRecallDataModule(seed=0)
         config = TransformerConfig(vocab_size=data.vocab_size, max_seq_len=data.seq_len)
         return (CausalLMTask(config) if arch == "bundled" else NanoGPTTask(config)), data
-    seq_len, batch = 1024, 8
+    seq_len, width, layers, heads = SIZES[model]
+    batch = 8
     data = PythonSourceDataModule(max_chars=4_000_000, seq_len=seq_len, batch_size=batch,
                                   train_size=batch * steps, val_size=batch, seed=0)  # fmt: skip
-    config = TransformerConfig(vocab_size=data.vocab_size, d_model=768, n_layers=12, n_heads=12,
-                               max_seq_len=seq_len, positional="learned")  # fmt: skip
+    config = TransformerConfig(vocab_size=data.vocab_size, d_model=width, n_layers=layers,
+                               n_heads=heads, max_seq_len=seq_len,
+                               positional="learned")  # fmt: skip
     return (
         CharLMTask(config, warmup_steps=10)
         if arch == "bundled"
@@ -345,7 +353,7 @@ def side_by_side(args) -> dict[str, float]:
 
     from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 
-    every = 50
+    every = args.every
     pl.seed_everything(0, verbose=False)
     twins = [task_and_data(args.model, args.steps, args.arch)[0] for _ in range(2)]
     twins[1].load_state_dict(twins[0].state_dict())
@@ -374,14 +382,15 @@ def side_by_side(args) -> dict[str, float]:
             tokens, targets = (t.to(args.device) for t in next(batches))
             for i in (0, 1) if step % 2 else (1, 0):  # alternate which runs first
                 start = time.perf_counter()
-                with monitoring.step(step) if i else contextlib.nullcontext():
+                on = i and not args.null  # --null: an A/A run, the twins' own difference
+                with monitoring.step(step) if on else contextlib.nullcontext():
                     loss = torch.nn.functional.cross_entropy(
                         stepped[i](tokens).flatten(0, 1), targets.flatten(), ignore_index=-100
                     )
                     loss.backward()
                     optimizers[i].step()
                     optimizers[i].zero_grad(set_to_none=True)
-                    if i:
+                    if on:
                         monitoring.observe_loss(loss)
                 _synchronize(models[i])
                 times[i].append(time.perf_counter() - start)
@@ -399,39 +408,282 @@ def side_by_side(args) -> dict[str, float]:
     }
 
 
+class Baton:
+    """Two fits in two threads take turns, one training step each, so that each step of one runs
+    beside the same step of the other: in pair ``p`` of turns, arm ``p % 2`` goes first. Only the
+    arm holding the baton runs; the other waits on it. The setups and the ends are taken one arm
+    at a time (:attr:`solo`), and both arms start stepping together (:attr:`start`)."""
+
+    def __init__(self) -> None:
+        self._turns = threading.Condition()
+        self._turn = 0
+        self._done = [False, False]
+        self.solo = threading.Lock()
+        self.start = threading.Barrier(2)
+
+    def _owner(self, turn: int) -> int:
+        pair, second = divmod(turn, 2)
+        return (pair + second) % 2
+
+    def wait(self, arm: int) -> None:
+        with self._turns:
+            self._turns.wait_for(lambda: self._owner(self._turn) == arm or self._done[1 - arm])
+
+    def pass_on(self, arm: int, done: bool = False) -> None:
+        with self._turns:
+            self._turn += 1
+            self._done[arm] = self._done[arm] or done
+            self._turns.notify_all()
+
+
+class TurnClock(pl.Callback):
+    """First in an arm's callbacks: times each training step while its arm holds the baton, from
+    the turn's start to the next batch's start (every other callback's hooks at the batch's start
+    and end inside), and the arm's fixed costs: from ``fit`` to its first batch, and from
+    ``on_train_end`` to the end of ``fit``."""
+
+    def __init__(self, baton: Baton, arm: int) -> None:
+        self.baton, self.arm = baton, arm
+        self.steps: list[float] = []
+        self.fit_at = self.first_batch_at = self.resumed = self.end_at = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        now = time.perf_counter()
+        if self.steps or self.resumed:  # a step ended: hand the baton on, wait for the next turn
+            self.steps.append(now - self.resumed)
+            self.baton.pass_on(self.arm)
+        else:  # the first batch: this arm's setup is over; step together from here
+            self.first_batch_at = now
+            self.baton.solo.release()
+            self.baton.start.wait()
+        self.baton.wait(self.arm)
+        self.resumed = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module):
+        self.end_at = time.perf_counter()
+        self.steps.append(self.end_at - self.resumed)
+        self.baton.pass_on(self.arm, done=True)
+        self.baton.solo.acquire()  # the ends one at a time (released when fit returns)
+        self.end_at = time.perf_counter()
+
+
+def lightning_side_by_side(args) -> dict[str, float]:
+    """``--side-by-side --lightning``: two Lightning fits of twin models in two threads, stepped in
+    turns (:class:`Baton`), one with ``QKMonitor(every_n_steps, per_head=True)`` and a
+    TensorBoard logger, the other with the same logger and no monitor. Returns
+    :func:`paired_figures` of their per-step times and the fixed costs of a fit: the monitored
+    arm's setup (``fit`` to the first batch: discovery, the header) and end (the final drawing,
+    waiting for the writers) beyond the plain arm's."""
+    from qkmonitor.callbacks import QKMonitor
+
+    every = args.every
+    pl.seed_everything(0, verbose=False)
+    tasks = [task_and_data(args.model, args.steps, args.arch) for _ in range(2)]
+    tasks[1][0].load_state_dict(tasks[0][0].state_dict())
+    baton = Baton()
+    clocks = [TurnClock(baton, arm) for arm in (0, 1)]
+    errors: list[BaseException] = []
+    with tempfile.TemporaryDirectory() as log_root:
+
+        def fit(arm: int) -> None:
+            task, data = tasks[arm]
+            on = arm and not args.null  # --null: an A/A run, the twins' own difference
+            monitors = [QKMonitor(every_n_steps=every, per_head=True)] if on else []
+            logger = TensorBoardLogger(log_root, str(arm))
+            trainer = pl.Trainer(max_steps=args.steps, accelerator=args.device, devices=1,
+                                 precision=args.precision, logger=logger,
+                                 callbacks=[clocks[arm], *monitors], enable_progress_bar=False,
+                                 enable_model_summary=False, enable_checkpointing=False,
+                                 limit_val_batches=0, log_every_n_steps=50)  # fmt: skip
+            baton.solo.acquire()  # the setups one at a time (released at the first batch)
+            clocks[arm].fit_at = time.perf_counter()
+            try:
+                trainer.fit(task, datamodule=data)
+            except BaseException as err:  # noqa: BLE001 -- reported by the main thread
+                errors.append(err)
+                baton.pass_on(arm, done=True)
+            finally:
+                clocks[arm].returned_at = time.perf_counter()
+                if baton.solo.locked():
+                    baton.solo.release()
+
+        threads = [threading.Thread(target=fit, args=(arm,)) for arm in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
+    plain, monitored = clocks
+
+    def setup(c: TurnClock) -> float:
+        return c.first_batch_at - c.fit_at
+
+    def end(c: TurnClock) -> float:
+        return c.returned_at - c.end_at
+
+    return {
+        **paired_figures(plain.steps, monitored.steps, every),
+        "construction_s": setup(monitored) - setup(plain),
+        "close_s": end(monitored) - end(plain),
+    }
+
+
+class Empty(pl.Callback):
+    """A callback whose batch hooks do nothing: what any callback costs Lightning to call."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pass
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pass
+
+
+def dispatch(args, repeat: int = 20000) -> dict[str, float]:
+    """``--dispatch``: what a step QKMonitor does not probe costs, in µs, against what Lightning's
+    call of one callback costs.
+
+    - ``dispatch_us``: Lightning's ``_call_callback_hooks`` for ``on_train_batch_start`` and
+      ``on_train_batch_end`` with one empty callback, less with none (its loop, the profiler's
+      context, the call), per batch: the median of ``repeat`` alternated calls;
+    - ``quiet_us``, ``loss_us``, ``empty_us``: the bodies of QKMonitor's two batch hooks at
+      ``every_n_steps=50`` (``per_head=True``, a TensorBoard logger) on its quiet steps and on
+      the unprobed steps whose loss a rule keeps, and of the empty callback's, per batch (medians
+      over a fit of ``--steps`` steps, each hook timed by the same wrapper)."""
+    from lightning.pytorch.trainer import call
+    from qkmonitor.callbacks import QKMonitor
+
+    pl.seed_everything(0, verbose=False)
+    task, data = task_and_data(args.model, args.steps, args.arch)
+    empty, monitor = Empty(), QKMonitor(every_n_steps=50, per_head=True)
+    bodies: dict[str, dict[int, float]] = {"empty": {}, "monitor": {}}
+    kinds: dict[int, str] = {}
+
+    def timed(name, hook):
+        def wrapper(trainer, pl_module, *rest):
+            step = trainer.global_step if hook.__name__ == "on_train_batch_start" else None
+            if step is not None and name == "monitor":  # before the hook: the step's kind
+                kinds[step] = (
+                    "quiet"
+                    if step in monitor._group.quiet
+                    else "loss"
+                    if step in monitor._group.between
+                    else "probed"
+                )
+            start = time.perf_counter()
+            hook(trainer, pl_module, *rest)
+            key = trainer.global_step if step is None else step
+            if step is None:  # the end hook: the step the batch started on
+                key = monitor._batch_step
+            bodies[name][key] = bodies[name].get(key, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    for name, callback in (("empty", empty), ("monitor", monitor)):
+        for hook in ("on_train_batch_start", "on_train_batch_end"):
+            setattr(callback, hook, timed(name, getattr(callback, hook)))
+    with tempfile.TemporaryDirectory() as log_root:
+        trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1,
+                             logger=TensorBoardLogger(log_root), callbacks=[empty, monitor],
+                             enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, limit_val_batches=0,
+                             log_every_n_steps=50)  # fmt: skip
+        trainer.fit(task, datamodule=data)
+
+    def median_of(name: str, kind: str) -> float:
+        return 1e6 * statistics.median(
+            t for step, t in bodies[name].items() if kinds.get(step) == kind and step
+        )
+
+    probe = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    one, none = [Empty()], []
+    samples: dict[int, list[float]] = {0: [], 1: []}
+    for i in range(repeat):
+        for count, callbacks in ((0, none), (1, one)) if i % 2 else ((1, one), (0, none)):
+            probe.callbacks = callbacks
+            start = time.perf_counter()
+            call._call_callback_hooks(probe, "on_train_batch_start", None, 0)
+            call._call_callback_hooks(probe, "on_train_batch_end", None, None, 0)
+            samples[count].append(time.perf_counter() - start)
+    return {
+        "dispatch_us": 1e6 * (statistics.median(samples[1]) - statistics.median(samples[0])),
+        "quiet_us": median_of("monitor", "quiet"),
+        "loss_us": median_of("monitor", "loss"),
+        "empty_us": median_of("empty", "quiet"),
+        "quiet_steps": sum(1 for k in kinds.values() if k == "quiet"),
+        "loss_steps": sum(1 for k in kinds.values() if k == "loss"),
+    }
+
+
 def paired_figures(plain: list[float], monitored: list[float], every: int) -> dict[str, float]:
     """The monitors' cost from two copies' per-step times, step ``i`` of one beside step ``i`` of
     the other.
 
     - ``interval_*``: over each whole probe interval after the first (steps ``k·every`` to
       ``(k+1)·every − 1``, its probe included), the paired ratio ``Σ monitored / Σ plain − 1``;
-      the median over intervals, and the 5th and 95th percentiles (a 90 % interval);
-    - ``unprobed_overhead``: the median per-step ratio on the steps no monitor touches;
-    - ``first_interval_extra_s``: what the first interval (the first probes' one-time work: the
-      layout checks, first calls) costs beyond a median interval's excess, in seconds;
+      the median over intervals (``interval_median``), a 90 % confidence interval of that median
+      (``median_low``, ``median_high``: the 5th and 95th percentiles of the medians of 2000
+      resamplings of the intervals, seeded), and the intervals' own spread (``interval_low``,
+      ``interval_high``: their 5th and 95th percentiles);
     - ``interval_excess_s``: a median interval's excess, in seconds (what each further
-      ``every`` steps add).
+      ``every`` steps add), and where it lies: at the steps a monitor works in
+      (``probed_excess_s``, :func:`touched`), the :data:`SPILL` steps after the probe
+      (``spill_excess_s``: the background threads' drawing and writing), the others
+      (``rest_excess_s``); medians over intervals, so they need not add up exactly;
+    - ``unprobed_overhead``: the median per-step ratio on the steps no monitor touches (NaN at
+      ``every=1``);
+    - ``first_interval_extra_s``: what the first interval (the first probes' one-time work: the
+      layout checks, first calls) costs beyond a median interval's excess, in seconds.
     """
     n = min(len(plain), len(monitored)) // every * every
     intervals = [range(k, k + every) for k in range(every, n, every)]
     if not intervals:
         raise ValueError(f"Expected at least two whole probe intervals of {every} steps, got {n}")
-    ratios = sorted(
+    ratios = [
         sum(monitored[i] for i in steps) / sum(plain[i] for i in steps) - 1 for steps in intervals
-    )
-    excess = statistics.median(sum(monitored[i] - plain[i] for i in steps) for steps in intervals)
-    first = sum(monitored[i] - plain[i] for i in range(every))
+    ]
+
+    def excess(steps) -> float:
+        return sum(monitored[i] - plain[i] for i in steps)
+
+    def part(keep) -> float:
+        return statistics.median(excess([i for i in steps if keep(i)]) for steps in intervals)
+
+    median_excess = statistics.median(excess(steps) for steps in intervals)
     unprobed = [i for i in range(1, n) if not touched(i, every)]
+    low, high = _bootstrap_median(ratios)
+    ordered = sorted(ratios)
     return {
         "interval_median": statistics.median(ratios),
-        "interval_low": _percentile(ratios, 0.05),
-        "interval_high": _percentile(ratios, 0.95),
+        "median_low": low,
+        "median_high": high,
+        "interval_low": _percentile(ordered, 0.05),
+        "interval_high": _percentile(ordered, 0.95),
         "intervals": len(ratios),
-        "interval_excess_s": excess,
-        "first_interval_extra_s": first - excess,
-        "unprobed_plain_s": statistics.median(plain[i] for i in unprobed),
-        "unprobed_overhead": statistics.median(monitored[i] / plain[i] for i in unprobed) - 1,
+        "interval_excess_s": median_excess,
+        "probed_excess_s": part(lambda i: touched(i, every)),
+        "spill_excess_s": part(lambda i: not touched(i, every) and 0 < i % every <= SPILL),
+        "rest_excess_s": part(lambda i: not touched(i, every) and i % every > SPILL),
+        "first_interval_extra_s": excess(range(every)) - median_excess,
+        "unprobed_plain_s": statistics.median(plain[i] for i in unprobed) if unprobed else math.nan,
+        "unprobed_overhead": (
+            statistics.median(monitored[i] / plain[i] for i in unprobed) - 1
+            if unprobed
+            else math.nan
+        ),
     }
+
+
+def _bootstrap_median(
+    values: list[float], rounds: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A 90 % interval of the median of ``values``: the 5th and 95th percentiles of the medians of
+    ``rounds`` resamplings with replacement (a seeded generator: the same values give the same
+    interval)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
+    return _percentile(medians, 0.05), _percentile(medians, 0.95)
 
 
 def _percentile(ordered: list[float], q: float) -> float:
@@ -493,25 +745,34 @@ def report_offsets(diffs: dict[int, float], quiet_step: float, every: int = 50) 
 def report_side_by_side(figures: dict[str, float], args) -> None:
     f = figures
     how = f"torch.compile (backend {args.backend})" if args.compile else "eager"
+    loop = (
+        "two Lightning fits stepped in turns (QKMonitor, per_head=True, TensorBoardLogger)"
+        if args.lightning
+        else "two copies stepped side by side in one loop (Monitoring, a SummaryWriter, the "
+        "three monitors, per_head on the spectrum)"
+    )
+    print(f"  {how}, {loop}, every {args.every} steps:")
     print(
-        f"  {how}, two copies stepped side by side in one loop (Monitoring, a SummaryWriter), "
-        "the three monitors every 50 steps on one (per_head on the spectrum):"
+        f"  a probe interval ({args.every} steps, its probe included), paired: "
+        f"{100 * f['interval_median']:+.2f}% at the median of {f['intervals']} intervals, "
+        f"90 % interval of the median {100 * f['median_low']:+.2f}% .. "
+        f"{100 * f['median_high']:+.2f}% (the intervals themselves: "
+        f"{100 * f['interval_low']:+.2f}% .. {100 * f['interval_high']:+.2f}%)"
     )
     print(
-        f"  a probe interval (50 steps, its probe included), paired: "
-        f"{100 * f['interval_median']:+.2f}% at the median of {f['intervals']} intervals "
-        f"(90 % of them within {100 * f['interval_low']:+.2f}% .. "
-        f"{100 * f['interval_high']:+.2f}%), "
-        f"{1e3 * f['interval_excess_s']:.1f} ms an interval"
+        f"  {1e3 * f['interval_excess_s']:.1f} ms an interval: {1e3 * f['probed_excess_s']:.1f} ms "
+        f"at the probed steps, {1e3 * f['spill_excess_s']:.1f} ms at the {SPILL} after, "
+        f"{1e3 * f['rest_excess_s']:.1f} ms at the others (medians)"
     )
+    if not math.isnan(f["unprobed_overhead"]):
+        print(
+            f"  unprobed step: {1e3 * f['unprobed_plain_s']:.2f} ms without monitors; with them "
+            f"{100 * f['unprobed_overhead']:+.2f}% (median of per-step ratios)"
+        )
     print(
-        f"  unprobed step: {1e3 * f['unprobed_plain_s']:.2f} ms without monitors; with them "
-        f"{100 * f['unprobed_overhead']:+.2f}% (median of per-step ratios)"
-    )
-    print(
-        f"  once a run: {1e3 * f['construction_s']:.0f} ms to construct (discovery, the header), "
+        f"  once a run: {1e3 * f['construction_s']:.0f} ms to set up (discovery, the header), "
         f"{1e3 * f['first_interval_extra_s']:.0f} ms more in the first interval (first probes), "
-        f"{1e3 * f['close_s']:.0f} ms to close (the final drawing)"
+        f"{1e3 * f['close_s']:.0f} ms to end (the final drawing, the writers)"
     )
     if args.compile:
         print(
@@ -566,8 +827,10 @@ def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
 PARTS = (
     ("qkmonitor.engine.spectrum", "QKSpectrum.observe_weights"),
     ("qkmonitor.engine.spectrum", "spectrum_of_layers"),
-    ("qkmonitor.engine.entropy", "AttentionEntropy._measure"),
-    ("qkmonitor.engine.rank", "EffectiveRank._measure"),
+    ("qkmonitor.engine.entropy", "AttentionEntropy._accumulate"),
+    ("qkmonitor.engine.entropy", "AttentionEntropy._values"),
+    ("qkmonitor.engine.rank", "EffectiveRank._accumulate"),
+    ("qkmonitor.engine.rank", "EffectiveRank._values"),
     ("qkmonitor.engine.base", "MonitorEngine.record"),
     ("qkmonitor.engine.alerting", "AlertPolicy.update"),
     ("qkmonitor.engine.publishing", "ValuePublisher.publish"),
@@ -623,7 +886,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
-        "--model", choices=["default", "gpt2-small"], default="default", help="the size and task"
+        "--model", choices=["default", *SIZES], default="default", help="the size and task"
     )
     parser.add_argument(
         "--arch", choices=["bundled", "nanogpt"], default="bundled",
@@ -643,6 +906,24 @@ def main(argv: list[str] | None = None) -> None:
         "--side-by-side",
         action="store_true",
         help="eager twins stepped side by side in a plain loop, with and without monitors",
+    )
+    parser.add_argument(
+        "--lightning",
+        action="store_true",
+        help="with --side-by-side: two Lightning fits in turns, one with QKMonitor",
+    )
+    parser.add_argument(
+        "--dispatch",
+        action="store_true",
+        help="what an unprobed step of QKMonitor costs against Lightning's call of one callback",
+    )
+    parser.add_argument(
+        "--null",
+        action="store_true",
+        help="with --side-by-side: no monitor on either twin (what pairing alone shows)",
+    )
+    parser.add_argument(
+        "--every", type=int, default=50, help="with --side-by-side: the probe interval"
     )
     parser.add_argument(
         "--backend", default="inductor", help="with --compile: torch.compile's backend"
@@ -674,7 +955,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.compile or args.side_by_side:
         if args.dry_run:
             return
-        figures = side_by_side(args)
+        figures = lightning_side_by_side(args) if args.lightning else side_by_side(args)
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, "
             f"arch {args.arch}, {args.steps} steps"
@@ -693,6 +974,21 @@ def main(argv: list[str] | None = None) -> None:
                     indent=1,
                 )
             )
+        return
+    if args.dispatch:
+        if args.dry_run:
+            return
+        f = dispatch(args)
+        print(f"torch {torch.__version__}, lightning {pl.__version__}, model {args.model}")
+        print(
+            f"  Lightning's call of one callback (both batch hooks, empty): "
+            f"{f['dispatch_us']:.1f} µs a batch"
+        )
+        print(
+            f"  inside the hooks, a batch: QKMonitor {f['quiet_us']:.1f} µs on its "
+            f"{f['quiet_steps']} quiet steps, {f['loss_us']:.1f} µs on the "
+            f"{f['loss_steps']} whose loss it keeps; an empty callback {f['empty_us']:.1f} µs"
+        )
         return
     if args.parts:
         if args.dry_run:

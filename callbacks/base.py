@@ -32,7 +32,8 @@ from qkmonitor.engine import (
     check_tag_collisions,
     write_run_header,
 )
-from qkmonitor.engine.base import NO_STEPS, ActivationEngine, Values, finish_windows
+from qkmonitor.engine.base import ActivationEngine, Values
+from qkmonitor.engine.group import EngineGroup
 from qkmonitor.engine.guard import GuardedSink, report_write_faults
 from qkmonitor.engine.publishing import ScalarBatch
 from qkmonitor.engine.sinks import is_summary_writer
@@ -273,13 +274,6 @@ class _StateKey:
         return instance._state_key
 
 
-def _common(ranges: list[range]) -> range:
-    """The steps every range holds (ranges of consecutive steps)."""
-    start = max((r.start for r in ranges), default=0)
-    stop = min((r.stop for r in ranges), default=0)
-    return range(start, max(start, stop))
-
-
 class AttentionMonitor(Callback):
     """Base of the qkmonitor callbacks: one set of Lightning hooks over one or more engines.
 
@@ -315,10 +309,7 @@ class AttentionMonitor(Callback):
         if len(self.engines) == 1:
             self.engine = self.engines[0]
         self.probe_validation = probe_validation
-        self._weights = [e for e in self.engines if e.reads_weights]  # read after a step's update
-        self._loss_readers: list[MonitorEngine] = []  # engines whose rules read the loss (bind)
-        self._between, self._quiet = NO_STEPS, NO_STEPS  # every engine's, in common
-        self._scalars = ScalarBatch()
+        self._group = EngineGroup(self.engines)  # the schedule in common, the scalars held
         self._headers: set[str] = set()
         self._batch_step = 0  # the global step the current training batch started on
         # Lightning reads `state_key` at every hook call of every callback (its profiler names
@@ -410,12 +401,10 @@ class AttentionMonitor(Callback):
         for engine in self.engines:
             engine.bind(pl_module, default_every_n_steps=trainer.log_every_n_steps)
             engine.report_discovery(host)
-        self._loss_readers = [e for e in self.engines if e.reads_loss]
-        self._between, self._quiet = NO_STEPS, NO_STEPS
-        self._scalars = ScalarBatch()
+        self._group.bound()
 
     def _host(self, trainer: pl.Trainer) -> LightningHost:
-        return LightningHost(trainer, scalar_batch=self._scalars)
+        return LightningHost(trainer, scalar_batch=self._group.scalars)
 
     def _write_header(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, monitors: list[AttentionMonitor]
@@ -453,11 +442,8 @@ class AttentionMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = self._batch_step = trainer.global_step
-        if step in self._between:  # no engine opens a window there (`steps_after`)
-            return
-        for engine in self.engines:
-            if step not in engine.between_probes:
-                engine.open(step)
+        if step not in self._group.between:  # no engine opens a window there (`steps_after`)
+            self._group.open(step)
 
     @override
     def on_train_batch_end(
@@ -469,39 +455,28 @@ class AttentionMonitor(Callback):
         batch_idx: int,
     ) -> None:
         # `after`: the global step after this batch's optimizer step, whose weights a probe reads
-        step, after = self._batch_step, trainer.global_step
-        if step in self._between and (after in self._between or not self._weights):
-            if step not in self._quiet:  # at most the loss to keep (`steps_after`)
+        step, after, group = self._batch_step, trainer.global_step, self._group
+        if step in group.between and (after in group.between or not group.weights):
+            if step not in group.quiet:  # at most the loss to keep (`steps_after`)
                 self._observe_loss(outputs)
             return
         self._observe_loss(outputs)
-        host = self._host(trainer)
-        finish_windows(host, [e for e in self.engines if e.probing])
-        if after > 0:
-            self._observe_weights(trainer, after)
-        for engine in self.engines:
-            engine.plan(after if engine.reads_weights else step)
-        self._between = _common([e.between_probes for e in self.engines])
-        self._quiet = _common([e.quiet for e in self.engines])
-        self._scalars.flush(host, up_to=step)  # one write a probe step
+        # under FSDP every rank holds a shard: the spectrum gathers the full weights for the read
+        group.finish(self._host(trainer), step, after=after, full_model=trainer.strategy.model)
 
     def _observe_weights(self, trainer: pl.Trainer, step: int) -> None:
-        # under FSDP every rank holds a shard: the engine gathers the full weights for the read
-        host = self._host(trainer)
-        for engine in self._weights:
-            engine.observe_weights(host, step, full_model=trainer.strategy.model)
+        self._group.observe_weights(self._host(trainer), step, full_model=trainer.strategy.model)
 
     def _observe_loss(self, outputs: Any) -> None:
         """Hand the batch's training loss (``training_step``'s return: the tensor, or its
         ``"loss"``), read once, to the engines whose rules read it, at the step the batch started
         on."""
-        if not self._loss_readers:
+        if not self._group.loss_readers:
             return
         mapping = type(outputs) is dict or isinstance(outputs, Mapping)  # Lightning's: a dict
         loss = outputs.get("loss") if mapping else outputs
         if isinstance(loss, Tensor) and loss.numel() == 1:
-            for engine in self._loss_readers:
-                engine.observe_loss(self._batch_step, loss)
+            self._group.observe_loss(self._batch_step, loss)
 
     @override
     def on_validation_batch_start(
@@ -518,8 +493,7 @@ class AttentionMonitor(Callback):
             and dataloader_idx == 0
             and not trainer.sanity_checking
         ):
-            for engine in self.engines:
-                engine.open(trainer.global_step, validation=True)
+            self._group.open(trainer.global_step, validation=True)
 
     @override
     def on_validation_batch_end(
@@ -531,11 +505,7 @@ class AttentionMonitor(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        probing = [e for e in self.engines if e.probing]
-        if probing or self._scalars:
-            host = self._host(trainer)
-            finish_windows(host, probing)
-            self._scalars.flush(host, up_to=trainer.global_step)
+        self._group.finish_validation(self._host(trainer), trainer.global_step)
 
     @override
     def on_exception(
@@ -549,15 +519,7 @@ class AttentionMonitor(Callback):
         """Close a window left open (unlogged), write the scalars held, draw the last probe's
         visuals if it drew none, take out the switches and wait for the visuals to be written."""
         host = self._host(trainer)
-        try:
-            for engine in self.engines:
-                engine.abort()
-            self._scalars.flush(host)
-            for engine in self.engines:
-                engine.draw_final(host)
-        finally:
-            for engine in self.engines:
-                engine.release()
+        self._group.end(host)
         monitors = _monitors(trainer)
         if trainer.is_global_zero and monitors[-1] is self:  # after every monitor's last write
             report_write_faults(host, host.sinks())  # how many writes were lost, once per logger
@@ -568,30 +530,18 @@ class AttentionMonitor(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for engine in self.engines:
-            engine.release()
+        self._group.release()
 
     @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         if "callbacks" in checkpoint:  # absent from a weights-only checkpoint
-            checkpoint["callbacks"][self.state_key] = self._state()
-
-    def _state(self) -> dict[str, Any]:
-        """One engine's state as it is; several engines' by monitor."""
-        if len(self.engines) == 1:
-            return self.engines[0].state_dict()
-        return {engine.monitor: engine.state_dict() for engine in self.engines}
+            checkpoint["callbacks"][self.state_key] = self._group.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if len(self.engines) == 1:
-            self.engines[0].load_state_dict(state_dict)
-        else:
-            for engine in self.engines:
-                engine.load_state_dict(state_dict.get(engine.monitor, {}))
-        self._between, self._quiet = NO_STEPS, NO_STEPS
+        self._group.load_state_dict(state_dict)
 
 
 class ActivationMonitor(AttentionMonitor):

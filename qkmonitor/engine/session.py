@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from qkmonitor.dashboards import LayoutSection, custom_scalars_layout
 from qkmonitor.engine.alerting import check_loss
 from qkmonitor.engine.base import MonitorEngine, PlainHost
+from qkmonitor.engine.group import EngineGroup
 from qkmonitor.engine.guard import GuardedSink, report_write_faults
 from qkmonitor.engine.publisher import PUBLISHER
 from qkmonitor.engine.sinks import Sink, SummaryWriterSink, is_summary_writer
@@ -236,12 +237,15 @@ class Monitoring:
         for engine in engines:
             engine._session = weakref.ref(self)
         self._step: int | None = None  # the open training window's step
+        self._group = EngineGroup(engines)  # the schedule in common, a probe's scalars held
         self.host = PlainHost(sinks, optimizer, owner=self)
+        self.host.scalar_batch = self._group.scalars
         check_tag_collisions(engines)
         for engine in engines:
             engine.switch_model_in_windows = True  # a loop may call torch.compile(model) unseen
             engine.bind(model, default_every_n_steps=every_n_steps)
             engine.report_discovery(self.host)
+        self._group.bound()
         write_run_header(sinks, engines, hparams, metrics=hparams_metrics)
 
     @property
@@ -268,6 +272,10 @@ class Monitoring:
 
     @contextmanager
     def _window(self, step: int, validation: bool) -> Iterator[None]:
+        if not validation and step in self._group.between:  # no engine works at this step
+            self._step = step
+            yield
+            return
         try:
             self.begin(step, validation=validation)
             yield
@@ -283,8 +291,7 @@ class Monitoring:
         self._step = None if validation else step
         if not validation:
             self.observe_weights(step)
-        for engine in self.engines:
-            engine.open(step, validation=validation)
+        self._group.open(step, validation=validation)
 
     def observe_loss(self, loss: Tensor | float, step: int | None = None) -> None:
         """The training loss of this step (of the open :meth:`step` window by default), for the
@@ -301,22 +308,25 @@ class Monitoring:
                 "Expected `step`: observe_loss outside a step window needs the step it belongs to"
             )
         self._check_step(step)
-        check_loss(loss)
-        for engine in self.engines:
-            engine.observe_loss(step, loss)
+        if type(loss) is not Tensor or loss.numel() != 1 or not loss.is_floating_point():
+            check_loss(loss)
+        if step not in self._group.quiet:  # no rule reads the loss of a quiet step
+            self._group.observe_loss(step, loss)
 
     def observe_weights(self, step: int) -> None:
         """Measure and log the weights as they are after ``step`` updates, if that is a probe step
         (once per step: a second call for the same step does nothing)."""
-        for engine in self.engines:
-            engine.observe_weights(self.host, step)
+        self._group.observe_weights(self.host, step)
 
     def end(self) -> None:
         """Close the window: measure, log and alert; every probe is closed even if logging
         raises."""
         try:
-            for engine in self.engines:
-                engine.finish(self.host)
+            step = self._step
+            if step is None:  # a validation window
+                self._group.finish_validation(self.host)
+            else:
+                self._group.finish(self.host, step)
         finally:
             self.abort()
 
@@ -342,10 +352,7 @@ class Monitoring:
     def close(self) -> None:
         """Close any open probe, wait for the visuals and flush the writer; the engines may then
         join another Monitoring."""
-        for engine in self.engines:
-            engine.abort()
-            engine.draw_final(self.host)  # the pictures show the final state
-            engine.release()
+        self._group.end(self.host)  # the scalars held written, the pictures of the final state
         self.closed = True
         for sink in self.host.sinks():
             flush = getattr(sink, "flush", None)
@@ -365,3 +372,4 @@ class Monitoring:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for engine in self.engines:
             engine.load_state_dict(state.get(f"{engine.monitor}[{engine.prefix}]", {}))
+        self._group.bound()

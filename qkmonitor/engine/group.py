@@ -1,0 +1,125 @@
+"""Several engines driven as one, by the Lightning callbacks and by :class:`Monitoring` alike.
+
+An :class:`EngineGroup` holds what a driver does for its engines together: the steps where every
+engine may skip its work (the intersection of their ``between_probes``, and of their ``quiet``
+steps: one check a batch), the training loss handed once to the engines whose rules read it, the
+windows closed together (:func:`~qkmonitor.engine.base.finish_windows`: their aggregators reduced
+across processes in one collective) and a probe step's scalars written once
+(:class:`~qkmonitor.engine.publishing.ScalarBatch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from qkmonitor.engine.base import NO_STEPS, Host, MonitorEngine, finish_windows
+from qkmonitor.engine.publishing import ScalarBatch
+
+__all__ = ["EngineGroup"]
+
+
+def _common(ranges: list[range]) -> range:
+    """The steps every range holds (ranges of consecutive steps)."""
+    start = max((r.start for r in ranges), default=0)
+    stop = min((r.stop for r in ranges), default=0)
+    return range(start, max(start, stop))
+
+
+class EngineGroup:
+    """The engines of one driver.
+
+    Attributes:
+        between: steps where no engine opens a window or reads weights (every engine's
+            ``between_probes``): a driver skips all but the loss there.
+        quiet: of them, those whose loss no rule reads either: a driver skips everything.
+        scalars: the scalars waiting to be written with the others of their step; a driver's
+            hosts hold it (``Host.scalar_batch``).
+    """
+
+    def __init__(self, engines: Sequence[MonitorEngine]) -> None:
+        self.engines = list(engines)
+        #: the engines that read the weights (the spectrum)
+        self.weights = [e for e in self.engines if e.reads_weights]
+        self.loss_readers: list[MonitorEngine] = []
+        self.between, self.quiet = NO_STEPS, NO_STEPS
+        self.scalars = ScalarBatch()
+
+    def bound(self) -> None:
+        """After every engine's ``bind`` or ``load_state_dict``: a new schedule."""
+        self.loss_readers = [e for e in self.engines if e.reads_loss]
+        self.between, self.quiet = NO_STEPS, NO_STEPS
+
+    def open(self, step: int, *, validation: bool = False) -> None:
+        """Open the windows of ``step`` (the engines that may probe it)."""
+        for engine in self.engines:
+            if validation or step not in engine.between_probes:
+                engine.open(step, validation=validation)
+
+    def observe_loss(self, step: int, loss: Tensor | float) -> None:
+        """The loss of ``step``, to each engine whose rules read the loss."""
+        for engine in self.loss_readers:
+            engine.observe_loss(step, loss)
+
+    def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
+        """Measure the weights after ``step`` updates, where that is a probe step."""
+        for engine in self.weights:
+            engine.observe_weights(host, step, **kwargs)
+
+    def finish(self, host: Host, step: int, *, after: int | None = None, **kwargs: Any) -> None:
+        """The end of the batch at ``step``: close and log the open windows, measure the weights
+        after the batch's update (at ``after``, where the driver reads them there), plan the steps
+        ahead, and write the scalars held up to ``step``."""
+        finish_windows(host, [e for e in self.engines if e.probing])
+        if after is not None and after > 0:
+            self.observe_weights(host, after, **kwargs)
+        for engine in self.engines:
+            engine.plan(after if after is not None and engine.reads_weights else step)
+        self.between = _common([e.between_probes for e in self.engines])
+        self.quiet = _common([e.quiet for e in self.engines])
+        self.scalars.flush(host, up_to=step)
+
+    def finish_validation(self, host: Host, step: int | None = None) -> None:
+        """Close and log a validation window, and write what waits up to ``step`` (all of it with
+        None)."""
+        probing = [e for e in self.engines if e.probing]
+        if probing or self.scalars:
+            finish_windows(host, probing)
+            self.scalars.flush(host, up_to=step)
+
+    def abort(self) -> None:
+        """Close every open window without logging (idempotent)."""
+        for engine in self.engines:
+            engine.abort()
+
+    def end(self, host: Host) -> None:
+        """A run's end, on success or failure: close a window left open (unlogged), write the
+        scalars held, draw the last probe's visuals where it drew none, take out the switches and
+        wait for the visuals to be written."""
+        try:
+            self.abort()
+            self.scalars.flush(host)
+            for engine in self.engines:
+                engine.draw_final(host)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        for engine in self.engines:
+            engine.release()
+
+    def state_dict(self) -> dict[str, Any]:
+        """One engine's state as it is; several engines' by monitor."""
+        if len(self.engines) == 1:
+            return self.engines[0].state_dict()
+        return {engine.monitor: engine.state_dict() for engine in self.engines}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(self.engines) == 1:
+            self.engines[0].load_state_dict(state)
+        else:
+            for engine in self.engines:
+                engine.load_state_dict(state.get(engine.monitor, {}))
+        self.between, self.quiet = NO_STEPS, NO_STEPS
