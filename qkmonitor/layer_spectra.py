@@ -67,8 +67,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -84,6 +83,7 @@ from qkmonitor.functional import (
     spectral_concentration,
     split_heads,
 )
+from qkmonitor.threads import on_threads
 
 __all__ = [
     "SPECTRUM_METRICS",
@@ -190,7 +190,7 @@ def qk_head_spectra(
         solve = lambda heads: _spectra_of_heads(
             q_rows[heads], k_rows, group[heads], rounding, square
         )
-        parts = _on_threads(solve, chunks)
+        parts = on_threads(solve, chunks)
     singular_values = torch.cat([sv for sv, _ in parts])
     eigenvalues = torch.cat([eig for _, eig in parts]) if square else None
     return HeadSpectra(singular_values, eigenvalues)
@@ -577,22 +577,3 @@ def _head_chunks(q_rows: Tensor, d_kv: int, group: Tensor) -> list[slice]:
     else:
         starts = [i * heads // count for i in range(count)]
     return [slice(a, b) for a, b in zip(starts, [*starts[1:], heads])]
-
-
-def _on_threads(solve: Callable[[slice], tuple], chunks: list[slice]) -> list[tuple]:
-    """``[solve(c) for c in chunks]``, on ``torch.get_num_threads()`` Python threads when several.
-
-    Each chunk runs single-threaded inside (matmuls and LAPACK alike): torch solves a batch of small
-    LAPACK problems one after another on one core, and chunks on separate threads (torch releases
-    the GIL) keep every core busy through the products and the solvers alike. torch's intra-op
-    thread count is process-wide, so it is 1 while the chunks run and restored after.
-    """
-    if len(chunks) == 1:
-        return [solve(chunks[0])]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            return list(pool.map(solve, chunks))
-    finally:
-        torch.set_num_threads(threads)

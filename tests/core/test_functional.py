@@ -258,3 +258,26 @@ def test_integer_weights_are_rejected():
 def test_eigenvalues_need_square_w_qk():
     with pytest.raises(ValueError, match="square"):
         QF.qk_eigenvalues(torch.zeros(8, 8), torch.zeros(8, 6), 1)
+
+
+def test_gram_singular_values_of_a_large_batch_on_threads_are_the_single_threaded_ones(
+    monkeypatch,
+):
+    """A large CPU batch of eigenproblems is split over torch's threads; each matrix's values are
+    exactly those of one single-threaded call, and match float64 SVD."""
+    import qkmonitor.functional as functional
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(6, 12, 20, generator=gen).softmax(-1)
+    monkeypatch.setattr(functional, "_THREADED_EIGH", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        split = functional.gram_singular_values(x)
+        torch.set_num_threads(1)
+        single = functional.gram_singular_values(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, single)
+    reference = torch.linalg.svdvals(x.double())
+    assert torch.allclose(split, reference, atol=1e-10)

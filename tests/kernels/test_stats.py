@@ -28,3 +28,27 @@ def test_attended_keys(n, m, causal, with_mask):
     )
     assert counts.dtype == torch.float32 and counts.shape == (2, 3, n)
     torch.testing.assert_close(counts, explicit_count(2, 3, n, m, causal, mask), atol=0, rtol=0)
+
+
+def test_statistics_in_parts_of_the_batch_are_those_of_the_whole(monkeypatch):
+    """The CPU path cuts a large batch into parts that fit the caches; every statistic is the same
+    number as from the whole batch at once (causal, padding, grouped heads, sink mass)."""
+    import qkmonitor.kernels._torch as backend
+    from qkmonitor.kernels import attention_stats
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 24, 8, generator=gen)
+    k = torch.randn(5, 2, 24, 8, generator=gen)
+    pad = torch.rand(5, 24, generator=gen) > 0.2
+    pad[:, 0] = True
+    cases = [{"causal": True, "sink_tokens": 2}, {"key_padding_mask": pad}]
+    monkeypatch.setattr(backend, "_SCORES_PER_PART", 2 * 4 * 24 * 24)  # parts of two sequences
+    parts = [attention_stats(q, k, backend="torch", **case) for case in cases]
+    monkeypatch.setattr(backend, "_SCORES_PER_PART", 1 << 40)
+    whole = [attention_stats(q, k, backend="torch", **case) for case in cases]
+    for a, b in zip(parts, whole):
+        for name in ("lse", "entropy", "max_prob", "max_logit", "attended", "sink_mass"):
+            x, y = getattr(a, name, None), getattr(b, name, None)
+            assert (x is None) == (y is None), name
+            if x is not None:
+                assert torch.equal(x, y), name
