@@ -265,7 +265,7 @@ def test_gram_singular_values_of_a_large_batch_on_threads_are_the_single_threade
 ):
     """A large CPU batch of eigenproblems is split over torch's threads; each matrix's values are
     exactly those of one single-threaded call, and match float64 SVD."""
-    import qkmonitor.functional as functional
+    from qkmonitor import functional
 
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(6, 12, 20, generator=gen).softmax(-1)
