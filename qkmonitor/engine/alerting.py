@@ -24,7 +24,7 @@ from qkmonitor.catalogue import metric
 if TYPE_CHECKING:
     from qkmonitor.engine.base import Host
 
-__all__ = ["AlertPolicy", "check_loss"]
+__all__ = ["AlertPolicy", "LossHistory", "check_loss"]
 
 
 def check_loss(loss: object) -> None:
@@ -45,6 +45,56 @@ def check_loss(loss: object) -> None:
             f"Expected `loss` to be a number or a tensor of one element (the step's mean loss), "
             f"got {got}"
         )
+
+
+class LossHistory:
+    """The training losses kept for the rules that read them: the last ``maxlen`` as ``(step,
+    loss)``, and the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING`. A loss is kept as the
+    tensor it came as, without autograd history, and read from the device only when a probe needs
+    it, every unread one in one stack."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.maxlen = maxlen
+        self._losses: deque[tuple[int, Tensor | float]] = deque(maxlen=maxlen)
+        self._first: list[Tensor | float] = []
+
+    def __len__(self) -> int:
+        return len(self._losses)
+
+    def clear(self) -> None:
+        self._losses.clear()
+        self._first = []
+
+    def add(self, step: int, loss: Tensor | float) -> None:
+        """Keep the loss of ``step`` (Lightning's loss is already detached, and kept as it is)."""
+        if isinstance(loss, Tensor):
+            loss = loss.detach() if loss.requires_grad else loss
+        else:
+            loss = float(loss)
+        self._losses.append((step, loss))
+        if len(self._first) < LOSS_SMOOTHING:
+            self._first.append(loss)
+
+    def first(self) -> float | None:
+        """The mean of the first finite losses kept."""
+        self._first = _as_floats(self._first)
+        values = [v for v in self._first if math.isfinite(v)]
+        return sum(values) / len(values) if values else None
+
+    def history(self) -> list[tuple[int, float]]:
+        """The kept ``(step, loss)`` pairs as floats, oldest first."""
+        if any(isinstance(v, Tensor) for _, v in self._losses):
+            steps = [s for s, _ in self._losses]
+            floats = _as_floats([v for _, v in self._losses])
+            self._losses.clear()
+            self._losses.extend(zip(steps, floats))
+        return list(self._losses)
+
+    def restore(self, losses: list, first: float | None) -> None:
+        """The state of a checkpoint: the kept pairs and the first losses' mean."""
+        self._losses.clear()
+        self._losses.extend((int(s), float(v)) for s, v in losses)
+        self._first = [] if first is None else [float(first)] * LOSS_SMOOTHING
 
 
 class AlertPolicy:
@@ -92,16 +142,16 @@ class AlertPolicy:
         )
         #: steps before a probe whose loss a rule reads
         self.loss_horizon = horizon + LOSS_SMOOTHING
-        self._losses: deque[tuple[int, Tensor | float]] = deque(maxlen=4 * self.loss_horizon)
-        self._first_losses: list[Tensor | float] = []
+        #: the losses kept for the rules (shared with the other engines of a driver:
+        #: :meth:`share_losses`)
+        self.losses = LossHistory(4 * self.loss_horizon)
 
     def start_run(self) -> None:
         """Forget an earlier run: alert state and counts, the loss history, the layers warned
         about."""
         self.tracker = AlertTracker(self.tracker.rules)
         self._nonfinite = set()
-        self._losses.clear()
-        self._first_losses = []
+        self.losses.clear()
 
     # -- the training loss -------------------------------------------------------------------
 
@@ -130,32 +180,29 @@ class AlertPolicy:
         return self.loss_horizon if self.reads_loss else 0
 
     def observe_loss(self, step: int, loss: Tensor | float) -> None:
-        """Keep the loss of ``step``, as a tensor without autograd history (read only when a probe
-        needs it; Lightning's loss is already detached, and kept as it is)."""
-        if isinstance(loss, Tensor):
-            loss = loss.detach() if loss.requires_grad else loss
-        else:
-            loss = float(loss)
-        self._losses.append((step, loss))
-        if len(self._first_losses) < LOSS_SMOOTHING:
-            self._first_losses.append(self._losses[-1][1])
+        """Keep the loss of ``step`` (:meth:`LossHistory.add`)."""
+        self.losses.add(step, loss)
+
+    def share_losses(self, history: LossHistory) -> None:
+        """Keep the losses in ``history``, shared with other engines' policies (one driver keeps
+        a step's loss once, and reads the kept tensors once); it must hold at least as many as
+        this policy's own."""
+        if history.maxlen < self.losses.maxlen:
+            raise ValueError(
+                f"Expected a loss history of at least {self.losses.maxlen} losses, got "
+                f"{history.maxlen}"
+            )
+        self.losses = history
 
     def first_loss(self) -> float | None:
         """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen
         (each read from the device once)."""
-        self._first_losses = _as_floats(self._first_losses)
-        values = [v for v in self._first_losses if math.isfinite(v)]
-        return sum(values) / len(values) if values else None
+        return self.losses.first()
 
     def loss_history(self) -> list[tuple[int, float]]:
         """The kept ``(step, loss)`` pairs as floats, oldest first (each tensor read once, in one
         stack with the others not read yet)."""
-        if any(isinstance(v, Tensor) for _, v in self._losses):
-            steps = [s for s, _ in self._losses]
-            floats = _as_floats([v for _, v in self._losses])
-            self._losses.clear()
-            self._losses.extend(zip(steps, floats))
-        return list(self._losses)
+        return self.losses.history()
 
     # -- one probe ---------------------------------------------------------------------------
 
@@ -271,10 +318,7 @@ class AlertPolicy:
         self.tracker.load_state_dict(state.get("alerts", {}))
         self._nonfinite = set(state.get("nonfinite_layers", []))
         if self.reads_loss and "losses" in state:
-            self._losses.clear()
-            self._losses.extend((int(s), float(v)) for s, v in state["losses"])
-            first = state.get("first_loss")
-            self._first_losses = [] if first is None else [float(first)] * LOSS_SMOOTHING
+            self.losses.restore(state["losses"], state.get("first_loss"))
 
 
 def _as_floats(values: list[Tensor | float]) -> list[float]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
+from qkmonitor.engine.alerting import LossHistory, check_loss
 from qkmonitor.engine.base import NO_STEPS, Host, MonitorEngine, finish_windows
 from qkmonitor.engine.publishing import ScalarBatch
 
@@ -48,9 +49,17 @@ class EngineGroup:
         self.scalars = ScalarBatch()
 
     def bound(self) -> None:
-        """After every engine's ``bind`` or ``load_state_dict``: a new schedule."""
+        """After every engine's ``bind`` or ``load_state_dict``: a new schedule, and one loss
+        history for the engines whose rules read the loss (what the longest-kept of them held)."""
         self.loss_readers = [e for e in self.engines if e.reads_loss]
         self.between, self.quiet = NO_STEPS, NO_STEPS
+        if len(self.loss_readers) > 1:
+            histories = [e.alerting.losses for e in self.loss_readers]
+            shared = LossHistory(max(h.maxlen for h in histories))
+            longest = max(histories, key=len)
+            shared.restore(longest.history(), longest.first() if len(longest) else None)
+            for engine in self.loss_readers:
+                engine.alerting.share_losses(shared)
 
     def open(self, step: int, *, validation: bool = False) -> None:
         """Open the windows of ``step`` (the engines that may probe it)."""
@@ -59,9 +68,16 @@ class EngineGroup:
                 engine.open(step, validation=validation)
 
     def observe_loss(self, step: int, loss: Tensor | float) -> None:
-        """The loss of ``step``, to each engine whose rules read the loss."""
-        for engine in self.loss_readers:
-            engine.observe_loss(step, loss)
+        """The loss of ``step``, kept once where an engine's rules may read it (the engines share
+        one history)."""
+        readers = self.loss_readers
+        if len(readers) == 1:
+            readers[0].observe_loss(step, loss)
+        elif readers:
+            if type(loss) is not Tensor or loss.numel() != 1 or not loss.is_floating_point():
+                check_loss(loss)
+            if any(engine.wants_loss(step) for engine in readers):
+                readers[0].alerting.observe_loss(step, loss)
 
     def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
         """Measure the weights after ``step`` updates, where that is a probe step."""

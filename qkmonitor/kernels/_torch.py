@@ -378,7 +378,8 @@ _SCORES_PER_PART = 2**19
 def _one_block_stats_in_parts(q_g, k, key_padding_mask, causal, sink_tokens, heads):
     """:func:`_one_block_stats` over parts of the batch of at most :data:`_SCORES_PER_PART`
     scores (at least one sequence), concatenated: the same numbers."""
-    batch, per_sequence = q_g.shape[0], q_g[0, ..., 0].numel() * k.shape[2]
+    batch = q_g.shape[0]
+    per_sequence = q_g.shape[1:-1].numel() * k.shape[2]  # H_kv · G · N · M
     size = max(1, _SCORES_PER_PART // max(per_sequence, 1))
     if q_g.device.type != "cpu" or size >= batch:
         return _one_block_stats(q_g, k, key_padding_mask, causal, sink_tokens, heads)
