@@ -200,7 +200,11 @@ class HookTimer:
 
 
 #: ``--model`` sizes on bytes of Python source: (sequence length, d_model, layers, heads)
-SIZES = {"medium": (256, 256, 6, 8), "gpt2-small": (1024, 768, 12, 12)}
+SIZES = {
+    "small": (64, 128, 4, 4),
+    "medium": (256, 256, 6, 8),
+    "gpt2-small": (1024, 768, 12, 12),
+}
 
 
 def task_and_data(
@@ -474,7 +478,6 @@ def lightning_side_by_side(args) -> dict[str, float]:
     :func:`paired_figures` of their per-step times and the fixed costs of a fit: the monitored
     arm's setup (``fit`` to the first batch: discovery, the header) and end (the final drawing,
     waiting for the writers) beyond the plain arm's."""
-    from qkmonitor.callbacks import QKMonitor
 
     every = args.every
     pl.seed_everything(0, verbose=False)
@@ -488,7 +491,7 @@ def lightning_side_by_side(args) -> dict[str, float]:
         def fit(arm: int) -> None:
             task, data = tasks[arm]
             on = arm and not args.null  # --null: an A/A run, the twins' own difference
-            monitors = [QKMonitor(every_n_steps=every, per_head=True)] if on else []
+            monitors = readme_monitors(args) if on else []
             logger = TensorBoardLogger(log_root, str(arm))
             trainer = pl.Trainer(max_steps=args.steps, accelerator=args.device, devices=1,
                                  precision=args.precision, logger=logger,
@@ -613,6 +616,54 @@ def dispatch(args, repeat: int = 20000) -> dict[str, float]:
         "empty_us": median_of("empty", "quiet"),
         "quiet_steps": sum(1 for k in kinds.values() if k == "quiet"),
         "loss_steps": sum(1 for k in kinds.values() if k == "loss"),
+    }
+
+
+def readme_monitors(args) -> list[pl.Callback]:
+    """The monitors a user puts in a Trainer: ``QKMonitor`` (the README's first example), or with
+    ``--three`` the three callbacks (the README's example before ``QKMonitor``); every
+    ``--every`` steps, ``per_head=True`` on the spectrum."""
+    from qkmonitor.callbacks import QKMonitor
+
+    if not args.three:
+        return [QKMonitor(every_n_steps=args.every, per_head=True)]
+    return [
+        QKSpectrumMonitor(every_n_steps=args.every, per_head=True),
+        AttentionEntropyMonitor(every_n_steps=args.every),
+        EffectiveRankMonitor(every_n_steps=args.every),
+    ]
+
+
+def user_fits(args, first_timed: int = 20) -> dict[str, float]:
+    """``--user-fits``: the measurement a user makes, one fit after another: ``--rounds`` pairs of
+    ``--steps``-step fits, one with the monitors (:func:`readme_monitors`) and one without, which
+    goes first alternating, each timed from step ``first_timed`` to its last batch. Returns the
+    median of the pairs' ratios, their spread, and each pair's ratio."""
+    ratios = []
+    with tempfile.TemporaryDirectory() as log_root:
+        for pair in range(args.rounds):
+            seconds = {}
+            for monitored in (False, True) if pair % 2 else (True, False):
+                pl.seed_everything(0, verbose=False)
+                task, data = task_and_data(args.model, args.steps, args.arch)
+                clock = Clock()
+                callbacks = readme_monitors(args) if monitored and not args.null else []
+                logger = TensorBoardLogger(log_root)
+                trainer = pl.Trainer(max_steps=args.steps, accelerator=args.device, devices=1,
+                                     logger=logger, callbacks=[clock, *callbacks],
+                                     enable_progress_bar=False, enable_model_summary=False,
+                                     enable_checkpointing=False, limit_val_batches=0,
+                                     log_every_n_steps=50)  # fmt: skip
+                trainer.fit(task, datamodule=data)
+                seconds[monitored] = sum(clock.steps[first_timed:])
+            ratios.append(seconds[True] / seconds[False] - 1)
+    ordered = sorted(ratios)
+    return {
+        "median": statistics.median(ratios),
+        "low": ordered[0],
+        "high": ordered[-1],
+        "slower": sum(r > 0 for r in ratios),
+        "pairs": ratios,
     }
 
 
@@ -918,6 +969,16 @@ def main(argv: list[str] | None = None) -> None:
         help="what an unprobed step of QKMonitor costs against Lightning's call of one callback",
     )
     parser.add_argument(
+        "--user-fits",
+        action="store_true",
+        help="a user's measurement: fits one after another, with and without the monitors",
+    )
+    parser.add_argument(
+        "--three",
+        action="store_true",
+        help="with --side-by-side --lightning or --user-fits: the three callbacks, not QKMonitor",
+    )
+    parser.add_argument(
         "--null",
         action="store_true",
         help="with --side-by-side: no monitor on either twin (what pairing alone shows)",
@@ -974,6 +1035,27 @@ def main(argv: list[str] | None = None) -> None:
                     indent=1,
                 )
             )
+        return
+    if args.user_fits:
+        if args.dry_run:
+            return
+        f = user_fits(args)
+        who = (
+            "no monitor (A/A)"
+            if args.null
+            else "the three callbacks"
+            if args.three
+            else "QKMonitor"
+        )
+        print(
+            f"torch {torch.__version__}, model {args.model}, arch {args.arch}, {args.rounds} pairs "
+            f"of {args.steps}-step fits, {who} every {args.every} steps, timed from step 20"
+        )
+        print(
+            f"  monitored / plain - 1: {100 * f['median']:+.1f}% at the median, pairs "
+            f"{100 * f['low']:+.1f}% .. {100 * f['high']:+.1f}%, {f['slower']} of {args.rounds} "
+            f"slower: " + ", ".join(f"{100 * r:+.1f}%" for r in f["pairs"])
+        )
         return
     if args.dispatch:
         if args.dry_run:

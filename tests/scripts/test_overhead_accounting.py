@@ -4,6 +4,8 @@ time belongs to that batch in the run's order, also in a second epoch (where Lig
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -75,5 +77,46 @@ def test_paired_figures_from_known_step_times(overhead):
         0.01 * 0.010 * every + 0.005 + 0.040 - f["interval_excess_s"]
     )
     assert f["unprobed_overhead"] == pytest.approx(0.01)
+    # where an interval's excess lies: the probe's 5 ms and 1 % of its two touched steps, 1 % of
+    # the 3 after, 1 % of the 5 others (the median interval's, the drift-1.1 one)
+    step = 0.010 * 1.1
+    assert f["probed_excess_s"] == pytest.approx(0.005 + 0.01 * step * 2)
+    assert f["spill_excess_s"] == pytest.approx(0.01 * step * 3)
+    assert f["rest_excess_s"] == pytest.approx(0.01 * step * 5)
+    # the 90 % interval of the median lies within the intervals' range, around the median
+    assert (
+        expected[0] <= f["median_low"] <= f["interval_median"] <= f["median_high"] <= expected[-1]
+    )
     with pytest.raises(ValueError, match="at least two whole probe intervals of 10 steps"):
         overhead.paired_figures(plain[:15], monitored[:15], every)
+
+
+def test_paired_figures_of_identical_intervals_have_a_point_interval(overhead):
+    """Every interval the same ratio: the median's interval is that ratio; at every step there is
+    no unprobed step."""
+    plain = [0.010] * 40
+    monitored = [0.0103] * 40
+    f = overhead.paired_figures(plain, monitored, 1)
+    assert f["median_low"] == pytest.approx(0.03) == f["median_high"]
+    assert f["intervals"] == 39 and math.isnan(f["unprobed_overhead"])
+
+
+def test_a_baton_gives_each_arm_its_turns_in_alternating_order(overhead):
+    """Pair p of turns: arm p % 2 first. Two threads taking turns record 0 1 1 0 0 1 ..."""
+    import threading
+
+    baton, order = overhead.Baton(), []
+
+    def arm(index: int) -> None:
+        for _ in range(4):
+            baton.wait(index)
+            order.append(index)
+            baton.pass_on(index)
+        baton.pass_on(index, done=True)
+
+    threads = [threading.Thread(target=arm, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert order == [0, 1, 1, 0, 0, 1, 1, 0]
