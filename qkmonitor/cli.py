@@ -455,7 +455,7 @@ def _run_training(args: argparse.Namespace) -> int:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+    from qkmonitor.callbacks import QKMonitor
     from qkmonitor.callbacks.base import lost_writes
 
     pl.seed_everything(args.seed, verbose=False)
@@ -465,14 +465,10 @@ def _run_training(args: argparse.Namespace) -> int:
         print(f"qkmonitor train: {err}", file=sys.stderr)
         return 2
     logger = TensorBoardLogger(args.log_dir, name=args.name or args.task, default_hp_metric=False)
-    monitors = [
-        QKSpectrumMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
-        AttentionEntropyMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
-        EffectiveRankMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head),
-    ]
+    monitor = QKMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head)
     checkpoint = ModelCheckpoint(save_last=False) if args.checkpoint else None
     callbacks = [
-        *monitors,
+        monitor,
         *([checkpoint] if checkpoint else []),
         *([_StepProgress()] if args.progress_bar else []),
     ]
@@ -503,7 +499,7 @@ def _run_training(args: argparse.Namespace) -> int:
     trainer.fit(task, datamodule=data)
     final = trainer.validate(task, datamodule=data, verbose=False)[0]
     lost = lost_writes(trainer)
-    print(_summary(monitors, final, logger.log_dir, step=trainer.global_step, lost=lost))
+    print(_summary(monitor.engines, final, logger.log_dir, step=trainer.global_step, lost=lost))
     if checkpoint is not None and checkpoint.best_model_path:
         print(f"checkpoint: {checkpoint.best_model_path}")
     else:
@@ -606,21 +602,21 @@ def summary_columns() -> list[tuple[str, str, str]]:
 
 
 def _summary(
-    monitors: list,
+    engines: list,
     final: dict[str, float],
     log_dir: str,
     step: int | None = None,
     lost: dict[str, int] | None = None,
 ) -> str:
-    """A per-layer table of each monitor's last probe, which probe each column comes from, a
+    """A per-layer table of each monitor engine's last probe, which probe each column comes from, a
     legend of the columns (from the metric catalogue), the alerts and the task's final
     validation scores; ``step``: the optimizer steps trained; ``lost``: the monitors' writes a
     destination lost (``callbacks.base.lost_writes``), a line when any was."""
-    by_kind = {m.engine.monitor: m for m in monitors}
+    by_kind = {e.monitor: e for e in engines}
     columns = [c for c in summary_columns() if c[0] in by_kind]
     header = ["layer", "name"] + [m if agg == "mean" else f"{m} {agg}" for _, m, agg in columns]
     rows = []
-    for i, layer in enumerate(monitors[0].layers):
+    for i, layer in enumerate(engines[0].layers):
         cells = [str(i), layer.name]
         for monitor, metric, agg in columns:
             latest = by_kind[monitor].latest.get(metric)
@@ -633,7 +629,7 @@ def _summary(
         rows.append(cells)
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
-    counts = {name: n for m in monitors for name, n in m.tracker.counts.items()}
+    counts = {name: n for e in engines for name, n in e.tracker.counts.items()}
     fired = ", ".join(f"{name}: {n}" for name, n in counts.items() if n)
     alerts = fired or f"none (rules watched: {', '.join(counts) or 'none'})"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
@@ -641,7 +637,7 @@ def _summary(
     return "\n".join(
         [
             f"\nqkmonitor summary{after} ({log_dir})",
-            *_sources(monitors, columns),
+            *_sources(engines, columns),
             line(header),
             line(["-" * w for w in widths]),
             *map(line, rows),
@@ -656,22 +652,22 @@ def _summary(
     )
 
 
-def _sources(monitors: list, columns: list[tuple[str, str, str]]) -> list[str]:
+def _sources(engines: list, columns: list[tuple[str, str, str]]) -> list[str]:
     """Which probe each column comes from: the spectrum reads the weights after a step, the
     activation monitors the batch of their last probe step (up to ``every_n_steps`` earlier)."""
     from qkmonitor.catalogue import SPECTRUM
 
     groups: dict[str, list[str]] = {}
-    for m in monitors:
+    for e in engines:
         names = list(
-            dict.fromkeys(metric for monitor, metric, _ in columns if monitor == m.engine.monitor)
+            dict.fromkeys(metric for monitor, metric, _ in columns if monitor == e.monitor)
         )
-        if not names or m.latest_step is None:
+        if not names or e.latest_step is None:
             continue
         source = (
-            f"the weights after step {m.latest_step}"
-            if m.engine.monitor == SPECTRUM
-            else f"the last probed batch, at step {m.latest_step}"
+            f"the weights after step {e.latest_step}"
+            if e.monitor == SPECTRUM
+            else f"the last probed batch, at step {e.latest_step}"
         )
         groups.setdefault(source, []).extend(names)
     return [f"  {', '.join(names)}: {source}" for source, names in groups.items()]
