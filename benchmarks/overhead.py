@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import inspect
 import json
 import math
@@ -511,10 +512,22 @@ def lightning_side_by_side(args) -> dict[str, float]:
                     baton.solo.release()
 
         threads = [threading.Thread(target=fit, args=(arm,)) for arm in (0, 1)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        collecting: list[float] = []  # the garbage collector's passes, both arms' (one process)
+
+        def gc_timer(phase: str, info: dict) -> None:
+            if phase == "start":
+                collecting.append(-time.perf_counter())
+            elif collecting:
+                collecting[-1] += time.perf_counter()
+
+        gc.callbacks.append(gc_timer)
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            gc.callbacks.remove(gc_timer)
     if errors:
         raise errors[0]
     plain, monitored = clocks
@@ -529,6 +542,7 @@ def lightning_side_by_side(args) -> dict[str, float]:
         **paired_figures(plain.steps, monitored.steps, every),
         "construction_s": setup(monitored) - setup(plain),
         "close_s": end(monitored) - end(plain),
+        "gc_s_per_interval": sum(collecting) / max(1, len(plain.steps) // every),
     }
 
 
@@ -796,8 +810,9 @@ def report_offsets(diffs: dict[int, float], quiet_step: float, every: int = 50) 
 def report_side_by_side(figures: dict[str, float], args) -> None:
     f = figures
     how = f"torch.compile (backend {args.backend})" if args.compile else "eager"
+    who = "no monitor (A/A)" if args.null else "the three callbacks" if args.three else "QKMonitor"
     loop = (
-        "two Lightning fits stepped in turns (QKMonitor, per_head=True, TensorBoardLogger)"
+        f"two Lightning fits stepped in turns ({who}, per_head=True, TensorBoardLogger)"
         if args.lightning
         else "two copies stepped side by side in one loop (Monitoring, a SummaryWriter, the "
         "three monitors, per_head on the spectrum)"
@@ -825,6 +840,11 @@ def report_side_by_side(figures: dict[str, float], args) -> None:
         f"{1e3 * f['first_interval_extra_s']:.0f} ms more in the first interval (first probes), "
         f"{1e3 * f['close_s']:.0f} ms to end (the final drawing, the writers)"
     )
+    if "gc_s_per_interval" in f:
+        print(
+            f"  the garbage collector (one process: both arms'): "
+            f"{1e3 * f['gc_s_per_interval']:.2f} ms an interval"
+        )
     if args.compile:
         print(
             f"  warm-up, steps 0-51 (compiling; the first copy to reach a graph compiles it for "
