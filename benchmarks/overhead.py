@@ -538,8 +538,8 @@ def lightning_side_by_side(args) -> dict[str, float]:
     def end(c: TurnClock) -> float:
         return c.returned_at - c.end_at
 
-    return {
-        **paired_figures(plain.steps, monitored.steps, every),
+    return {  # with --rank-every, intervals of the rank's cadence (each holds one rank probe)
+        **paired_figures(plain.steps, monitored.steps, args.rank_every or every),
         "construction_s": setup(monitored) - setup(plain),
         "close_s": end(monitored) - end(plain),
         "gc_s_per_interval": sum(collecting) / max(1, len(plain.steps) // every),
@@ -640,7 +640,8 @@ def readme_monitors(args) -> list[pl.Callback]:
     from qkmonitor.callbacks import QKMonitor
 
     if not args.three:
-        return [QKMonitor(every_n_steps=args.every, per_head=True)]
+        rank = {"every_n_steps": args.rank_every} if args.rank_every else True
+        return [QKMonitor(every_n_steps=args.every, per_head=True, rank=rank)]
     return [
         QKSpectrumMonitor(every_n_steps=args.every, per_head=True),
         AttentionEntropyMonitor(every_n_steps=args.every),
@@ -817,9 +818,10 @@ def report_side_by_side(figures: dict[str, float], args) -> None:
         else "two copies stepped side by side in one loop (Monitoring, a SummaryWriter, the "
         "three monitors, per_head on the spectrum)"
     )
-    print(f"  {how}, {loop}, every {args.every} steps:")
+    rank = f" (the ranks every {args.rank_every})" if args.rank_every else ""
+    print(f"  {how}, {loop}, every {args.every} steps{rank}:")
     print(
-        f"  a probe interval ({args.every} steps, its probe included), paired: "
+        f"  a probe interval ({args.rank_every or args.every} steps, its probe included), paired: "
         f"{100 * f['interval_median']:+.2f}% at the median of {f['intervals']} intervals, "
         f"90 % interval of the median {100 * f['median_low']:+.2f}% .. "
         f"{100 * f['median_high']:+.2f}% (the intervals themselves: "
@@ -997,6 +999,13 @@ def main(argv: list[str] | None = None) -> None:
         "--three",
         action="store_true",
         help="with --side-by-side --lightning or --user-fits: the three callbacks, not QKMonitor",
+    )
+    parser.add_argument(
+        "--rank-every",
+        type=int,
+        default=None,
+        help="with --side-by-side --lightning: QKMonitor's rank monitor at its own cadence; the "
+        "figures are then over intervals of that many steps",
     )
     parser.add_argument(
         "--null",
