@@ -457,8 +457,10 @@ class AttentionMonitor(Callback):
         # `after`: the global step after this batch's optimizer step, whose weights a probe reads
         step, after, group = self._batch_step, trainer.global_step, self._group
         if step in group.between and (after in group.between or not group.weights):
-            if step not in group.quiet:  # at most the loss to keep (`steps_after`)
-                self._observe_loss(outputs)
+            if step not in group.quiet:  # a rule reads this step's loss (`steps_after`)
+                loss = self._loss_of(outputs)
+                if loss is not None:
+                    group.keep_loss(step, loss)
             return
         self._observe_loss(outputs)
         # under FSDP every rank holds a shard: the spectrum gathers the full weights for the read
@@ -471,12 +473,15 @@ class AttentionMonitor(Callback):
         """Hand the batch's training loss (``training_step``'s return: the tensor, or its
         ``"loss"``), read once, to the engines whose rules read it, at the step the batch started
         on."""
-        if not self._group.loss_readers:
-            return
+        if self._group.loss_readers and (loss := self._loss_of(outputs)) is not None:
+            self._group.observe_loss(self._batch_step, loss)
+
+    @staticmethod
+    def _loss_of(outputs: Any) -> Tensor | None:
+        """``training_step``'s loss: the tensor, or its ``"loss"``; None if it is not one number."""
         mapping = type(outputs) is dict or isinstance(outputs, Mapping)  # Lightning's: a dict
         loss = outputs.get("loss") if mapping else outputs
-        if isinstance(loss, Tensor) and loss.numel() == 1:
-            self._group.observe_loss(self._batch_step, loss)
+        return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
 
     @override
     def on_validation_batch_start(

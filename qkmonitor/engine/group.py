@@ -79,6 +79,15 @@ class EngineGroup:
             if any(engine.wants_loss(step) for engine in readers):
                 readers[0].alerting.observe_loss(step, loss)
 
+    def keep_loss(self, step: int, loss: Tensor | float) -> None:
+        """The loss of a step in :attr:`between` but not in :attr:`quiet`: by the plan, a rule of
+        some engine reads it (a step of its ``between_probes`` outside its ``quiet``), so it is
+        kept without asking each engine."""
+        if self.loss_readers:
+            if type(loss) is not Tensor or loss.numel() != 1 or not loss.is_floating_point():
+                check_loss(loss)
+            self.loss_readers[0].alerting.losses.add(step, loss)
+
     def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
         """Measure the weights after ``step`` updates, where that is a probe step."""
         for engine in self.weights:
