@@ -278,3 +278,22 @@ def test_a_failing_probe_step_leaves_nothing_installed_and_writes_what_was_measu
         assert type(module).__module__.split(".")[0] != "qkmonitor.compiled", name
     attention = task.model.blocks[0].attn
     assert not attention._observers, "an observer stayed"
+
+
+def test_the_losses_kept_are_those_the_three_callbacks_keep(tmp_path, make_task):
+    """QKMonitor keeps a step's loss once, in one history, for exactly the steps one of the three
+    callbacks' rules would read (each callback asks its own engine)."""
+    every = 40
+    three = [
+        QKSpectrumMonitor(every_n_steps=every),
+        AttentionEntropyMonitor(every_n_steps=every),
+        EffectiveRankMonitor(every_n_steps=every),
+    ]
+    fit(tmp_path / "three", make_task, three, steps=2 * every)
+    one = QKMonitor(every_n_steps=every)
+    fit(tmp_path / "one", make_task, [one], steps=2 * every)
+    wanted = sorted({s for cb in three for s, _ in cb.engine.loss_history() if s >= every})
+    kept = [s for s, _ in one.entropy.loss_history() if s >= every]
+    assert kept == wanted and len(kept) > 10
+    losses = dict(three[1].engine.loss_history())
+    assert all(v == losses[s] for s, v in one.entropy.loss_history() if s in losses)
