@@ -114,7 +114,7 @@ def test_a_baton_gives_each_arm_its_turns_in_alternating_order(overhead):
             baton.pass_on(index)
         baton.pass_on(index, done=True)
 
-    threads = [threading.Thread(target=arm, args=(i,)) for i in (0, 1)]
+    threads = [threading.Thread(target=arm, args=(i,), daemon=True) for i in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
