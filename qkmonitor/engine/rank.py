@@ -306,8 +306,15 @@ def _share_of_this_rank(total: int) -> int:
 
 
 def _attention_erank(probs: Tensor) -> tuple[Tensor]:
-    """(..., R, M) attention rows -> ((...,) erank,), NaN where a row holds NaN (broken scores)."""
-    return (effective_rank(gram_singular_values(probs)),)
+    """(..., R, M) attention rows -> ((...,) erank,), NaN where a row holds NaN (broken scores).
+
+    The trailing keys no row of any matrix attends (those after the slice's last row under a
+    causal mask: half the keys of a 128-row slice of 256 tokens) are left out first: a zero column
+    adds nothing to the Gram matrix, so the singular values that are not zero, and the effective
+    rank, are the same, for half the products. A NaN is not zero: its column stays."""
+    attended = (probs != 0).flatten(0, -2).any(0)  # (M,)
+    keys = int(attended.nonzero().max()) + 1 if bool(attended.any()) else probs.shape[-1]
+    return (effective_rank(gram_singular_values(probs[..., :keys])),)
 
 
 def _batched(

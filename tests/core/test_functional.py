@@ -281,3 +281,24 @@ def test_gram_singular_values_of_a_large_batch_on_threads_are_the_single_threade
     assert torch.equal(split, single)
     reference = torch.linalg.svdvals(x.double())
     assert torch.allclose(split, reference, atol=1e-10)
+
+
+def test_attention_erank_leaves_out_the_keys_no_row_attends_and_keeps_nan():
+    """A causal slice of the first rows attends none of the later keys: their zero columns are
+    left out of the Gram matrix, and the effective ranks are those of the whole slice (float64
+    SVD); a NaN in a late column is not zero and still makes its matrix NaN."""
+    from qkmonitor.engine.rank import _attention_erank
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 3, 6, 10, generator=gen)
+    causal = torch.arange(10)[None, :] <= torch.arange(6)[:, None]
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    (erank,) = _attention_erank(probs)
+    sv = torch.linalg.svdvals(probs.double())
+    p = sv / sv.sum(-1, keepdim=True)
+    reference = torch.exp(-(p * torch.where(p > 0, p.log(), 0.0)).sum(-1))
+    assert torch.allclose(erank, reference, atol=1e-9)
+    broken = probs.clone()
+    broken[1, 2, 0, 9] = float("nan")
+    (with_nan,) = _attention_erank(broken)
+    assert torch.isnan(with_nan[1, 2]) and torch.equal(with_nan[0], erank[0])
