@@ -224,26 +224,40 @@ class MaskedCall:
         )
 
     def probs(self, sequences: int, rows: int) -> Tensor:
-        """(S, H, R, M) attention probabilities of the first sequences and query rows."""
+        """(S, H, R, M) attention probabilities of the first sequences and query rows.
+
+        Under a causal mask the keys past the last row's diagonal are 0 without being computed
+        (half the scores of the first 128 rows of 256)."""
         from qkmonitor.functional import masked_softmax
 
-        scores, allowed = self._scores(slice(0, sequences), slice(0, rows))
-        return masked_softmax(scores, mask=allowed)
+        n, m = self.q.shape[2], self.k.shape[2]
+        keys = m
+        if self.causal:  # row i attends keys j <= i + M - N
+            keys = max(0, min(m, min(rows, n) + m - n))
+        scores, allowed = self._scores(slice(0, sequences), slice(0, rows), slice(0, keys))
+        probs = masked_softmax(scores, mask=allowed)
+        if keys == m:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], m)
+        full[..., :keys] = probs
+        return full
 
-    def _scores(self, seqs: slice, rows: slice) -> tuple[Tensor, Tensor]:
-        """Scaled scores (S, H, R, M) in float32 or better, and where they may be attended."""
+    def _scores(
+        self, seqs: slice, rows: slice, keys: slice = slice(None)
+    ) -> tuple[Tensor, Tensor]:
+        """Scaled scores (S, H, R, K) in float32 or better, and where they may be attended."""
         dtype = torch.float64 if self.q.dtype == torch.float64 else torch.float32
-        q, k = self.q[seqs, :, rows].to(dtype), self.k[seqs].to(dtype)
+        n, m = self.q.shape[2], self.k.shape[2]
+        q, k = self.q[seqs, :, rows].to(dtype), self.k[seqs, :, keys].to(dtype)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.scale  # (S, H, R, M)
+        scores = (q @ k.transpose(-1, -2)) * self.scale  # (S, H, R, K)
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        n, m = self.q.shape[2], k.shape[2]
         i = torch.arange(n, device=q.device)[rows][:, None] + (
             m - n
         )  # the row's position among the keys
-        j = torch.arange(m, device=q.device)
+        j = torch.arange(m, device=q.device)[keys]
         allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
         if self.causal:
             allowed = allowed & (j <= i)
@@ -251,11 +265,11 @@ class MaskedCall:
             allowed = allowed & ((i - j).abs() < self.window)
         allowed = allowed.expand_as(scores)
         if self.padding is not None:
-            allowed = allowed & self.padding[seqs, None, None, :]
+            allowed = allowed & self.padding[seqs, None, None, keys]
         if self.allowed is not None:
-            allowed = allowed & _rows_of(self.allowed, seqs, rows)
+            allowed = allowed & _rows_of(self.allowed, seqs, rows)[..., keys]
         if self.bias is not None:
-            scores = scores + _rows_of(self.bias, seqs, rows).to(dtype)
+            scores = scores + _rows_of(self.bias, seqs, rows)[..., keys].to(dtype)
         return scores, allowed
 
 

@@ -231,7 +231,9 @@ def gram_singular_values(x: Tensor) -> Tensor:
     condition number) are exactly 0, so a rank-one matrix has one non-zero value; the others
     keep an absolute error below about ``1e-7 σ_1`` (for min(n, m) up to 1024), which moves an
     effective rank by far less than float32 inputs already do. NaN in, NaN out (LAPACK is never
-    handed a NaN).
+    handed a NaN). A large CPU batch is split over torch's threads, products and eigenproblems
+    alike (:func:`qkmonitor.threads.on_threads`: LAPACK solves a batch on one core); each
+    matrix's values are those of a single-threaded call.
 
     Args:
         x: (..., n, m), any float dtype.
@@ -243,12 +245,18 @@ def gram_singular_values(x: Tensor) -> Tensor:
         >>> gram_singular_values(torch.tensor([[3.0, 0.0], [0.0, 4.0]]))
         tensor([4., 3.], dtype=torch.float64)
     """
-    x = x.detach().double()
-    gram = x @ x.mT if x.shape[-2] <= x.shape[-1] else x.mT @ x
-    finite = torch.isfinite(gram).flatten(-2).all(-1)
-    squares = _eigvalsh(torch.where(finite[..., None, None], gram, 0.0)).flip(-1)
-    noise = squares <= squares[..., :1] * (gram.shape[-1] * torch.finfo(torch.float64).eps)
-    return torch.where(finite[..., None], torch.where(noise, 0.0, squares).sqrt(), float("nan"))
+    x = x.detach()
+    n, m = x.shape[-2:]
+    k = min(n, m)
+    flat = x.flatten(0, -3) if x.dim() > 2 else x[None]  # (C, n, m)
+    count, threads = flat.shape[0], torch.get_num_threads()
+    if x.device.type != "cpu" or threads < 2 or count < 2 or count * k**3 < _THREADED_EIGH:
+        values = _gram_singular_values(flat)
+    else:
+        parts = min(threads, count)
+        chunks = [slice(i * count // parts, (i + 1) * count // parts) for i in range(parts)]
+        values = torch.cat(on_threads(lambda chunk: _gram_singular_values(flat[chunk]), chunks))
+    return values.reshape(*x.shape[:-2], k)
 
 
 #: Below this many multiply-adds (``count · k³`` for ``count`` problems of size k) a batch of
@@ -257,20 +265,17 @@ def gram_singular_values(x: Tensor) -> Tensor:
 _THREADED_EIGH = 2**24
 
 
-def _eigvalsh(gram: Tensor) -> Tensor:
-    """``torch.linalg.eigvalsh`` of a batch of symmetric matrices; a large CPU batch is split over
-    torch's threads (:func:`qkmonitor.threads.on_threads`: LAPACK solves a batch on one core). Each
-    matrix's eigenvalues are those of a single-threaded call (the threaded LAPACK of a smaller
-    batch may round differently)."""
-    k = gram.shape[-1]
-    flat = gram.reshape(-1, k, k)
-    count, threads = flat.shape[0], torch.get_num_threads()
-    if gram.device.type != "cpu" or threads < 2 or count < 2 or count * k**3 < _THREADED_EIGH:
-        return torch.linalg.eigvalsh(gram)
-    parts = min(threads, count)
-    chunks = [slice(i * count // parts, (i + 1) * count // parts) for i in range(parts)]
-    solved = on_threads(lambda chunk: torch.linalg.eigvalsh(flat[chunk]), chunks)
-    return torch.cat(solved).reshape(gram.shape[:-1])
+def _gram_singular_values(x: Tensor) -> Tensor:
+    """:func:`gram_singular_values` of a batch (C, n, m), on the caller's thread."""
+    x = x.double()
+    gram = x @ x.mT if x.shape[-2] <= x.shape[-1] else x.mT @ x
+    # |G_ij| <= sqrt(G_ii G_jj) (Cauchy-Schwarz): a matrix is finite when its diagonal is, well
+    # below overflow (a NaN or Inf entry of x makes its row's diagonal NaN or Inf)
+    diagonal = gram.diagonal(dim1=-2, dim2=-1)
+    finite = (diagonal <= torch.finfo(torch.float64).max / 2).all(-1)  # NaN compares False
+    squares = torch.linalg.eigvalsh(torch.where(finite[..., None, None], gram, 0.0)).flip(-1)
+    noise = squares <= squares[..., :1] * (gram.shape[-1] * torch.finfo(torch.float64).eps)
+    return torch.where(finite[..., None], torch.where(noise, 0.0, squares).sqrt(), float("nan"))
 
 
 def stable_rank(singular_values: Tensor) -> Tensor:

@@ -35,6 +35,7 @@ CPU). Where SDPA is not exact, the blockwise forward gives the output with or wi
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -356,54 +357,89 @@ def _forward_blocks(
     return out, *_row_stats(m, l, u, sink, heads)
 
 
-#: Shifted scores below this are probability 0: e^-80 < 2e-35 is below the rounding of a row sum
-#: that is at least 1 (its largest term is e^0), in float32 and float64 alike.
+#: Shifted scores at or below about this are probability 0: e^-79 < 6e-35 is below the rounding of
+#: a row sum that is at least 1 (its largest term is e^0), in float32 and float64 alike.
 _EXP_FLOOR = -80.0
+_ZERO_AT_OR_BELOW = math.exp(_EXP_FLOOR + 1.0)  # a normal float32, above e^-80's rounding
 
 
 def _exp_shifted(s: torch.Tensor) -> torch.Tensor:
-    """``e^s`` of shifted scores (all <= 0, −inf where masked), 0 below :data:`_EXP_FLOOR`.
+    """``e^s`` of shifted scores (all <= 0, −inf where masked), 0 where ``e^s`` is at most
+    e^-79 (below :data:`_EXP_FLOOR` + 1).
 
     The same numbers to rounding, without the slow path of the CPU exponential on results that
-    underflow into subnormals (about 40x slower per element; sharp attention has many) or on −inf.
+    underflow into subnormals (about 40x slower per element; sharp attention has many) or on −inf:
+    the exponential of the scores clamped at the floor, then a threshold, in three passes.
     """
-    return torch.where(s < _EXP_FLOOR, 0.0, torch.exp(s.clamp(min=_EXP_FLOOR)))
+    return F.threshold(s.clamp(min=_EXP_FLOOR).exp_(), _ZERO_AT_OR_BELOW, 0.0, inplace=True)
 
 
 #: The most scores :func:`_one_block_stats` holds at once (2 MiB in float32): its ten passes over
 #: them then run in the CPU's caches, not through memory (twice as fast on 8 × 8 heads × 256²).
 _SCORES_PER_PART = 2**19
+#: Causal statistics in one block: the query rows are cut into this many runs, and a run's scores
+#: stop at its last row's diagonal, so that 1 + 2 + ... + 8 eighths of the square, 56 %, are
+#: computed instead of all of it (the keys past a run's diagonal are masked for all its rows).
+_CAUSAL_ROW_RUNS = 8
 
 
 def _one_block_stats_in_parts(q_g, k, key_padding_mask, causal, sink_tokens, heads):
-    """:func:`_one_block_stats` over parts of the batch of at most :data:`_SCORES_PER_PART`
-    scores (at least one sequence), concatenated: the same numbers."""
-    batch = q_g.shape[0]
-    per_sequence = q_g.shape[1:-1].numel() * k.shape[2]  # H_kv · G · N · M
-    size = max(1, _SCORES_PER_PART // max(per_sequence, 1))
-    if q_g.device.type != "cpu" or size >= batch:
-        return _one_block_stats(q_g, k, key_padding_mask, causal, sink_tokens, heads)
-    parts = [
-        _one_block_stats(
-            q_g[b : b + size],
-            k[b : b + size],
-            None if key_padding_mask is None else key_padding_mask[b : b + size],
-            causal,
-            sink_tokens,
-            heads,
-        )
-        for b in range(0, batch, size)
-    ]
-    return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+    """:func:`_one_block_stats` over parts, concatenated: the same numbers (to the rounding of a
+    row's sums over fewer terms, where a run leaves masked keys out).
+
+    Causal rows in :data:`_CAUSAL_ROW_RUNS` runs, each against the keys up to its last row's
+    diagonal (the others are masked for every row of the run: they add nothing to the sums); on
+    the CPU each run over parts of the batch of at most :data:`_SCORES_PER_PART` scores (at least
+    one sequence), so that the passes over them run in the caches."""
+    batch, n, m_keys = q_g.shape[0], q_g.shape[-2], k.shape[2]
+    run = -(-n // _CAUSAL_ROW_RUNS) if causal and n > 0 else max(n, 1)
+    runs = []
+    for r0 in range(0, max(n, 1), run):
+        r1 = min(n, r0 + run)
+        keys = min(m_keys, r1 + m_keys - n) if causal else m_keys
+        per_sequence = q_g.shape[1:3].numel() * (r1 - r0) * keys  # H_kv · G · rows · keys
+        size = max(1, _SCORES_PER_PART // max(per_sequence, 1))
+        if q_g.device.type != "cpu":
+            size = batch
+        parts = [
+            _one_block_stats(
+                q_g[b : b + size, ..., r0:r1, :],
+                k[b : b + size, :, :keys],
+                None if key_padding_mask is None else key_padding_mask[b : b + size, :keys],
+                causal,
+                sink_tokens,
+                heads,
+                first_row=r0,
+                diag=m_keys - n,
+            )
+            for b in range(0, max(batch, 1), size)
+        ]
+        runs.append(_joined(parts, dim=0))
+    return _joined(runs, dim=-1)
 
 
-def _one_block_stats(q_g, k, key_padding_mask, causal, sink_tokens, heads):
-    """The statistics of :func:`_forward_blocks` when every row sees one block of all the keys:
-    the same sums without the online rescaling (``q_g`` scaled, (B, H_kv, G, N, D))."""
+def _joined(parts: list[tuple], dim: int) -> tuple:
+    """Tuples of statistics (None where absent) concatenated field by field along ``dim``."""
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(None if p[0] is None else torch.cat(p, dim=dim) for p in zip(*parts))
+
+
+def _one_block_stats(q_g, k, key_padding_mask, causal, sink_tokens, heads, first_row=0, diag=None):
+    """The statistics of :func:`_forward_blocks` when every row sees one block of all the keys
+    it may attend: the same sums without the online rescaling (``q_g`` scaled,
+    (B, H_kv, G, rows, D), the rows from ``first_row`` of a sequence whose causal diagonal is
+    ``diag = M − N``; by default the rows are all of them)."""
     n, m_keys = q_g.shape[-2], k.shape[2]
-    s = q_g @ k[:, :, None].to(q_g.dtype).transpose(-1, -2)  # (B, H_kv, G, N, M)
+    diag = m_keys - n if diag is None else diag
+    s = q_g @ k[:, :, None].to(q_g.dtype).transpose(-1, -2)  # (B, H_kv, G, rows, M)
     allowed = _allowed(
-        torch.arange(n, device=q_g.device), 0, m_keys, m_keys - n, causal, key_padding_mask
+        torch.arange(first_row, first_row + n, device=q_g.device),
+        0,
+        m_keys,
+        diag,
+        causal,
+        key_padding_mask,
     )
     if (
         allowed is not None
