@@ -242,9 +242,7 @@ class MaskedCall:
         full[..., :keys] = probs
         return full
 
-    def _scores(
-        self, seqs: slice, rows: slice, keys: slice = slice(None)
-    ) -> tuple[Tensor, Tensor]:
+    def _scores(self, seqs: slice, rows: slice, keys: slice = slice(None)) -> tuple[Tensor, Tensor]:
         """Scaled scores (S, H, R, K) in float32 or better, and where they may be attended."""
         dtype = torch.float64 if self.q.dtype == torch.float64 else torch.float32
         n, m = self.q.shape[2], self.k.shape[2]
