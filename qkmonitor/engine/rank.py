@@ -312,7 +312,8 @@ def _attention_erank(probs: Tensor) -> tuple[Tensor]:
     causal mask: half the keys of a 128-row slice of 256 tokens) are left out first: a zero column
     adds nothing to the Gram matrix, so the singular values that are not zero, and the effective
     rank, are the same, for half the products. A NaN is not zero: its column stays."""
-    attended = (probs != 0).flatten(0, -2).any(0)  # (M,)
+    mass = probs.sum(dim=tuple(range(probs.dim() - 1)))  # (M,): 0 only where no row attends
+    attended = mass != 0  # (probabilities are >= 0; a NaN sums to NaN, which is not 0)
     keys = int(attended.nonzero().max()) + 1 if bool(attended.any()) else probs.shape[-1]
     return (effective_rank(gram_singular_values(probs[..., :keys])),)
 

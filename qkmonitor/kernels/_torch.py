@@ -374,7 +374,7 @@ def _exp_shifted(s: torch.Tensor) -> torch.Tensor:
     return F.threshold(s.clamp(min=_EXP_FLOOR).exp_(), _ZERO_AT_OR_BELOW, 0.0, inplace=True)
 
 
-#: The most scores :func:`_one_block_stats` holds at once (2 MiB in float32): its ten passes over
+#: The most scores :func:`_one_block_sums` holds at once (2 MiB in float32): its ten passes over
 #: them then run in the CPU's caches, not through memory (twice as fast on 8 × 8 heads × 256²).
 _SCORES_PER_PART = 2**19
 #: Causal statistics in one block: the query rows are cut into this many runs, and a run's scores
@@ -384,57 +384,53 @@ _CAUSAL_ROW_RUNS = 8
 
 
 def _one_block_stats_in_parts(q_g, k, key_padding_mask, causal, sink_tokens, heads):
-    """:func:`_one_block_stats` over parts, concatenated: the same numbers (to the rounding of a
-    row's sums over fewer terms, where a run leaves masked keys out).
+    """The statistics of :func:`_forward_blocks` when every row sees one block of all the keys
+    it may attend: the same sums without the online rescaling (``q_g`` scaled,
+    (B, H_kv, G, N, D)), computed over parts (:func:`_one_block_sums`) and turned into statistics
+    once; the same numbers as from the whole at once (to the rounding of a row's sums over fewer
+    terms, where a run leaves masked keys out).
 
     Causal rows in :data:`_CAUSAL_ROW_RUNS` runs, each against the keys up to its last row's
     diagonal (the others are masked for every row of the run: they add nothing to the sums); on
     the CPU each run over parts of the batch of at most :data:`_SCORES_PER_PART` scores (at least
     one sequence), so that the passes over them run in the caches."""
     batch, n, m_keys = q_g.shape[0], q_g.shape[-2], k.shape[2]
-    run = -(-n // _CAUSAL_ROW_RUNS) if causal and n > 0 else max(n, 1)
-    runs = []
-    for r0 in range(0, max(n, 1), run):
+    sums = [torch.empty(q_g.shape[:-1], dtype=q_g.dtype, device=q_g.device) for _ in range(3)]
+    sink = torch.empty_like(sums[0]) if sink_tokens > 0 else None
+    run = max(1, -(-n // _CAUSAL_ROW_RUNS) if causal else n)
+    for r0 in range(0, n, run):
         r1 = min(n, r0 + run)
         keys = min(m_keys, r1 + m_keys - n) if causal else m_keys
         per_sequence = q_g.shape[1:3].numel() * (r1 - r0) * keys  # H_kv · G · rows · keys
         size = max(1, _SCORES_PER_PART // max(per_sequence, 1))
         if q_g.device.type != "cpu":
             size = batch
-        parts = [
-            _one_block_stats(
+        for b in range(0, batch, size):
+            part = _one_block_sums(
                 q_g[b : b + size, ..., r0:r1, :],
                 k[b : b + size, :, :keys],
                 None if key_padding_mask is None else key_padding_mask[b : b + size, :keys],
                 causal,
                 sink_tokens,
-                heads,
                 first_row=r0,
                 diag=m_keys - n,
             )
-            for b in range(0, max(batch, 1), size)
-        ]
-        runs.append(_joined(parts, dim=0))
-    return _joined(runs, dim=-1)
+            for out, value in zip((*sums, sink), part):
+                if out is not None:
+                    out[b : b + size, ..., r0:r1] = value
+    return _row_stats(*sums, sink, heads)
 
 
-def _joined(parts: list[tuple], dim: int) -> tuple:
-    """Tuples of statistics (None where absent) concatenated field by field along ``dim``."""
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(None if p[0] is None else torch.cat(p, dim=dim) for p in zip(*parts))
-
-
-def _one_block_stats(q_g, k, key_padding_mask, causal, sink_tokens, heads, first_row=0, diag=None):
-    """The statistics of :func:`_forward_blocks` when every row sees one block of all the keys
-    it may attend: the same sums without the online rescaling (``q_g`` scaled,
-    (B, H_kv, G, rows, D), the rows from ``first_row`` of a sequence whose causal diagonal is
-    ``diag = M − N``; by default the rows are all of them)."""
-    n, m_keys = q_g.shape[-2], k.shape[2]
-    diag = m_keys - n if diag is None else diag
+def _one_block_sums(q_g, k, key_padding_mask, causal, sink_tokens, first_row, diag):
+    """``(m, l, u, sink)`` of :func:`_forward_blocks` for rows ``first_row ..`` of ``q_g``
+    ((B, H_kv, G, rows, D), scaled) against all of ``k``'s keys at once, in a sequence whose
+    causal diagonal is ``diag = M − N``: ``m`` the row max, ``l = Σ e^{s−m}``,
+    ``u = Σ e^{s−m}(s − m)``, ``sink`` the first ``sink_tokens`` keys' share of ``l`` (None
+    for 0), each (B, H_kv, G, rows)."""
+    rows, m_keys = q_g.shape[-2], k.shape[2]
     s = q_g @ k[:, :, None].to(q_g.dtype).transpose(-1, -2)  # (B, H_kv, G, rows, M)
     allowed = _allowed(
-        torch.arange(first_row, first_row + n, device=q_g.device),
+        torch.arange(first_row, first_row + rows, device=q_g.device),
         0,
         m_keys,
         diag,
@@ -451,7 +447,7 @@ def _one_block_stats(q_g, k, key_padding_mask, causal, sink_tokens, heads, first
     p = _exp_shifted(s)
     sink = p[..., :sink_tokens].sum(-1) if sink_tokens > 0 else None
     u = s.clamp_(min=-largest).mul_(p).sum(dim=-1)  # Σ p·(s − m), 0 at masked keys
-    return _row_stats(m, p.sum(dim=-1), u, sink, heads)
+    return m, p.sum(dim=-1), u, sink
 
 
 def _row_stats(m, l, u, sink, heads):
