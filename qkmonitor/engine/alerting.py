@@ -71,6 +71,10 @@ class LossHistory:
             loss = loss.detach() if loss.requires_grad else loss
         else:
             loss = float(loss)
+        self.append(step, loss)
+
+    def append(self, step: int, loss: Tensor | float) -> None:
+        """Keep ``loss``, a float or a tensor without autograd history, as it is."""
         self._losses.append((step, loss))
         if len(self._first) < LOSS_SMOOTHING:
             self._first.append(loss)

@@ -45,6 +45,7 @@ class EngineGroup:
         #: the engines that read the weights (the spectrum)
         self.weights = [e for e in self.engines if e.reads_weights]
         self.loss_readers: list[MonitorEngine] = []
+        self._losses: LossHistory | None = None  # the readers' (shared) history
         self.between, self.quiet = NO_STEPS, NO_STEPS
         self.scalars = ScalarBatch()
 
@@ -60,6 +61,7 @@ class EngineGroup:
             shared.restore(longest.history(), longest.first() if len(longest) else None)
             for engine in self.loss_readers:
                 engine.alerting.share_losses(shared)
+        self._losses = self.loss_readers[0].alerting.losses if self.loss_readers else None
 
     def open(self, step: int, *, validation: bool = False) -> None:
         """Open the windows of ``step`` (the engines that may probe it)."""
@@ -82,11 +84,17 @@ class EngineGroup:
     def keep_loss(self, step: int, loss: Tensor | float) -> None:
         """The loss of a step in :attr:`between` but not in :attr:`quiet`: by the plan, a rule of
         some engine reads it (a step of its ``between_probes`` outside its ``quiet``), so it is
-        kept without asking each engine."""
-        if self.loss_readers:
-            if type(loss) is not Tensor or loss.numel() != 1 or not loss.is_floating_point():
-                check_loss(loss)
-            self.loss_readers[0].alerting.losses.add(step, loss)
+        kept without asking each engine. Lightning's loss (a one-element tensor, checked by the
+        caller, detached) takes the shortest path: a few objects touched, since a training step
+        has left little of them in the CPU's caches."""
+        losses = self._losses
+        if losses is None:
+            return
+        if type(loss) is Tensor and not loss.requires_grad:
+            losses.append(step, loss)
+            return
+        check_loss(loss)
+        losses.add(step, loss)
 
     def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
         """Measure the weights after ``step`` updates, where that is a probe step."""

@@ -377,9 +377,10 @@ def _exp_shifted(s: torch.Tensor) -> torch.Tensor:
 #: The most scores :func:`_one_block_sums` holds at once (2 MiB in float32): its ten passes over
 #: them then run in the CPU's caches, not through memory (twice as fast on 8 × 8 heads × 256²).
 _SCORES_PER_PART = 2**19
-#: Causal statistics in one block: the query rows are cut into this many runs, and a run's scores
-#: stop at its last row's diagonal, so that 1 + 2 + ... + 8 eighths of the square, 56 %, are
-#: computed instead of all of it (the keys past a run's diagonal are masked for all its rows).
+#: Causal statistics in one block: the query rows are cut into up to this many runs (one per
+#: :data:`_SCORES_PER_PART` scores of the whole), and a run's scores stop at its last row's
+#: diagonal, so that with 8 runs 1 + 2 + ... + 8 eighths of the square, 56 %, are computed instead
+#: of all of it (the keys past a run's diagonal are masked for all its rows).
 _CAUSAL_ROW_RUNS = 8
 
 
@@ -397,7 +398,9 @@ def _one_block_stats_in_parts(q_g, k, key_padding_mask, causal, sink_tokens, hea
     batch, n, m_keys = q_g.shape[0], q_g.shape[-2], k.shape[2]
     sums = [torch.empty(q_g.shape[:-1], dtype=q_g.dtype, device=q_g.device) for _ in range(3)]
     sink = torch.empty_like(sums[0]) if sink_tokens > 0 else None
-    run = max(1, -(-n // _CAUSAL_ROW_RUNS) if causal else n)
+    # as many runs as parts of the whole (a small call is one run: each costs a few dispatches)
+    runs = min(_CAUSAL_ROW_RUNS, q_g.shape[:-1].numel() * m_keys // _SCORES_PER_PART)
+    run = max(1, -(-n // runs) if causal and runs > 1 else n)
     for r0 in range(0, n, run):
         r1 = min(n, r0 + run)
         keys = min(m_keys, r1 + m_keys - n) if causal else m_keys

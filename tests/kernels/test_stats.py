@@ -49,7 +49,9 @@ def test_statistics_in_parts_of_the_batch_are_those_of_the_whole(monkeypatch, ru
         (q, {"key_padding_mask": pad}),
         (q[:, :, :19], {"causal": True, "key_padding_mask": pad}),  # M > N: the diagonal shifted
     ]
-    monkeypatch.setattr(backend, "_SCORES_PER_PART", 2 * 4 * 24 * 24)  # parts of two sequences
+    # parts of a quarter of a sequence's scores: `runs` runs (of 20 parts), each over parts of
+    # the batch (one sequence whole, two of a run of 8)
+    monkeypatch.setattr(backend, "_SCORES_PER_PART", 4 * 24 * 24 // 4)
     monkeypatch.setattr(backend, "_CAUSAL_ROW_RUNS", runs)
     parts = [attention_stats(x, k, backend="torch", **case) for x, case in cases]
     monkeypatch.setattr(backend, "_SCORES_PER_PART", 1 << 40)
