@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -302,3 +303,70 @@ def test_attention_erank_leaves_out_the_keys_no_row_attends_and_keeps_nan():
     broken[1, 2, 0, 9] = float("nan")
     (with_nan,) = _attention_erank(broken)
     assert torch.isnan(with_nan[1, 2]) and torch.equal(with_nan[0], erank[0])
+
+
+def test_work_on_threads_keeps_the_order_reuses_its_workers_and_waits_for_them_on_failure():
+    """``on_threads`` returns the chunks' results in order, runs them on the same worker threads
+    from call to call, restores torch's thread count, and on a failing chunk raises its error
+    only after the other chunks have finished."""
+    import threading
+    import time
+
+    from qkmonitor import threads as qk_threads
+
+    count = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen: list[str] = []
+
+        def solve(chunk: slice) -> list[int]:
+            seen.append(threading.current_thread().name)
+            return list(range(chunk.start, chunk.stop))
+
+        chunks = [slice(i, i + 2) for i in range(0, 10, 2)]
+        assert qk_threads.on_threads(solve, chunks) == [
+            list(range(i, i + 2)) for i in range(0, 10, 2)
+        ]
+        workers = {name for name in seen if name.startswith("qkmonitor")}
+        assert workers and threading.current_thread().name in seen
+        seen.clear()
+        qk_threads.on_threads(solve, chunks)
+        assert {name for name in seen if name.startswith("qkmonitor")} <= workers
+        assert torch.get_num_threads() == 2
+
+        finished: list[int] = []
+
+        def failing(chunk: slice) -> None:
+            if chunk.start == 0:  # the caller's chunk fails at once
+                raise RuntimeError("chunk 0 failed")
+            time.sleep(0.05)
+            finished.append(chunk.start)
+
+        with pytest.raises(RuntimeError, match="chunk 0 failed"):
+            qk_threads.on_threads(failing, [slice(0, 1), slice(1, 2)])
+        assert finished == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(count)
+
+
+def _sums_on_threads(_: int) -> list[int]:
+    from qkmonitor.threads import on_threads
+
+    torch.set_num_threads(2)
+    return on_threads(lambda c: sum(range(c.start, c.stop)), [slice(0, 3), slice(3, 6)])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_work_on_threads_in_a_forked_child_makes_its_own_workers():
+    """A forked child (a DataLoader worker) has none of its parent's threads: its first
+    ``on_threads`` makes workers of its own instead of waiting on the parent's forever."""
+    import multiprocessing
+
+    count = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert _sums_on_threads(0) == [3, 12]  # the parent's workers exist
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            assert pool.map_async(_sums_on_threads, [0]).get(timeout=60) == [[3, 12]]
+    finally:
+        torch.set_num_threads(count)
