@@ -35,10 +35,10 @@ def on_threads(solve: Callable[[slice], T], chunks: list[slice]) -> list[T]:
     ``threads``-th chunk runs on the caller's thread, the others on the process's worker threads
     (made once, not per call: starting threads cost a probe of a small model ~5 ms).
     """
-    if len(chunks) == 1:
-        return [solve(chunks[0])]
     threads = torch.get_num_threads()
-    pool = _workers(max(1, threads - 1))
+    if len(chunks) == 1 or threads < 2:  # (inside a chunk torch's count is 1: nothing nests)
+        return [solve(chunk) for chunk in chunks]
+    pool = _workers(threads - 1)
     torch.set_num_threads(1)
     futures: dict[int, Future] = {}
     try:  # the caller takes every `threads`-th chunk; the workers share the others

@@ -307,8 +307,9 @@ def test_attention_erank_leaves_out_the_keys_no_row_attends_and_keeps_nan():
 
 def test_work_on_threads_keeps_the_order_reuses_its_workers_and_waits_for_them_on_failure():
     """``on_threads`` returns the chunks' results in order, runs them on the same worker threads
-    from call to call, restores torch's thread count, and on a failing chunk raises its error
-    only after the other chunks have finished."""
+    from call to call, restores torch's thread count, runs a call made inside a chunk on that
+    chunk's thread (no wait on a busy worker), and on a failing chunk raises its error only after
+    the other chunks have finished."""
     import threading
     import time
 
@@ -333,6 +334,11 @@ def test_work_on_threads_keeps_the_order_reuses_its_workers_and_waits_for_them_o
         qk_threads.on_threads(solve, chunks)
         assert {name for name in seen if name.startswith("qkmonitor")} <= workers
         assert torch.get_num_threads() == 2
+
+        def nested(chunk: slice) -> list[list[int]]:  # a chunk that splits its work again
+            return qk_threads.on_threads(solve, [slice(chunk.start, chunk.start + 1)] * 2)
+
+        assert qk_threads.on_threads(nested, chunks[:2]) == [[[0], [0]], [[2], [2]]]
 
         finished: list[int] = []
 
