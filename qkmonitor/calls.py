@@ -232,8 +232,8 @@ class MaskedCall:
 
         n, m = self.q.shape[2], self.k.shape[2]
         keys = m
-        if self.causal:  # row i attends keys j <= i + M - N
-            keys = max(0, min(m, min(rows, n) + m - n))
+        if self.causal:  # row i attends keys j <= i + M - N (none when M - N < -i)
+            keys = max(1, min(m, min(rows, n) + m - n)) if m else 0
         scores, allowed = self._scores(slice(0, sequences), slice(0, rows), slice(0, keys))
         probs = masked_softmax(scores, mask=allowed)
         if keys == m:

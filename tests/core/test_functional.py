@@ -376,3 +376,25 @@ def test_work_on_threads_in_a_forked_child_makes_its_own_workers():
             assert pool.map_async(_sums_on_threads, [0]).get(timeout=60) == [[3, 12]]
     finally:
         torch.set_num_threads(count)
+
+
+@pytest.mark.parametrize("n, m", [(8, 8), (5, 9), (6, 3)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+def test_probability_slice_of_a_causal_call_is_the_explicit_attention(n, m, rows):
+    """A causal call's probability slice is computed over the keys its rows attend and zero past
+    them; it equals float64 explicit attention of those rows over every key (M < N: rows that
+    see no key are zeros), with key padding and grouped heads."""
+    from qkmonitor.calls import MaskedCall
+
+    gen = torch.Generator().manual_seed(n * 100 + m * 10 + rows)
+    q = torch.randn(3, 4, n, 8, generator=gen)
+    k = torch.randn(3, 2, m, 8, generator=gen)
+    padding = torch.rand(3, m, generator=gen) > 0.3
+    padding[:, 0] = True
+    call = MaskedCall(q, k, 0.35, True, padding, None, None)
+    got = call.probs(2, rows)
+    reference = QF.attention_probs(
+        q[:2].double(), k[:2].double(), scale=0.35, causal=True, key_padding_mask=padding[:2]
+    )[:, :, :rows]
+    assert got.shape == reference.shape == (2, 4, min(rows, n), m)
+    torch.testing.assert_close(got.double(), reference, atol=1e-6, rtol=0)
