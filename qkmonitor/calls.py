@@ -227,19 +227,20 @@ class MaskedCall:
         """(S, H, R, M) attention probabilities of the first sequences and query rows.
 
         Under a causal mask the keys past the last row's diagonal are 0 without being computed
-        (half the scores of the first 128 rows of 256)."""
-        from qkmonitor.functional import masked_softmax
+        (half the scores of the first 128 rows of 256). The softmax runs in the scores' memory."""
+        from qkmonitor.functional import masked_softmax_
 
         n, m = self.q.shape[2], self.k.shape[2]
         keys = m
         if self.causal:  # row i attends keys j <= i + M - N (none when M - N < -i)
             keys = max(1, min(m, min(rows, n) + m - n)) if m else 0
         scores, allowed = self._scores(slice(0, sequences), slice(0, rows), slice(0, keys))
-        probs = masked_softmax(scores, mask=allowed)
+        probs = masked_softmax_(scores, mask=allowed)
         if keys == m:
             return probs
-        full = probs.new_zeros(*probs.shape[:-1], m)
+        full = probs.new_empty(*probs.shape[:-1], m)
         full[..., :keys] = probs
+        full[..., keys:] = 0.0
         return full
 
     def _scores(self, seqs: slice, rows: slice, keys: slice = slice(None)) -> tuple[Tensor, Tensor]:
@@ -249,7 +250,8 @@ class MaskedCall:
         q, k = self.q[seqs, :, rows].to(dtype), self.k[seqs, :, keys].to(dtype)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.scale  # (S, H, R, K)
+        scores = q @ k.transpose(-1, -2)  # (S, H, R, K), ours: scaled in place
+        scores *= self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         i = torch.arange(n, device=q.device)[rows][:, None] + (

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qkmonitor.kernels._torch import exp_shifted_
 from qkmonitor.threads import on_threads
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "gram_singular_values",
     "hidden_state_metrics",
     "masked_softmax",
+    "masked_softmax_",
     "normalized_entropy",
     "qk_eigenvalues",
     "qk_singular_values",
@@ -483,16 +485,26 @@ def masked_softmax(scores: Tensor, dim: int = -1, mask: Tensor | None = None) ->
         tensor([[0.5000, 0.5000],
                 [0.0000, 0.0000]])
     """
-    work = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    work = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores.clone()
+    return masked_softmax_(work, dim, mask).to(scores.dtype)
+
+
+def masked_softmax_(work: Tensor, dim: int = -1, mask: Tensor | None = None) -> Tensor:
+    r""":func:`masked_softmax` of a float32/float64 tensor, in place (the probability slices of
+    :meth:`qkmonitor.calls.MaskedCall.probs`, in the scores' own memory: no new buffer a pass).
+
+    A probability at most e^-79 times the row's largest is 0 (below the rounding of a sum that is
+    at least 1; the exponential takes the CPU's slow path on underflow, :func:`exp_shifted_`).
+    """
     if mask is not None:
-        work = work.masked_fill(~mask.to(torch.bool), float("-inf"))
+        work.masked_fill_(~mask.to(torch.bool), float("-inf"))
     row_max = work.amax(dim=dim, keepdim=True)  # NaN if a NaN is allowed, +inf if a +inf is
     broken = row_max.isnan() | torch.isposinf(row_max)
     row_max = row_max.masked_fill(~torch.isfinite(row_max), 0.0)  # empty row: exp(-inf - 0) = 0
-    e = (work - row_max).exp()
-    total = e.sum(dim=dim, keepdim=True)
-    p = e / torch.where(total > 0, total, torch.ones_like(total))
-    return p.masked_fill(broken, float("nan")).to(scores.dtype)
+    p = exp_shifted_(work.sub_(row_max))
+    total = p.sum(dim=dim, keepdim=True)
+    p.div_(torch.where(total > 0, total, torch.ones_like(total)))
+    return p.masked_fill_(broken, float("nan"))
 
 
 def attention_probs(

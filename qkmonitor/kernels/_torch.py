@@ -334,7 +334,7 @@ def _forward_blocks(
         # ∞ − ∞; clamped, masked keys stay at e^{−inf} = 0 and an infinite score makes l = +inf.
         m_safe = m_new.clamp(-largest, largest)
         s -= m_safe[..., None]  # s − m', −inf where masked
-        p = _exp_shifted(s)
+        p = exp_shifted_(s.clone())
         alpha = torch.exp(m_old - m_safe)
         if stats:
             shift = torch.where(l_old > 0, m_old - m_safe, 0.0) * l_old  # no (−inf)·0
@@ -363,15 +363,15 @@ _EXP_FLOOR = -80.0
 _ZERO_AT_OR_BELOW = math.exp(_EXP_FLOOR + 1.0)  # a normal float32, above e^-80's rounding
 
 
-def _exp_shifted(s: torch.Tensor) -> torch.Tensor:
-    """``e^s`` of shifted scores (all <= 0, −inf where masked), 0 where ``e^s`` is at most
-    e^-79 (below :data:`_EXP_FLOOR` + 1).
+def exp_shifted_(s: torch.Tensor) -> torch.Tensor:
+    """``e^s`` of shifted scores (all <= 0, −inf where masked; NaN stays NaN), in place, 0 where
+    ``e^s`` is at most e^-79 (below :data:`_EXP_FLOOR` + 1).
 
     The same numbers to rounding, without the slow path of the CPU exponential on results that
     underflow into subnormals (about 40x slower per element; sharp attention has many) or on −inf:
     the exponential of the scores clamped at the floor, then a threshold, in three passes.
     """
-    return F.threshold(s.clamp(min=_EXP_FLOOR).exp_(), _ZERO_AT_OR_BELOW, 0.0, inplace=True)
+    return torch.threshold_(s.clamp_(min=_EXP_FLOOR).exp_(), _ZERO_AT_OR_BELOW, 0.0)
 
 
 #: The most scores :func:`_one_block_sums` holds at once (2 MiB in float32): its ten passes over
@@ -394,14 +394,16 @@ def _one_block_stats_in_parts(q_g, k, key_padding_mask, causal, sink_tokens, hea
     Causal rows in :data:`_CAUSAL_ROW_RUNS` runs, each against the keys up to its last row's
     diagonal (the others are masked for every row of the run: they add nothing to the sums); on
     the CPU each run over parts of the batch of at most :data:`_SCORES_PER_PART` scores (at least
-    one sequence), so that the passes over them run in the caches."""
+    one sequence), so that the passes over them run in the caches. Every part works in the same
+    two buffers (:class:`_Scratch`): no memory is allocated, or first touched, per part."""
     batch, n, m_keys = q_g.shape[0], q_g.shape[-2], k.shape[2]
     sums = [torch.empty(q_g.shape[:-1], dtype=q_g.dtype, device=q_g.device) for _ in range(3)]
     sink = torch.empty_like(sums[0]) if sink_tokens > 0 else None
     # as many runs as parts of the whole (a small call is one run: each costs a few dispatches)
     runs = min(_CAUSAL_ROW_RUNS, q_g.shape[:-1].numel() * m_keys // _SCORES_PER_PART)
     run = max(1, -(-n // runs) if causal and runs > 1 else n)
-    for r0 in range(0, n, run):
+    scratch = _Scratch(q_g.dtype, q_g.device)
+    for r0 in reversed(range(0, n, run)):  # the last run's parts, the largest, first
         r1 = min(n, r0 + run)
         keys = min(m_keys, r1 + m_keys - n) if causal else m_keys
         per_sequence = q_g.shape[1:3].numel() * (r1 - r0) * keys  # H_kv · G · rows · keys
@@ -417,6 +419,7 @@ def _one_block_stats_in_parts(q_g, k, key_padding_mask, causal, sink_tokens, hea
                 sink_tokens,
                 first_row=r0,
                 diag=m_keys - n,
+                scratch=scratch,
             )
             for out, value in zip((*sums, sink), part):
                 if out is not None:
@@ -424,33 +427,66 @@ def _one_block_stats_in_parts(q_g, k, key_padding_mask, causal, sink_tokens, hea
     return _row_stats(*sums, sink, heads)
 
 
-def _one_block_sums(q_g, k, key_padding_mask, causal, sink_tokens, first_row, diag):
+class _Scratch:
+    """Two flat work buffers, the scores and their exponentials, grown to the largest part asked
+    for and reused by the next (a new buffer per part costs its allocation and first touch: about
+    as much as the passes over it)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def views(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        count = math.prod(shape)
+        if self._buffers is None or self._buffers[0].numel() < count:
+            self._buffers = tuple(
+                torch.empty(count, dtype=self.dtype, device=self.device) for _ in range(2)
+            )
+        return tuple(b[:count].view(shape) for b in self._buffers)
+
+
+def _one_block_sums(q_g, k, key_padding_mask, causal, sink_tokens, first_row, diag, scratch=None):
     """``(m, l, u, sink)`` of :func:`_forward_blocks` for rows ``first_row ..`` of ``q_g``
     ((B, H_kv, G, rows, D), scaled) against all of ``k``'s keys at once, in a sequence whose
     causal diagonal is ``diag = M − N``: ``m`` the row max, ``l = Σ e^{s−m}``,
     ``u = Σ e^{s−m}(s − m)``, ``sink`` the first ``sink_tokens`` keys' share of ``l`` (None
-    for 0), each (B, H_kv, G, rows)."""
-    rows, m_keys = q_g.shape[-2], k.shape[2]
-    s = q_g @ k[:, :, None].to(q_g.dtype).transpose(-1, -2)  # (B, H_kv, G, rows, M)
+    for 0), each (B, H_kv, G, rows). The scores and exponentials live in ``scratch``'s buffers
+    (new ones when None).
+
+    Passes over the (rows, M) scores: the product, the mask (only the columns past the first
+    row's diagonal without padding), the max, the shift and floor (``s − m`` at least
+    :data:`_EXP_FLOOR`: a key below it has probability 0, so its term is 0 either way), the
+    exponential and its threshold (:func:`_exp_shifted`), and the sums."""
+    batch, kv_heads, groups, rows, depth = q_g.shape
+    m_keys = k.shape[2]
+    s, p = (scratch or _Scratch(q_g.dtype, q_g.device)).views(
+        (batch, kv_heads, groups, rows, m_keys)
+    )
+    torch.bmm(  # a query head's rows of one key head side by side: (B·H_kv, G·rows, M)
+        q_g.reshape(batch * kv_heads, groups * rows, depth),
+        k.to(q_g.dtype).reshape(batch * kv_heads, m_keys, depth).transpose(1, 2),
+        out=s.view(batch * kv_heads, groups * rows, m_keys),
+    )
+    # causal without padding: the keys up to the first row's diagonal are every row's
+    first_masked = max(0, first_row + diag + 1) if key_padding_mask is None else 0
     allowed = _allowed(
         torch.arange(first_row, first_row + rows, device=q_g.device),
-        0,
+        first_masked,
         m_keys,
         diag,
         causal,
         key_padding_mask,
     )
-    if (
-        allowed is not None
-    ):  # torch.where: the same numbers as masked_fill_, faster on a broadcast mask
-        s = torch.where(allowed, s, _NEG_INF)
+    if allowed is not None and first_masked < m_keys:
+        s[..., first_masked:].masked_fill_(~allowed, _NEG_INF)
     largest = torch.finfo(s.dtype).max
     m = s.amax(dim=-1)
-    s -= m.clamp(-largest, largest)[..., None]  # as in the online loop: a finite shift
-    p = _exp_shifted(s)
+    s.sub_(m.clamp(-largest, largest)[..., None]).clamp_(min=_EXP_FLOOR)  # a finite shift, floored
+    torch.exp(s, out=p)
+    torch.threshold_(p, _ZERO_AT_OR_BELOW, 0.0)  # (the floor's e^-80 included): as exp_shifted_
     sink = p[..., :sink_tokens].sum(-1) if sink_tokens > 0 else None
-    u = s.clamp_(min=-largest).mul_(p).sum(dim=-1)  # Σ p·(s − m), 0 at masked keys
-    return m, p.sum(dim=-1), u, sink
+    l = p.sum(dim=-1)
+    return m, l, s.mul_(p).sum(dim=-1), sink  # u = Σ p·(s − m): 0 where p is 0
 
 
 def _row_stats(m, l, u, sink, heads):

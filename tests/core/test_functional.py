@@ -233,6 +233,26 @@ def test_masked_softmax_gives_nan_rows_for_nan_and_posinf_scores():
         assert_close(p[0, 0, row], expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_softmax_in_place_is_the_float64_softmax_and_leaves_the_copy_alone(dtype):
+    """Sharp rows (scores spread over hundreds: most probabilities underflow) and every row kind:
+    the in-place softmax writes into the scores' memory; the copying one leaves its input."""
+    s, mask = _scores_with_every_row_kind()
+    g = torch.Generator().manual_seed(0)
+    sharp = (torch.randn(2, 3, 6, 5, generator=g) * 300).to(dtype)
+    for scores, allowed in ((s.to(dtype), mask), (sharp, torch.rand(6, 5, generator=g) > 0.3)):
+        before = scores.clone()
+        copied = QF.masked_softmax(scores, mask=allowed)
+        assert_close(scores, before, rtol=0, atol=0, equal_nan=True)
+        work = scores.clone()
+        in_place = QF.masked_softmax_(work, mask=allowed)
+        assert in_place.data_ptr() == work.data_ptr()
+        assert_close(in_place, copied, rtol=0, atol=0, equal_nan=True)
+        expected = scores.double().masked_fill(~allowed, -math.inf).softmax(-1)
+        rows = torch.isfinite(scores.masked_fill(~allowed, 0)).all(-1) & allowed.any(-1)
+        assert_close(copied[rows].double(), expected[rows], atol=1e-7, rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("w_q_shape", "w_k_shape", "heads", "kv_heads", "match"),
     [
