@@ -231,11 +231,19 @@ def task_and_data(
     ), data
 
 
-def run(args, config: tuple[int, int] | None, log_root: str, steps: int | None = None) -> Clock:
+def run(
+    args,
+    config: tuple[int, int] | None,
+    log_root: str,
+    steps: int | None = None,
+    callbacks: list[pl.Callback] | None = None,
+) -> Clock:
+    """One fit with the monitors of ``config`` (or the given ``callbacks``), timed by a Clock."""
     steps = args.steps if steps is None else steps
     pl.seed_everything(0, verbose=False)
     task, data = task_and_data(args.model, steps, args.arch)
-    timer, callbacks = Clock(), monitors(config)
+    timer = Clock()
+    callbacks = monitors(config) if callbacks is None else callbacks
     timer.hooks = HookTimer(callbacks, timer)
     trainer = pl.Trainer(max_steps=steps, accelerator=args.device, devices=1,
                          precision=args.precision, logger=TensorBoardLogger(log_root),
@@ -900,9 +908,13 @@ def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
 PARTS = (
     ("qkmonitor.engine.spectrum", "QKSpectrum.observe_weights"),
     ("qkmonitor.engine.spectrum", "spectrum_of_layers"),
+    ("qkmonitor.calls", "MaskedCall._stats"),  # an intercepted layer's statistics (once a call)
+    ("qkmonitor.calls", "MaskedCall.probs"),  # its probability slice, for the ranks
     ("qkmonitor.engine.entropy", "AttentionEntropy._accumulate"),
     ("qkmonitor.engine.entropy", "AttentionEntropy._values"),
     ("qkmonitor.engine.rank", "EffectiveRank._accumulate"),
+    ("qkmonitor.engine.rank", "_attention_erank"),
+    ("qkmonitor.engine.rank", "hidden_state_metrics"),
     ("qkmonitor.engine.rank", "EffectiveRank._values"),
     ("qkmonitor.engine.base", "MonitorEngine.record"),
     ("qkmonitor.engine.alerting", "AlertPolicy.update"),
@@ -910,11 +922,13 @@ PARTS = (
 )
 
 
-def parts(args) -> dict[str, tuple[float, float]]:
-    """``--parts``: one run at the defaults with a timer around each of :data:`PARTS`; per part,
-    the median seconds of a call (the probe at step 0 carries first-call costs) and the calls a
-    probe window makes (wall time on the training thread, nested parts included in their
-    callers')."""
+def parts(args) -> tuple[dict[str, tuple[float, float, float]], float]:
+    """``--parts``: one run with a timer around each of :data:`PARTS`; per part, the median
+    seconds of a call (the probe at step 0 carries first-call costs), the calls a probe window
+    makes and the seconds they take a window (wall time on the training thread, nested parts
+    included in their callers'). The three callbacks at their defaults (every 50 steps), or with
+    ``--readme`` QKMonitor as the README configures it (``per_head=True``) every ``--every``
+    steps. Also returns the median step of the run (its probes included)."""
     import importlib
 
     calls: dict[str, list[float]] = {name: [] for _, name in PARTS}
@@ -935,17 +949,25 @@ def parts(args) -> dict[str, tuple[float, float]]:
 
         setattr(owner, attr, timed)
         undo.append((owner, attr, original))
+    every = args.every if args.readme else CONFIGS[DEFAULTS][0]
     try:
         with tempfile.TemporaryDirectory() as log_root:
-            run(args, CONFIGS[DEFAULTS], log_root)
+            if args.readme:
+                clock = run(args, None, log_root, callbacks=readme_monitors(args))
+            else:
+                clock = run(args, CONFIGS[DEFAULTS], log_root)
     finally:
         for owner, attr, original in reversed(undo):
             setattr(owner, attr, original)
-    windows = args.steps // CONFIGS[DEFAULTS][0] + 1  # steps 0, 50, ..., the last multiple
+    windows = args.steps // every + 1  # steps 0, n, 2n, ..., the last multiple
     return {
-        name: (statistics.median(seconds) if seconds else 0.0, len(seconds) / windows)
+        name: (
+            statistics.median(seconds) if seconds else 0.0,
+            len(seconds) / windows,
+            sum(seconds) / windows,
+        )
         for name, seconds in calls.items()
-    }
+    }, statistics.median(clock.steps[1:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1013,7 +1035,10 @@ def main(argv: list[str] | None = None) -> None:
         help="with --side-by-side: no monitor on either twin (what pairing alone shows)",
     )
     parser.add_argument(
-        "--every", type=int, default=50, help="with --side-by-side: the probe interval"
+        "--every",
+        type=int,
+        default=50,
+        help="with --side-by-side or --parts --readme: the probe interval",
     )
     parser.add_argument(
         "--backend", default="inductor", help="with --compile: torch.compile's backend"
@@ -1032,6 +1057,12 @@ def main(argv: list[str] | None = None) -> None:
         "--parts",
         action="store_true",
         help="where a window's time goes, part by part (one run at the defaults, timed inside)",
+    )
+    parser.add_argument(
+        "--readme",
+        action="store_true",
+        help="with --parts: QKMonitor as the README configures it (per_head=True), every --every "
+        "steps",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="build model and data, train nothing"
@@ -1107,9 +1138,14 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"torch {torch.__version__}, model {args.model}, arch {args.arch}, {args.steps} steps"
         )
-        for name, (seconds, per_window) in parts(args).items():
+        timed, step = parts(args)
+        if args.readme:
+            print(f"  QKMonitor(every_n_steps={args.every}, per_head=True), TensorBoardLogger")
+        print(f"  a step, its probes included: {step * 1e3:.1f} ms (median)")
+        for name, (seconds, per_window, window) in timed.items():
             print(
-                f"  {name:34s} {seconds * 1e3:6.2f} ms a call (median), {per_window:.0f} a window"
+                f"  {name:34s} {seconds * 1e3:6.2f} ms a call (median), {per_window:.0f} a "
+                f"window, {window * 1e3:6.1f} ms a window"
             )
         return
     if args.offsets:

@@ -120,3 +120,24 @@ def test_a_baton_gives_each_arm_its_turns_in_alternating_order(overhead):
     for t in threads:
         t.join(timeout=10)
     assert order == [0, 1, 1, 0, 0, 1, 1, 0]
+
+
+def test_parts_times_every_part_of_the_readme_configuration(overhead, monkeypatch):
+    """``--parts --readme`` on the nanoGPT-style model (its attention intercepted): every part of
+    :data:`PARTS` still exists and is called in the windows (a renamed function would leave a
+    part at zero calls), the timers are removed afterwards, and a window's parts add up to less
+    than its steps took."""
+    import argparse
+
+    import qkmonitor.calls
+
+    original = qkmonitor.calls.MaskedCall._stats
+    args = argparse.Namespace(model="default", arch="nanogpt", steps=6, every=3, readme=True,
+                              three=False, rank_every=None, device="cpu",
+                              precision="32-true")  # fmt: skip
+    timed, step = overhead.parts(args)
+    assert qkmonitor.calls.MaskedCall._stats is original
+    assert set(timed) == {name for _, name in overhead.PARTS}
+    for name, (median, per_window, window) in timed.items():
+        assert per_window > 0 and median > 0, name
+        assert window < 3 * step, name
