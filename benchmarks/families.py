@@ -16,6 +16,9 @@ steps, generated from a seed (nothing is downloaded):
 - ``grokking``: modular addition ``a + b mod 23`` on half of the 529 equations, full batch, weight
   decay 1.0 (Power et al. 2022): the training loss falls first (memorization); the held-out loss
   falls later, if at all. Its score is the held-out loss.
+- ``sorting`` (round 3, validation only: no rule was fitted on it): a deeper decoder (d_model 96,
+  4 layers, 4 heads) writing a sequence of 12 symbols out of 16 in sorted order after a
+  separator, trained without warmup only, at rates from healthy to divergent.
 
 Every family trains with AdamW (betas 0.9 / 0.98, weight decay on matrices only), optionally
 after a linear warmup. :meth:`Family.score_losses` is the loss the sweep's definitions (failed,
@@ -59,6 +62,7 @@ class Family:
         d_model, n_layers, n_heads: the model's size.
         held_out_every: steps between held-out evaluations (where the family has them); the
             value is carried to the steps between, and every step of the final window is evaluated.
+        warmups: the warmup arms of the family's runs; None: the sweep's (50 steps and none).
     """
 
     name: str
@@ -71,6 +75,7 @@ class Family:
     n_layers: int = 2
     n_heads: int = 4
     held_out_every: int = 1
+    warmups: tuple[int, ...] | None = None
 
     def config(self, qk_norm: bool) -> TransformerConfig:
         return TransformerConfig(
@@ -239,6 +244,32 @@ class Vision(Family):
         return F.cross_entropy(model(patches), labels)
 
 
+class Sorting(Family):
+    """Sort 12 symbols out of 16: ``x_1 .. x_12 SEP sorted(x)``; only the sorted half is scored
+    (its first symbol needs all of x: a head finding the smallest; each next one, the smallest
+    not yet written)."""
+
+    symbols, length = 16, 12
+
+    @property
+    def vocab_size(self) -> int:
+        return self.symbols + 1  # the separator
+
+    @property
+    def seq_len(self) -> int:
+        return 2 * self.length + 1
+
+    def batches(self, seed: int) -> Iterator[Batch]:
+        gen = torch.Generator().manual_seed(10_000 + seed)
+        separator = torch.full((self.batch_size, 1), self.symbols)
+        while True:
+            x = torch.randint(self.symbols, (self.batch_size, self.length), generator=gen)
+            tokens = torch.cat((x, separator, x.sort(dim=1).values), dim=1)
+            targets = torch.full_like(tokens, IGNORE_INDEX)
+            targets[:, self.length : -1] = tokens[:, self.length + 1 :]  # the sorted half
+            yield tokens, targets
+
+
 class Grokking(Family):
     modulus, train_fraction = 23, 0.5
 
@@ -289,6 +320,16 @@ FAMILIES: dict[str, Family] = {
             lrs=(3e-3, 1e-2, 3e-2),
             weight_decay=1.0,
             held_out_every=10,
+        ),
+        # round 3's unseen family (issue 31): validation only, every seed, without warmup
+        Sorting(
+            "sorting",
+            steps=300,
+            batch_size=32,
+            lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+            d_model=96,
+            n_layers=4,
+            warmups=(0,),
         ),
     )
 }

@@ -385,6 +385,10 @@ class AttentionMonitor(Callback):
         monitors = _monitors(trainer)
         if monitors[-1] is self:  # every monitor is bound now: one header for the run
             self._write_header(trainer, pl_module, monitors)
+        # the rules may read the metrics of every monitor of the Trainer, not only this one's
+        everyone = [e for m in monitors for e in m.engines]
+        for engine in everyone:
+            engine.siblings = [e for e in everyone if e is not engine]
         if not trainer.loggers and self is monitors[0]:
             rank_zero_warn(
                 "qkmonitor: the Trainer has no logger; metrics are kept in each monitor's "
@@ -465,6 +469,16 @@ class AttentionMonitor(Callback):
         self._observe_loss(outputs)
         # under FSDP every rank holds a shard: the spectrum gathers the full weights for the read
         group.finish(self._host(trainer), step, after=after, full_model=trainer.strategy.model)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        """An update comes after ``global_step`` updates: the engines that compare the weights
+        across it (the q/k update metrics) copy what they need where a read follows it."""
+        step = trainer.global_step
+        if step + 1 not in self._group.between:  # a read follows this update
+            self._group.before_update(self._host(trainer), step)
 
     def _observe_weights(self, trainer: pl.Trainer, step: int) -> None:
         self._group.observe_weights(self._host(trainer), step, full_model=trainer.strategy.model)

@@ -45,6 +45,7 @@ __all__ = [
     "LOGIT_JUMP_RULE",
     "MALIGNANT_COLLAPSE_RULE",
     "RANK_COLLAPSE_RULE",
+    "RUN_SIGNALS",
     "SPECTRAL_GROWTH_RULE",
     "Alert",
     "AlertRule",
@@ -56,6 +57,7 @@ __all__ = [
     "OverLocalizationWarning",
     "QKMonitorWarning",
     "RankCollapseWarning",
+    "run_signals",
 ]
 
 ALERT_ACTIONS = ("warn", "stop", "raise")
@@ -107,6 +109,19 @@ def _check_test(owner: object) -> None:
 
 #: Steps of training loss averaged for :attr:`AlertRule.learning_drop` (one batch's loss is noisy).
 LOSS_SMOOTHING = 10
+
+#: Values of the run, not of a head, that a rule's conditions may read like a metric (the same at
+#: every (layer, head)); from the training loss the monitors are handed, at each probe.
+RUN_SIGNALS = {
+    "loss_change": (
+        f"the training loss's mean over the last {LOSS_SMOOTHING} steps over its mean the "
+        f"{LOSS_SMOOTHING} steps before (1: flat; above 1: rising)"
+    ),
+    "loss_vs_best": (
+        f"the training loss's mean over the last {LOSS_SMOOTHING} steps over the lowest such mean "
+        "at an earlier probe (1: at its best; above 1: worse than it has been)"
+    ),
+}
 #: The comparison span of :attr:`AlertRule.learning_drop` for a rule without a ``window``.
 LEARNING_WINDOW = 30
 
@@ -118,6 +133,20 @@ def _mean_loss(losses: Sequence[tuple[int, float]], step: int) -> float | None:
     if not values or not all(math.isfinite(v) for v in values):
         return None
     return sum(values) / len(values)
+
+
+def run_signals(
+    losses: Sequence[tuple[int, float]], step: int, best: float | None
+) -> tuple[dict[str, float], float | None]:
+    """:data:`RUN_SIGNALS` at ``step`` from the recent ``losses`` (``(step, loss)``) and the
+    lowest earlier probe's mean ``best``, and the loss's mean at ``step`` (None without one);
+    a signal is NaN where the loss does not say (too few steps, a non-finite loss, no earlier
+    probe)."""
+    now = _mean_loss(losses, step)
+    then = _mean_loss(losses, step - LOSS_SMOOTHING)
+    ratio = math.nan if now is None or then is None or not then > 0 else now / then
+    vs_best = math.nan if now is None or best is None or not best > 0 else now / best
+    return {"loss_change": ratio, "loss_vs_best": vs_best}, now
 
 
 def _crossed(test: Condition | AlertRule, value: float) -> bool:

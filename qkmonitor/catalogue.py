@@ -84,6 +84,10 @@ class MetricSpec:
 _INF = math.inf
 _SQUARE = "W_QK is not square (key input width != query input width): no eigenvalues"
 _ZERO = "W_QK^h = 0 (e.g. a zero-initialised W_Q): 0/0"
+_NO_UPDATE = (
+    "no optimizer update was seen before the read (step 0; a plain loop's Monitoring without "
+    "optimizer=), or the layer's family gives no query/key rows"
+)
 
 CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -158,6 +162,51 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "high",
         "QK spectrum",
         "sigma_1 * scale: how sharp the head's logits can get (Zhai et al. 2023, sigmaReparam)",
+    ),
+    MetricSpec(
+        "q_update_ratio",
+        SPECTRUM,
+        True,
+        "ratio",
+        (0.0, _INF),
+        "high",
+        "optimizer's view",
+        "||W_Q^h' - W_Q^h||_F / ||W_Q^h||_F over the update before the read: the update-to-weight "
+        "RMS ratio of the head's query rows (Wortsman et al. 2023)",
+        undefined=_NO_UPDATE,
+    ),
+    MetricSpec(
+        "k_update_ratio",
+        SPECTRUM,
+        True,
+        "ratio",
+        (0.0, _INF),
+        "high",
+        "optimizer's view",
+        "the same for the rows of the key head the head reads (W_K^g)",
+        undefined=_NO_UPDATE,
+    ),
+    MetricSpec(
+        "q_grad_norm",
+        SPECTRUM,
+        True,
+        "gradient norm",
+        (0.0, _INF),
+        "high",
+        "optimizer's view",
+        "||grad of W_Q^h||_F: the gradient the update before the read was computed from",
+        undefined=_NO_UPDATE,
+    ),
+    MetricSpec(
+        "k_grad_norm",
+        SPECTRUM,
+        True,
+        "gradient norm",
+        (0.0, _INF),
+        "high",
+        "optimizer's view",
+        "||grad of W_K^g||_F, of the key head the head reads",
+        undefined=_NO_UPDATE,
     ),
     MetricSpec(
         "entropy",

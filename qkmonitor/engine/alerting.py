@@ -18,8 +18,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from qkmonitor.alerts import LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
-from qkmonitor.catalogue import metric
+from qkmonitor.alerts import (
+    LOSS_SMOOTHING,
+    RUN_SIGNALS,
+    Alert,
+    AlertRule,
+    AlertTracker,
+    run_signals,
+)
+from qkmonitor.catalogue import CATALOGUE, metric
 
 if TYPE_CHECKING:
     from qkmonitor.engine.base import Host
@@ -111,10 +118,14 @@ class AlertPolicy:
         on_alert: called as ``on_alert(owner, alert)`` for every alert that fires, or None.
         owner: the engine's name, which starts every warning.
         monitor: the catalogue's name of the engine's monitor, for the rules' check.
-        metric_names: the metrics the engine logs; a rule watching another is refused.
+        metric_names: the metrics the engine logs. A rule's own metric must be one of them; its
+            conditions may also read another monitor's metric (:attr:`borrowed`: the engine
+            hands the values of a monitor beside it, ``evidence``) or a run signal
+            (:data:`~qkmonitor.alerts.RUN_SIGNALS`, from the training loss).
 
     Raises:
-        ValueError: if a rule watches a metric the engine does not log, or two rules share a name.
+        ValueError: if a rule watches a metric no monitor logs, or its own metric is not the
+            engine's, or two rules share a name.
     """
 
     def __init__(
@@ -127,22 +138,38 @@ class AlertPolicy:
         monitor: str,
         metric_names: Sequence[str],
     ) -> None:
+        logged_anywhere = {spec.name: spec.monitor for spec in CATALOGUE}
+        #: metrics of other monitors the rules' conditions read -> the monitor that logs them
+        self.borrowed: dict[str, str] = {}
         for rule in rules:
-            unknown = [m for m in rule.metrics if m not in metric_names]
+            own = [rule.metric] if rule.metric not in metric_names else []
+            others = [m for m in rule.metrics[1:] if m not in metric_names]
+            unknown = own + [m for m in others if m not in logged_anywhere and m not in RUN_SIGNALS]
             if unknown:
                 raise ValueError(
                     f"Alert rule {rule.name!r} watches {', '.join(map(repr, unknown))}, which "
-                    f"{monitor} does not log; it logs {', '.join(metric_names)}"
+                    f"{monitor} does not log; it logs {', '.join(metric_names)} (a condition may "
+                    f"also read another monitor's metric or a run signal: "
+                    f"{', '.join(RUN_SIGNALS)})"
                 )
+            self.borrowed.update({m: logged_anywhere[m] for m in others if m in logged_anywhere})
         self.tracker = AlertTracker(list(rules))
         self.action = action
         self.on_alert = on_alert
         self.owner = owner
         self._nonfinite: set[int] = set()
-        #: whether a rule reads the training loss (``learning_drop``); the loss is kept only then
-        self.reads_loss = any(rule.learning_drop is not None for rule in rules)
+        #: the run signals the rules read (from the loss)
+        self.signals = sorted({m for rule in rules for m in rule.metrics if m in RUN_SIGNALS})
+        self._best_loss: float | None = None  # the lowest loss mean at a probe (loss_vs_best)
+        #: whether a rule reads the training loss (``learning_drop``, a run signal); the loss is
+        #: kept only then
+        self.reads_loss = bool(self.signals) or any(
+            rule.learning_drop is not None for rule in rules
+        )
         horizon = max(
-            (rule.loss_window for rule in rules if rule.learning_drop is not None), default=0
+            [rule.loss_window for rule in rules if rule.learning_drop is not None]
+            + ([LOSS_SMOOTHING] if self.signals else []),
+            default=0,
         )
         #: steps before a probe whose loss a rule reads
         self.loss_horizon = horizon + LOSS_SMOOTHING
@@ -155,6 +182,7 @@ class AlertPolicy:
         about."""
         self.tracker = AlertTracker(self.tracker.rules)
         self._nonfinite = set()
+        self._best_loss = None
         self.losses.clear()
 
     # -- the training loss -------------------------------------------------------------------
@@ -216,15 +244,27 @@ class AlertPolicy:
         step: int,
         layer_names: list[str],
         qk_norm_layers: frozenset[int],
+        evidence: dict[str, list[list[float]]] | None = None,
     ) -> list[Alert]:
         """Feed one probe's values (metric -> per layer, the heads' values) to the tracker; return
-        the alerts that fired."""
+        the alerts that fired. ``evidence``: the :attr:`borrowed` metrics of the same step, from
+        the monitors beside the engine, in the same layout (a rule whose metric is absent is
+        skipped); the run signals the rules read are added from the loss history."""
+        losses = self.loss_history() if self.reads_loss else []
+        grids = {**rows, **(evidence or {})}
+        if self.signals and rows:
+            signals, now = run_signals(losses, step, self._best_loss)
+            shape = next(iter(rows.values()))
+            for name in self.signals:
+                grids[name] = [[signals[name]] * len(heads) for heads in shape]
+            if now is not None and (self._best_loss is None or now < self._best_loss):
+                self._best_loss = now
         return self.tracker.update(
-            rows,
+            grids,
             step,
             layer_names,
             qk_norm_layers=qk_norm_layers,
-            losses=self.loss_history() if self.reads_loss else (),
+            losses=losses,
             first_loss=self.first_loss() if self.reads_loss else None,
         )
 
@@ -316,6 +356,8 @@ class AlertPolicy:
         if self.reads_loss:  # a resumed run tells learning from failing from its first probe on
             state["losses"] = [list(pair) for pair in self.loss_history()]
             state["first_loss"] = self.first_loss()
+        if self.signals:
+            state["best_loss"] = self._best_loss
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -323,6 +365,7 @@ class AlertPolicy:
         self._nonfinite = set(state.get("nonfinite_layers", []))
         if self.reads_loss and "losses" in state:
             self.losses.restore(state["losses"], state.get("first_loss"))
+        self._best_loss = state.get("best_loss")
 
 
 def _as_floats(values: list[Tensor | float]) -> list[float]:

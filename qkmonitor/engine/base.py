@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import warnings
 import weakref
 from collections import Counter
@@ -230,6 +231,9 @@ class MonitorEngine:
         self.qk_norm_layers: frozenset[int] = frozenset()
         #: The last probe's values: metric -> one (num_heads,) float CPU tensor per layer.
         self.latest: Values = {}
+        #: the engines beside this one in its driver (set by the driver: ``EngineGroup.bound``,
+        #: the Lightning callbacks of one Trainer), whose metrics its rules may read
+        self.siblings: list[MonitorEngine] = []
         self.latest_step: int | None = None
         #: The last validation probe's values, like :attr:`latest`.
         self.latest_validation: Values = {}
@@ -550,6 +554,10 @@ class MonitorEngine:
         """Measure the weights as they are after ``step`` optimizer steps, if that is a probe
         step."""
 
+    def before_update(self, host: Host, step: int) -> None:
+        """An optimizer is about to apply the update after ``step`` updates (engines that compare
+        the weights across it take their copy here)."""
+
     def open(self, step: int, *, validation: bool = False) -> bool:
         """Open the probes of a probe window; True if any were opened."""
         return False
@@ -603,7 +611,8 @@ class MonitorEngine:
             self.latest_validation = values
         else:
             self.latest, self.latest_step = values, step
-            alerts = self.alerting.update(rows, step, names, self.qk_norm_layers)
+            evidence = self._evidence(host, rows, step)
+            alerts = self.alerting.update(rows, step, names, self.qk_norm_layers, evidence)
             alerts = [a.with_layer_kind(self.layers[a.layer].kind) for a in alerts]  # the advice
         self.publishing.publish(
             host,
@@ -619,6 +628,39 @@ class MonitorEngine:
         for alert in alerts:
             self.alerting.act(host, alert, self.publishing.write_alert)
         return alerts
+
+    def _evidence(
+        self, host: Host, rows: dict[str, list[list[float]]], step: int
+    ) -> dict[str, list[list[float]]]:
+        """The metrics of other monitors that this engine's rules read (``AlertPolicy.borrowed``),
+        from the engines beside it (:attr:`siblings`) that logged them at ``step``, laid out as
+        ``rows`` (a layer they do not measure, or whose heads differ, is NaN). A metric no engine
+        beside it logs is left out, and its rules skipped, with one warning."""
+        borrowed = self.alerting.borrowed
+        if not borrowed or not rows:
+            return {}
+        heads = [len(h) for h in next(iter(rows.values()))]
+        out: dict[str, list[list[float]]] = {}
+        for name, monitor in borrowed.items():
+            source = next((e for e in self.siblings if name in e.metric_names), None)
+            if source is None:
+                self.warn_once(
+                    host,
+                    f"evidence:{name}",
+                    f"a rule reads {name}, which {monitor} logs, but no {monitor} runs beside "
+                    f"this monitor (QKMonitor runs the three together; or give both engines to "
+                    f"one Monitoring): the rules that read it are skipped",
+                )
+                continue
+            latest = source.latest if source.latest_step == step else {}
+            index = {layer.name: i for i, layer in enumerate(source.layers)}
+            grid = []
+            for layer, count in zip(self.layers, heads):
+                j = index.get(layer.name)
+                values = latest[name][j].tolist() if name in latest and j is not None else []
+                grid.append(values if len(values) == count else [math.nan] * count)
+            out[name] = grid
+        return out
 
     def draw_final(self, host: Host) -> None:
         """At a run's end: draw the visuals of its last probe if that probe was not one of every

@@ -52,6 +52,8 @@ class EngineGroup:
     def bound(self) -> None:
         """After every engine's ``bind`` or ``load_state_dict``: a new schedule, and one loss
         history for the engines whose rules read the loss (what the longest-kept of them held)."""
+        for engine in self.engines:
+            engine.siblings = [e for e in self.engines if e is not engine]
         self.loss_readers = [e for e in self.engines if e.reads_loss]
         self.between, self.quiet = NO_STEPS, NO_STEPS
         if len(self.loss_readers) > 1:
@@ -95,6 +97,14 @@ class EngineGroup:
             return
         check_loss(loss)
         losses.add(step, loss)
+
+    def before_update(self, host: Host, step: int) -> None:
+        """An optimizer is about to apply the update after ``step`` updates: the engines that read
+        the weights after it take what they compare against (nothing where no read follows)."""
+        if step + 1 in self.between:
+            return
+        for engine in self.weights:
+            engine.before_update(host, step)
 
     def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
         """Measure the weights after ``step`` updates, where that is a probe step."""

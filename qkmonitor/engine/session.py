@@ -141,6 +141,18 @@ def _sink_of(writer: object) -> GuardedSink:
     )
 
 
+def _hookable(optimizer: object) -> torch.optim.Optimizer | None:
+    """The torch optimizer that steps, under wrappers that hold it as ``.optimizer`` (accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``); None where there is none."""
+    for _ in range(4):
+        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(
+            optimizer, "_optimizer_step_pre_hooks"
+        ):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
+
+
 def _check_optimizer(optimizer: object) -> None:
     """``Monitoring(optimizer=...)`` is read for its learning rate: a torch optimizer (or a wrapper
     with its ``param_groups``), or None."""
@@ -247,6 +259,17 @@ class Monitoring:
             engine.report_discovery(self.host)
         self._group.bound()
         write_run_header(sinks, engines, hparams, metrics=hparams_metrics)
+        #: the optimizer's step pre-hook that tells the engines an update comes (the q/k update
+        #: metrics); removed by :meth:`close`
+        self._update_hook = None
+        inner = _hookable(optimizer)
+        if self._group.weights and inner is not None:
+            self._update_hook = inner.register_step_pre_hook(self._before_update)
+
+    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer is about to step: the update after the open window's step."""
+        if self._step is not None and not self.closed:
+            self._group.before_update(self.host, self._step)
 
     @property
     def should_stop(self) -> bool:
@@ -352,6 +375,9 @@ class Monitoring:
     def close(self) -> None:
         """Close any open probe, wait for the visuals and flush the writer; the engines may then
         join another Monitoring."""
+        hook, self._update_hook = self._update_hook, None
+        if hook is not None:
+            hook.remove()
         self._group.end(self.host)  # the scalars held written, the pictures of the final state
         self.closed = True
         for sink in self.host.sinks():

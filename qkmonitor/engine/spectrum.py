@@ -23,6 +23,7 @@ from qkmonitor.adapters import AttentionLayer
 from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.catalogue import SPECTRUM
 from qkmonitor.engine.base import Host, MonitorEngine
+from qkmonitor.engine.updates import UPDATE_METRICS, UpdateSnapshot, take_snapshot, update_metrics
 from qkmonitor.layer_spectra import (
     SPECTRUM_METRICS,
     LayerSpectra,
@@ -43,6 +44,12 @@ class QKSpectrum(MonitorEngine):
     optimizer step. Arguments: ``options``, or the fields of
     :class:`~qkmonitor.engine.MonitorOptions`.
 
+    With the optimizer's view of the same weights (:mod:`qkmonitor.engine.updates`): each head's
+    update-to-weight RMS ratio and gradient norm of W_Q and W_K over the update before the read
+    (``q_update_ratio``, ``k_update_ratio``, ``q_grad_norm``, ``k_grad_norm``), where the driver
+    calls :meth:`before_update` (the Lightning callbacks, ``Monitoring(optimizer=...)``, the HF
+    Trainer callback); NaN at step 0 and where no update was seen.
+
     Layers whose W_Q/W_K were read by name (:mod:`qkmonitor.intercept`) are checked against the
     first forward: the engine opens a layout probe on them for the first batch (``open`` /
     ``finish``), and holds the step-0 values of those layers, computed from a copy of their
@@ -58,13 +65,17 @@ class QKSpectrum(MonitorEngine):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._checks: list[tuple[AttentionLayer, Probe]] = []
-        self._pending: tuple[int, dict[int, tuple], dict[int, Any]] | None = None
+        self._pending: tuple[int, dict[int, tuple], dict[int, Any], dict] | None = None
         self._layouts_waiting = True  # whether some layer may still wait for its layout check
+        self._snapshot: UpdateSnapshot | None = None  # the heads before the update of a probe
+        self._updates_seen = False  # whether a driver has announced an update this run
+        self._told_no_updates = False  # whether the run was told the update metrics are off
 
     def _prepare(self, model: nn.Module) -> None:
         self.abort()
         self._pending = None
         self._layouts_waiting = True
+        self._snapshot, self._updates_seen, self._told_no_updates = None, False, False
         blind = [layer.name for layer in self.layers if not layer.supports_weights]
         if len(blind) == len(self.layers):
             raise ValueError(
@@ -114,11 +125,10 @@ class QKSpectrum(MonitorEngine):
             if message:
                 self.warn_once(host, f"layout:{layer.name}", message)
         if self._pending is not None:
-            step, spectra, copies = self._pending
+            step, spectra, copies, updates = self._pending
             self._pending = None
-            self._log(
-                host, step, _merged(self.layers, spectra, self._spectra_of_copies(host, copies))
-            )
+            merged = _merged(self.layers, spectra, self._spectra_of_copies(host, copies))
+            self._log(host, step, merged, updates)
 
     def abort(self) -> None:
         checks, self._checks = self._checks, []
@@ -148,15 +158,73 @@ class QKSpectrum(MonitorEngine):
             if layer.supports_weights and layer.layout_ready
         }
         waiting = {i: layer for i, layer in enumerate(self.layers) if layer.needs_layout_check}
+        updates = self._updates_after(host, step)
         with torch.no_grad(), full_parameters(full_model):
             spectra = spectrum_of_layers([layer.qk_weights() for layer in ready.values()])
             copies = {i: layer.weights_copy() for i, layer in waiting.items()}
         spectra = {i: _layer_of(spectra, j) for j, i in enumerate(ready)}
         if copies:  # logged once the first forward has checked their layouts (finish)
             self.latest_step = step
-            self._pending = (step, spectra, copies)
+            self._pending = (step, spectra, copies, updates)
             return
-        self._log(host, step, _merged(self.layers, spectra, {}))
+        self._log(host, step, _merged(self.layers, spectra, {}), updates)
+
+    # -- the optimizer's view ----------------------------------------------------------------
+
+    def before_update(self, host: Host, step: int) -> None:
+        """An optimizer is about to apply the update after ``step`` updates (the driver says so
+        before each optimizer step): where the weights after it are read (a probe step), copy
+        every head's query/key rows and read their gradients. Once per step, however many
+        optimizers step in it; a failure warns and leaves the update metrics NaN."""
+        self._updates_seen = True
+        if not self.layers or not self.is_probe_step(step + 1) or self.without_data():
+            return
+        if self._snapshot is not None and self._snapshot.step == step:
+            return
+        self._snapshot = None
+        try:
+            self._snapshot, skipped = take_snapshot(self.layers, step)
+        except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+            self.warn_once(
+                host,
+                "updates",
+                f"the query/key update metrics could not be read ({type(err).__name__}: {err}); "
+                "they are NaN",
+            )
+            return
+        for name, why in skipped.items():
+            self.warn_once(
+                host,
+                f"updates:{name}",
+                f"the query/key update and gradient metrics of layer {name!r} are NaN: {why}",
+            )
+
+    def _updates_after(self, host: Host, step: int) -> tuple[dict, dict]:
+        """The update metrics of the weights after ``step`` updates (``(values, undefined)``, each
+        metric -> one (H,) tensor per layer): from the snapshot taken before the last update, NaN
+        and undefined without one."""
+        snapshot, self._snapshot = self._snapshot, None
+        heads = [layer.num_heads_hint for layer in self.layers]
+        if snapshot is not None and snapshot.step == step - 1:
+            values = update_metrics(snapshot, heads)
+            undefined = {
+                name: [
+                    torch.full((h,), part is None, dtype=torch.bool)
+                    for part, h in zip(snapshot.layers, heads)
+                ]
+                for name in UPDATE_METRICS
+            }
+            return values, undefined
+        if step > 0 and not self._updates_seen and not self._told_no_updates:
+            self._told_no_updates = True  # a capability left unused, not a fault: one line
+            host.info(
+                f"qkmonitor: {type(self).__name__} ({self.prefix}): no optimizer step was "
+                "announced before the weights were read, so the query/key update and gradient "
+                "metrics are NaN (undefined); in a plain loop, pass Monitoring(optimizer=...)"
+            )
+        nan = {name: [torch.full((h,), float("nan")) for h in heads] for name in UPDATE_METRICS}
+        undefined = {name: [torch.ones(h, dtype=torch.bool) for h in heads] for name in nan}
+        return nan, undefined
 
     def _spectra_of_copies(self, host: Host, copies: dict[int, Any]) -> dict[int, tuple]:
         out = {}
@@ -188,9 +256,18 @@ class QKSpectrum(MonitorEngine):
                     "qkmonitor.AttentionSpec.",
                 )
 
-    def _log(self, host: Host, step: int, spectra: LayerSpectra) -> None:
+    def _log(
+        self, host: Host, step: int, spectra: LayerSpectra, updates: tuple[dict, dict]
+    ) -> None:
         histograms = partial(self._histograms, spectra.singular_values)  # made when drawn
-        self.record(host, spectra.metrics, step, undefined=spectra.undefined, histograms=histograms)
+        values, undefined = updates
+        self.record(
+            host,
+            {**spectra.metrics, **{m: [v.float() for v in values[m]] for m in UPDATE_METRICS}},
+            step,
+            undefined={**spectra.undefined, **undefined},
+            histograms=histograms,
+        )
 
     def _histograms(self, singular_values: list[Tensor]) -> dict[str, Tensor]:
         out = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import pickle
 import warnings
 
@@ -108,7 +109,7 @@ def fit(tmp_path, kind, *, run_teacher, compiled, leftovers):
     acc = EventAccumulator(str(tmp_path / "runs" / version), size_guidance={"scalars": 0})
     acc.Reload()
     scalars = {
-        tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+        tag: [(e.step, "NaN" if math.isnan(e.value) else e.value) for e in acc.Scalars(tag)]
         for tag in acc.Tags()["scalars"]
         if tag.startswith("qkmonitor/")
     }
