@@ -102,7 +102,10 @@ MIN_LEAD = 10  # steps an alert must come before a loss that separates after EAR
 EARLY = 30  # a run separating by this step must be flagged by the first probe at or after it
 WARMUP = 50  # linear warmup steps of the warmup arm
 #: bumped when what a run records changes; a cached run of another version is trained again
-RECORD_VERSION = 3  # 3: the spectrum's q/k update and gradient metrics (issue 31)
+#: (3: the spectrum's q/k update and gradient metrics, the output logits' run values; issue 31)
+RECORD_VERSION = 3
+#: a probe's key for its run values (``{name: value}``), beside its metrics
+RUN = "run"
 #: where the bundled models keep their transformer blocks (Muon's 2-D weights, ``--arms``)
 BLOCK_CONTAINERS = ("blocks", "encoder", "decoder")
 MONITORS = ("QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor")
@@ -318,12 +321,15 @@ def train_run(spec: RunSpec) -> RunRecord:
             scored.append(losses[-1] if held is None else held)
             for engine in engines:
                 if engine.latest_step == step:
-                    probes.setdefault(step, {}).update(
+                    probe = probes.setdefault(step, {})
+                    probe.update(
                         {
                             name: [layer.tolist() for layer in grid]
                             for name, grid in engine.latest.items()
                         }
                     )
+                    if engine.latest_run:  # the output logits' run values
+                        probe.setdefault(RUN, {}).update(engine.latest_run)
     alerts = [_alert_row(a) for a in fired]
     clips = sum(int(c.sum()) for c in clip.clip_counts) if clip else 0
     return RunRecord(spec, losses, scored, probes, alerts, time.perf_counter() - start, clips=clips)
@@ -400,7 +406,8 @@ def _replay_probe(
         if m in engine.metric_names
     }
     if values:
-        engine.record(monitoring.host, values, step)
+        run = probe.get(RUN) if isinstance(engine, AttentionEntropy) else None
+        engine.record(monitoring.host, values, step, run_values=run)
 
 
 # -- the cache -----------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ __all__ = [
     "LOGIT_BURST_RULE",
     "LOGIT_GROWTH_RULE",
     "LOGIT_JUMP_RULE",
+    "LOSS_SIGNALS",
     "MALIGNANT_COLLAPSE_RULE",
     "RANK_COLLAPSE_RULE",
     "RUN_SIGNALS",
@@ -121,7 +122,16 @@ RUN_SIGNALS = {
         f"the training loss's mean over the last {LOSS_SMOOTHING} steps over the lowest such mean "
         "at an earlier probe (1: at its best; above 1: worse than it has been)"
     ),
+    "output_lse_rms": (
+        "the RMS over the probed positions of the model's output log-partition log sum_v e^x_v "
+        "(what the z-loss keeps near 0), from AttentionEntropyMonitor's probe"
+    ),
+    "output_logit_max": (
+        "the largest |output logit| of the probed forward, from AttentionEntropyMonitor's probe"
+    ),
 }
+#: the run signals computed from the training loss (the others are measured by a monitor)
+LOSS_SIGNALS = ("loss_change", "loss_vs_best")
 #: The comparison span of :attr:`AlertRule.learning_drop` for a rule without a ``window``.
 LEARNING_WINDOW = 30
 

@@ -7,6 +7,7 @@ them. The layout is one per run (TensorBoard keeps a single custom-scalars layou
   tag regex ``{prefix}/{metric}/layer_\\d+$`` picks every layer's mean;
 - a *Margin* chart per (metric, layer): mean over heads with the band from the lowest to the
   highest head (``{metric}``, ``{metric}_min``, ``{metric}_max``);
+- with AttentionEntropyMonitor, the model's output logits (``{prefix}/run/output_*``);
 - the alert counters (a rule's series starts at its first alert);
 - first, a chart of the training and validation loss, the tags of :data:`qkmonitor.tags.LOSS_TAGS`
   and :data:`~qkmonitor.tags.VAL_LOSS_TAGS` that the run has (qkmonitor does not write the loss).
@@ -119,6 +120,13 @@ def _prefix_layout(prefix: str, metrics: list[str], num_layers: int, rules: list
         }
         if margins:
             layout[f"{prefix}: {family}, per layer over heads"] = margins
+    if "max_logit" in metrics:  # AttentionEntropy's probe reads the model's output logits too
+        layout[f"{prefix}: output logits"] = {
+            "output_lse_rms and output_logit_max (the run's, not a layer's)": [
+                "Multiline",
+                [f"^{re.escape(prefix)}/run/output_"],
+            ]
+        }
     if rules:
         layout[f"{prefix}: alerts"] = {
             "alerts fired (count; a rule appears at its first alert)": [

@@ -32,7 +32,7 @@ from qkmonitor.functional import normalized_entropy
 from qkmonitor.kernels import AttentionStats
 from qkmonitor.validation import check_positive_int
 
-__all__ = ["AttentionStatistics", "HeadMean", "reduce_across_ranks"]
+__all__ = ["AttentionStatistics", "HeadMean", "OutputLogits", "logit_sums", "reduce_across_ranks"]
 
 
 class _PerHeadMetric(Metric):
@@ -180,6 +180,70 @@ class HeadMean(_PerHeadMetric):
 
     def compute(self) -> Tensor:
         return self.total / self.count
+
+
+class OutputLogits(_PerHeadMetric):
+    r"""The model's output logits over every position of a probe window: with
+    :math:`z_i = \log \sum_v e^{x_{iv}}` the log-partition of position i (the quantity the z-loss
+    of PaLM and Wortsman et al. 2023 keeps near 0),
+
+    .. math::
+
+        \mathrm{output\_lse\_rms} = \sqrt{\tfrac{1}{P} \sum_i z_i^2}, \qquad
+        \mathrm{output\_logit\_max} = \max_{i, v} |x_{iv}|,
+
+    over the P positions seen since the last reset (one slot: the run's, not a head's)."""
+
+    max_states = ("logit_max",)
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(1, **kwargs)
+        self.add_state(
+            "lse_square_sum", default=torch.zeros(1, dtype=torch.float64), dist_reduce_fx="sum"
+        )
+        self.add_state(
+            "positions", default=torch.zeros(1, dtype=torch.float64), dist_reduce_fx="sum"
+        )
+        self.add_state(
+            "logit_max", default=torch.full((1,), float("-inf"), dtype=torch.float64),
+            dist_reduce_fx="max",
+        )  # fmt: skip
+
+    def update(self, logits: Tensor) -> None:
+        """Add one forward's logits, (..., V) (:func:`logit_sums`)."""
+        self.add(*logit_sums(logits))
+
+    def add(self, lse_square_sum: Tensor, positions: Tensor, logit_max: Tensor) -> None:
+        """Add sums already taken (:func:`logit_sums`), e.g. of several forwards."""
+        device = self.positions.device
+        self.lse_square_sum += lse_square_sum.to(device)
+        self.positions += positions.to(device)
+        self.logit_max = torch.maximum(self.logit_max, logit_max.to(device))
+
+    def compute(self) -> dict[str, Tensor]:
+        seen = self.positions > 0
+        nan = torch.full_like(self.positions, float("nan"))
+        return {
+            "output_lse_rms": torch.where(seen, (self.lse_square_sum / self.positions).sqrt(), nan),
+            "output_logit_max": torch.where(seen, self.logit_max, nan),
+        }
+
+
+def logit_sums(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(Σ z_i², positions, max |x|)`` of logits (..., V), each a float64 (1,) tensor on their
+    device: z_i the log-partition over the last dim, in float32 or better (no autograd). NaN or
+    Inf in the logits carry into the sums."""
+    x = logits.detach()
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if x.numel() == 0:
+        zero = torch.zeros(1, dtype=torch.float64, device=x.device)
+        return zero, zero.clone(), torch.full_like(zero, float("-inf"))
+    lse = torch.logsumexp(x, dim=-1).double()
+    return (
+        lse.square().sum().reshape(1),
+        torch.full((1,), float(lse.numel()), dtype=torch.float64, device=x.device),
+        x.abs().amax().double().reshape(1),
+    )
 
 
 def reduce_across_ranks(metrics: Sequence[_PerHeadMetric]) -> None:

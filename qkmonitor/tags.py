@@ -1,9 +1,10 @@
 """TensorBoard tag names: the stable contract between the callbacks, dashboards and reports.
 
 ``{prefix}/{metric}/layer_{LL}`` — mean over heads; ``{prefix}/{metric}_{max|min}/layer_{LL}`` —
-the worst head; ``{prefix}/{metric}/layer_{LL}_head_{HH}`` — one head; ``{prefix}/alerts/{rule}``
-— how many alerts of a rule have fired, written from the rule's first alert on (a rule that never
-fires writes no series). LL and HH are zero-padded to two digits.
+the worst head; ``{prefix}/{metric}/layer_{LL}_head_{HH}`` — one head; ``{prefix}/run/{name}`` —
+a value of the run, not of a layer (the model's output logits); ``{prefix}/alerts/{rule}`` — how
+many alerts of a rule have fired, written from the rule's first alert on (a rule that never fires
+writes no series). LL and HH are zero-padded to two digits.
 
 No scalar tag is a prefix (a parent "directory") of another, so that stores mapping tags to
 paths (MLflow's file store) can hold them all. Until 2026-12 one head was
@@ -22,6 +23,7 @@ __all__ = [
     "alert_tag",
     "head_tag",
     "layer_tag",
+    "run_tag",
     "worst_tag",
 ]
 
@@ -52,6 +54,11 @@ def worst_tag(prefix: str, metric: str, worst: str, layer: int) -> str:
 def head_tag(prefix: str, metric: str, layer: int, head: int) -> str:
     """``{prefix}/{metric}/layer_{LL}_head_{HH}`` (a sibling of the layer's tag, not a child)."""
     return f"{prefix}/{metric}/layer_{layer:02d}_head_{head:02d}"
+
+
+def run_tag(prefix: str, name: str) -> str:
+    """``{prefix}/run/{name}``: a value of the run, not of a layer (the output logits')."""
+    return f"{prefix}/run/{name}"
 
 
 def alert_tag(prefix: str, rule: str) -> str:

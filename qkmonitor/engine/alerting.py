@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from qkmonitor.alerts import (
+    LOSS_SIGNALS,
     LOSS_SMOOTHING,
     RUN_SIGNALS,
     Alert,
@@ -158,17 +159,19 @@ class AlertPolicy:
         self.on_alert = on_alert
         self.owner = owner
         self._nonfinite: set[int] = set()
-        #: the run signals the rules read (from the loss)
+        #: the run signals the rules read: from the loss (computed here) or measured by a
+        #: monitor (handed to :meth:`update`)
         self.signals = sorted({m for rule in rules for m in rule.metrics if m in RUN_SIGNALS})
+        self._loss_signals = [name for name in self.signals if name in LOSS_SIGNALS]
         self._best_loss: float | None = None  # the lowest loss mean at a probe (loss_vs_best)
-        #: whether a rule reads the training loss (``learning_drop``, a run signal); the loss is
+        #: whether a rule reads the training loss (``learning_drop``, a loss signal); the loss is
         #: kept only then
-        self.reads_loss = bool(self.signals) or any(
+        self.reads_loss = bool(self._loss_signals) or any(
             rule.learning_drop is not None for rule in rules
         )
         horizon = max(
             [rule.loss_window for rule in rules if rule.learning_drop is not None]
-            + ([LOSS_SMOOTHING] if self.signals else []),
+            + ([LOSS_SMOOTHING] if self._loss_signals else []),
             default=0,
         )
         #: steps before a probe whose loss a rule reads
@@ -245,20 +248,27 @@ class AlertPolicy:
         layer_names: list[str],
         qk_norm_layers: frozenset[int],
         evidence: dict[str, list[list[float]]] | None = None,
+        run_values: dict[str, float] | None = None,
     ) -> list[Alert]:
         """Feed one probe's values (metric -> per layer, the heads' values) to the tracker; return
         the alerts that fired. ``evidence``: the :attr:`borrowed` metrics of the same step, from
         the monitors beside the engine, in the same layout (a rule whose metric is absent is
-        skipped); the run signals the rules read are added from the loss history."""
+        skipped); ``run_values``: the measured run signals of the step (the output logits'); the
+        loss signals are computed from the loss history. A signal without a value is NaN, which
+        fires nothing."""
         losses = self.loss_history() if self.reads_loss else []
         grids = {**rows, **(evidence or {})}
         if self.signals and rows:
-            signals, now = run_signals(losses, step, self._best_loss)
+            signals = dict(run_values or {})
+            if self._loss_signals:
+                from_loss, now = run_signals(losses, step, self._best_loss)
+                signals.update(from_loss)
+                if now is not None and (self._best_loss is None or now < self._best_loss):
+                    self._best_loss = now
             shape = next(iter(rows.values()))
             for name in self.signals:
-                grids[name] = [[signals[name]] * len(heads) for heads in shape]
-            if now is not None and (self._best_loss is None or now < self._best_loss):
-                self._best_loss = now
+                value = signals.get(name, math.nan)
+                grids[name] = [[value] * len(heads) for heads in shape]
         return self.tracker.update(
             grids,
             step,
@@ -356,7 +366,7 @@ class AlertPolicy:
         if self.reads_loss:  # a resumed run tells learning from failing from its first probe on
             state["losses"] = [list(pair) for pair in self.loss_history()]
             state["first_loss"] = self.first_loss()
-        if self.signals:
+        if self._loss_signals:
             state["best_loss"] = self._best_loss
         return state
 

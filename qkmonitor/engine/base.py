@@ -231,6 +231,8 @@ class MonitorEngine:
         self.qk_norm_layers: frozenset[int] = frozenset()
         #: The last probe's values: metric -> one (num_heads,) float CPU tensor per layer.
         self.latest: Values = {}
+        #: the last training probe's run values (``record(run_values=)``), by name
+        self.latest_run: dict[str, float] = {}
         #: the engines beside this one in its driver (set by the driver: ``EngineGroup.bound``,
         #: the Lightning callbacks of one Trainer), whose metrics its rules may read
         self.siblings: list[MonitorEngine] = []
@@ -417,6 +419,7 @@ class MonitorEngine:
         self.every_n_steps = self.options.every_n_steps
         self.alerting.start_run()
         self.latest, self.latest_step, self.latest_validation = {}, None, {}
+        self.latest_run = {}
         self._warned = set()
         self.publishing.forget()
 
@@ -588,6 +591,7 @@ class MonitorEngine:
         undefined: dict[str, list[Tensor]] | None = None,
         images: Images | None = None,
         histograms: Histograms | None = None,
+        run_values: dict[str, float] | None = None,
     ) -> list[Alert]:
         """Log one probe's values at ``step``, fire and act on alerts (not for validation).
 
@@ -599,6 +603,9 @@ class MonitorEngine:
                 that draws it; the histograms a function that makes them). Visuals are drawn and
                 written on the publisher's thread (:mod:`qkmonitor.engine.publisher`); ``release``
                 waits for them. A probe that draws none keeps them for :meth:`draw_final`.
+            run_values: values of the run rather than of a head (the output logits'), logged
+                under ``{prefix}/run/{name}`` and read by the rules as run signals (training
+                probes only).
 
         Returns:
             The alerts that fired.
@@ -611,8 +618,20 @@ class MonitorEngine:
             self.latest_validation = values
         else:
             self.latest, self.latest_step = values, step
-            evidence = self._evidence(host, rows, step)
-            alerts = self.alerting.update(rows, step, names, self.qk_norm_layers, evidence)
+            self.latest_run = dict(run_values or {})
+            for name, value in self.latest_run.items():
+                if not math.isfinite(value):
+                    self.warn_once(
+                        host,
+                        f"run:{name}",
+                        f"{name} is {value} at step {step} (the model's output logits are not "
+                        "finite, or no output logits were found in the probed forward); it is "
+                        "logged as it is and fires no alert. Warned once.",
+                    )
+            evidence, signals = self._evidence(host, rows, step)
+            alerts = self.alerting.update(
+                rows, step, names, self.qk_norm_layers, evidence, {**signals, **self.latest_run}
+            )
             alerts = [a.with_layer_kind(self.layers[a.layer].kind) for a in alerts]  # the advice
         self.publishing.publish(
             host,
@@ -624,6 +643,7 @@ class MonitorEngine:
             alert_counts={} if validation else self.alerting.counts(),
             images=images or {},
             histograms=histograms or {},
+            run_values={} if validation else self.latest_run,
         )
         for alert in alerts:
             self.alerting.act(host, alert, self.publishing.write_alert)
@@ -631,14 +651,22 @@ class MonitorEngine:
 
     def _evidence(
         self, host: Host, rows: dict[str, list[list[float]]], step: int
-    ) -> dict[str, list[list[float]]]:
-        """The metrics of other monitors that this engine's rules read (``AlertPolicy.borrowed``),
-        from the engines beside it (:attr:`siblings`) that logged them at ``step``, laid out as
-        ``rows`` (a layer they do not measure, or whose heads differ, is NaN). A metric no engine
-        beside it logs is left out, and its rules skipped, with one warning."""
+    ) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
+        """What this engine's rules read from the engines beside it (:attr:`siblings`) at
+        ``step``: the metrics of other monitors (``AlertPolicy.borrowed``), laid out as ``rows``
+        (a layer they do not measure, or whose heads differ, is NaN), and their measured run
+        signals. A metric no engine beside it logs is left out, and its rules skipped, with one
+        warning."""
+        signals = {
+            name: value
+            for e in self.siblings
+            if e.latest_step == step
+            for name, value in e.latest_run.items()
+            if name in self.alerting.signals
+        }
         borrowed = self.alerting.borrowed
         if not borrowed or not rows:
-            return {}
+            return {}, signals
         heads = [len(h) for h in next(iter(rows.values()))]
         out: dict[str, list[list[float]]] = {}
         for name, monitor in borrowed.items():
@@ -660,7 +688,7 @@ class MonitorEngine:
                 values = latest[name][j].tolist() if name in latest and j is not None else []
                 grid.append(values if len(values) == count else [math.nan] * count)
             out[name] = grid
-        return out
+        return out, signals
 
     def draw_final(self, host: Host) -> None:
         """At a run's end: draw the visuals of its last probe if that probe was not one of every

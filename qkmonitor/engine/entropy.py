@@ -8,6 +8,14 @@ scaled logits :math:`s_{ij}`:
     H_i = -\sum_j p_{ij}\log p_{ij}, \quad \tilde H_i = \frac{H_i}{\log n_i}, \quad
     \max_j p_{ij}, \quad \max_j s_{ij}.
 
+The same probe reads the model's output logits (:class:`qkmonitor.metrics.OutputLogits`:
+``output_lse_rms``, the RMS of each position's log-partition, and ``output_logit_max``), logged
+under ``{prefix}/run/`` and read by the rules as run signals. They are the output of the model's
+forward (a tensor, ``.logits``, ``["logits"]`` or a tuple's first), or, where the model's own
+forward does not run (a LightningModule's ``training_step`` calls a submodule), of the last of its
+direct children to run with such an output (``lm_head``, a wrapped model; never an attention
+layer); which one is decided at the first probe and kept.
+
 A head's value is the mean over every row of every call in the probe window (rows with
 :math:`n_i \le 1` are left out of ``entropy_norm``, fully masked rows out of everything), except
 ``max_logit``: the largest. Sums are torchmetrics states
@@ -20,6 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,9 +37,10 @@ from torchmetrics import Metric
 
 from qkmonitor.alerts import LOGIT_BURST_RULE, LOGIT_GROWTH_RULE, LOGIT_JUMP_RULE
 from qkmonitor.catalogue import ENTROPY, names_of
-from qkmonitor.engine.base import ActivationEngine, Values
-from qkmonitor.metrics import AttentionStatistics
-from qkmonitor.probes import ProbeRequest, ProbeResult
+from qkmonitor.compiled import add_forward_hooks
+from qkmonitor.engine.base import ActivationEngine, Host, Values, Window
+from qkmonitor.metrics import AttentionStatistics, OutputLogits, logit_sums
+from qkmonitor.probes import ProbeRequest, ProbeResult, recomputing
 from qkmonitor.validation import check_int_between
 
 __all__ = ["MAX_SINK_TOKENS", "AttentionEntropy"]
@@ -59,6 +69,15 @@ class AttentionEntropy(ActivationEngine):
         super().__init__(**kwargs)
         self._heads: list[slice] = []  # each layer's slots in the aggregator
         self._aggregator = AttentionStatistics(1, sync_on_compute=False)
+        self._output = OutputLogits(sync_on_compute=False)
+        #: where the output logits come from: 0 the model, i > 0 its i-th direct child; None
+        #: until a probe has seen them
+        self._logits_source: int | None = None
+        self._output_hooks: list = []
+        self._output_sums: dict[int, list] = {}  # a window's logit sums, by source
+        self._output_order: list[int] = []  # the sources in the order they ran
+        self._output_window: list | None = None  # the chosen source's sums, for _accumulate
+        self._told_no_logits = False
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -71,6 +90,49 @@ class AttentionEntropy(ActivationEngine):
     def _prepare(self, model: nn.Module) -> None:
         super()._prepare(model)
         self._fit([layer.num_heads_hint for layer in self.layers])
+        self._logits_source = None
+        self._told_no_logits = False
+        self._output.reset()
+
+    # -- the output logits -------------------------------------------------------------------
+
+    def _open_extra(self) -> None:
+        self._output_sums, self._output_order, self._output_window = {}, [], None
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return
+        attention = {id(layer.module) for layer in self.layers}  # their outputs are no logits
+        candidates = [model, *model.children()]
+        chosen = range(len(candidates)) if self._logits_source is None else [self._logits_source]
+        self._output_hooks = [
+            add_forward_hooks(candidates[i], post=self._output_hook(i))
+            for i in chosen
+            if i < len(candidates) and id(candidates[i]) not in attention
+        ]
+
+    def _output_hook(self, index: int):
+        def hook(module: nn.Module, args, output) -> None:
+            logits = logits_of(output)
+            if logits is None or recomputing():
+                return
+            with torch.no_grad():
+                sums = logit_sums(logits)
+            self._output_sums.setdefault(index, []).append(sums)
+            self._output_order.append(index)
+
+        return hook
+
+    def _close_extra(self) -> None:
+        hooks, self._output_hooks = self._output_hooks, []
+        for remove in hooks:
+            remove()
+        sums, order = self._output_sums, self._output_order
+        self._output_sums, self._output_order = {}, []
+        if not order:
+            return
+        if self._logits_source is None:  # the model itself, else the last child that ran
+            self._logits_source = 0 if 0 in sums else order[-1]
+        self._output_window = sums.get(self._logits_source)
 
     def _fit(self, heads: list[int]) -> None:
         """One aggregator for every layer, their heads side by side (created on the CPU; an update
@@ -80,7 +142,18 @@ class AttentionEntropy(ActivationEngine):
         self._aggregator = AttentionStatistics(max(starts[-1], 1), sync_on_compute=False)
 
     def aggregators(self) -> list[Metric]:
-        return [self._aggregator]
+        return [self._aggregator, self._output]
+
+    def complete(self, host: Host, window: Window) -> None:
+        super().complete(host, window)
+        if self._logits_source is None and not window.validation and not self._told_no_logits:
+            self._told_no_logits = True
+            host.info(
+                f"qkmonitor: {type(self).__name__} ({self.prefix}): no output logits were found "
+                "in the probed forward (neither the model's output nor a direct child's is a "
+                "tensor, .logits or ['logits'] of at least 2 dims): output_lse_rms and "
+                "output_logit_max are not logged"
+            )
 
     def _accumulate(self, results: list[ProbeResult], step: int, *, visuals: bool) -> None:
         heads = [h.stop - h.start for h in self._heads]
@@ -90,6 +163,9 @@ class AttentionEntropy(ActivationEngine):
         ]
         if observed != heads:  # layers read by interception: their calls tell their head counts
             self._fit(observed)
+        window, self._output_window = self._output_window, None
+        for sums in window or []:
+            self._output.add(*sums)
         aggregator = self._aggregator
         for result, columns in zip(results, self._heads):
             for stats in result.stats:
@@ -105,6 +181,12 @@ class AttentionEntropy(ActivationEngine):
             warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
             computed = aggregator.compute()
         aggregator.reset()
+        run: dict[str, float] = {}
+        if self._logits_source is not None:  # (none found: nothing logged, said once)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*before the ``update`` method.*")
+                run = {k: float(v.reshape(-1)[0]) for k, v in self._output.compute().items()}
+        self._output.reset()
         nan = torch.full((aggregator.num_heads,), math.nan)
         # (torchmetrics makes a one-slot result a scalar)
         computed = {name: value.float().cpu().reshape(-1) for name, value in computed.items()}
@@ -117,4 +199,19 @@ class AttentionEntropy(ActivationEngine):
             blank = no_spread | no_rows if name == "entropy_norm" else no_rows
             values[name] = [computed.get(name, nan)[h] for h in self._heads]
             undefined[name] = [blank[h] for h in self._heads]
-        return values, {"undefined": undefined}
+        return values, {"undefined": undefined, "run_values": run}
+
+
+def logits_of(output: Any) -> Tensor | None:
+    """The logits in a module's output: a floating tensor of at least 2 dims whose last (the
+    classes) has at least 2 entries, as it is, as ``.logits``, ``["logits"]`` or a tuple's or
+    list's first item; None otherwise."""
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    elif isinstance(output, Mapping):
+        output = output.get("logits")
+    elif not isinstance(output, Tensor):
+        output = getattr(output, "logits", None)
+    if isinstance(output, Tensor) and output.is_floating_point() and output.dim() >= 2:
+        return output if output.shape[-1] >= 2 else None
+    return None

@@ -27,7 +27,7 @@ from qkmonitor.dashboards import HeatmapScale, attention_image, grid_of, heatmap
 from qkmonitor.engine.guard import confirm_writes, warn_write_faults
 from qkmonitor.engine.publisher import PUBLISHER
 from qkmonitor.engine.sinks import Sink
-from qkmonitor.tags import alert_scalars, alert_tag, head_tag, layer_tag, worst_tag
+from qkmonitor.tags import alert_scalars, alert_tag, head_tag, layer_tag, run_tag, worst_tag
 
 if TYPE_CHECKING:
     from qkmonitor.engine.base import Host
@@ -194,14 +194,17 @@ class ValuePublisher:
         alert_counts: dict[str, float],
         images: Images,
         histograms: Histograms,
+        run_values: dict[str, float] | None = None,
     ) -> None:
         """Write one probe at ``step`` on the logging rank: its scalars (``rows``, the values read
-        once) and, for training probes, the rules' ``alert_counts`` to every sink; its visuals to
+        once, and ``run_values`` under ``{prefix}/run/{name}``) and, for training probes, the
+        rules' ``alert_counts`` to every sink; its visuals to
         the sinks that draw when ``draw``, else kept for :meth:`draw_final`. A validation probe
         goes under ``{prefix}/val`` and has no visuals."""
         if not host.is_logging_rank:
             return
         scalars = self.scalars(rows, f"{self.prefix}/val" if validation else self.prefix)
+        scalars.update({run_tag(self.prefix, name): v for name, v in (run_values or {}).items()})
         scalars.update(alert_scalars(self.prefix, alert_counts))  # the rules that have fired
         host.write_scalars(scalars, step)  # now, or with the other engines' (ScalarBatch)
         drawing = [sink for sink in host.sinks() if sink.draws]

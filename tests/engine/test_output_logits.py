@@ -1,0 +1,170 @@
+"""The output logits' channel of AttentionEntropy (``output_lse_rms``, ``output_logit_max`` under
+``{prefix}/run/``): against float64 math on the logits the test's own forward returned, in a plain
+loop (the model's output) and in a Lightning fit (a LightningModule whose ``training_step`` calls a
+child); a rule reading them; NaN logits warned once; nothing logged, with one line, where no
+output logits exist."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from qkmonitor.models import DecoderLM, TransformerConfig
+from torch import nn
+
+from qkmonitor.alerts import AlertRule, Condition, LogitGrowthWarning
+from qkmonitor.engine import AttentionEntropy, Monitoring
+from qkmonitor.engine.entropy import logits_of
+from qkmonitor.engine.sinks import MemorySink
+
+TOKENS = torch.randint(0, 20, (3, 12), generator=torch.Generator().manual_seed(1))
+
+
+def decoder() -> DecoderLM:
+    torch.manual_seed(0)
+    return DecoderLM(
+        TransformerConfig(vocab_size=20, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    )
+
+
+def expected(logits: torch.Tensor) -> dict[str, float]:
+    x = logits.detach().double()
+    return {
+        "output_lse_rms": float(torch.logsumexp(x, -1).square().mean().sqrt()),
+        "output_logit_max": float(x.abs().max()),
+    }
+
+
+def test_the_models_output_logits_in_a_plain_loop():
+    model = decoder()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    engine = AttentionEntropy()
+    sink = MemorySink()
+    seen = {}
+    with Monitoring(model, [engine], writer=sink, every_n_steps=2, optimizer=optimizer) as m:
+        for step in range(3):
+            with m.step(step):
+                logits = model(TOKENS)
+                seen[step] = expected(logits)
+                logits.logsumexp(-1).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert engine.latest_step == 2
+    assert engine.latest_run == pytest.approx(seen[2], rel=1e-6)
+    written = {(tag, step): value for tag, value, step in sink.scalars}
+    for name, value in seen[0].items():
+        assert written[(f"qkmonitor/run/{name}", 0)] == pytest.approx(value, rel=1e-6)
+
+
+class _Task(pl.LightningModule):
+    """``training_step`` calls the child model: the LightningModule's own forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = decoder()
+        self.criterion = nn.CrossEntropyLoss()  # a child whose output (a scalar) is no logits
+        self.seen: dict[int, dict[str, float]] = {}
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(batch[:, :-1])
+        self.seen[self.global_step] = expected(logits)
+        return self.criterion(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader([TOKENS[0]] * 8, batch_size=2)
+
+
+def test_a_lightning_modules_child_gives_the_logits(tmp_path):
+    from qkmonitor.callbacks import AttentionEntropyMonitor
+
+    task = _Task()
+    monitor = AttentionEntropyMonitor(every_n_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        pl.Trainer(
+            max_steps=3, logger=False, callbacks=[monitor], enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+        ).fit(task)  # fmt: skip
+    assert monitor.engine.latest_step == 2
+    assert monitor.engine.latest_run == pytest.approx(task.seen[2], rel=1e-6)
+
+
+def test_a_rule_reads_the_output_logits_as_a_run_signal():
+    rule = AlertRule(
+        name="outputs", metric="max_logit", threshold=-1e9, above=True, patience=1, margin=0.0,
+        warning=LogitGrowthWarning, meaning="test", advice="test",
+        also=(Condition("output_logit_max", 0.0, above=True),),
+    )  # fmt: skip
+    fired = []
+    model = decoder()
+    engine = AttentionEntropy(alerts=[rule], on_alert=lambda owner, a: fired.append(a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        m = Monitoring(model, [engine], writer=MemorySink(), every_n_steps=1)
+        with m.step(0):
+            logits = model(TOKENS)
+        m.close()
+    assert fired and all(a.step == 0 for a in fired)
+    assert fired[0].also_values == (pytest.approx(expected(logits)["output_logit_max"]),)
+    assert "output_logit_max = " in fired[0].message()
+
+
+def test_nan_logits_are_logged_as_nan_with_one_warning_and_training_goes_on():
+    model = decoder()
+    with torch.no_grad():
+        model.head.weight[0, 0] = math.nan  # one output logit per position: NaN
+    engine = AttentionEntropy(alerts=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Monitoring(model, [engine], writer=MemorySink(), every_n_steps=1) as m:
+            for step in range(2):
+                with m.step(step):
+                    model(TOKENS)
+    assert math.isnan(engine.latest_run["output_lse_rms"])
+    assert sum("output_lse_rms is nan" in str(w.message) for w in caught) == 1
+
+
+class _Hidden(nn.Module):
+    """A model whose output is a scalar and whose children give none either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0].sum()
+
+
+def test_without_output_logits_nothing_is_logged_and_one_line_says_so(caplog):
+    model = _Hidden()
+    engine = AttentionEntropy(alerts=[])
+    sink = MemorySink()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(), caplog.at_level("INFO", logger="qkmonitor"):
+        warnings.simplefilter("error")
+        with Monitoring(model, [engine], writer=sink, every_n_steps=1) as m:
+            for step in range(2):
+                with m.step(step):
+                    model(x)
+    assert engine.latest_run == {}
+    assert not [tag for tag, _, _ in sink.scalars if "/run/" in tag]
+    assert sum("no output logits" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_logits_of_reads_the_usual_output_forms():
+    x = torch.randn(2, 3, 5)
+    assert logits_of(x) is x
+    assert logits_of((x, torch.tensor(1.0))) is x  # nanoGPT's (logits, loss)
+    assert logits_of({"logits": x, "loss": 1.0}) is x
+    assert logits_of(SimpleNamespace(logits=x)) is x
+    assert logits_of(torch.tensor(1.0)) is None  # a loss
+    assert logits_of(torch.randn(4, 1)) is None  # one class: no partition to speak of
+    assert logits_of(torch.arange(6).view(2, 3)) is None  # integers (token ids)
+    assert logits_of(None) is None
