@@ -12,20 +12,12 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
 
 from qkmonitor.alerts import AlertRule, Condition, LogitGrowthWarning, run_signals
 from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
 from qkmonitor.engine.sinks import MemorySink
 
-TOKENS = torch.randint(0, 20, (3, 12), generator=torch.Generator().manual_seed(1))
-
-
-def decoder() -> DecoderLM:
-    torch.manual_seed(0)
-    return DecoderLM(
-        TransformerConfig(vocab_size=20, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
-    )
+from .tiny import TOKENS, TinyTask, decoder
 
 
 def combined(threshold: float) -> AlertRule:
@@ -121,21 +113,6 @@ def test_loss_signals_are_the_fed_losses_ratios_at_each_probe():
     assert math.isnan(run_signals(history[:5], 4, best=None)[0]["loss_change"])
 
 
-class _Task(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = decoder()
-
-    def training_step(self, batch, batch_idx):
-        return self.model(batch).logsumexp(-1).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader([TOKENS[0]] * 8, batch_size=2)
-
-
 def test_three_lightning_callbacks_share_their_evidence(tmp_path):
     from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
 
@@ -149,7 +126,7 @@ def test_three_lightning_callbacks_share_their_evidence(tmp_path):
         pl.Trainer(
             max_steps=3, logger=False, callbacks=[spectrum, entropy], enable_progress_bar=False,
             enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
-        ).fit(_Task())  # fmt: skip
+        ).fit(TinyTask())  # fmt: skip
     assert {a.step for a in fired} == {2}
     for alert in fired:
         logged = float(spectrum.engine.latest["q_update_ratio"][alert.layer][alert.head])

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 
 from qkmonitor.alerts import AlertRule, Condition, LogitGrowthWarning
@@ -21,14 +20,7 @@ from qkmonitor.engine import AttentionEntropy, Monitoring
 from qkmonitor.engine.entropy import logits_of
 from qkmonitor.engine.sinks import MemorySink
 
-TOKENS = torch.randint(0, 20, (3, 12), generator=torch.Generator().manual_seed(1))
-
-
-def decoder() -> DecoderLM:
-    torch.manual_seed(0)
-    return DecoderLM(
-        TransformerConfig(vocab_size=20, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
-    )
+from .tiny import TOKENS, decoder
 
 
 def expected(logits: torch.Tensor) -> dict[str, float]:

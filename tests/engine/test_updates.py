@@ -12,29 +12,15 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 from torch.testing import assert_close
 
 from qkmonitor.engine import Monitoring, QKSpectrum
 from qkmonitor.engine.sinks import MemorySink
 
-TOKENS = torch.randint(0, 20, (3, 12), generator=torch.Generator().manual_seed(1))
+from .tiny import TOKENS, TinyTask, decoder
+
 METRICS = ("q_update_ratio", "k_update_ratio", "q_grad_norm", "k_grad_norm")
-
-
-def decoder(n_kv_heads: int | None = None) -> DecoderLM:
-    torch.manual_seed(0)
-    return DecoderLM(
-        TransformerConfig(
-            vocab_size=20,
-            d_model=32,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=n_kv_heads,
-            max_seq_len=16,
-        )
-    )
 
 
 def projections(model: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
@@ -236,22 +222,6 @@ def test_packed_multihead_attention_rows_are_read_through_the_packed_weight():
         assert_close(got["grad_norm"], heads(grad, part).float().double(), rtol=1e-5, atol=0)
 
 
-class _Task(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = decoder()
-        self.copies: dict[int, dict] = {}
-
-    def training_step(self, batch, batch_idx):
-        return self.model(batch).logsumexp(-1).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader([TOKENS[0]] * 8, batch_size=2)
-
-
 class _Copies(pl.Callback):
     """Copies W_Q/W_K and their gradients before each update and the weights after it."""
 
@@ -268,7 +238,8 @@ class _Copies(pl.Callback):
 def test_lightning_fit_reads_the_update_before_each_probe(tmp_path):
     from qkmonitor.callbacks import QKSpectrumMonitor
 
-    task = _Task()
+    task = TinyTask()
+    task.copies = {}
     monitor = QKSpectrumMonitor(every_n_steps=2, per_head=True)
     trainer = pl.Trainer(
         max_steps=4, logger=False, callbacks=[_Copies(), monitor], enable_progress_bar=False,
