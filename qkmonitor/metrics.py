@@ -221,6 +221,11 @@ class OutputLogits(_PerHeadMetric):
         self.logit_max = torch.maximum(self.logit_max, logit_max.to(device))
 
     def compute(self) -> dict[str, Tensor]:
+        return self.values()
+
+    def values(self) -> dict[str, Tensor]:
+        """:meth:`compute` from the states as they are (reduced by the caller), without
+        torchmetrics' own wrapping."""
         seen = self.positions > 0
         nan = torch.full_like(self.positions, float("nan"))
         return {

@@ -183,9 +183,7 @@ class AttentionEntropy(ActivationEngine):
         aggregator.reset()
         run: dict[str, float] = {}
         if self._logits_source is not None:  # (none found: nothing logged, said once)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*before the ``update`` method.*")
-                run = {k: float(v.reshape(-1)[0]) for k, v in self._output.compute().items()}
+            run = {k: float(v.reshape(-1)[0]) for k, v in self._output.values().items()}
         self._output.reset()
         nan = torch.full((aggregator.num_heads,), math.nan)
         # (torchmetrics makes a one-slot result a scalar)

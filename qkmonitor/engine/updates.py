@@ -40,91 +40,125 @@ UPDATE_METRICS = ("q_update_ratio", "k_update_ratio", "q_grad_norm", "k_grad_nor
 
 
 @dataclass
-class _Projection:
-    """One projection's heads before an update: its rows, their copy and their gradient norms."""
+class _Group:
+    """Projections whose heads' rows have one shape, dtype and device, copied side by side."""
 
-    rows: ProjectionRows
-    before: Tensor  # (heads, d_k, in) copy
-    grad_norm: Tensor  # (heads,) float64, NaN where the weight has no gradient
+    members: list[int]  # indices into the snapshot's projections
+    before: Tensor  # (members, heads, d_k, in): their rows before the update
+    size: Tensor  # (members, heads) float64: the norms of those rows
 
 
 @dataclass
 class UpdateSnapshot:
-    """The heads of every readable layer before the update after ``step`` updates (``None`` for
-    a layer whose rows cannot be read: :func:`take_snapshot` says why)."""
+    """The heads of every readable layer before the update after ``step`` updates.
+
+    ``projections`` holds each readable layer's query and key rows in turn; ``layers`` maps a
+    layer to the index of its query projection and its key head per query head (``None`` for a
+    layer whose rows cannot be read: :func:`take_snapshot` says why)."""
 
     step: int
-    layers: list[tuple[_Projection, _Projection, tuple[int, ...]] | None]
+    projections: list[ProjectionRows]
+    grad_norms: list[Tensor]  # (heads,) float64 per projection, NaN without a gradient
+    groups: list[_Group]
+    layers: list[tuple[int, tuple[int, ...]] | None]
 
 
 def take_snapshot(layers: list[AttentionLayer], step: int) -> tuple[UpdateSnapshot, dict[str, str]]:
     """Copy every layer's query and key rows and read their gradient norms, before the update
-    that follows ``step`` updates. Returns the snapshot and, by layer name, why a layer was left
-    out (its family gives no rows, or its weights are sharded)."""
-    snapped: list[tuple[_Projection, _Projection, tuple[int, ...]] | None] = []
+    that follows ``step`` updates (the rows of every projection of one shape in one copy).
+    Returns the snapshot and, by layer name, why a layer was left out (its family gives no rows,
+    or its weights are sharded)."""
+    projections: list[ProjectionRows] = []
+    mapped: list[tuple[int, tuple[int, ...]] | None] = []
     skipped: dict[str, str] = {}
+    for layer in layers:
+        try:
+            rows: QKRows = layer.qk_rows()
+        except NotImplementedError as err:
+            mapped.append(None)
+            skipped[layer.name] = str(err)
+            continue
+        if _sharded(rows.q.weight) or _sharded(rows.k.weight):
+            mapped.append(None)
+            skipped[layer.name] = "its query/key weights are sharded (DTensor): not read yet"
+            continue
+        mapped.append((len(projections), tuple(rows.kv_index)))
+        projections += [rows.q, rows.k]
     with torch.no_grad():
-        for layer in layers:
-            try:
-                rows: QKRows = layer.qk_rows()
-            except NotImplementedError as err:
-                snapped.append(None)
-                skipped[layer.name] = str(err)
-                continue
-            if _sharded(rows.q.weight) or _sharded(rows.k.weight):
-                snapped.append(None)
-                skipped[layer.name] = "its query/key weights are sharded (DTensor): not read yet"
-                continue
-            snapped.append((_projection(rows.q), _projection(rows.k), tuple(rows.kv_index)))
-    return UpdateSnapshot(step, snapped), skipped
+        views = [_head_rows(p.weight.detach(), p.rows) for p in projections]
+        grads = [gradient_of(p.weight) for p in projections]
+        grad_norms = [
+            torch.full((p.rows.shape[0],), math.nan, dtype=torch.float64) for p in projections
+        ]
+        groups = []
+        for members in _by_layout(views).values():
+            before = torch.stack([views[i] for i in members])
+            groups.append(_Group(members, before, _head_norms(before)))
+            with_grad = [i for i in members if grads[i] is not None]
+            if with_grad:  # one norm for the group's gradients
+                rows = [_head_rows(grads[i], projections[i].rows) for i in with_grad]
+                for i, norms in zip(with_grad, _head_norms(torch.stack(rows))):
+                    grad_norms[i] = norms
+    return UpdateSnapshot(step, projections, grad_norms, groups, mapped), skipped
 
 
 def update_metrics(snapshot: UpdateSnapshot, num_heads: list[int]) -> dict[str, list[Tensor]]:
     """``metric -> one (H,) float64 tensor per layer`` for the weights as they are now, against
     ``snapshot``; NaN for a layer it left out (``num_heads``: each layer's H, for its NaNs)."""
-    out: dict[str, list[Tensor]] = {name: [] for name in UPDATE_METRICS}
+    ratios: list[Tensor | None] = [None] * len(snapshot.projections)
     with torch.no_grad():
-        for snapped, heads in zip(snapshot.layers, num_heads):
-            if snapped is None:
-                for name in UPDATE_METRICS:
-                    out[name].append(torch.full((heads,), math.nan, dtype=torch.float64))
-                continue
-            q, k, kv_index = snapped
-            per_key_head = list(kv_index)
-            out["q_update_ratio"].append(_update_ratio(q))
-            out["k_update_ratio"].append(_update_ratio(k)[per_key_head])
-            out["q_grad_norm"].append(q.grad_norm)
-            out["k_grad_norm"].append(k.grad_norm[per_key_head])
+        for group in snapshot.groups:
+            after = torch.stack(
+                [
+                    _head_rows(
+                        snapshot.projections[i].weight.detach(), snapshot.projections[i].rows
+                    )
+                    for i in group.members
+                ]
+            )
+            before = group.before
+            if before.dtype in (torch.float16, torch.bfloat16):  # the difference not rounded
+                after, before = after.float(), before.float()
+            change = _head_norms(after - before)
+            ratio = torch.where(group.size > 0, change / group.size, math.nan)
+            for i, row in zip(group.members, ratio):
+                ratios[i] = row
+    out: dict[str, list[Tensor]] = {name: [] for name in UPDATE_METRICS}
+    for mapped, heads in zip(snapshot.layers, num_heads):
+        if mapped is None:
+            for name in UPDATE_METRICS:
+                out[name].append(torch.full((heads,), math.nan, dtype=torch.float64))
+            continue
+        q, kv_index = mapped
+        per_key_head = list(kv_index)
+        out["q_update_ratio"].append(ratios[q])
+        out["k_update_ratio"].append(ratios[q + 1][per_key_head])
+        out["q_grad_norm"].append(snapshot.grad_norms[q])
+        out["k_grad_norm"].append(snapshot.grad_norms[q + 1][per_key_head])
     return out
 
 
-def _projection(rows: ProjectionRows) -> _Projection:
-    heads, d_k = rows.rows.shape
-    index = rows.rows.reshape(-1).to(rows.weight.device)
-    before = rows.weight.detach()[index].reshape(heads, d_k, -1)  # indexing copies
-    grad = gradient_of(rows.weight)
-    grad_norm = (
-        torch.full((heads,), math.nan, dtype=torch.float64)
-        if grad is None
-        else _head_norms(grad[index].reshape(heads, d_k, -1))
-    )
-    return _Projection(rows, before, grad_norm)
+def _by_layout(views: list[Tensor]) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, view in enumerate(views):
+        groups.setdefault((tuple(view.shape), view.dtype, view.device), []).append(i)
+    return groups
 
 
-def _update_ratio(projection: _Projection) -> Tensor:
-    """(heads,) ``||after - before|| / ||before||`` per head, in float64; NaN where the head's
-    weight was 0."""
-    heads, d_k, _ = projection.before.shape
-    index = projection.rows.rows.reshape(-1).to(projection.rows.weight.device)
-    after = projection.rows.weight.detach()[index].reshape(heads, d_k, -1)
-    change = _head_norms(after.double() - projection.before.double())
-    size = _head_norms(projection.before)
-    return torch.where(size > 0, change / size, math.nan)
+def _head_rows(weight: Tensor, rows: Tensor) -> Tensor:
+    """(heads, d_k, in): the heads' rows of ``weight`` (out, in), a view where they are one run of
+    consecutive rows (separate projections, a packed one's part), else a copy."""
+    heads, d_k = rows.shape
+    flat = rows.reshape(-1)
+    first = int(flat[0])
+    if torch.equal(flat, torch.arange(first, first + flat.numel())):
+        return weight[first : first + flat.numel()].view(heads, d_k, -1)
+    return weight[flat.to(weight.device)].view(heads, d_k, -1)
 
 
 def _head_norms(x: Tensor) -> Tensor:
-    """(heads, d_k, in) -> (heads,) Frobenius norms in float64, on the CPU."""
-    return torch.linalg.vector_norm(x.double(), dim=(1, 2)).cpu()
+    """(..., heads, d_k, in) -> (..., heads) Frobenius norms, summed in float64, on the CPU."""
+    return torch.linalg.vector_norm(x.flatten(-2), dim=-1, dtype=torch.float64).cpu()
 
 
 def gradient_of(weight: Tensor) -> Tensor | None:
