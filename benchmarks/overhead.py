@@ -908,6 +908,9 @@ def report(figures: dict[str, dict[str, float]], arch: str = "bundled") -> None:
 PARTS = (
     ("qkmonitor.engine.spectrum", "QKSpectrum.observe_weights"),
     ("qkmonitor.engine.spectrum", "spectrum_of_layers"),
+    ("qkmonitor.engine.spectrum", "QKSpectrum.before_update"),  # the optimizer's view: the copy
+    ("qkmonitor.engine.spectrum", "QKSpectrum._updates_after"),  # ... and the comparison
+    ("qkmonitor.engine.entropy", "logit_sums"),  # the output logits' sums
     ("qkmonitor.calls", "MaskedCall._stats"),  # an intercepted layer's statistics (once a call)
     ("qkmonitor.calls", "MaskedCall.probs"),  # its probability slice, for the ranks
     ("qkmonitor.engine.entropy", "AttentionEntropy._accumulate"),
