@@ -1,0 +1,60 @@
+"""``benchmarks/instability.py``'s round-3 split and its records: the validation set is seeds 3
+and 4 and the unseen ``sorting`` family (no calibration run of it is ever made), and a recorded
+probe's run values (the output logits') reach the rules again when the run is replayed."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from qkmonitor.alerts import AlertRule, Condition, LogitGrowthWarning
+
+
+@pytest.fixture(scope="module")
+def instability(benchmark_module):
+    return benchmark_module("instability")
+
+
+def args(instability, **changes) -> argparse.Namespace:
+    base = {
+        "families": list(instability.FAMILIES), "quick": False,
+        "seeds": list(instability.SEEDS), "warmups": [instability.WARMUP, 0], "qk_norm": False,
+    }  # fmt: skip
+    return argparse.Namespace(**{**base, **changes})
+
+
+def test_the_split_keeps_seeds_3_and_4_and_the_unseen_family_for_validation(instability):
+    specs = instability.sweep(args(instability))
+    calibration = {(s.family, s.seed) for s in specs if s.split == "calibration"}
+    validation = {(s.family, s.seed) for s in specs if s.split == "validation"}
+    assert {seed for _, seed in calibration} == {0, 1, 2}
+    assert {seed for _, seed in validation} == {3, 4}
+    assert "sorting" not in {family for family, _ in calibration}
+    sorting = [s for s in specs if s.family == "sorting"]
+    assert {s.seed for s in sorting} == {3, 4} and {s.warmup for s in sorting} == {0}
+    assert len(sorting) == 2 * len(instability.FAMILIES["sorting"].lrs)
+    quick = instability.sweep(args(instability, quick=True, seeds=[0]))
+    assert {s.seed for s in quick if s.family == "sorting"} == {3}
+
+
+def test_a_replayed_run_gives_its_run_values_to_the_rules(instability):
+    rule = AlertRule(
+        name="outputs", metric="max_logit", threshold=-1e9, above=True, patience=1, margin=0.0,
+        warning=LogitGrowthWarning, meaning="test", advice="test",
+        also=(Condition("output_logit_max", 50.0, above=True),),
+    )  # fmt: skip
+    spec = instability.RunSpec("induction", 0.01, False, 0, 0, 21)
+    heads = instability.FAMILIES["induction"].n_heads
+    layers = instability.FAMILIES["induction"].n_layers
+
+    def probe(logit_max: float) -> dict:
+        return {
+            "max_logit": [[1.0] * heads] * layers,
+            instability.RUN: {"output_logit_max": logit_max},
+        }
+
+    probes = {0: probe(10.0), 10: probe(20.0), 20: probe(80.0)}
+    record = instability.RunRecord(spec, [1.0] * 21, [1.0] * 21, probes, [], 0.0)
+    alerts = instability.replay(record, {"AttentionEntropyMonitor": [rule]})
+    assert {a["step"] for a in alerts} == {20}
