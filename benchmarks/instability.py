@@ -44,6 +44,8 @@ Usage::
     python benchmarks/instability.py            # 7 families x 3-5 rates x warmup arms x 5 seeds
     python benchmarks/instability.py --quick    # 2 rates, seed 0, 60 % of the steps
     python benchmarks/instability.py --replay   # re-score the cached runs with the current rules
+    # one calibration run's evidence, probe by probe (for fitting rules)
+    python benchmarks/instability.py --trajectory charlm-lr0.03-qk0-s0-w0-n250
     python benchmarks/instability.py --qk-norm  # every run also with QK-norm
     # QK-Clip's proof: AdamW and Muon, each without and with QKClip (docs/qk_clip.md)
     python benchmarks/instability.py --arms
@@ -1028,7 +1030,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="where the figure and the JSON go (default: docs/, or the cache with --quick)",
     )
+    parser.add_argument(
+        "--trajectory",
+        nargs="+",
+        metavar="KEY",
+        help="train nothing: print the evidence of cached runs probe by probe (their keys, e.g. "
+        "charlm-lr0.03-qk0-s0-w0-n250), for fitting rules on the calibration set",
+    )
     args = parser.parse_args(argv)
+    if args.trajectory:
+        for key in args.trajectory:
+            print(trajectory(key, args.cache))
+        return {}
     if args.seeds is None:
         args.seeds = [0] if args.quick else [ARMS_SEED] if args.arms else list(SEEDS)
     if args.warmups is None:
@@ -1096,6 +1109,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"figure {args.out / f'instability{suffix}.png'}"
     )
     return stats
+
+
+#: what ``--trajectory`` prints a probe: the largest head's value of each metric, the run values
+TRAJECTORY = (
+    "max_logit", "q_update_ratio", "k_update_ratio", "q_grad_norm", "kappa", "entropy_norm",
+)  # fmt: skip
+
+
+def trajectory(key: str, cache: Path) -> str:
+    """A cached run's evidence probe by probe: the mean loss of the 10 steps up to the probe, the
+    largest head's value of each of :data:`TRAJECTORY` (``entropy_norm``: the smallest), and the
+    output logits' run values. Refuses a validation run: its figures are for scoring only."""
+    path = cache / f"{key}.json"
+    if not path.exists():
+        raise SystemExit(f"--trajectory: no cached run {key!r} in {cache}")
+    data = json.loads(path.read_text())
+    spec = RunSpec(**data["spec"])
+    if spec.split != "calibration":
+        raise SystemExit(f"--trajectory: {key} is a validation run; rules are fitted without them")
+    lines = [f"{key}: " + " | ".join(("step", "loss", *TRAJECTORY, "output_lse_rms", "logit_max"))]
+    for step, probe in sorted((int(k), v) for k, v in data["probes"].items()):
+        window = data["losses"][max(0, step - SMOOTH_WINDOW + 1) : step + 1]
+        cells = [str(step), f"{statistics.fmean(window):.3f}"]
+        for name in TRAJECTORY:
+            values = [v for layer in probe.get(name, []) for v in layer if math.isfinite(v)]
+            pick = min if name == "entropy_norm" else max
+            cells.append(f"{pick(values):.4g}" if values else "nan")
+        run = probe.get(RUN, {})
+        cells += [f"{run.get(n, math.nan):.4g}" for n in ("output_lse_rms", "output_logit_max")]
+        lines.append("  " + " | ".join(cells))
+    return "\n".join(lines)
 
 
 def _report_arms(records: list[RunRecord], args: argparse.Namespace, seconds: float) -> dict:

@@ -58,3 +58,33 @@ def test_a_replayed_run_gives_its_run_values_to_the_rules(instability):
     record = instability.RunRecord(spec, [1.0] * 21, [1.0] * 21, probes, [], 0.0)
     alerts = instability.replay(record, {"AttentionEntropyMonitor": [rule]})
     assert {a["step"] for a in alerts} == {20}
+
+
+def test_trajectory_prints_a_calibration_runs_evidence_and_refuses_a_validation_run(
+    instability, tmp_path
+):
+    heads, layers = 4, 2
+    probes = {
+        0: {
+            "max_logit": [[1.0] * heads] * layers,
+            "q_update_ratio": [[float("nan")] * heads] * layers,
+        },
+        10: {
+            "max_logit": [[1.0, 2.0, 3.0, 4.0], [5.0, 60.0, 7.0, 8.0]],
+            "q_update_ratio": [[0.01] * heads, [0.02, 0.03, 0.04, 0.05]],
+            instability.RUN: {"output_lse_rms": 6.5, "output_logit_max": 9.0},
+        },
+    }
+    for seed in (0, 3):
+        spec = instability.RunSpec("induction", 0.01, False, seed, 0, 11)
+        losses = [float(i) for i in range(11)]
+        instability._save(instability.RunRecord(spec, losses, losses, probes, [], 0.0), tmp_path)
+    text = instability.trajectory("induction-lr0.01-qk0-s0-w0-n11", tmp_path)
+    header, first, second = text.splitlines()
+    assert header.startswith("induction-lr0.01-qk0-s0-w0-n11: step | loss | max_logit")
+    cells = [c.strip() for c in second.split("|")]
+    assert cells[:4] == ["10", "5.500", "60", "0.05"]  # the mean of losses 1..10, the largest heads
+    assert cells[-2:] == ["6.5", "9"]
+    assert [c.strip() for c in first.split("|")][3] == "nan"  # no update before step 0
+    with pytest.raises(SystemExit, match="validation run"):
+        instability.trajectory("induction-lr0.01-qk0-s3-w0-n11", tmp_path)
