@@ -3,6 +3,8 @@ references, read back with TensorBoard's own reader; a failing step; a stop aler
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -97,6 +99,12 @@ def test_a_trainer_run_logs_the_tags_and_numbers_of_the_engines(tmp_path, leftov
     entropy = acc.Scalars("qkmonitor/entropy_norm/layer_01")
     assert [e.step for e in entropy] == [0, 2] and all(0 < e.value <= 1 for e in entropy)
     assert [e.step for e in acc.Scalars("qkmonitor/hidden_erank/layer_01")] == [0, 2]
+    # the optimizer's view through accelerate's wrapper: NaN at initialization only, and the
+    # output logits of the model's own output
+    update = acc.Scalars("qkmonitor/q_update_ratio/layer_00")
+    assert [e.step for e in update] == [0, 2, 4] and math.isnan(update[0].value)
+    assert all(0 < e.value < 1 for e in update[1:])
+    assert [e.step for e in acc.Scalars("qkmonitor/run/output_lse_rms")] == [0, 2]
     assert "qkmonitor/heatmap/kappa" in acc.Tags()["images"]
     assert "custom_scalars__config__" in acc.Tags()["tensors"]
     hparams = acc.summary_metadata["_hparams_/session_start_info"].plugin_data.content
