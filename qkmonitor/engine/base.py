@@ -625,8 +625,7 @@ class MonitorEngine:
                         host,
                         f"run:{name}",
                         f"{name} is {value} at step {step} (the model's output logits are not "
-                        "finite, or no output logits were found in the probed forward); it is "
-                        "logged as it is and fires no alert. Warned once.",
+                        "finite); it is logged as it is and fires no alert. Warned once.",
                     )
             evidence, signals = self._evidence(host, rows, step)
             alerts = self.alerting.update(

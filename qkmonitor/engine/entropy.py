@@ -78,6 +78,7 @@ class AttentionEntropy(ActivationEngine):
         self._output_order: list[int] = []  # the sources in the order they ran
         self._output_window: list | None = None  # the chosen source's sums, for _accumulate
         self._told_no_logits = False
+        self._output_failure: str | None = None  # why a window's logits could not be read
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -115,8 +116,12 @@ class AttentionEntropy(ActivationEngine):
             logits = logits_of(output)
             if logits is None or recomputing():
                 return
-            with torch.no_grad():
-                sums = logit_sums(logits)
+            try:
+                with torch.no_grad():
+                    sums = logit_sums(logits)
+            except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+                self._output_failure = f"{type(err).__name__}: {err}"
+                return
             self._output_sums.setdefault(index, []).append(sums)
             self._output_order.append(index)
 
@@ -145,6 +150,11 @@ class AttentionEntropy(ActivationEngine):
         return [self._aggregator, self._output]
 
     def complete(self, host: Host, window: Window) -> None:
+        failure, self._output_failure = self._output_failure, None
+        if failure is not None:
+            self.warn_once(
+                host, "output logits", f"the output logits could not be read ({failure})"
+            )
         super().complete(host, window)
         if self._logits_source is None and not window.validation and not self._told_no_logits:
             self._told_no_logits = True

@@ -205,8 +205,18 @@ class QKSpectrum(MonitorEngine):
         and undefined without one."""
         snapshot, self._snapshot = self._snapshot, None
         heads = [layer.num_heads_hint for layer in self.layers]
+        values = None
         if snapshot is not None and snapshot.step == step - 1:
-            values = update_metrics(snapshot, heads)
+            try:
+                values = update_metrics(snapshot, heads)
+            except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+                self.warn_once(
+                    host,
+                    "updates",
+                    f"the query/key update metrics could not be read ({type(err).__name__}: "
+                    f"{err}); they are NaN",
+                )
+        if values is not None:
             undefined = {
                 name: [
                     torch.full((h,), part is None, dtype=torch.bool)

@@ -160,3 +160,52 @@ def test_logits_of_reads_the_usual_output_forms():
     assert logits_of(torch.randn(4, 1)) is None  # one class: no partition to speak of
     assert logits_of(torch.arange(6).view(2, 3)) is None  # integers (token ids)
     assert logits_of(None) is None
+
+
+def test_a_failing_step_leaves_no_output_hook_and_the_next_probe_reads_the_logits(leftovers):
+    model = decoder()
+    engine = AttentionEntropy(alerts=[])
+    with Monitoring(model, [engine], writer=MemorySink(), every_n_steps=1) as m:
+        with pytest.raises(RuntimeError, match="boom"), m.step(0):
+            model(TOKENS)
+            raise RuntimeError("boom")
+        assert leftovers(model) == []  # the hooks on the model and its children are gone
+        with m.step(1):
+            logits = model(TOKENS)
+    assert engine.latest_step == 1
+    assert engine.latest_run == pytest.approx(expected(logits), rel=1e-6)  # nothing of step 0
+    assert leftovers(model) == []
+
+
+def test_logits_that_cannot_be_read_warn_once_and_training_goes_on(monkeypatch):
+    import qkmonitor.engine.entropy as entropy_module
+
+    def broken(logits):
+        raise RuntimeError("unreadable")
+
+    monkeypatch.setattr(entropy_module, "logit_sums", broken)
+    model = decoder()
+    engine = AttentionEntropy(alerts=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Monitoring(model, [engine], writer=MemorySink(), every_n_steps=1) as m:
+            for step in range(3):
+                with m.step(step):
+                    model(TOKENS).sum().backward()
+    messages = [str(w.message) for w in caught]
+    assert (
+        sum("output logits could not be read (RuntimeError: unreadable)" in x for x in messages)
+        == 1
+    )
+    assert engine.latest_step == 2 and torch.isfinite(engine.latest["entropy"][0]).all()
+
+
+def test_bf16_autocast_logits_are_read_in_float32():
+    model = decoder()
+    engine = AttentionEntropy(alerts=[])
+    m = Monitoring(model, [engine], writer=MemorySink(), every_n_steps=1)
+    with m.step(0), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(TOKENS)
+    m.close()
+    assert logits.dtype == torch.bfloat16
+    assert engine.latest_run == pytest.approx(expected(logits), rel=1e-5)

@@ -251,3 +251,31 @@ def test_lightning_fit_reads_the_update_before_each_probe(tmp_path):
     for name in METRICS:
         for got, want in zip(engine.latest[name], task.copies[4][name]):
             assert_close(got.double(), want.float().double(), rtol=1e-5, atol=0)
+
+
+def test_a_comparison_that_fails_warns_once_and_training_goes_on(monkeypatch):
+    import qkmonitor.engine.spectrum as spectrum_module
+
+    def broken(snapshot, heads):
+        raise RuntimeError("unreadable")
+
+    monkeypatch.setattr(spectrum_module, "update_metrics", broken)
+    model = decoder()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    engine = QKSpectrum()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Monitoring(
+            model, [engine], writer=MemorySink(), every_n_steps=1, optimizer=optimizer
+        ) as monitoring:
+            for step in range(3):
+                with monitoring.step(step):
+                    model(TOKENS).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+    messages = [str(w.message) for w in caught]
+    assert sum("could not be read (RuntimeError: unreadable)" in m for m in messages) == 1
+    assert engine.latest_step == 2
+    assert all(v.isnan().all() for name in METRICS for v in engine.latest[name])
+    assert all(torch.isfinite(v).all() for v in engine.latest["kappa"])
+    assert not optimizer._optimizer_step_pre_hooks
