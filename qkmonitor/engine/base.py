@@ -671,13 +671,7 @@ class MonitorEngine:
         for name, monitor in borrowed.items():
             source = next((e for e in self.siblings if name in e.metric_names), None)
             if source is None:
-                self.warn_once(
-                    host,
-                    f"evidence:{name}",
-                    f"a rule reads {name}, which {monitor} logs, but no {monitor} runs beside "
-                    f"this monitor (QKMonitor runs the three together; or give both engines to "
-                    f"one Monitoring): the rules that read it are skipped",
-                )
+                self._evidence_missing(host, name, monitor)
                 continue
             latest = source.latest if source.latest_step == step else {}
             index = {layer.name: i for i, layer in enumerate(source.layers)}
@@ -688,6 +682,23 @@ class MonitorEngine:
                 grid.append(values if len(values) == count else [math.nan] * count)
             out[name] = grid
         return out, signals
+
+    def _evidence_missing(self, host: Host, name: str, monitor: str) -> None:
+        """Say once that the rules reading ``name`` are skipped: a warning if the user chose one of
+        them, a line if they are all defaults (running one monitor alone is a choice, not a
+        fault)."""
+        readers = [rule for rule in self.alerting.tracker.rules if name in rule.metrics]
+        text = (
+            f"{', '.join(rule.name for rule in readers)} read(s) {name}, which {monitor} logs, but "
+            f"no {monitor} runs beside this monitor (QKMonitor runs the three together; or give "
+            "both engines to one Monitoring): the rules that read it are skipped"
+        )
+        if all(rule in self.default_rules for rule in readers):
+            if f"evidence:{name}" not in self._warned:
+                self._warned.add(f"evidence:{name}")
+                host.info(f"qkmonitor: {type(self).__name__} ({self.prefix}): {text}")
+            return
+        self.warn_once(host, f"evidence:{name}", text)
 
     def draw_final(self, host: Host) -> None:
         """At a run's end: draw the visuals of its last probe if that probe was not one of every

@@ -35,7 +35,13 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from qkmonitor.alerts import LOGIT_BURST_RULE, LOGIT_GROWTH_RULE, LOGIT_JUMP_RULE
+from qkmonitor.alerts import (
+    FAST_UPDATES_RULE,
+    LOGIT_BURST_RULE,
+    LOGIT_GROWTH_RULE,
+    LOGIT_JUMP_RULE,
+    LOGIT_PLATEAU_RULE,
+)
 from qkmonitor.catalogue import ENTROPY, names_of
 from qkmonitor.compiled import add_forward_hooks
 from qkmonitor.engine.base import ActivationEngine, Host, Values, Window
@@ -61,7 +67,13 @@ class AttentionEntropy(ActivationEngine):
     """
 
     monitor = ENTROPY
-    default_rules = (LOGIT_GROWTH_RULE, LOGIT_BURST_RULE, LOGIT_JUMP_RULE)
+    default_rules = (
+        LOGIT_GROWTH_RULE,
+        LOGIT_BURST_RULE,
+        LOGIT_JUMP_RULE,
+        FAST_UPDATES_RULE,
+        LOGIT_PLATEAU_RULE,
+    )
 
     def __init__(self, *, sink_tokens: int = 0, **kwargs: Any) -> None:
         check_int_between("sink_tokens", sink_tokens, 0, MAX_SINK_TOKENS)
