@@ -50,10 +50,11 @@ Usage::
     # QK-Clip's proof: AdamW and Muon, each without and with QKClip (docs/qk_clip.md)
     python benchmarks/instability.py --arms
     python benchmarks/instability.py --arms --clip-tau 30
-    # the round-1 defaults on the same runs
-    python benchmarks/instability.py --replay --round-1-rules
+    # an earlier round's defaults on the same runs
+    python benchmarks/instability.py --replay --round-rules 2
 
-The full sweep takes about 20 min, ``--quick`` about 3 min, ``--replay`` about 30 s.
+The full sweep (240 runs) takes about 22 min on 2 cores, ``--quick`` about 2 min, ``--replay`` about
+40 s.
 """
 
 from __future__ import annotations
@@ -85,9 +86,11 @@ from families import FAMILIES, Family
 from qkmonitor.alerts import (
     DEFAULT_RULES,
     ENTROPY_COLLAPSE_RULE,
+    FAST_UPDATES_RULE,
     KAPPA_RULE,
     LOGIT_BURST_RULE,
     LOGIT_GROWTH_RULE,
+    LOGIT_PLATEAU_RULE,
     MALIGNANT_COLLAPSE_RULE,
     RANK_COLLAPSE_RULE,
     SPECTRAL_GROWTH_RULE,
@@ -158,6 +161,20 @@ def round_1_rules() -> dict[str, list[AlertRule]]:
             RANK_COLLAPSE_RULE,
         ],
     }
+
+
+def round_2_rules() -> dict[str, list[AlertRule]]:
+    """The round-2 defaults (2026-12-02): round 3's two rules on the new evidence left out, to
+    score what they add on round 3's split (``--round-rules 2``)."""
+    added = {FAST_UPDATES_RULE.name, LOGIT_PLATEAU_RULE.name}
+    return {
+        engine.monitor: [r for r in engine.default_rules if r.name not in added]
+        for engine in _engines()
+    }
+
+
+#: ``--round-rules``: an earlier round's defaults
+EARLIER_RULES = {1: round_1_rules, 2: round_2_rules}
 
 
 def split_of(family: str, seed: int) -> str:
@@ -572,8 +589,14 @@ def summary(scored: list[Scored]) -> dict[str, Any]:
         }
 
     families = sorted({s.record.spec.family for s in scored})
+    validation = [s for s in scored if s.record.spec.split == "validation"]
     out = {
-        "validation": block([s for s in scored if s.record.spec.split == "validation"]),
+        "validation": block(validation),
+        # each validation seed alone: the spread of a figure between seeds
+        **{
+            f"validation, seed {seed}": block([s for s in validation if s.record.spec.seed == seed])
+            for seed in sorted({s.record.spec.seed for s in validation})
+        },
         "calibration": block([s for s in scored if s.record.spec.split == "calibration"]),
         "all": block(scored),
     }
@@ -1020,9 +1043,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--replay", action="store_true", help="train nothing: score the cached runs only"
     )
     parser.add_argument(
-        "--round-1-rules",
-        action="store_true",
-        help="score with the round-1 defaults instead (figure and JSON next to the cache)",
+        "--round-rules",
+        type=int,
+        choices=sorted(EARLIER_RULES),
+        default=None,
+        help="score with that earlier round's defaults instead (figure and JSON next to the cache)",
     )
     parser.add_argument(
         "--out",
@@ -1078,8 +1103,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.arms:
         return _report_arms(ordered, args, time.perf_counter() - start)
     for record in ordered:
-        record.alerts = replay(record, round_1_rules() if args.round_1_rules else None)
-        if record.spec.key in fresh and not args.round_1_rules:
+        earlier = EARLIER_RULES[args.round_rules]() if args.round_rules else None
+        record.alerts = replay(record, earlier)
+        if record.spec.key in fresh and not args.round_rules:
             live = [(a["rule"], a["layer"], a["head"], a["step"]) for a in record.live_alerts]
             again = [(a["rule"], a["layer"], a["head"], a["step"]) for a in record.alerts]
             if live != again:
@@ -1089,9 +1115,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scored = score(ordered)
     stats = summary(scored)
     stats["opt_in"] = {rule.name: opt_in_stats(ordered, rule, monitor) for rule, monitor in OPT_IN}
-    suffix = ("_quick" if args.quick else "") + ("_round1" if args.round_1_rules else "")
+    suffix = ("_quick" if args.quick else "") + (
+        f"_round{args.round_rules}" if args.round_rules else ""
+    )
     if args.out is None:
-        args.out = args.cache if args.quick or args.round_1_rules else ROOT / "docs"
+        args.out = args.cache if args.quick or args.round_rules else ROOT / "docs"
     draw(scored, args.out / f"instability{suffix}.png")
     settings = {
         "families": {n: dataclasses.asdict(FAMILIES[n]) for n in args.families},
