@@ -37,6 +37,7 @@ from qkmonitor.engine.group import EngineGroup
 from qkmonitor.engine.guard import GuardedSink, report_write_faults
 from qkmonitor.engine.publishing import ScalarBatch
 from qkmonitor.engine.sinks import is_summary_writer
+from qkmonitor.validation import check_bool
 
 __all__ = [
     "ActivationMonitor",
@@ -303,8 +304,7 @@ class AttentionMonitor(Callback):
     """
 
     def __init__(self, *engines: MonitorEngine, probe_validation: bool = False) -> None:
-        if not isinstance(probe_validation, bool):
-            raise ValueError(f"Expected `probe_validation` to be a bool, got {probe_validation!r}")
+        check_bool("probe_validation", probe_validation)
         self.engines: list[MonitorEngine] = list(engines)
         if len(self.engines) == 1:
             self.engine = self.engines[0]

@@ -10,6 +10,7 @@ from torch import nn
 from qkmonitor.adapters import LayerSpec
 from qkmonitor.alerts import Alert, AlertRule
 from qkmonitor.engine import EffectiveRank, MonitorOptions
+from qkmonitor.engine.rank import MAX_PROBE_SEQUENCES, MAX_PROBE_TOKENS, PATTERN_HEADS
 
 from .base import ActivationMonitor
 
@@ -69,18 +70,18 @@ class EffectiveRankMonitor(ActivationMonitor):
         self,
         *,
         every_n_steps: int | None = None,
-        per_head: bool = False,
-        log_key_prefix: str = "qkmonitor",
+        per_head: bool = MonitorOptions.per_head,
+        log_key_prefix: str = MonitorOptions.log_key_prefix,
         alerts: Sequence[AlertRule] | None = None,
-        alert_action: str = "warn",
+        alert_action: str = MonitorOptions.alert_action,
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
-        visuals_every_n_probes: int = 20,
+        visuals_every_n_probes: int = MonitorOptions.visuals_every_n_probes,
         probe_validation: bool = False,
-        max_probe_sequences: int = 4,
-        max_probe_tokens: int = 128,
+        max_probe_sequences: int = MAX_PROBE_SEQUENCES,
+        max_probe_tokens: int = MAX_PROBE_TOKENS,
         blocks: Sequence[nn.Module] | Callable[[nn.Module], Sequence[nn.Module]] | None = None,
-        pattern_heads: int = 4,
+        pattern_heads: int = PATTERN_HEADS,
     ) -> None:
         engine = EffectiveRank(
             options=MonitorOptions.pick(locals()),

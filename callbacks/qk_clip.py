@@ -48,8 +48,8 @@ class QKClip(ActivationMonitor):
         *,
         tau: float = DEFAULT_TAU,
         every_n_steps: int = 1,
-        per_head: bool = False,
-        log_key_prefix: str = "qkmonitor",
+        per_head: bool = MonitorOptions.per_head,
+        log_key_prefix: str = MonitorOptions.log_key_prefix,
         layers: LayerSpec | None = None,
     ) -> None:
         options = MonitorOptions(

@@ -73,13 +73,13 @@ class QKSpectrumMonitor(AttentionMonitor):
         self,
         *,
         every_n_steps: int | None = None,
-        per_head: bool = False,
-        log_key_prefix: str = "qkmonitor",
+        per_head: bool = MonitorOptions.per_head,
+        log_key_prefix: str = MonitorOptions.log_key_prefix,
         alerts: Sequence[AlertRule] | None = None,
-        alert_action: str = "warn",
+        alert_action: str = MonitorOptions.alert_action,
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
-        visuals_every_n_probes: int = 20,
+        visuals_every_n_probes: int = MonitorOptions.visuals_every_n_probes,
     ) -> None:
         super().__init__(QKSpectrum(options=MonitorOptions.pick(locals())))
         # the hooks are AttentionMonitor's: the weights are read at step 0 and after the update

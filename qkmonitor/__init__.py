@@ -6,6 +6,8 @@ rules (:mod:`qkmonitor.alerts`) and the CLI. The Lightning callbacks live in
 :mod:`qkmonitor.callbacks`, the bundled transformers and tasks in :mod:`qkmonitor.models`.
 """
 
+from importlib import metadata as _metadata
+
 # the adapter families register themselves on import (qkmonitor.registry), before any discovery
 from qkmonitor import hf as _hf  # noqa: F401  (needs transformers only when a model holds its modules)
 from qkmonitor.adapters import AttentionLayer, QKWeights, SupportsQKMonitor, find_attention_layers
@@ -22,7 +24,10 @@ from qkmonitor.intercept import InterceptedAttentionLayer, register_attention
 from qkmonitor.layouts import AttentionSpec
 from qkmonitor.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
 
-__version__ = "0.1.0"
+try:  # the one version is pyproject.toml's, read from the installed package's metadata
+    __version__ = _metadata.version("qkmonitor")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AlertRule",

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from qkmonitor.kernels._torch import exp_shifted_
 from qkmonitor.threads import on_threads
+from qkmonitor.validation import check_positive_int, is_int
 
 __all__ = [
     "attention_entropy",
@@ -82,9 +83,8 @@ def split_heads(w_q: Tensor, w_k: Tensor, num_heads: int, num_kv_heads: int | No
             f"{tuple(w_k.shape)}"
         )
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"Expected `num_heads` to be a positive int, got {num_heads!r}")
-    if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or num_heads % num_kv_heads:
+    check_positive_int("num_heads", num_heads)
+    if not is_int(num_kv_heads, 1) or num_heads % num_kv_heads:
         raise ValueError(
             f"Expected `num_kv_heads` to be a positive int dividing `num_heads`={num_heads}, got "
             f"{num_kv_heads!r}"

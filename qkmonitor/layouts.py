@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from qkmonitor.adapters import QKWeights
 from qkmonitor.clip import ProjectionRows, QKRows
-from qkmonitor.validation import is_int
+from qkmonitor.validation import is_int, is_real
 
 __all__ = [
     "FUSED_ORDERS",
@@ -303,7 +303,7 @@ def attribute(module: nn.Module, names: tuple[str, ...]) -> int | None:
 def _scale(module: nn.Module) -> float | None:
     for name in SCALE_NAMES:
         value = getattr(module, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        if is_real(value) and value > 0:
             return float(value)
     return None
 
@@ -493,11 +493,7 @@ class AttentionSpec:
         if (
             self.scale is not None
             and not isinstance(self.scale, str)
-            and not (
-                isinstance(self.scale, (int, float))
-                and not isinstance(self.scale, bool)
-                and self.scale > 0
-            )
+            and not (is_real(self.scale) and self.scale > 0)
         ):
             raise ValueError(
                 "Expected `scale` to be a positive float, an attribute name or None, got "

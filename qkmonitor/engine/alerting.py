@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +27,7 @@ from qkmonitor.alerts import (
     run_signals,
 )
 from qkmonitor.catalogue import CATALOGUE, metric
+from qkmonitor.validation import is_real
 
 if TYPE_CHECKING:
     from qkmonitor.engine.base import Host
@@ -42,7 +42,7 @@ def check_loss(loss: object) -> None:
     if isinstance(loss, Tensor):
         ok = loss.numel() == 1 and not (loss.dtype == torch.bool or loss.is_complex())
     else:
-        ok = isinstance(loss, Real) and not isinstance(loss, bool)
+        ok = is_real(loss)
     if not ok:
         got = (
             f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"

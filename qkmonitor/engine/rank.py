@@ -48,6 +48,11 @@ __all__ = ["EffectiveRank"]
 BlocksSpec = Sequence[nn.Module] | Callable[[nn.Module], Sequence[nn.Module]]
 
 
+#: The engine's defaults, declared once (the Lightning callback's signature uses them too): the
+#: sequences and tokens of a batch measured, and the heads per layer drawn as attention images.
+MAX_PROBE_SEQUENCES, MAX_PROBE_TOKENS, PATTERN_HEADS = 4, 128, 4
+
+
 class EffectiveRank(ActivationEngine):
     """Logs hidden_erank and hidden_collapse per layer, attn_erank, attn_erank_norm and
     attn_entropy_norm per layer and head, and images of the first probe sequence's attention.
@@ -71,10 +76,10 @@ class EffectiveRank(ActivationEngine):
     def __init__(
         self,
         *,
-        max_probe_sequences: int = 4,
-        max_probe_tokens: int = 128,
+        max_probe_sequences: int = MAX_PROBE_SEQUENCES,
+        max_probe_tokens: int = MAX_PROBE_TOKENS,
         blocks: BlocksSpec | None = None,
-        pattern_heads: int = 4,
+        pattern_heads: int = PATTERN_HEADS,
         **kwargs: Any,
     ) -> None:
         check_positive_int("max_probe_sequences", max_probe_sequences)

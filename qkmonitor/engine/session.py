@@ -26,7 +26,7 @@ from qkmonitor.engine.guard import GuardedSink, report_write_faults
 from qkmonitor.engine.publisher import PUBLISHER
 from qkmonitor.engine.sinks import Sink, SummaryWriterSink, is_summary_writer
 from qkmonitor.tags import HPARAMS_METRICS, alert_tag
-from qkmonitor.validation import check_positive_int
+from qkmonitor.validation import check_non_negative_int, check_positive_int
 
 __all__ = ["Monitoring", "check_tag_collisions", "write_run_header"]
 
@@ -360,8 +360,7 @@ class Monitoring:
 
     @staticmethod
     def _check_step(step: object) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"Expected `step` to be an int >= 0, got {step!r}")
+        check_non_negative_int("step", step)
 
     def flush(self) -> None:
         """Wait for the visuals drawn in the background (:mod:`qkmonitor.engine.publisher`) and
