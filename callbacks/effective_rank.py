@@ -42,7 +42,7 @@ class EffectiveRankMonitor(ActivationMonitor):
     ``{prefix}/attn_erank_norm/layer_LL``, ``{prefix}/attn_entropy_norm/layer_LL`` (each with
     ``_min`` and ``_max`` over heads), per head with ``per_head=True``,
     ``{prefix}/alerts/rank_collapse``, ``{prefix}/alerts/malignant_collapse``, and (TensorBoard
-    only) images ``{prefix}/attention/layer_LL/head_HH`` of the first probe sequence's attention
+    only) images ``{prefix}/attention/layer_LL_head_HH`` of the first probe sequence's attention
     for the first ``pattern_heads`` heads, at every ``visuals_every_n_probes``-th probe.
 
     Default alerts: ``hidden_collapse <= 1e-3`` (rank collapse) and ``attn_entropy_norm <= 0.1``

@@ -31,7 +31,15 @@ import torch
 from torch import Tensor
 
 from qkmonitor.catalogue import FAMILIES, metric
-from qkmonitor.tags import LOSS_TAGS, VAL_LOSS_TAGS, layer_tag, worst_tag
+from qkmonitor.tags import (
+    LOSS_TAGS,
+    VAL_LOSS_TAGS,
+    alert_tag,
+    layer_tag,
+    layer_tag_regex,
+    run_tag,
+    worst_tag,
+)
 
 __all__ = [
     "FAMILIES",
@@ -102,8 +110,7 @@ def _prefix_layout(prefix: str, metrics: list[str], num_layers: int, rules: list
         if not present:
             continue
         layout[f"{prefix}: {family}"] = {
-            f"{m} (a line per layer)": ["Multiline", [f"^{re.escape(prefix)}/{m}/layer_\\d+$"]]
-            for m in present
+            f"{m} (a line per layer)": ["Multiline", [layer_tag_regex(prefix, m)]] for m in present
         }
         margins = {
             f"{m} layer {layer:02d} (heads: min, mean, max)": [
@@ -124,14 +131,14 @@ def _prefix_layout(prefix: str, metrics: list[str], num_layers: int, rules: list
         layout[f"{prefix}: output logits"] = {
             "output_lse_rms and output_logit_max (the run's, not a layer's)": [
                 "Multiline",
-                [f"^{re.escape(prefix)}/run/output_"],
+                [f"^{re.escape(run_tag(prefix, 'output_'))}"],
             ]
         }
     if rules:
         layout[f"{prefix}: alerts"] = {
             "alerts fired (count; a rule appears at its first alert)": [
                 "Multiline",
-                [f"^{re.escape(prefix)}/alerts/"],
+                [f"^{re.escape(alert_tag(prefix, ''))}"],
             ]
         }
     return layout

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qkmonitor.catalogue import CATALOGUE, MetricSpec
-from qkmonitor.tags import LOSS_TAGS
+from qkmonitor.tags import LOSS_TAGS, layer_prefixes, parse_alert_tag, parse_layer_tag
 
 if TYPE_CHECKING:
     from qkmonitor.alerts import AlertRule, Condition
@@ -65,8 +65,6 @@ __all__ = [
 KNOWN_METRICS = tuple(spec.name for spec in CATALOGUE)
 _SPECS = {spec.name: spec for spec in CATALOGUE}
 _EVENT_MARKER = "tfevents"
-#: a layer's tag, or one head's: ``..._head_HH`` now, ``.../head_HH`` in runs written before 2026-12
-_LAYER_RE = re.compile(r"^(?P<metric>.+)/layer_(?P<layer>\d+)(?:[_/]head_(?P<head>\d+))?$")
 _LINE_STYLES = ("-", "--", ":", "-.")
 _RUN_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _THRESHOLD_COLOR = "crimson"
@@ -120,8 +118,7 @@ class RunData:
         note: how ``given`` became ``path`` when that was a choice (several runs below it).
         layers: metric -> layer -> the ``{prefix}/{metric}/layer_{LL}`` series (mean over heads).
         bands: metric -> layer -> ``"min"``/``"max"`` -> the lowest/highest-head series.
-        heads: metric -> layer -> head -> the ``{prefix}/{metric}/layer_{LL}_head_{HH}`` series
-            (runs written before 2026-12: ``.../layer_{LL}/head_{HH}``).
+        heads: metric -> layer -> head -> the ``{prefix}/{metric}/layer_{LL}_head_{HH}`` series.
         alert_counts: rule -> the ``{prefix}/alerts/{rule}`` counter series.
         alerts: the alert messages, by step.
         loss: the training loss, read from ``loss_tag`` (None: the run has none of the tags).
@@ -279,24 +276,22 @@ def read_run(
     run = RunData(path=folder, given=Path(path), prefix=prefix, note=note)
     scalar_tags = acc.Tags().get("scalars", [])
     means: dict[tuple[str, int], Series] = {}
-    head = f"{prefix}/"
     for tag in scalar_tags:
-        if not tag.startswith(head):
+        rule, parsed = parse_alert_tag(prefix, tag), parse_layer_tag(prefix, tag)
+        if rule is None and parsed is None:
             continue
         events = acc.Scalars(tag)
         series = Series(tuple(e.step for e in events), tuple(float(e.value) for e in events))
-        rest = tag[len(head) :]
-        if rest.startswith("alerts/") and rest.count("/") == 1:
-            run.alert_counts[rest.split("/", 1)[1]] = series
+        if rule is not None:
+            run.alert_counts[rule] = series
             continue
-        match = _LAYER_RE.match(rest)
-        if match is None or not series.steps:
+        if not series.steps:
             continue
-        metric, layer = match["metric"], int(match["layer"])
-        if match["head"] is None:
+        metric, layer, head = parsed
+        if head is None:
             means[metric, layer] = series
         else:
-            run.heads.setdefault(metric, {}).setdefault(layer, {})[int(match["head"])] = series
+            run.heads.setdefault(metric, {}).setdefault(layer, {})[head] = series
     metrics = {metric for metric, _ in means}
     for (metric, layer), series in sorted(means.items()):
         base, _, worst = metric.rpartition("_")
@@ -320,9 +315,7 @@ def _no_scalars_message(folder: Path, prefix: str, tags: Sequence[str]) -> str:
         f"`{prefix}/kappa/layer_00` (written by the qkmonitor callbacks with `log_key_prefix="
         f"'{prefix}'`)"
     )
-    others = sorted(
-        {m["prefix"] for tag in tags if (m := re.match(r"^(?P<prefix>.+?)/[^/]+/layer_\d+$", tag))}
-    )
+    others = sorted(layer_prefixes(tags))
     if others:
         return (
             message
@@ -344,10 +337,9 @@ def _read_alerts(acc, prefix: str) -> list[AlertEntry]:
     entries = []
     for tag in sorted(text_tags & set(acc.Tags().get("tensors", []))):
         # torch's SummaryWriter.add_text(tag) stores the string tensor under `{tag}/text_summary`
-        name = tag.removesuffix("/text_summary")
-        if not name.startswith(f"{prefix}/alerts/") or "/" in name[len(prefix) + 8 :]:
+        rule = parse_alert_tag(prefix, tag.removesuffix("/text_summary"))
+        if rule is None:
             continue
-        rule = name[len(prefix) + 8 :]
         for event in acc.Tensors(tag):
             cells = tensor_util.make_ndarray(event.tensor_proto).reshape(-1)
             text = "\n".join(

@@ -41,6 +41,7 @@ from qkmonitor.functional import (
 )
 from qkmonitor.metrics import HeadMean
 from qkmonitor.probes import ProbeRequest, ProbeResult, recomputing
+from qkmonitor.tags import image_tag
 from qkmonitor.validation import check_non_negative_int, check_positive_int
 
 __all__ = ["EffectiveRank"]
@@ -240,10 +241,8 @@ class EffectiveRank(ActivationEngine):
                 result.probs and result.probs[0].numel()
             ):  # drawn when published (visuals, or the run's end)
                 for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
-                    images[f"{self.prefix}/attention/layer_{i:02d}/head_{h:02d}"] = (
-                        AttentionPattern(
-                            probs, title=f"layer {i}, head {h}, step {step}, sequence 0"
-                        )
+                    images[image_tag(self.prefix, "attention", i, h)] = AttentionPattern(
+                        probs, title=f"layer {i}, head {h}, step {step}, sequence 0"
                     )
         self._update(samples)
         return images

@@ -177,7 +177,7 @@ def test_images_dashboard_shows_the_heatmaps_and_attention_patterns(
         if card["tag"] in HEATMAPS:
             assert (card["width"], card["height"]) == (width, height)
     assert {c["tag"] for c in cards if c["tag"].startswith("qkmonitor/attention/")} == {
-        f"qkmonitor/attention/layer_{layer:02d}/head_{head:02d}"
+        f"qkmonitor/attention/layer_{layer:02d}_head_{head:02d}"
         for layer in range(2)
         for head in range(2)
     }

@@ -62,9 +62,9 @@ def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_
         "qkmonitor/heatmap/kappa",
         "qkmonitor/heatmap/entropy_norm",
         "qkmonitor/heatmap/max_prob",
-        "qkmonitor/attention/layer_01/head_01",
+        "qkmonitor/attention/layer_01_head_01",
     } <= images
-    assert "qkmonitor/attention/layer_00/head_02" not in images  # pattern_heads=2
+    assert "qkmonitor/attention/layer_00_head_02" not in images  # pattern_heads=2
     heat = acc.Images("qkmonitor/heatmap/kappa")
     assert [e.step for e in heat] == [0, 2]
     assert (
@@ -284,7 +284,7 @@ def test_the_last_probe_of_a_fit_is_drawn_in_tensorboard(tmp_path, make_task):
     for tag in (
         "qkmonitor/heatmap/kappa",
         "qkmonitor/heatmap/entropy_norm",
-        "qkmonitor/attention/layer_01/head_01",
+        "qkmonitor/attention/layer_01_head_01",
     ):
         assert [e.step for e in acc.Images(tag)] == [0, 2], tag
     assert [e.step for e in acc.Histograms("qkmonitor/qk_singular_values/layer_01")] == [0, 2]

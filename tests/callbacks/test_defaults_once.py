@@ -8,7 +8,6 @@ import dataclasses
 import inspect
 
 import pytest
-
 from qkmonitor.callbacks import (
     AttentionEntropyMonitor,
     EffectiveRankMonitor,
@@ -16,6 +15,7 @@ from qkmonitor.callbacks import (
     QKMonitor,
     QKSpectrumMonitor,
 )
+
 from qkmonitor.engine import (
     AttentionEntropy,
     EffectiveRank,
@@ -53,7 +53,9 @@ def test_a_callbacks_defaults_are_its_engines(callback, engines):
         declared.update(defaults(engine.__init__))
     shared = sorted(set(own) & set(declared))
     assert shared, "the callback shares no parameter with its engine"
-    mismatched = {name: (own[name], declared[name]) for name in shared if own[name] != declared[name]}
+    mismatched = {
+        name: (own[name], declared[name]) for name in shared if own[name] != declared[name]
+    }
     # QKClip probes every step unless told otherwise; its engine says so in its body
     if callback is QKClip:
         mismatched.pop("every_n_steps", None)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import struct
 import warnings
 from pathlib import Path
@@ -23,6 +22,7 @@ from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.catalogue import metric
 from qkmonitor.dashboards import HeatmapScale, grid_of, heatmap_image
 from qkmonitor.report import read_run
+from qkmonitor.tags import head_tag
 
 
 def monitors(**kwargs):
@@ -267,7 +267,7 @@ def test_images_and_histograms_reach_wandb_under_the_loggers_prefix(
     logged = {key for row in rows for key in row}
     assert {
         "train-qkmonitor/heatmap/entropy_norm",
-        "train-qkmonitor/attention/layer_01/head_01",
+        "train-qkmonitor/attention/layer_01_head_01",
     } <= logged
     histograms = [
         row["train-qkmonitor/qk_singular_values/layer_00"]
@@ -303,11 +303,11 @@ def test_images_and_alert_texts_reach_mlflow_as_artifacts_under_the_loggers_pref
     assert np.array_equal(np.asarray(Image.open(local).convert("RGB")), kappa_heatmap(recorded))
     patterns = [
         a.path
-        for a in client.list_artifacts(logger.run_id, "train-qkmonitor/attention/layer_01/head_01")
+        for a in client.list_artifacts(logger.run_id, "train-qkmonitor/attention/layer_01_head_01")
     ]
     assert patterns == [
-        "train-qkmonitor/attention/layer_01/head_01/step_000000.png",
-        "train-qkmonitor/attention/layer_01/head_01/step_000002.png",
+        "train-qkmonitor/attention/layer_01_head_01/step_000000.png",
+        "train-qkmonitor/attention/layer_01_head_01/step_000002.png",
     ]
     alerts = [a.path for a in client.list_artifacts(logger.run_id, "train-qkmonitor/alerts/kappa")]
     assert alerts == [
@@ -335,13 +335,16 @@ def test_a_logger_that_takes_no_images_is_named_once_beside_one_that_does(tmp_pa
     )  # one for the run, not per monitor or image
 
 
-def test_the_report_reads_runs_written_with_the_old_per_head_tags(tmp_path):
-    for name, head in (("old", "layer_00/head_01"), ("new", "layer_00_head_01")):
-        writer = SummaryWriter(str(tmp_path / name))
-        for step, value in ((0, 0.25), (10, 0.5)):
-            writer.add_scalar("qkmonitor/kappa/layer_00", value, step)
-            writer.add_scalar(f"qkmonitor/kappa/{head}", 2 * value, step)
-        writer.close()
-    old, new = read_run(tmp_path / "old"), read_run(tmp_path / "new")
-    assert old.heads["kappa"][0][1].values == new.heads["kappa"][0][1].values == (0.5, 1.0)
-    assert not math.isnan(old.layers["kappa"][0].final)
+def test_the_report_reads_head_tags_as_tags_builds_them(tmp_path):
+    """One head's tag is ``layer_LL_head_HH`` (tags.head_tag); the form of the first weeks of
+    development (``layer_LL/head_HH``, never released) is no layer's and no head's."""
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step, value in ((0, 0.25), (10, 0.5)):
+        writer.add_scalar("qkmonitor/kappa/layer_00", value, step)
+        writer.add_scalar(head_tag("qkmonitor", "kappa", 0, 1), 2 * value, step)
+        writer.add_scalar("qkmonitor/kappa/layer_00/head_02", 3 * value, step)
+    writer.close()
+    run = read_run(tmp_path / "run")
+    assert run.heads["kappa"][0].keys() == {1}
+    assert run.heads["kappa"][0][1].values == (0.5, 1.0)
+    assert run.layers["kappa"][0].values == (0.25, 0.5)

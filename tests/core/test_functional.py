@@ -262,6 +262,8 @@ def test_masked_softmax_in_place_is_the_float64_softmax_and_leaves_the_copy_alon
         ((32,), (32, 32), 4, None, "shape"),
         ((2, 32, 32), (32, 32), 4, None, "leading dims"),
         ((32, 32), (32, 32), 0, None, "`num_heads`"),
+        ((32, 32), (32, 32), True, None, "`num_heads` to be a positive int"),  # a bool is no count
+        ((32, 32), (32, 32), 4, True, "`num_kv_heads`"),
     ],
 )
 def test_bad_shapes_raise_value_error_naming_the_argument(

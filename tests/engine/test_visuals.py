@@ -59,8 +59,8 @@ def test_visuals_come_with_every_nth_probe_and_scalars_with_every_probe(visuals)
             "qkmonitor/heatmap/kappa",
             "qkmonitor/heatmap/entropy_norm",
             "qkmonitor/heatmap/max_prob",
-            "qkmonitor/attention/layer_00/head_00",
-            "qkmonitor/attention/layer_01/head_00",
+            "qkmonitor/attention/layer_00_head_00",
+            "qkmonitor/attention/layer_01_head_00",
         }
         if visuals
         else set()
