@@ -32,7 +32,7 @@ else:
     if not hasattr(triton, "knobs"):  # triton < 3.4 (CUDA torch < 2.8): the backend cannot import
         collect_ignore.append("qkmonitor/kernels/_triton")
 if importlib.util.find_spec("transformers") is None:  # the Trainer callback imports it at the top
-    collect_ignore.append("qkmonitor/hf_trainer.py")
+    collect_ignore.append("qkmonitor/callbacks/hf_trainer.py")
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -89,6 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/nanogpt.py
 
 from nanogpt import NanoGPTTask
+
 from qkmonitor.callbacks import (
     AttentionEntropyMonitor,
     EffectiveRankMonitor,
@@ -261,7 +262,7 @@ def touched(batch: int, every: int) -> bool:
 
 
 #: batches after a probe counted in its window: the visuals are drawn and written on a background
-#: thread (qkmonitor.engine.publisher) while the next batches train, and slow them down
+#: thread (qkmonitor.output.publisher) while the next batches train, and slow them down
 SPILL = 3
 
 
@@ -576,6 +577,7 @@ def dispatch(args, repeat: int = 20000) -> dict[str, float]:
       the unprobed steps whose loss a rule keeps, and of the empty callback's, per batch (medians
       over a fit of ``--steps`` steps, each hook timed by the same wrapper)."""
     from lightning.pytorch.trainer import call
+
     from qkmonitor.callbacks import QKMonitor
 
     pl.seed_everything(0, verbose=False)
@@ -911,8 +913,11 @@ PARTS = (
     ("qkmonitor.engine.spectrum", "QKSpectrum.before_update"),  # the optimizer's view: the copy
     ("qkmonitor.engine.spectrum", "QKSpectrum._updates_after"),  # ... and the comparison
     ("qkmonitor.engine.entropy", "logit_sums"),  # the output logits' sums
-    ("qkmonitor.calls", "MaskedCall._stats"),  # an intercepted layer's statistics (once a call)
-    ("qkmonitor.calls", "MaskedCall.probs"),  # its probability slice, for the ranks
+    (
+        "qkmonitor.attention.calls",
+        "MaskedCall._stats",
+    ),  # an intercepted layer's statistics (once a call)
+    ("qkmonitor.attention.calls", "MaskedCall.probs"),  # its probability slice, for the ranks
     ("qkmonitor.engine.entropy", "AttentionEntropy._accumulate"),
     ("qkmonitor.engine.entropy", "AttentionEntropy._values"),
     ("qkmonitor.engine.rank", "EffectiveRank._accumulate"),

@@ -1,11 +1,11 @@
 """The spectrum of W_QK three ways: dense d x d SVD, Householder QR, and the Gram route.
 
 - dense: form each head's ``W_QK^h = W_Q^h (W_K^g)^T`` (d x d) and take its full SVD, O(H·d³);
-- QR (:func:`qkmonitor.functional.qk_singular_values`): ``W_Q^h = Q_1 R_1``, ``W_K^g = Q_2 R_2``,
-  ``svdvals(R_1 R_2^T)``, all layers stacked into one batched call;
-- Gram (:func:`qkmonitor.layer_spectra.spectrum_of_layers`): per layer, batched ``W_Q^T W_Q``,
-  ``W_K^T W_K``, ``W_K^T W_Q`` products, then one d_k x d_k eigenproblem per head for σ and one
-  for λ; layers one at a time.
+- QR (:func:`qkmonitor.measures.functional.qk_singular_values`): ``W_Q^h = Q_1 R_1``, ``W_K^g = Q_2
+  R_2``, ``svdvals(R_1 R_2^T)``, all layers stacked into one batched call;
+- Gram (:func:`qkmonitor.measures.layer_spectra.spectrum_of_layers`): per layer, batched ``W_Q^T
+  W_Q``, ``W_K^T W_K``, ``W_K^T W_Q`` products, then one d_k x d_k eigenproblem per head for σ and
+  one for λ; layers one at a time.
 
 Part 1 (the configurations of issue 2) times singular values only: dense vs QR vs Gram, with the
 largest difference of the top d_k singular values from the dense float64 SVD, relative to σ_1.
@@ -39,15 +39,15 @@ from dataclasses import dataclass
 
 import torch
 
-from qkmonitor.adapters import QKWeights
-from qkmonitor.functional import (
+from qkmonitor.attention.adapters import QKWeights
+from qkmonitor.measures.functional import (
     effective_rank,
     qk_eigenvalues,
     qk_singular_values,
     qk_spectrum_metrics,
     spectral_concentration,
 )
-from qkmonitor.layer_spectra import spectrum_of_layers
+from qkmonitor.measures.layer_spectra import spectrum_of_layers
 
 
 @dataclass

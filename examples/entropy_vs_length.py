@@ -17,9 +17,9 @@ import argparse
 import math
 
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
 
-from qkmonitor.adapters import find_attention_layers
+from qkmonitor.attention.adapters import find_attention_layers
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 TRAIN_LEN = 64
 

@@ -1,16 +1,21 @@
 """qkmonitor: watch attention while a transformer trains.
 
-The core (this package) holds the metric math (:mod:`qkmonitor.functional`), the attention
-kernels (:mod:`qkmonitor.kernels`), the model adapters (:mod:`qkmonitor.adapters`), the alert
-rules (:mod:`qkmonitor.alerts`) and the CLI. The Lightning callbacks live in
-:mod:`qkmonitor.callbacks`, the bundled transformers and tasks in :mod:`qkmonitor.models`.
+Its folders are its concerns: :mod:`qkmonitor.attention` finds a model's attention and sees its
+calls, :mod:`qkmonitor.measures` holds the math, :mod:`qkmonitor.kernels` the attention kernels,
+:mod:`qkmonitor.engine` the monitors (measuring, scheduling, recording), :mod:`qkmonitor.alerts` the
+rules, :mod:`qkmonitor.output` the tags, sinks, dashboards and report, :mod:`qkmonitor.callbacks`
+the Lightning and Hugging Face Trainer callbacks, :mod:`qkmonitor.models` the bundled transformers
+and tasks; :mod:`qkmonitor.cli` is the ``qkmonitor`` command.
 """
 
 from importlib import metadata as _metadata
 
-# the adapter families register themselves on import (qkmonitor.registry), before any discovery
-from qkmonitor import hf as _hf  # noqa: F401  (needs transformers only when a model holds its modules)
-from qkmonitor.adapters import AttentionLayer, QKWeights, SupportsQKMonitor, find_attention_layers
+from qkmonitor import _moved
+
+_moved.install()  # the module paths of before 2026-12-03 (e.g. qkmonitor.report) still import
+
+# the adapter families register themselves on import (qkmonitor.attention.registry), before any
+# discovery
 from qkmonitor.alerts import (
     AlertRule,
     EntropyCollapseWarning,
@@ -20,9 +25,16 @@ from qkmonitor.alerts import (
     QKMonitorWarning,
     RankCollapseWarning,
 )
-from qkmonitor.intercept import InterceptedAttentionLayer, register_attention
-from qkmonitor.layouts import AttentionSpec
-from qkmonitor.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
+from qkmonitor.attention import hf as _hf  # noqa: F401  (needs transformers only when a model holds its modules)
+from qkmonitor.attention.adapters import (
+    AttentionLayer,
+    QKWeights,
+    SupportsQKMonitor,
+    find_attention_layers,
+)
+from qkmonitor.attention.intercept import InterceptedAttentionLayer, register_attention
+from qkmonitor.attention.layouts import AttentionSpec
+from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
 
 try:  # the one version is pyproject.toml's, read from the installed package's metadata
     __version__ = _metadata.version("qkmonitor")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from qkmonitor.catalogue import CATALOGUE
+from qkmonitor.measures.catalogue import CATALOGUE
 from qkmonitor.validation import (
     check_bool,
     check_non_negative_int,
@@ -141,8 +141,8 @@ LEARNING_WINDOW = 30
 
 def channel_of(metric: str) -> str:
     """The evidence channel ``metric`` comes from, as an alert names it: its dashboard family
-    (:data:`~qkmonitor.catalogue.CATALOGUE`; ``"attention"``, ``"optimizer"``, ``"QK spectrum"``,
-    ...), or ``"training loss"`` or ``"output logits"`` for a run signal."""
+    (:data:`~qkmonitor.measures.catalogue.CATALOGUE`; ``"attention"``, ``"optimizer"``, ``"QK
+    spectrum"``, ...), or ``"training loss"`` or ``"output logits"`` for a run signal."""
     if metric in LOSS_SIGNALS:
         return "training loss"
     if metric in RUN_SIGNALS:

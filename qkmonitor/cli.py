@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="show the training progress (step N/total, loss, accuracy)",
     )
-    from qkmonitor.report import add_report_parser
+    from qkmonitor.output.report import add_report_parser
 
     add_report_parser(commands, formatter_class=_HelpFormatter)
     return parser
@@ -305,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 setattr(args, name, value)
         return _train(args)
     if args.command == "report":
-        from qkmonitor.report import run_report
+        from qkmonitor.output.report import run_report
 
         return run_report(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
@@ -596,7 +596,7 @@ def _StepProgress():
 
 def summary_columns() -> list[tuple[str, str, str]]:
     """(monitor, metric, over heads) columns of the summary table, from the metric catalogue."""
-    from qkmonitor.catalogue import CATALOGUE
+    from qkmonitor.measures.catalogue import CATALOGUE
 
     return [(spec.monitor, spec.name, agg) for spec in CATALOGUE for agg in spec.summary]
 
@@ -655,7 +655,7 @@ def _summary(
 def _sources(engines: list, columns: list[tuple[str, str, str]]) -> list[str]:
     """Which probe each column comes from: the spectrum reads the weights after a step, the
     activation monitors the batch of their last probe step (up to ``every_n_steps`` earlier)."""
-    from qkmonitor.catalogue import SPECTRUM
+    from qkmonitor.measures.catalogue import SPECTRUM
 
     groups: dict[str, list[str]] = {}
     for e in engines:
@@ -675,7 +675,7 @@ def _sources(engines: list, columns: list[tuple[str, str, str]]) -> list[str]:
 
 def _legend(columns: list[tuple[str, str, str]]) -> list[str]:
     """One line per metric of the table: unit, range, which end is worse, how to read it."""
-    from qkmonitor.catalogue import metric
+    from qkmonitor.measures.catalogue import metric
 
     names = list(dict.fromkeys(name for _, name, _ in columns))
     if not names:

@@ -14,8 +14,8 @@ from qkmonitor.engine.entropy import AttentionEntropy
 from qkmonitor.engine.options import MonitorOptions
 from qkmonitor.engine.rank import EffectiveRank
 from qkmonitor.engine.session import Monitoring, check_tag_collisions, write_run_header
-from qkmonitor.engine.sinks import MemorySink, Sink, SummaryWriterSink
 from qkmonitor.engine.spectrum import QKSpectrum
+from qkmonitor.output.sinks import MemorySink, Sink, SummaryWriterSink
 
 __all__ = [
     "ActivationEngine",

@@ -26,7 +26,7 @@ from qkmonitor.alerts import (
     AlertTracker,
     run_signals,
 )
-from qkmonitor.catalogue import CATALOGUE, metric
+from qkmonitor.measures.catalogue import CATALOGUE, metric
 from qkmonitor.validation import is_real
 
 if TYPE_CHECKING:

@@ -1,17 +1,18 @@
 """The framework-free monitor engine: when to probe and what to measure, for a host.
 
-A :class:`MonitorEngine` knows its layers (:func:`qkmonitor.adapters.find_attention_layers`),
-decides the probe steps and computes its metrics; what it is told comes in one
-:class:`~qkmonitor.engine.options.MonitorOptions`. It hands each probe's values to its two other
-parts: the alert policy (:mod:`qkmonitor.engine.alerting`: the tracker, warn / stop / raise,
-``on_alert``) and the publisher (:mod:`qkmonitor.engine.publishing`: the tags of
-:mod:`qkmonitor.tags`, scalars to the sinks of a :class:`Host`, visuals to those that draw). The
-host is whatever drives the engine: the Lightning callbacks (a thin adapter over a Trainer) or
-:class:`qkmonitor.engine.Monitoring` in a plain PyTorch loop.
+A :class:`MonitorEngine` knows its layers
+(:func:`qkmonitor.attention.adapters.find_attention_layers`), decides the probe steps and computes
+its metrics; what it is told comes in one :class:`~qkmonitor.engine.options.MonitorOptions`. It
+hands each probe's values to its two other parts: the alert policy
+(:mod:`qkmonitor.engine.alerting`: the tracker, warn / stop / raise, ``on_alert``) and the publisher
+(:mod:`qkmonitor.engine.publishing`: the tags of :mod:`qkmonitor.output.tags`, scalars to the sinks
+of a :class:`Host`, visuals to those that draw). The host is whatever drives the engine: the
+Lightning callbacks (a thin adapter over a Trainer) or :class:`qkmonitor.engine.Monitoring` in a
+plain PyTorch loop.
 
-:class:`ActivationEngine` adds probes of the forward pass (:mod:`qkmonitor.probes`): ``open``
-opens one probe per layer for a probe window, ``finish`` closes them and logs, ``abort`` closes
-them and logs nothing. Every path closes what it opened.
+:class:`ActivationEngine` adds probes of the forward pass (:mod:`qkmonitor.attention.probes`):
+``open`` opens one probe per layer for a probe window, ``finish`` closes them and logs, ``abort``
+closes them and logs nothing. Every path closes what it opened.
 """
 
 from __future__ import annotations
@@ -29,10 +30,15 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from qkmonitor.adapters import AttentionLayer, find_attention_layers, parameters_without_data
 from qkmonitor.alerts import LOSS_SMOOTHING, Alert, AlertRule, AlertTracker
-from qkmonitor.catalogue import MetricSpec, metric, names_of
-from qkmonitor.compiled import SwitchedForward, UncompiledForward, compiled_roots
+from qkmonitor.attention.adapters import (
+    AttentionLayer,
+    find_attention_layers,
+    parameters_without_data,
+)
+from qkmonitor.attention.compiled import SwitchedForward, UncompiledForward, compiled_roots
+from qkmonitor.attention.intercept import unmeasured_attention_like
+from qkmonitor.attention.probes import Probe, ProbeRequest, ProbeResult
 from qkmonitor.engine.alerting import AlertPolicy, check_loss
 from qkmonitor.engine.options import MonitorOptions, check_prefix
 from qkmonitor.engine.publishing import (
@@ -44,10 +50,9 @@ from qkmonitor.engine.publishing import (
     as_rows,
     write_scalars,
 )
-from qkmonitor.engine.sinks import Sink
-from qkmonitor.intercept import unmeasured_attention_like
-from qkmonitor.metrics import reduce_across_ranks
-from qkmonitor.probes import Probe, ProbeRequest, ProbeResult
+from qkmonitor.measures.catalogue import MetricSpec, metric, names_of
+from qkmonitor.measures.metrics import reduce_across_ranks
+from qkmonitor.output.sinks import Sink
 
 __all__ = [
     "ActivationEngine",
@@ -80,7 +85,7 @@ class Window:
 def finish_windows(host: Host, engines: Sequence[ActivationEngine]) -> None:
     """Close the open windows of ``engines`` and log them, their aggregators reduced across
     processes together: one collective for all of them under DDP
-    (:func:`~qkmonitor.metrics.reduce_across_ranks`). An engine alone may have its own
+    (:func:`~qkmonitor.measures.metrics.reduce_across_ranks`). An engine alone may have its own
     :meth:`~MonitorEngine.finish` (QKClip's); several must split theirs
     (:meth:`ActivationEngine.close_window`, :meth:`ActivationEngine.complete`)."""
     windows = [(engine, engine.close_window(host)) for engine in engines]
@@ -348,15 +353,17 @@ class MonitorEngine:
             model
         )  # switched at the first window, after every engine's discovery
 
-    # -- torch.compile (qkmonitor.compiled) ------------------------------------------------------
+    # -- torch.compile (qkmonitor.attention.compiled)
+    # ------------------------------------------------------
 
     def _probed_modules(self) -> list[nn.Module]:
         """The modules this engine's probes install on (switched under compile)."""
         return []
 
     def _switch_modules(self, roots: list[nn.Module]) -> None:
-        """Measure through switches (:mod:`qkmonitor.compiled`), held until :meth:`release`: the
-        probed modules, and the roots of the compiled regions, which run eagerly while a window is
+        """Measure through switches (:mod:`qkmonitor.attention.compiled`), held until
+        :meth:`release`: the probed modules, and the roots of the compiled regions, which run
+        eagerly while a window is
         open, so that probing neither recompiles the model nor breaks its graph inside a loop."""
         held = {id(switch.module) for switch in self._switches}
         for module in self._probed_modules():
@@ -374,7 +381,8 @@ class MonitorEngine:
 
     def _switch_if_compiled(self) -> None:
         """At a window's opening: switch the probed modules and the compiled regions' roots if the
-        model showed any at bind (:func:`~qkmonitor.compiled.compiled_roots`); here, not at bind,
+        model showed any at bind (:func:`~qkmonitor.attention.compiled.compiled_roots`); here, not
+        at bind,
         so that every engine's discovery sees the modules' own classes."""
         roots, self._compiled_roots = self._compiled_roots, []
         if roots and not self._roots:
@@ -601,7 +609,7 @@ class MonitorEngine:
             undefined: metric -> per-layer bool tensors, True where a NaN is NaN by definition.
             images, histograms: extra visuals of this probe, by tag (an image may be a function
                 that draws it; the histograms a function that makes them). Visuals are drawn and
-                written on the publisher's thread (:mod:`qkmonitor.engine.publisher`); ``release``
+                written on the publisher's thread (:mod:`qkmonitor.output.publisher`); ``release``
                 waits for them. A probe that draws none keeps them for :meth:`draw_final`.
             run_values: values of the run rather than of a head (the output logits'), logged
                 under ``{prefix}/run/{name}`` and read by the rules as run signals (training
@@ -724,7 +732,7 @@ class MonitorEngine:
 
 
 class ActivationEngine(MonitorEngine):
-    """An engine that measures the forward pass through probes (:mod:`qkmonitor.probes`).
+    """An engine that measures the forward pass through probes (:mod:`qkmonitor.attention.probes`).
 
     Subclasses say what they want (:meth:`_request`), may install more for the window
     (:meth:`_open_extra` / :meth:`_close_extra`, e.g. block hooks) and turn the probes' results
@@ -839,7 +847,7 @@ class ActivationEngine(MonitorEngine):
 
     def aggregators(self) -> list[Metric]:
         """The torchmetrics states a window adds to, reduced across processes before
-        :meth:`complete` (:func:`~qkmonitor.metrics.reduce_across_ranks`)."""
+        :meth:`complete` (:func:`~qkmonitor.measures.metrics.reduce_across_ranks`)."""
         return []
 
     def complete(self, host: Host, window: Window) -> None:

@@ -10,7 +10,7 @@ done (the window closes after it), each head's largest scaled logit over the ste
 
 is taken (the largest over the ranks under DDP, so every rank scales alike), and the query and key
 projections of every head with :math:`\gamma_h < 1` are scaled in place so that its logits shrink
-by :math:`\gamma_h` (:mod:`qkmonitor.clip`: :math:`\sqrt{\gamma_h}` on each projection, or
+by :math:`\gamma_h` (:mod:`qkmonitor.attention.clip`: :math:`\sqrt{\gamma_h}` on each projection, or
 :math:`\gamma_h` on the queries of a key head shared by several query heads). The forward and
 backward passes and the optimizer state are untouched; heads at or below ``tau`` are not written.
 
@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from qkmonitor.catalogue import CLIP
-from qkmonitor.clip import QKRows, clip_factors, head_max_logits
+from qkmonitor.attention.clip import QKRows, clip_factors, head_max_logits
+from qkmonitor.attention.probes import Probe, ProbeRequest, ProbeResult
 from qkmonitor.engine.base import ActivationEngine, Host, Values, Window
-from qkmonitor.probes import Probe, ProbeRequest, ProbeResult
+from qkmonitor.measures.catalogue import CLIP
 from qkmonitor.validation import check_real
 
 __all__ = ["QKClip"]

@@ -8,7 +8,7 @@ scaled logits :math:`s_{ij}`:
     H_i = -\sum_j p_{ij}\log p_{ij}, \quad \tilde H_i = \frac{H_i}{\log n_i}, \quad
     \max_j p_{ij}, \quad \max_j s_{ij}.
 
-The same probe reads the model's output logits (:class:`qkmonitor.metrics.OutputLogits`:
+The same probe reads the model's output logits (:class:`qkmonitor.measures.metrics.OutputLogits`:
 ``output_lse_rms``, the RMS of each position's log-partition, and ``output_logit_max``), logged
 under ``{prefix}/run/`` and read by the rules as run signals. They are the output of the model's
 forward (a tensor, ``.logits``, ``["logits"]`` or a tuple's first), or, where the model's own
@@ -19,8 +19,9 @@ layer); which one is decided at the first probe and kept.
 A head's value is the mean over every row of every call in the probe window (rows with
 :math:`n_i \le 1` are left out of ``entropy_norm``, fully masked rows out of everything), except
 ``max_logit``: the largest. Sums are torchmetrics states
-(:class:`qkmonitor.metrics.AttentionStatistics`), reduced across processes with the other engines'
-(:func:`qkmonitor.engine.base.finish_windows`), so under DDP the values cover every rank's rows.
+(:class:`qkmonitor.measures.metrics.AttentionStatistics`), reduced across processes with the other
+engines' (:func:`qkmonitor.engine.base.finish_windows`), so under DDP the values cover every rank's
+rows.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ from qkmonitor.alerts import (
     LOGIT_JUMP_RULE,
     LOGIT_PLATEAU_RULE,
 )
-from qkmonitor.catalogue import ENTROPY, names_of
-from qkmonitor.compiled import add_forward_hooks
+from qkmonitor.attention.compiled import add_forward_hooks
+from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
 from qkmonitor.engine.base import ActivationEngine, Host, Values, Window
-from qkmonitor.metrics import AttentionStatistics, OutputLogits, logit_sums
-from qkmonitor.probes import ProbeRequest, ProbeResult, recomputing
+from qkmonitor.measures.catalogue import ENTROPY, names_of
+from qkmonitor.measures.metrics import AttentionStatistics, OutputLogits, logit_sums
 from qkmonitor.validation import check_int_between
 
 __all__ = ["MAX_SINK_TOKENS", "AttentionEntropy"]

@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from qkmonitor.adapters import AttentionLayer, LayerSpec
 from qkmonitor.alerts import ALERT_ACTIONS, Alert, AlertRule
+from qkmonitor.attention.adapters import AttentionLayer, LayerSpec
 from qkmonitor.validation import check_bool, check_non_negative_int, check_optional_positive_int
 
 __all__ = ["MonitorOptions", "check_prefix"]

@@ -1,10 +1,10 @@
 """An engine's output: its values as tags, scalars to every sink, visuals to the sinks that draw.
 
-:class:`ValuePublisher` builds the tags of :mod:`qkmonitor.tags` from the metric catalogue (layer
-mean, lowest and highest head, each head with ``per_head``), writes a probe's scalars and alert
-counts to the host's sinks on the logging rank, and its alert texts. Visuals (the heatmaps of the
-values, an engine's images and histograms) go only to the sinks that draw (``Sink.draws``), as one
-job for the process's background :data:`~qkmonitor.engine.publisher.PUBLISHER`; a probe that
+:class:`ValuePublisher` builds the tags of :mod:`qkmonitor.output.tags` from the metric catalogue
+(layer mean, lowest and highest head, each head with ``per_head``), writes a probe's scalars and
+alert counts to the host's sinks on the logging rank, and its alert texts. Visuals (the heatmaps of
+the values, an engine's images and histograms) go only to the sinks that draw (``Sink.draws``), as
+one job for the process's background :data:`~qkmonitor.output.publisher.PUBLISHER`; a probe that
 draws none keeps its visual inputs, and :meth:`ValuePublisher.draw_final` draws the last one.
 Engines hand over what to draw (an :class:`AttentionPattern`, a function) and draw nothing
 themselves.
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import Tensor
 
-from qkmonitor.catalogue import metric
-from qkmonitor.dashboards import HeatmapScale, attention_image, grid_of, heatmap_image
-from qkmonitor.engine.guard import confirm_writes, warn_write_faults
-from qkmonitor.engine.publisher import PUBLISHER
-from qkmonitor.engine.sinks import Sink
-from qkmonitor.tags import alert_scalars, alert_tag, head_tag, layer_tag, run_tag, worst_tag
+from qkmonitor.measures.catalogue import metric
+from qkmonitor.output.dashboards import HeatmapScale, attention_image, grid_of, heatmap_image
+from qkmonitor.output.guard import confirm_writes, warn_write_faults
+from qkmonitor.output.publisher import PUBLISHER
+from qkmonitor.output.sinks import Sink
+from qkmonitor.output.tags import alert_scalars, alert_tag, head_tag, layer_tag, run_tag, worst_tag
 
 if TYPE_CHECKING:
     from qkmonitor.engine.base import Host
@@ -54,7 +54,8 @@ Histograms = dict[str, Tensor] | Callable[[], dict[str, Tensor]]
 @dataclasses.dataclass(frozen=True)
 class AttentionPattern:
     """One head's attention, ``(rows, keys)`` probabilities on the CPU, as an image of
-    :data:`Images`: drawn (:func:`qkmonitor.dashboards.attention_image`) when it is published."""
+    :data:`Images`: drawn (:func:`qkmonitor.output.dashboards.attention_image`) when it is
+    published."""
 
     probs: Tensor
     title: str = ""
@@ -76,7 +77,7 @@ def as_rows(values: Values | dict[str, list[list]]) -> dict[str, list[list]]:
 
 def write_scalars(host: Host, scalars: dict[str, float], step: int) -> None:
     """Write scalars at ``step`` to every sink of ``host``: one ``log_scalars`` call each (one
-    TensorBoard event, one CSV row); then what the guards saw (:mod:`qkmonitor.engine.guard`)."""
+    TensorBoard event, one CSV row); then what the guards saw (:mod:`qkmonitor.output.guard`)."""
     sinks = host.sinks()
     for sink in sinks:
         sink.log_scalars(scalars, step)

@@ -29,19 +29,19 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
-from qkmonitor.catalogue import RANK
-from qkmonitor.compiled import add_forward_hooks
+from qkmonitor.attention.compiled import add_forward_hooks
+from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
 from qkmonitor.engine.base import ActivationEngine, Values
 from qkmonitor.engine.publishing import AttentionPattern, Images
-from qkmonitor.functional import (
+from qkmonitor.measures.catalogue import RANK
+from qkmonitor.measures.functional import (
     effective_rank,
     gram_singular_values,
     hidden_state_metrics,
     normalized_entropy,
 )
-from qkmonitor.metrics import HeadMean
-from qkmonitor.probes import ProbeRequest, ProbeResult, recomputing
-from qkmonitor.tags import image_tag
+from qkmonitor.measures.metrics import HeadMean
+from qkmonitor.output.tags import image_tag
 from qkmonitor.validation import check_non_negative_int, check_positive_int
 
 __all__ = ["EffectiveRank"]

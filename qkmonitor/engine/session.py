@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.dashboards import LayoutSection, custom_scalars_layout
 from qkmonitor.engine.alerting import check_loss
 from qkmonitor.engine.base import MonitorEngine, PlainHost
 from qkmonitor.engine.group import EngineGroup
-from qkmonitor.engine.guard import GuardedSink, report_write_faults
-from qkmonitor.engine.publisher import PUBLISHER
-from qkmonitor.engine.sinks import Sink, SummaryWriterSink, is_summary_writer
-from qkmonitor.tags import HPARAMS_METRICS, alert_tag
+from qkmonitor.output.dashboards import LayoutSection, custom_scalars_layout
+from qkmonitor.output.guard import GuardedSink, report_write_faults
+from qkmonitor.output.publisher import PUBLISHER
+from qkmonitor.output.sinks import Sink, SummaryWriterSink, is_summary_writer
+from qkmonitor.output.tags import HPARAMS_METRICS, alert_tag
 from qkmonitor.validation import check_non_negative_int, check_positive_int
 
 __all__ = ["Monitoring", "check_tag_collisions", "write_run_header"]
@@ -120,7 +120,7 @@ def _checked_engines(engines: object) -> list[MonitorEngine]:
 
 
 def _sink_of(writer: object) -> GuardedSink:
-    """The sink of ``Monitoring(writer=...)``, guarded (:mod:`~qkmonitor.engine.guard`: a write
+    """The sink of ``Monitoring(writer=...)``, guarded (:mod:`~qkmonitor.output.guard`: a write
     that fails is lost, not the run): a TensorBoard ``SummaryWriter`` as a
     :class:`SummaryWriterSink`, retried once its directory can be written again; a qkmonitor
     :class:`Sink` as it is. Anything else is a ValueError that says what to pass."""
@@ -363,7 +363,7 @@ class Monitoring:
         check_non_negative_int("step", step)
 
     def flush(self) -> None:
-        """Wait for the visuals drawn in the background (:mod:`qkmonitor.engine.publisher`) and
+        """Wait for the visuals drawn in the background (:mod:`qkmonitor.output.publisher`) and
         flush the sinks: everything logged so far is written."""
         PUBLISHER.drain()
         for sink in self.host.sinks():

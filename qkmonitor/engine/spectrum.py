@@ -1,7 +1,7 @@
 r"""QKSpectrum: the spectrum of every head's query-key product, from the weights alone.
 
 Per head h, over the singular values :math:`\sigma_i` and eigenvalues :math:`\lambda_i` of
-:math:`W_{QK}^h = W_Q^h (W_K^g)^\top` (:mod:`qkmonitor.layer_spectra`):
+:math:`W_{QK}^h = W_Q^h (W_K^g)^\top` (:mod:`qkmonitor.measures.layer_spectra`):
 
 .. math::
 
@@ -19,18 +19,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.adapters import AttentionLayer
 from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.catalogue import SPECTRUM
+from qkmonitor.attention.adapters import AttentionLayer
+from qkmonitor.attention.probes import Probe, ProbeRequest
 from qkmonitor.engine.base import Host, MonitorEngine
 from qkmonitor.engine.updates import UPDATE_METRICS, UpdateSnapshot, take_snapshot, update_metrics
-from qkmonitor.layer_spectra import (
+from qkmonitor.measures.catalogue import SPECTRUM
+from qkmonitor.measures.layer_spectra import (
     SPECTRUM_METRICS,
     LayerSpectra,
     full_parameters,
     spectrum_of_layers,
 )
-from qkmonitor.probes import Probe, ProbeRequest
 
 __all__ = ["QKSpectrum"]
 
@@ -50,9 +50,9 @@ class QKSpectrum(MonitorEngine):
     calls :meth:`before_update` (the Lightning callbacks, ``Monitoring(optimizer=...)``, the HF
     Trainer callback); NaN at step 0 and where no update was seen.
 
-    Layers whose W_Q/W_K were read by name (:mod:`qkmonitor.intercept`) are checked against the
-    first forward: the engine opens a layout probe on them for the first batch (``open`` /
-    ``finish``), and holds the step-0 values of those layers, computed from a copy of their
+    Layers whose W_Q/W_K were read by name (:mod:`qkmonitor.attention.intercept`) are checked
+    against the first forward: the engine opens a layout probe on them for the first batch (``open``
+    / ``finish``), and holds the step-0 values of those layers, computed from a copy of their
     weights, until that check has kept a layout; a layer whose layout fails the check, or whose
     weights are not found at all, is logged as NaN with one warning naming it.
     """

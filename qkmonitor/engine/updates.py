@@ -2,7 +2,7 @@ r"""The optimizer's view of the query and key projections: what one update did t
 
 Per head h of a layer, over the one optimizer update before a spectrum read (the update that made
 the step count a probe step), with :math:`W_Q^h` the head's query rows and :math:`W_K^g` the rows
-of its key head (:class:`qkmonitor.clip.QKRows`):
+of its key head (:class:`qkmonitor.attention.clip.QKRows`):
 
 .. math::
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkmonitor.adapters import AttentionLayer
-from qkmonitor.clip import ProjectionRows, QKRows
+from qkmonitor.attention.adapters import AttentionLayer
+from qkmonitor.attention.clip import ProjectionRows, QKRows
 
 __all__ = ["UPDATE_METRICS", "UpdateSnapshot", "take_snapshot", "update_metrics"]
 

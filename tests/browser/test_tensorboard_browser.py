@@ -168,7 +168,7 @@ def test_images_dashboard_shows_the_heatmaps_and_attention_patterns(
     assert loaded(cards), f"images not shown (screenshot: {shot}): {cards}"
     import torch
 
-    from qkmonitor.dashboards import heatmap_image
+    from qkmonitor.output.dashboards import heatmap_image
 
     height, width = heatmap_image(torch.zeros(2, 4), 0.0, 1.0).shape[
         :2

@@ -10,13 +10,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor
-from qkmonitor.models.positional import apply_rotary_pos_emb
 from torch import nn
 
-from qkmonitor.adapters import find_attention_layers
 from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE, EntropyCollapseWarning
-from qkmonitor.probes import ProbeRequest
+from qkmonitor.attention.adapters import find_attention_layers
+from qkmonitor.attention.probes import ProbeRequest
+from qkmonitor.callbacks import AttentionEntropyMonitor
+from qkmonitor.models.positional import apply_rotary_pos_emb
 
 
 def explicit_probs(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +248,7 @@ def test_entropy_collapse_needs_sharp_heads_whose_logits_keep_growing(
 
 
 def test_layers_without_statistics_are_an_error_that_says_so(tmp_path, make_task):
-    from qkmonitor.adapters import AttentionLayer, QKWeights
+    from qkmonitor.attention.adapters import AttentionLayer, QKWeights
 
     class WeightsOnly(AttentionLayer):
         def qk_weights(self):

@@ -1,5 +1,5 @@
 """A copy of the model is never probed: what qkmonitor installs for a probe window is bound to the
-modules it was installed on (``qkmonitor.installs``).
+modules it was installed on (``qkmonitor.attention.installs``).
 
 A lazily built EMA teacher (``copy.deepcopy`` of the student inside a probed step, then run on
 every step) carries no hook, route or attribute of qkmonitor; the student's values are those of
@@ -20,10 +20,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from qkmonitor.compiled import own_class
+from qkmonitor.attention.compiled import own_class
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 
 from .zoo import MODELS, Task
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.dashboards import (
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.output.dashboards import (
     LayoutSection,
     attention_image,
     custom_scalars_layout,
@@ -211,7 +211,7 @@ def test_non_tensorboard_logger_gets_scalars_and_one_message_about_images(tmp_pa
 
 
 def test_heatmap_colours_follow_the_values_nan_is_grey_and_the_frame_has_labels_and_a_colour_bar():
-    from qkmonitor.dashboards import _Canvas
+    from qkmonitor.output.dashboards import _Canvas
 
     img = heatmap_image(
         torch.tensor([[0.0, 1.0], [float("nan"), 0.5]]), 0.0, 1.0, cell=40, annotate=False
@@ -291,7 +291,7 @@ def test_the_last_probe_of_a_fit_is_drawn_in_tensorboard(tmp_path, make_task):
 
 
 def test_a_heatmap_scale_starts_at_the_first_grid_widens_and_never_narrows():
-    from qkmonitor.dashboards import HeatmapScale
+    from qkmonitor.output.dashboards import HeatmapScale
 
     scale = HeatmapScale((0.0, 1.0))
     nan = float("nan")

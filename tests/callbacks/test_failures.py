@@ -13,12 +13,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.models import DecoderLM, TransformerConfig
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from qkmonitor.adapters import find_attention_layers
+from qkmonitor.attention.adapters import find_attention_layers
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 from .zoo import MODELS, SEQ, VOCAB, Task
 

@@ -15,14 +15,14 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.catalogue import metric
-from qkmonitor.dashboards import HeatmapScale, grid_of, heatmap_image
-from qkmonitor.report import read_run
-from qkmonitor.tags import head_tag
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.measures.catalogue import metric
+from qkmonitor.output.dashboards import HeatmapScale, grid_of, heatmap_image
+from qkmonitor.output.report import read_run
+from qkmonitor.output.tags import head_tag
 
 
 def monitors(**kwargs):

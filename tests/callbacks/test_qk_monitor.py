@@ -13,15 +13,15 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+from qkmonitor.alerts import KAPPA_RULE, LOGIT_BURST_RULE, RANK_COLLAPSE_RULE
 from qkmonitor.callbacks import (
     AttentionEntropyMonitor,
     EffectiveRankMonitor,
     QKMonitor,
     QKSpectrumMonitor,
 )
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-from qkmonitor.alerts import KAPPA_RULE, LOGIT_BURST_RULE, RANK_COLLAPSE_RULE
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
 
 
@@ -279,7 +279,7 @@ def test_a_failing_probe_step_leaves_nothing_installed_and_writes_what_was_measu
     for name, module in task.named_modules():
         assert "_qkmonitor_installs" not in vars(module), name
         assert not any("qkmonitor" in repr(h) for h in module._forward_hooks.values()), name
-        assert type(module).__module__.split(".")[0] != "qkmonitor.compiled", name
+        assert type(module).__module__.split(".")[0] != "qkmonitor.attention.compiled", name
     attention = task.model.blocks[0].attn
     assert not attention._observers, "an observer stayed"
 

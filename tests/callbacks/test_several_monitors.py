@@ -9,14 +9,14 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.models import TransformerConfig
-from qkmonitor.models.tasks import CopyReverseDataModule, Seq2SeqTask
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
-from qkmonitor.functional import attention_entropy
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.measures.functional import attention_entropy
+from qkmonitor.models import TransformerConfig
+from qkmonitor.models.tasks import CopyReverseDataModule, Seq2SeqTask
 
 
 def seq2seq_task():

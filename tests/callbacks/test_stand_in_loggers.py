@@ -14,12 +14,12 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyExperiment, DummyLogger
 from lightning.pytorch.tuner import Tuner
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.callbacks.base import LoggerSink, TensorBoardSink, logger_sink
 from torch.utils.tensorboard import SummaryWriter
 
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.callbacks.base import LoggerSink, TensorBoardSink, logger_sink
 from qkmonitor.engine.updates import UPDATE_METRICS
-from qkmonitor.report import read_run
+from qkmonitor.output.report import read_run
 
 
 def monitors(every=2):

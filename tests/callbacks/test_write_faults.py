@@ -18,15 +18,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.callbacks.base import lost_writes
-from qkmonitor.models import DecoderLM, TransformerConfig
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.callbacks.base import lost_writes
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, MemorySink, Monitoring, QKSpectrum
-from qkmonitor.engine.guard import GuardedSink
-from qkmonitor.engine.publisher import PUBLISHER
+from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.output.guard import GuardedSink
+from qkmonitor.output.publisher import PUBLISHER
 
 EVERY, STEPS = 2, 12
 

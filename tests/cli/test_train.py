@@ -262,8 +262,8 @@ def test_the_terminal_shows_progress_summary_checkpoint_and_tensorboard_and_no_w
 
 def test_the_summary_legend_says_what_each_column_is_and_which_end_is_worse():
     """The legend under the table comes from the metric catalogue: one line per metric shown."""
-    from qkmonitor.catalogue import metric
     from qkmonitor.cli import _legend, summary_columns
+    from qkmonitor.measures.catalogue import metric
 
     lines = "\n".join(_legend(summary_columns()))
     assert "'max'/'min': its highest/lowest head" in lines
@@ -305,9 +305,8 @@ def test_bad_values_are_reported_in_plain_words(capsys):
 
 
 def test_the_positional_choices_are_the_models():
-    from qkmonitor.models.config import POSITIONAL
-
     from qkmonitor.cli import build_parser
+    from qkmonitor.models.config import POSITIONAL
 
     commands = next(a for a in build_parser()._actions if a.dest == "command")
     train = commands.choices["train"]
@@ -350,7 +349,7 @@ def test_a_log_directory_that_fails_mid_run_is_counted_in_the_summary(
 ):
     """Every write to the run's TensorBoard writer raises from step 4 on (a full disk): the run
     ends normally, and the summary's `writes lost` line gives the count the run's end warned."""
-    from qkmonitor.engine.sinks import SummaryWriterSink
+    from qkmonitor.output.sinks import SummaryWriterSink
 
     def full(method):
         def write(self, *args):

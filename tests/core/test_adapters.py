@@ -6,17 +6,17 @@ import math
 
 import pytest
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 from torch.testing import assert_close
 
-from qkmonitor.adapters import (
+from qkmonitor.attention.adapters import (
     AttentionLayer,
     MultiheadAttentionLayer,
     NativeAttentionLayer,
     QKWeights,
     find_attention_layers,
 )
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 
 @pytest.mark.parametrize("batch_first", [True, False])

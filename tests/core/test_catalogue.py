@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from qkmonitor.catalogue import (
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
+from qkmonitor.measures.catalogue import (
     CATALOGUE,
     FAMILIES,
     MONITORS,
@@ -17,8 +18,7 @@ from qkmonitor.catalogue import (
     metrics_of,
     names_of,
 )
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
-from qkmonitor.report import KNOWN_METRICS
+from qkmonitor.output.report import KNOWN_METRICS
 
 METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 

@@ -1,5 +1,5 @@
-"""QK-Clip's math (qkmonitor.clip): the factors against their definition, and the rescaled layers'
-logits measured again on the same batch, biases and RoPE included."""
+"""QK-Clip's math (qkmonitor.attention.clip): the factors against their definition, and the rescaled
+layers' logits measured again on the same batch, biases and RoPE included."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import math
 
 import pytest
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 from torch.testing import assert_close
 
-from qkmonitor.adapters import find_attention_layers
-from qkmonitor.clip import clip_factors, head_max_logits
-from qkmonitor.probes import ProbeRequest
+from qkmonitor.attention.adapters import find_attention_layers
+from qkmonitor.attention.clip import clip_factors, head_max_logits
+from qkmonitor.attention.probes import ProbeRequest
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 
 def test_factors_are_min_one_tau_over_s_and_one_where_s_is_not_finite():

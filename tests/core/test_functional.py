@@ -1,4 +1,4 @@
-"""qkmonitor.functional against dense float64 linear algebra and spectra built by hand."""
+"""qkmonitor.measures.functional against dense float64 linear algebra and spectra built by hand."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from qkmonitor import functional as QF
+from qkmonitor.measures import functional as QF
 
 
 def dense_w_qk(
@@ -288,7 +288,7 @@ def test_gram_singular_values_of_a_large_batch_on_threads_are_the_single_threade
 ):
     """A large CPU batch of eigenproblems is split over torch's threads; each matrix's values are
     exactly those of one single-threaded call, and match float64 SVD."""
-    from qkmonitor import functional
+    from qkmonitor.measures import functional
 
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(6, 12, 20, generator=gen).softmax(-1)
@@ -406,7 +406,7 @@ def test_probability_slice_of_a_causal_call_is_the_explicit_attention(n, m, rows
     """A causal call's probability slice is computed over the keys its rows attend and zero past
     them; it equals float64 explicit attention of those rows over every key (M < N: rows that
     see no key are zeros), with key padding and grouped heads."""
-    from qkmonitor.calls import MaskedCall
+    from qkmonitor.attention.calls import MaskedCall
 
     gen = torch.Generator().manual_seed(n * 100 + m * 10 + rows)
     q = torch.randn(3, 4, n, 8, generator=gen)

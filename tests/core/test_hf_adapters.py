@@ -1,4 +1,5 @@
-"""Hugging Face attention (LLaMA-family, GPT-2, BERT) through qkmonitor.hf, on tiny random models.
+"""Hugging Face attention (LLaMA-family, GPT-2, BERT) through qkmonitor.attention.hf, on tiny random
+models.
 
 The reference for the probed statistics is the model's own ``output_attentions=True`` attention
 weights under ``attn_implementation="eager"``; the reference for the weights is the dense float64
@@ -18,14 +19,14 @@ import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 from packaging.version import Version
-from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
 from torch import nn
 from torch.testing import assert_close
 
-from qkmonitor import calls, hf
-from qkmonitor.adapters import find_attention_layers
-from qkmonitor.functional import qk_singular_values, spectral_concentration
-from qkmonitor.probes import ProbeRequest
+from qkmonitor.attention import calls, hf
+from qkmonitor.attention.adapters import find_attention_layers
+from qkmonitor.attention.probes import ProbeRequest
+from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
+from qkmonitor.measures.functional import qk_singular_values, spectral_concentration
 
 transformers = pytest.importorskip("transformers")
 
@@ -426,7 +427,8 @@ def test_flash_attention_calls_apply_padding_causality_and_the_sliding_window():
     )
 
 
-# --- transformers versions (qkmonitor._hf_compat) ----------------------------------------------
+# --- transformers versions (qkmonitor.attention._hf_compat)
+# ----------------------------------------------
 
 
 @pytest.mark.skipif(
@@ -521,7 +523,7 @@ def test_a_call_without_scaling_is_measured_at_the_scale_sdpa_applies():
 
 
 def test_without_transformers_nothing_hf_is_looked_for(monkeypatch):
-    from qkmonitor.intercept import InterceptedAttentionLayer
+    from qkmonitor.attention.intercept import InterceptedAttentionLayer
 
     model = build("llama")
     monkeypatch.setitem(sys.modules, "transformers", None)
@@ -539,8 +541,9 @@ def test_qkmonitor_imports_without_transformers():
     code = (
         "import sys, torchmetrics, lightning.pytorch\nfor name in [n for n in sys.modules if n == "
         "'transformers' or n.startswith('transformers.')]:\n    del "
-        "sys.modules[name]\nsys.modules['transformers'] = None\nimport qkmonitor, qkmonitor.hf, "
-        "qkmonitor.callbacks\nfrom qkmonitor.adapters import find_attention_layers\nimport "
+        "sys.modules[name]\nsys.modules['transformers'] = None\nimport qkmonitor, "
+        "qkmonitor.attention.hf, qkmonitor.callbacks\n"
+        "from qkmonitor.attention.adapters import find_attention_layers\nimport "
         "torch\nassert find_attention_layers(torch.nn.MultiheadAttention(8, 2))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -17,9 +17,9 @@ from torch.utils.data import Dataset
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE
+from qkmonitor.callbacks.hf_trainer import QKMonitorCallback
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
-from qkmonitor.functional import qk_singular_values, spectral_concentration
-from qkmonitor.hf_trainer import QKMonitorCallback
+from qkmonitor.measures.functional import qk_singular_values, spectral_concentration
 
 VOCAB, SEQ = 32, 8
 

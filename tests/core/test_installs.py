@@ -1,5 +1,5 @@
-"""qkmonitor.installs: what qkmonitor puts on a module is left out of every copy of it, the module's
-own hooks and attributes are kept, and the last undo leaves the module as it was."""
+"""qkmonitor.attention.installs: what qkmonitor puts on a module is left out of every copy of it,
+the module's own hooks and attributes are kept, and the last undo leaves the module as it was."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from qkmonitor.compiled import add_forward_hooks
-from qkmonitor.installs import installs_of, set_attribute
+from qkmonitor.attention.compiled import add_forward_hooks
+from qkmonitor.attention.installs import installs_of, set_attribute
 
 
 class Recorder:

@@ -19,10 +19,10 @@ from torch.testing import assert_close
 
 import qkmonitor
 from qkmonitor import AttentionSpec, find_attention_layers, register_attention
+from qkmonitor.attention.layouts import fused_rows
+from qkmonitor.attention.registry import unregister_family
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
-from qkmonitor.engine.sinks import MemorySink
-from qkmonitor.layouts import fused_rows
-from qkmonitor.registry import unregister_family
+from qkmonitor.output.sinks import MemorySink
 
 D, H, T = 16, 4, 8
 

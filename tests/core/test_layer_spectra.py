@@ -1,5 +1,5 @@
-"""qkmonitor.layer_spectra against dense float64 linear algebra on the explicit d x d W_QK of each
-head.
+"""qkmonitor.measures.layer_spectra against dense float64 linear algebra on the explicit d x d W_QK
+of each head.
 
 The tolerances are the bounds stated in the module docstring, evaluated for each head: with
 ``u`` the unit roundoff of the Gram products, ``ε = u·sqrt(d)``, ``S = ||W_Q^h|| ||W_K^g||``:
@@ -18,9 +18,9 @@ import torch
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qkmonitor import layer_spectra
-from qkmonitor.adapters import QKWeights
-from qkmonitor.layer_spectra import SPECTRUM_METRICS, qk_head_spectra, spectrum_of_layers
+from qkmonitor.attention.adapters import QKWeights
+from qkmonitor.measures import layer_spectra
+from qkmonitor.measures.layer_spectra import SPECTRUM_METRICS, qk_head_spectra, spectrum_of_layers
 
 FLOAT32_U = 2.0**-24
 FLOAT64_U = 2.0**-53
@@ -405,7 +405,7 @@ class LargestTensor(TorchDispatchMode):
 def test_large_layers_are_never_stacked(dtype, monkeypatch):
     """Eight layers of one shape, each over the run limit: no op makes a tensor larger than one
     layer's query weight."""
-    monkeypatch.setattr("qkmonitor.layer_spectra._RUN_ELEMENTS", 64 * 48 - 1)
+    monkeypatch.setattr("qkmonitor.measures.layer_spectra._RUN_ELEMENTS", 64 * 48 - 1)
     gen = torch.Generator().manual_seed(10)
     layers = [
         QKWeights(
@@ -438,10 +438,10 @@ def test_small_layers_solved_together_give_the_layer_by_layer_result(monkeypatch
         for i, (q, d, k) in enumerate(shapes)
     ]
     layers[2].w_q[5, 0] = float("nan")  # a broken head in a run breaks only itself
-    monkeypatch.setattr("qkmonitor.layer_spectra._RUN_ELEMENTS", 3 * 64 * 48)
+    monkeypatch.setattr("qkmonitor.measures.layer_spectra._RUN_ELEMENTS", 3 * 64 * 48)
     assert [len(run) for run in layer_spectra._runs(layers)] == [3, 2, 2]
     together = spectrum_of_layers(layers)
-    monkeypatch.setattr("qkmonitor.layer_spectra._RUN_ELEMENTS", 0)
+    monkeypatch.setattr("qkmonitor.measures.layer_spectra._RUN_ELEMENTS", 0)
     assert [len(run) for run in layer_spectra._runs(layers)] == [1] * 7
     alone = spectrum_of_layers(layers)
     for name in SPECTRUM_METRICS:
@@ -494,14 +494,14 @@ def test_threaded_runs_of_heads_give_the_single_threaded_result(
     monkeypatch, heads, kv_heads, threads, square
 ):
     # thread even these small layers
-    monkeypatch.setattr("qkmonitor.layer_spectra._THREADED_WORK", 0)
+    monkeypatch.setattr("qkmonitor.measures.layer_spectra._THREADED_WORK", 0)
     w_q, w_k = (w.float() for w in make_weights("random", heads, kv_heads, 32, 4, seed=11))
     if not square:
         w_k = w_k[:, :24].contiguous()
     w_q[4 * (heads - 1) :] = float("nan")  # a broken head in the last run
     spy = []
     monkeypatch.setattr(
-        "qkmonitor.layer_spectra._spectra_of_heads",
+        "qkmonitor.measures.layer_spectra._spectra_of_heads",
         lambda q, *rest, real=layer_spectra._spectra_of_heads: (
             spy.append(q.shape[0]) or real(q, *rest)
         ),
@@ -531,7 +531,7 @@ def test_threaded_runs_of_heads_give_the_single_threaded_result(
 
 def test_a_failing_run_of_heads_restores_the_thread_count(monkeypatch):
     """A solver raising on one worker thread propagates, and torch's thread count is restored."""
-    monkeypatch.setattr("qkmonitor.layer_spectra._THREADED_WORK", 0)
+    monkeypatch.setattr("qkmonitor.measures.layer_spectra._THREADED_WORK", 0)
     calls = []
 
     def eigvals(batch, real=torch.linalg.eigvals):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qkmonitor.kernels import AttentionStats
-from qkmonitor.metrics import AttentionStatistics, HeadMean
+from qkmonitor.measures.metrics import AttentionStatistics, HeadMean
 
 
 def stats(entropy, attended, max_prob, max_logit):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from qkmonitor.adapters import find_attention_layers
+from qkmonitor.attention.adapters import find_attention_layers
+from qkmonitor.attention.probes import ProbeRequest
 from qkmonitor.engine import EffectiveRank, Monitoring
-from qkmonitor.probes import ProbeRequest
 
 L, E, H = 5, 8, 2
 

@@ -1,4 +1,5 @@
-"""qkmonitor.report on real Lightning runs, checked against TensorBoard's own EventAccumulator."""
+"""qkmonitor.output.report on real Lightning runs, checked against TensorBoard's own
+EventAccumulator."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ import matplotlib.image
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.models import TransformerConfig
-from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.testing import assert_close
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor import QKMonitorWarning
 from qkmonitor.alerts import DEFAULT_RULES, KAPPA_RULE
-from qkmonitor.catalogue import metric as catalogue_metric
-from qkmonitor.report import (
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.measures.catalogue import metric as catalogue_metric
+from qkmonitor.models import TransformerConfig
+from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
+from qkmonitor.output.report import (
     _heads_figure,
     _loss_figure,
     _metric_figure,
@@ -496,7 +497,7 @@ def write_heads(folder, per_metric: dict[str, list[list[list[float]]]]) -> None:
 def test_heatmaps_share_one_scale_per_metric_across_heads_and_runs(tmp_path):
     import numpy as np
 
-    from qkmonitor.dashboards import HeatmapScale
+    from qkmonitor.output.dashboards import HeatmapScale
 
     # two steps each: kappa's history reaches the colour range, as in TensorBoard's images
     a = {

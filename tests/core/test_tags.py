@@ -1,5 +1,5 @@
-"""Every tag is built and parsed in ``qkmonitor.tags``: what a builder writes, the parsers read
-back, and nothing else parses as one."""
+"""Every tag is built and parsed in ``qkmonitor.output.tags``: what a builder writes, the parsers
+read back, and nothing else parses as one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from qkmonitor.tags import (
+from qkmonitor.output.tags import (
     alert_tag,
     head_tag,
     image_tag,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qkmonitor.clip import local_rows
+from qkmonitor.attention.clip import local_rows
 
 from .jobs import run_script
 

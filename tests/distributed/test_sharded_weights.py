@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qkmonitor.adapters import QKWeights
-from qkmonitor.layer_spectra import full_parameters, full_tensor, spectrum_of_layers
+from qkmonitor.attention.adapters import QKWeights
+from qkmonitor.measures.layer_spectra import full_parameters, full_tensor, spectrum_of_layers
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_qk_clip_writes_a_dtensors_rows_through_its_local_shard(one_process_grou
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from qkmonitor.clip import ProjectionRows, local_rows
+    from qkmonitor.attention.clip import ProjectionRows, local_rows
 
     mesh = init_device_mesh("cpu", (1,))
     weight = torch.arange(12.0).view(4, 3)

@@ -17,11 +17,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from qkmonitor.models import TransformerConfig
-from qkmonitor.models.transformer import DecoderLM
 from torch import nn
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from qkmonitor.models import TransformerConfig
+from qkmonitor.models.transformer import DecoderLM
 
 D, H, T, VOCAB, STEPS, WARM = 32, 4, 12, 24, 12, 4
 
@@ -314,7 +314,7 @@ def test_a_switched_module_copies_and_pickles_as_its_own_class():
     import copy
     import io
 
-    from qkmonitor.compiled import SwitchedForward
+    from qkmonitor.attention.compiled import SwitchedForward
 
     model = NanoGPT()
     switch = SwitchedForward.attach(model.blocks[0].attn)

@@ -15,7 +15,7 @@ import torch
 
 from qkmonitor.alerts import AlertRule, Condition, LogitGrowthWarning, run_signals
 from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
-from qkmonitor.engine.sinks import MemorySink
+from qkmonitor.output.sinks import MemorySink
 
 from .tiny import TOKENS, TinyTask, decoder
 

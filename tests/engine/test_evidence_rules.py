@@ -27,7 +27,7 @@ from qkmonitor.alerts import (
     channel_of,
 )
 from qkmonitor.engine import AttentionEntropy, Monitoring
-from qkmonitor.engine.sinks import MemorySink
+from qkmonitor.output.sinks import MemorySink
 
 from .tiny import TOKENS, decoder
 

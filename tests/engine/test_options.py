@@ -8,13 +8,13 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from torch import nn
 
 from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.dashboards import attention_image
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.engine import AttentionEntropy, MonitorOptions, QKSpectrum
 from qkmonitor.engine.publishing import AttentionPattern
+from qkmonitor.output.dashboards import attention_image
 
 
 @pytest.mark.parametrize("cls", [QKSpectrumMonitor, AttentionEntropyMonitor, EffectiveRankMonitor])

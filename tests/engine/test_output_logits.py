@@ -18,7 +18,7 @@ from torch import nn
 from qkmonitor.alerts import AlertRule, Condition, LogitGrowthWarning
 from qkmonitor.engine import AttentionEntropy, Monitoring
 from qkmonitor.engine.entropy import logits_of
-from qkmonitor.engine.sinks import MemorySink
+from qkmonitor.output.sinks import MemorySink
 
 from .tiny import TOKENS, decoder
 

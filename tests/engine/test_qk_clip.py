@@ -9,15 +9,15 @@ import warnings
 
 import pytest
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
-from qkmonitor.models.tasks import train_recall_miniature
 from torch.testing import assert_close
 
-from qkmonitor.adapters import find_attention_layers
-from qkmonitor.clip import QKRows, head_max_logits
+from qkmonitor.attention.adapters import find_attention_layers
+from qkmonitor.attention.clip import QKRows, head_max_logits
+from qkmonitor.attention.probes import ProbeRequest
 from qkmonitor.engine import AttentionEntropy, Monitoring, QKClip
-from qkmonitor.engine.sinks import MemorySink
-from qkmonitor.probes import ProbeRequest
+from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.models.tasks import train_recall_miniature
+from qkmonitor.output.sinks import MemorySink
 
 
 def sharp_model(**config) -> DecoderLM:
@@ -222,8 +222,8 @@ def clipped_run(
 
 
 def test_under_torch_compile_the_clip_is_the_uncompiled_one(counting_backend, leftovers):
-    """A probed step runs uncompiled (qkmonitor.compiled), so the clip is measured as in eager
-    mode; the unprobed steps between run the compiled graphs."""
+    """A probed step runs uncompiled (qkmonitor.attention.compiled), so the clip is measured as in
+    eager mode; the unprobed steps between run the compiled graphs."""
     torch._dynamo.reset()
     eager, eager_weights = clipped_run(every=2, steps=5)
     backend = counting_backend()

@@ -16,7 +16,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from qkmonitor.engine import Monitoring, QKSpectrum
-from qkmonitor.engine.sinks import MemorySink
+from qkmonitor.output.sinks import MemorySink
 
 from .tiny import TOKENS, TinyTask, decoder
 

@@ -149,7 +149,7 @@ def test_a_runs_heatmaps_share_one_colour_scale_that_spreads_its_values(tmp_path
 
     from PIL import Image
 
-    from qkmonitor.dashboards import _Canvas
+    from qkmonitor.output.dashboards import _Canvas
 
     writer = SummaryWriter(str(tmp_path))
     run([QKSpectrum(per_head=True, visuals_every_n_probes=2)], 3, writer)

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from qkmonitor.calls import FailedCall, MaskedCall, ScoresCall
+from qkmonitor.attention.calls import FailedCall, MaskedCall, ScoresCall
+from qkmonitor.attention.probes import KernelCall, Probe, ProbeRequest
 from qkmonitor.kernels import attention_max_logits, attention_stats
 from qkmonitor.kernels._torch import max_logits
-from qkmonitor.probes import KernelCall, Probe, ProbeRequest
 
 
 def reference(q, k, *, scale, causal=False, padding=None, allowed=None) -> torch.Tensor:
@@ -151,9 +151,8 @@ def test_the_bundled_attention_skips_its_statistics_pass_for_a_max_only_probe(mo
     """On the torch backend a QK-Clip probe costs the forward no statistics pass; the largest
     logits it reads are those the statistics would give."""
     import qkmonitor.models.attention as bundled
+    from qkmonitor.attention.adapters import find_attention_layers
     from qkmonitor.models import DecoderLM, TransformerConfig
-
-    from qkmonitor.adapters import find_attention_layers
 
     torch.manual_seed(0)
     model = DecoderLM(TransformerConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2))

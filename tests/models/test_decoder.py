@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from qkmonitor.attention.adapters import find_attention_layers
+from qkmonitor.attention.probes import ProbeRequest
 from qkmonitor.models import DecoderLM, TransformerConfig
 from qkmonitor.models.tasks import AssociativeRecallDataModule, make_recall_batch
 from qkmonitor.models.tasks.recall import IGNORE_INDEX
-
-from qkmonitor.adapters import find_attention_layers
-from qkmonitor.probes import ProbeRequest
 
 
 @pytest.mark.parametrize("n_kv_heads", [None, 2, 1])
@@ -88,9 +88,8 @@ def test_recall_data_is_reproducible_from_the_seed_and_checks_its_arguments():
 
 def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
     """Entropy and max-prob from the fused kernel equal those of the explicit float64 softmax."""
+    from qkmonitor.attention.adapters import find_attention_layers
     from qkmonitor.models.positional import apply_rotary_pos_emb
-
-    from qkmonitor.adapters import find_attention_layers
 
     torch.manual_seed(0)
     model = DecoderLM(TransformerConfig(vocab_size=16, d_model=32, n_heads=4, n_kv_heads=2)).eval()

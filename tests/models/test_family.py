@@ -7,6 +7,9 @@ import itertools
 
 import pytest
 import torch
+from torch import nn
+
+from qkmonitor.attention.adapters import find_attention_layers
 from qkmonitor.models import (
     DecoderLM,
     EncoderClassifier,
@@ -15,9 +18,6 @@ from qkmonitor.models import (
     TransformerConfig,
     VisionEncoder,
 )
-from torch import nn
-
-from qkmonitor.adapters import find_attention_layers
 
 SMALL = dict(vocab_size=11, d_model=16, n_layers=2, n_heads=4, max_seq_len=12)
 

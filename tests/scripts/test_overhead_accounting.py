@@ -129,14 +129,14 @@ def test_parts_times_every_part_of_the_readme_configuration(overhead, monkeypatc
     than its steps took."""
     import argparse
 
-    import qkmonitor.calls
+    import qkmonitor.attention.calls
 
-    original = qkmonitor.calls.MaskedCall._stats
+    original = qkmonitor.attention.calls.MaskedCall._stats
     args = argparse.Namespace(model="default", arch="nanogpt", steps=6, every=3, readme=True,
                               three=False, rank_every=None, device="cpu",
                               precision="32-true")  # fmt: skip
     timed, step = overhead.parts(args)
-    assert qkmonitor.calls.MaskedCall._stats is original
+    assert qkmonitor.attention.calls.MaskedCall._stats is original
     assert set(timed) == {name for _, name in overhead.PARTS}
     for name, (median, per_window, window) in timed.items():
         assert per_window > 0 and median > 0, name

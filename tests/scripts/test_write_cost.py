@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qkmonitor.catalogue import ENTROPY, RANK, SPECTRUM, metrics_of
+from qkmonitor.measures.catalogue import ENTROPY, RANK, SPECTRUM, metrics_of
 
 
 def test_write_cost_times_every_scalar_of_a_per_head_probe(benchmark_module):

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 import qkmonitor
 from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
-from qkmonitor.engine.sinks import MemorySink
+from qkmonitor.output.sinks import MemorySink
 
 from .models import ZOO, Built
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from qkmonitor.adapters import find_attention_layers
-from qkmonitor.probes import ProbeRequest
+from qkmonitor.attention.adapters import find_attention_layers
+from qkmonitor.attention.probes import ProbeRequest
 
 from .models import ZOO
 from .test_zoo import build

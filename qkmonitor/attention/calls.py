@@ -1,0 +1,318 @@
+"""One observed attention call, reduced to what its statistics need.
+
+A probe hands each forward of an attention module to its observers as an
+:class:`~qkmonitor.attention.probes.AttentionCall`. The adapters build one of these:
+
+- :class:`MaskedCall`: queries, keys, a scale and which keys each row may attend (causal,
+  key padding, a 4-D boolean mask, an additive bias, a sliding window, soft-capping). Where the
+  mask is only causal and/or key padding the statistics come from the fused kernel (no N x M
+  matrix); otherwise from explicit scores, a few query rows at a time.
+- :class:`ScoresCall`: explicit (B, H, N, M) scores as the model computed them (``-inf`` = blocked).
+- :class:`FailedCall`: a call that could not be read; measuring it raises the original error, which
+  the probe records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from qkmonitor.kernels import autocast_off
+
+__all__ = ["FailedCall", "MaskedCall", "ScoresCall", "split_mask"]
+
+_MAX_SCORES = 1 << 24  # explicit path: score elements per chunk (128 MiB in float64)
+
+
+class ScoresCall:
+    """A call given by its explicit (B, H, N, M) scores (``-inf`` = blocked)."""
+
+    def __init__(self, scores: Tensor) -> None:
+        self.scores = scores
+
+    def stats(self, sink_tokens: int = 0):
+        from qkmonitor.measures.functional import attention_stats_from_scores
+
+        return attention_stats_from_scores(self.scores, sink_tokens=sink_tokens)
+
+    def probs(self, sequences: int, rows: int) -> Tensor:
+        from qkmonitor.measures.functional import masked_softmax
+
+        return masked_softmax(self.scores[:sequences, :, :rows])
+
+    def max_logits(self) -> Tensor:
+        scores = self.scores.detach()
+        return _largest(scores.to(_score_dtype(scores.dtype)))
+
+
+class FailedCall:
+    """A call that could not be read: measuring it raises the original error."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def stats(self, sink_tokens: int = 0):
+        raise self.error
+
+    def probs(self, sequences: int, rows: int) -> Tensor:
+        raise self.error
+
+    def max_logits(self) -> Tensor:
+        raise self.error
+
+
+@dataclass
+class MaskedCall:
+    """One attention call, reduced to scores and the keys each query row may attend."""
+
+    q: Tensor  # (B, H, N, D)
+    k: Tensor  # (B, H_kv, M, D)
+    scale: float
+    causal: bool  # bottom-right aligned: row i attends key j <= i + M - N
+    padding: Tensor | None  # (B, M) bool, True = attend
+    allowed: Tensor | None  # 4-D bool broadcastable to (B, H, N, M), beyond causal/padding
+    bias: Tensor | None  # 4-D additive float, same broadcasting
+    window: int | None = None
+    softcap: float | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, module, query, key, mask, kwargs, original, scale) -> MaskedCall:
+        n, m = query.shape[2], key.shape[2]
+        bias = kwargs.get("position_bias")
+        softcap = kwargs.get("softcap")
+        call = cls(
+            query,
+            key,
+            scale,
+            False,
+            None,
+            None,
+            None,
+            None,
+            None if softcap is None else float(softcap),
+        )
+        if (
+            isinstance(mask, Tensor) and mask.dim() == 4
+        ):  # the mask says it all (sliding windows too)
+            call.allowed, mask_bias = split_mask(
+                mask[..., :m]
+            )  # eager cuts a longer mask to the keys
+            call.bias = _add(mask_bias, bias)
+            call.reduce()
+            return call
+        if mask is not None and not (isinstance(mask, Tensor) and mask.dim() == 2):
+            raise ValueError(f"attention mask of type {type(mask).__name__} is not supported")
+        call.bias = bias
+        if mask is not None:  # FlashAttention's (B, M) key padding, 1 = attend
+            call.padding = mask.to(torch.bool)
+        is_causal = kwargs.get("is_causal")
+        is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        call.causal = original not in (None, "eager") and bool(is_causal) and n > 1
+        if original is not None and "flash" in original:  # FlashAttention applies the window itself
+            call.window = kwargs.get("sliding_window")
+        if original == "sdpa" and call.causal and mask is None and m > n:
+            call.k = key[:, :, :n]  # what sdpa_attention_forward does for this case
+        return call
+
+    def reduce(self) -> None:
+        """Recognise a 4-D mask that is only causal and/or key padding (the kernel's cases)."""
+        a = self.allowed
+        if self.bias is not None or a.shape[1] != 1:
+            return
+        a = a[:, 0].expand(self.q.shape[0], *a.shape[-2:])  # (B, N, M)
+        n, m = a.shape[-2:]
+        pad = a.any(dim=1)  # a key any row may attend (the last row, when causal)
+        for causal in (False, True):
+            rule = torch.ones(n, m, dtype=torch.bool, device=a.device)
+            rule = rule.tril(m - n) if causal else rule
+            if torch.equal(a, rule & pad[:, None, :]):
+                self.causal, self.allowed = causal, None
+                self.padding = None if bool(pad.all()) else pad
+                return
+
+    def stats(self, sink_tokens: int = 0):
+        """Per-row statistics; computed once per sink count however many probes ask."""
+        cached = self._cache.get(sink_tokens)
+        if cached is None:
+            cached = self._cache[sink_tokens] = self._stats(sink_tokens)
+        return cached
+
+    def _stats(self, sink_tokens: int):
+        from qkmonitor.kernels import attention_stats
+        from qkmonitor.measures.functional import attention_stats_from_scores
+
+        if self._kernel_case():
+            try:
+                with autocast_off():
+                    return attention_stats(
+                        self.q,
+                        self.k,
+                        causal=self.causal,
+                        key_padding_mask=self.padding,
+                        scale=self.scale,
+                        sink_tokens=sink_tokens,
+                    )
+            except ValueError:  # a shape or dtype the kernel does not take: the explicit path below
+                pass
+        b, h, n = self.q.shape[:3]
+        rows = max(1, _MAX_SCORES // (h * self.k.shape[2]))
+        return _cat_stats(
+            [
+                _cat_stats(
+                    [
+                        attention_stats_from_scores(
+                            *self._scores(slice(i, i + 1), slice(r, r + rows)),
+                            sink_tokens=sink_tokens,
+                        )
+                        for r in range(0, n, rows)
+                    ],
+                    dim=2,
+                )
+                for i in range(b)
+            ],
+            dim=0,
+        )
+
+    def max_logits(self) -> Tensor:
+        """(B, H) largest scaled logits: from blocks of scores without the softmax; with a mask
+        beyond causal and key padding, from the explicit scores a few rows at a time. Computed
+        once however many probes ask."""
+        cached = self._cache.get("max_logits")
+        if cached is None:
+            cached = self._cache["max_logits"] = self._max_logits()
+        return cached
+
+    def _max_logits(self) -> Tensor:
+        from qkmonitor.kernels import attention_max_logits
+
+        if self._kernel_case():
+            try:
+                return attention_max_logits(
+                    self.q,
+                    self.k,
+                    causal=self.causal,
+                    key_padding_mask=self.padding,
+                    scale=self.scale,
+                )
+            except ValueError:  # a shape or dtype the kernel does not take: explicit scores
+                pass
+        b, h, n = self.q.shape[:3]
+        rows = max(1, _MAX_SCORES // (h * max(1, self.k.shape[2])))
+        per_sequence = []
+        for i in range(b):
+            best = None
+            for r in range(0, n, rows):
+                scores, allowed = self._scores(slice(i, i + 1), slice(r, r + rows))
+                block = _largest(torch.where(allowed, scores, float("-inf")))
+                best = block if best is None else torch.maximum(best, block)
+            if best is None:  # no query row
+                best = torch.full((1, h), float("-inf"), device=self.q.device)
+            per_sequence.append(best)
+        return torch.cat(per_sequence) if per_sequence else torch.empty(0, h)
+
+    def _kernel_case(self) -> bool:
+        """Whether the mask is only causal and/or key padding (what the fused kernel takes)."""
+        return (
+            self.allowed is None
+            and self.bias is None
+            and self.window is None
+            and self.softcap is None
+        )
+
+    def probs(self, sequences: int, rows: int) -> Tensor:
+        """(S, H, R, M) attention probabilities of the first sequences and query rows.
+
+        Under a causal mask the keys past the last row's diagonal are 0 without being computed
+        (half the scores of the first 128 rows of 256). The softmax runs in the scores' memory."""
+        from qkmonitor.measures.functional import masked_softmax_
+
+        n, m = self.q.shape[2], self.k.shape[2]
+        keys = m
+        if self.causal:  # row i attends keys j <= i + M - N (none when M - N < -i)
+            keys = max(1, min(m, min(rows, n) + m - n)) if m else 0
+        scores, allowed = self._scores(slice(0, sequences), slice(0, rows), slice(0, keys))
+        probs = masked_softmax_(scores, mask=allowed)
+        if keys == m:
+            return probs
+        full = probs.new_empty(*probs.shape[:-1], m)
+        full[..., :keys] = probs
+        full[..., keys:] = 0.0
+        return full
+
+    def _scores(self, seqs: slice, rows: slice, keys: slice = slice(None)) -> tuple[Tensor, Tensor]:
+        """Scaled scores (S, H, R, K) in float32 or better, and where they may be attended."""
+        dtype = torch.float64 if self.q.dtype == torch.float64 else torch.float32
+        n, m = self.q.shape[2], self.k.shape[2]
+        q, k = self.q[seqs, :, rows].to(dtype), self.k[seqs, :, keys].to(dtype)
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scores = q @ k.transpose(-1, -2)  # (S, H, R, K), ours: scaled in place
+        scores *= self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        i = torch.arange(n, device=q.device)[rows][:, None] + (
+            m - n
+        )  # the row's position among the keys
+        j = torch.arange(m, device=q.device)[keys]
+        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+        if self.causal:
+            allowed = allowed & (j <= i)
+        if self.window is not None:  # FlashAttention's window_size=(w - 1, w - 1)
+            allowed = allowed & ((i - j).abs() < self.window)
+        allowed = allowed.expand_as(scores)
+        if self.padding is not None:
+            allowed = allowed & self.padding[seqs, None, None, keys]
+        if self.allowed is not None:
+            allowed = allowed & _rows_of(self.allowed, seqs, rows)[..., keys]
+        if self.bias is not None:
+            scores = scores + _rows_of(self.bias, seqs, rows)[..., keys].to(dtype)
+        return scores, allowed
+
+
+def _cat_stats(parts: list, dim: int):
+    """AttentionStats concatenated field by field along ``dim``."""
+    if len(parts) == 1:
+        return parts[0]
+    fields = {f.name: [getattr(p, f.name) for p in parts] for f in dataclasses.fields(parts[0])}
+    return type(parts[0])(
+        **{
+            name: None if values[0] is None else torch.cat(values, dim=dim)
+            for name, values in fields.items()
+        }
+    )
+
+
+def _score_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _largest(scores: Tensor) -> Tensor:
+    """(B, H, N, M) scores (``-inf`` where blocked) -> (B, H) largest; ``-inf`` without any."""
+    if scores.shape[-1] == 0 or scores.shape[-2] == 0:
+        return scores.new_full(scores.shape[:2], float("-inf"))
+    return scores.amax(dim=(-2, -1))
+
+
+def _rows_of(mask: Tensor, seqs: slice, rows: slice) -> Tensor:
+    """A (B|1, H|1, N, M) tensor cut to some sequences and rows (broadcast dims kept)."""
+    mask = mask if mask.shape[0] == 1 else mask[seqs]
+    return mask[:, :, rows]
+
+
+def split_mask(mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """A 4-D attention mask as (allowed bool, additive bias or None)."""
+    if mask.dtype == torch.bool:
+        return mask, None
+    blocked = mask <= torch.finfo(mask.dtype).min / 2  # eager masks use finfo.min; -inf too
+    bias = mask.masked_fill(blocked, 0.0)
+    return ~blocked, (None if not bool(bias.any()) else bias)
+
+
+def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return a + b

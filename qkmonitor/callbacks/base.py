@@ -1,0 +1,587 @@
+"""The Lightning side of qkmonitor: Trainer hooks mapped onto the core engines.
+
+Each callback drives one or more :class:`~qkmonitor.engine.MonitorEngine` through one set of
+hooks (:class:`AttentionMonitor`): the engines know the layers, decide the probe steps, measure,
+alert and build the tags; this module gives them a :class:`LightningHost` (the Trainer's loggers
+as sinks, a sink per kind of logger: :func:`logger_sink`; ``rank_zero_warn``, ``should_stop``,
+the learning rate) and calls them from the hooks. Probes are closed on success, on exception
+(``on_exception``, which Lightning also calls for a keyboard interrupt), at ``on_train_end`` and
+at ``teardown``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from qkmonitor.alerts import AlertTracker
+from qkmonitor.attention.adapters import AttentionLayer
+from qkmonitor.engine import (
+    Host,
+    MonitorEngine,
+    SummaryWriterSink,
+    check_tag_collisions,
+    write_run_header,
+)
+from qkmonitor.engine.base import ActivationEngine, Values
+from qkmonitor.engine.group import EngineGroup
+from qkmonitor.engine.publishing import ScalarBatch
+from qkmonitor.output.guard import GuardedSink, report_write_faults
+from qkmonitor.output.sinks import is_summary_writer
+from qkmonitor.validation import check_bool
+
+__all__ = [
+    "ActivationMonitor",
+    "AttentionMonitor",
+    "LightningHost",
+    "LoggerSink",
+    "MLflowSink",
+    "TensorBoardSink",
+    "WandbSink",
+    "logger_sink",
+]
+
+
+class LoggerSink:
+    """A Lightning logger as an engine sink: its scalars through ``log_metrics``, nothing else.
+
+    This is what a logger without images gets (``CSVLogger``); :func:`logger_sink` picks the
+    sink for each logger. A logger's ``prefix`` (``log_metrics`` prepends ``{prefix}-``) is
+    :attr:`tag_prefix`, which the sinks below put on what they write outside ``log_metrics``, so
+    that it sits beside the scalars.
+    """
+
+    draws = False
+
+    def __init__(self, logger: Any) -> None:
+        self.logger = logger
+        prefix = getattr(logger, "_prefix", "") or ""
+        #: what the logger's ``log_metrics`` puts before every tag ("" without a prefix)
+        self.tag_prefix = f"{prefix}{getattr(logger, 'LOGGER_JOIN_CHAR', '-')}" if prefix else ""
+
+    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
+        self.logger.log_metrics(scalars, step=step)
+
+    # what a logger cannot show is dropped; the layout and hparams are TensorBoard's alone
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        pass
+
+    def log_image(self, tag: str, image: Any, step: int) -> None:
+        pass
+
+    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        pass
+
+    def log_layout(self, layout: dict) -> None:
+        pass
+
+    def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
+        pass
+
+
+class TensorBoardSink(LoggerSink):
+    """A logger with a TensorBoard ``SummaryWriter`` as its ``experiment``: texts, images,
+    histograms, the layout and hparams through the writer, under :attr:`tag_prefix`.
+
+    A ``TensorBoardLogger`` without a prefix gets the scalars through its writer too, one event a
+    probe (``log_metrics`` writes an event per tag; see :class:`SummaryWriterSink`) — the same tags
+    and values in the same run.
+    """
+
+    draws = True
+
+    def __init__(self, logger: Any) -> None:
+        super().__init__(logger)
+        self._writer = SummaryWriterSink(logger.experiment, scalars=False)
+        direct = isinstance(logger, TensorBoardLogger) and not self.tag_prefix
+        self._scalar_writer = SummaryWriterSink(logger.experiment) if direct else None
+
+    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
+        if self._scalar_writer is not None:
+            self._scalar_writer.log_scalars(scalars, step)
+        else:
+            super().log_scalars(scalars, step)
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        self._writer.log_text(self.tag_prefix + tag, text, step)
+
+    def log_image(self, tag: str, image: Any, step: int) -> None:
+        self._writer.log_image(self.tag_prefix + tag, image, step)
+
+    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        self._writer.log_histogram(self.tag_prefix + tag, values, step)
+
+    def log_layout(self, layout: dict) -> None:
+        self._writer.log_layout(layout)
+
+    def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
+        self._writer.log_hparams(params, metrics)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    @property
+    def log_dir(self) -> str | None:
+        """The writer's run directory."""
+        return self._writer.log_dir
+
+    def reset(self) -> None:
+        """After a failed write: the writer opens a new event file (``SummaryWriterSink.reset``)."""
+        self._writer.reset()
+
+
+class WandbSink(LoggerSink):
+    """A ``WandbLogger``: images through its ``log_image`` (media under the image's tag) and
+    histograms as ``wandb.Histogram``, both through ``log_metrics``, which puts the prefix on them.
+
+    Alert texts are not written: their tag is the alert counter's, and a W&B key holds one kind of
+    value (the alert is still warned, and counted under that tag).
+    """
+
+    draws = True
+
+    def log_image(self, tag: str, image: Any, step: int) -> None:
+        self.logger.log_image(key=tag, images=[image], step=step)
+
+    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
+        import wandb
+
+        self.logger.log_metrics({tag: wandb.Histogram(values.detach().cpu().numpy())}, step=step)
+
+
+class MLflowSink(LoggerSink):
+    """An ``MLFlowLogger``: images and alert texts as the run's artifacts, one file a probe at
+    ``{tag_prefix}{tag}/step_SSSSSS.png`` (``.txt`` for a text). MLflow has no histograms."""
+
+    draws = True
+
+    def log_image(self, tag: str, image: Any, step: int) -> None:
+        self.logger.experiment.log_image(
+            self.logger.run_id, image, artifact_file=self._path(tag, step, "png")
+        )
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        self.logger.experiment.log_text(self.logger.run_id, text, self._path(tag, step, "txt"))
+
+    def _path(self, tag: str, step: int, suffix: str) -> str:
+        return f"{self.tag_prefix}{tag}/step_{step:06d}.{suffix}"
+
+
+def logger_sink(logger: Any) -> LoggerSink | None:
+    """The sink for one of the Trainer's loggers, chosen by what it really writes to: W&B and
+    MLflow by class, TensorBoard by its ``experiment`` being a ``SummaryWriter``, scalars alone
+    otherwise; None for Lightning's stand-in (``DummyLogger``: ``fast_dev_run``, the ``Tuner``),
+    which writes nothing. A stand-in experiment answers every method (``DummyExperiment``, also a
+    logger's on the ranks that do not write), so the methods an object answers say nothing."""
+    if isinstance(logger, DummyLogger):
+        return None
+    if isinstance(logger, WandbLogger):
+        return WandbSink(logger)
+    if isinstance(logger, MLFlowLogger):
+        return MLflowSink(logger)
+    if is_summary_writer(getattr(logger, "experiment", None)):
+        return TensorBoardSink(logger)
+    return LoggerSink(logger)
+
+
+#: each logger's guarded sink (:func:`guarded_sink`), made once: its guard counts the writes lost
+_GUARDED: weakref.WeakKeyDictionary[Any, GuardedSink] = weakref.WeakKeyDictionary()
+
+
+def guarded_sink(logger: Any) -> GuardedSink | None:
+    """The logger's sink (:func:`logger_sink`) behind its guard (:mod:`qkmonitor.output.guard`:
+    a write that fails is lost, not the fit), one per logger, shared by every monitor that writes
+    there; a TensorBoard directory is retried once it can be written again."""
+    guarded = _GUARDED.get(logger)
+    if guarded is None:
+        sink = logger_sink(logger)
+        if sink is None:
+            return None
+        where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        destination = f"{type(logger).__name__} ({where})" if where else type(logger).__name__
+        tensorboard = isinstance(sink, TensorBoardSink)
+        if tensorboard:  # a SummaryWriter: its thread writes (engine.guard)
+            directory, reset = sink.log_dir, sink.reset
+            destination = str(directory)
+        else:
+            directory, reset = None, None
+        guarded = _GUARDED[logger] = GuardedSink(
+            sink, destination, directory=directory, reset=reset, asynchronous=tensorboard
+        )
+    return guarded
+
+
+def lost_writes(trainer: pl.Trainer) -> dict[str, int]:
+    """How many of the monitors' writes each of the Trainer's loggers lost (by destination), over
+    the loggers' lives; empty when none was lost."""
+    sinks = LightningHost(trainer).sinks()
+    return {sink.destination: sink.lost_total for sink in sinks if sink.lost_total}
+
+
+class LightningHost(Host):
+    """A Trainer as the engine's host."""
+
+    def __init__(self, trainer: pl.Trainer, scalar_batch: ScalarBatch | None = None) -> None:
+        self.trainer = trainer
+        self.owner = trainer
+        self.scalar_batch = scalar_batch
+
+    @property
+    def is_logging_rank(self) -> bool:  # type: ignore[override]
+        return self.trainer.is_global_zero
+
+    def sinks(self) -> list[GuardedSink]:
+        return [sink for logger in self.trainer.loggers if (sink := guarded_sink(logger))]
+
+    def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
+        rank_zero_warn(message, category=category)
+
+    def info(self, message: str) -> None:
+        rank_zero_info(message)
+
+    def stop(self) -> None:
+        self.trainer.should_stop = True
+
+    def learning_rate(self) -> float | None:
+        for optimizer in self.trainer.optimizers:
+            for group in optimizer.param_groups:
+                if "lr" in group:
+                    return float(group["lr"])
+        return None
+
+
+class _StateKey:
+    """A monitor's ``state_key``: the key built at construction. Lightning reads it before each
+    hook it calls on a callback (its profiler names the hook with it), so read on the class itself
+    (a class put in the Trainer's ``callbacks``, not an instance) it says so, where the hook would
+    fail on its arguments (``on_exception() missing 1 required positional argument``)."""
+
+    def __get__(self, instance: AttentionMonitor | None, owner: type) -> str:
+        if instance is None:
+            raise TypeError(
+                f"Expected callback instances in the Trainer's `callbacks`, got the class "
+                f"`{owner.__name__}`: pass an instance: `{owner.__name__}()`"
+            )
+        return instance._state_key
+
+
+class AttentionMonitor(Callback):
+    """Base of the qkmonitor callbacks: one set of Lightning hooks over one or more engines.
+
+    Every callback is this driver: the single monitors (``QKSpectrumMonitor``,
+    ``AttentionEntropyMonitor``, ``EffectiveRankMonitor``, ``QKClip``) drive one engine,
+    ``QKMonitor`` several. A batch costs one schedule check: the steps where every engine may skip
+    its work (the intersection of their ``between_probes``, and of their ``quiet`` steps) are
+    skipped at once. Otherwise the batch's loss is read once and handed to the engines whose rules
+    read it, the windows of the engines that probed are closed together
+    (:func:`~qkmonitor.engine.base.finish_windows`: their aggregators reduced across processes in
+    one collective), and the scalars of a probe step go out in one write
+    (:class:`~qkmonitor.engine.publishing.ScalarBatch`: the spectrum read after the step before it
+    waits for the activations measured in it).
+
+    The engines' state (alert counts, the last probe step) goes into a checkpoint under
+    :attr:`state_key`, where Lightning puts a callback's ``state_dict``, and comes back through
+    ``load_state_dict`` on a resume. It is written by ``on_save_checkpoint`` rather than
+    ``state_dict``: Lightning checks the keys of callbacks that override ``state_dict`` inside
+    ``Trainer(...)``, and two monitors of one kind under one prefix would meet its "more than one
+    stateful callback" error there instead of qkmonitor's, which names the prefix to change
+    (``setup``).
+
+    Args:
+        engines: the engines this callback drives.
+        probe_validation: also measure the first batch of each validation run with the engines of
+            the forward pass, logged under ``{prefix}/val/...`` (no alerts).
+    """
+
+    def __init__(self, *engines: MonitorEngine, probe_validation: bool = False) -> None:
+        check_bool("probe_validation", probe_validation)
+        self.engines: list[MonitorEngine] = list(engines)
+        if len(self.engines) == 1:
+            self.engine = self.engines[0]
+        self.probe_validation = probe_validation
+        self._group = EngineGroup(self.engines)  # the schedule in common, the scalars held
+        self._headers: set[str] = set()
+        self._batch_step = 0  # the global step the current training batch started on
+        # Lightning reads `state_key` at every hook call of every callback (its profiler names
+        # the hook with it); prefix and selection are fixed at construction, so build it once
+        first = self.engines[0]
+        prefix = ",".join(dict.fromkeys(e.prefix for e in self.engines))
+        self._state_key = self._generate_state_key(prefix=prefix, layers=first.selection())
+
+    # -- the engines' state, read where users and tests look for it ---------------------------
+
+    @property
+    def layers(self) -> list[AttentionLayer]:
+        return self.engines[0].layers
+
+    @property
+    def latest(self) -> Values:
+        """The last probe's values: metric -> one (num_heads,) float CPU tensor per layer (every
+        engine's metrics)."""
+        return {name: grid for engine in self.engines for name, grid in engine.latest.items()}
+
+    @property
+    def latest_validation(self) -> Values:
+        """The last validation probe's values, like :attr:`latest`."""
+        return {
+            name: grid for engine in self.engines for name, grid in engine.latest_validation.items()
+        }
+
+    @property
+    def latest_step(self) -> int | None:
+        """The step of the latest probe (of any engine)."""
+        steps = [e.latest_step for e in self.engines if e.latest_step is not None]
+        return max(steps) if steps else None
+
+    @property
+    def tracker(self) -> AlertTracker:
+        return self._one_engine("tracker").tracker
+
+    @property
+    def prefix(self) -> str:
+        return self.engines[0].prefix
+
+    @property
+    def every_n_steps(self) -> int | None:
+        return self._one_engine("every_n_steps").every_n_steps
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(name for engine in self.engines for name in engine.metric_names)
+
+    def _one_engine(self, what: str) -> MonitorEngine:
+        if len(self.engines) != 1:
+            raise AttributeError(
+                f"{type(self).__name__} drives {len(self.engines)} engines, each with its own "
+                f"`{what}`: read it on one of `.engines`"
+            )
+        return self.engines[0]
+
+    state_key = _StateKey()
+
+    # -- Lightning hooks ----------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        monitors = _monitors(trainer)
+        if monitors[0] is self:  # before a checkpoint is restored or a model searched
+            check_tag_collisions([e for m in monitors for e in m.engines])
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # here, not in `setup`: a model built in `configure_model` exists now, the strategy has
+        # put it on its device, and Lightning has not yet written its own hparams record
+        self._bind(trainer, pl_module)
+        monitors = _monitors(trainer)
+        if monitors[-1] is self:  # every monitor is bound now: one header for the run
+            self._write_header(trainer, pl_module, monitors)
+        # the rules may read the metrics of every monitor of the Trainer, not only this one's
+        everyone = [e for m in monitors for e in m.engines]
+        for engine in everyone:
+            engine.siblings = [e for e in everyone if e is not engine]
+        if not trainer.loggers and self is monitors[0]:
+            rank_zero_warn(
+                "qkmonitor: the Trainer has no logger; metrics are kept in each monitor's "
+                "`.latest` and alerts still fire, but nothing is written."
+            )
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.engines[0].layers:  # `trainer.validate(...)` without a fit
+            self._bind(trainer, pl_module)
+
+    def _bind(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        host = self._host(trainer)
+        for engine in self.engines:
+            engine.bind(pl_module, default_every_n_steps=trainer.log_every_n_steps)
+            engine.report_discovery(host)
+        self._group.bound()
+
+    def _host(self, trainer: pl.Trainer) -> LightningHost:
+        return LightningHost(trainer, scalar_batch=self._group.scalars)
+
+    def _write_header(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, monitors: list[AttentionMonitor]
+    ) -> None:
+        """The run's layout and hparams record, once per TensorBoard run directory, and one line
+        per run for each logger that takes no images."""
+        if not trainer.is_global_zero:
+            return
+        sinks = LightningHost(trainer).sinks()
+        for sink in sinks:
+            if not sink.draws and f"no images {_run_dir(sink)}" not in self._headers:
+                self._headers.add(f"no images {_run_dir(sink)}")
+                rank_zero_warn(
+                    f"qkmonitor: no images for {type(sink.logger).__name__} (the heatmaps, "
+                    "histograms and attention images go to TensorBoard, W&B and MLflow loggers); "
+                    "its scalars are logged."
+                )
+        new = [sink for sink in sinks if sink.draws and _run_dir(sink) not in self._headers]
+        if not new:
+            return
+        hparams = dict(pl_module.hparams)
+        datamodule = getattr(trainer, "datamodule", None)
+        if datamodule is not None:
+            hparams.update(getattr(datamodule, "hparams", {}))
+        write_run_header(new, [e for m in monitors for e in m.engines], hparams)
+        self._headers.update(_run_dir(sink) for sink in new)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == 0:  # the spectrum at initialization
+            self._observe_weights(trainer, 0)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = self._batch_step = trainer.global_step
+        if step not in self._group.between:  # no engine opens a window there (`steps_after`)
+            self._group.open(step)
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        # `after`: the global step after this batch's optimizer step, whose weights a probe reads
+        step, after, group = self._batch_step, trainer.global_step, self._group
+        if step in group.between and (after in group.between or not group.weights):
+            if step not in group.quiet:  # a rule reads this step's loss (`steps_after`)
+                loss = self._loss_of(outputs)
+                if loss is not None:
+                    group.keep_loss(step, loss)
+            return
+        self._observe_loss(outputs)
+        # under FSDP every rank holds a shard: the spectrum gathers the full weights for the read
+        group.finish(self._host(trainer), step, after=after, full_model=trainer.strategy.model)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        """An update comes after ``global_step`` updates: the engines that compare the weights
+        across it (the q/k update metrics) copy what they need where a read follows it."""
+        step = trainer.global_step
+        if step + 1 not in self._group.between:  # a read follows this update
+            self._group.before_update(self._host(trainer), step)
+
+    def _observe_weights(self, trainer: pl.Trainer, step: int) -> None:
+        self._group.observe_weights(self._host(trainer), step, full_model=trainer.strategy.model)
+
+    def _observe_loss(self, outputs: Any) -> None:
+        """Hand the batch's training loss (``training_step``'s return: the tensor, or its
+        ``"loss"``), read once, to the engines whose rules read it, at the step the batch started
+        on."""
+        if self._group.loss_readers and (loss := self._loss_of(outputs)) is not None:
+            self._group.observe_loss(self._batch_step, loss)
+
+    @staticmethod
+    def _loss_of(outputs: Any) -> Tensor | None:
+        """``training_step``'s loss: the tensor, or its ``"loss"``; None if it is not one number."""
+        mapping = type(outputs) is dict or isinstance(outputs, Mapping)  # Lightning's: a dict
+        loss = outputs.get("loss") if mapping else outputs
+        return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
+
+    @override
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if (
+            self.probe_validation
+            and batch_idx == 0
+            and dataloader_idx == 0
+            and not trainer.sanity_checking
+        ):
+            self._group.open(trainer.global_step, validation=True)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._group.finish_validation(self._host(trainer), trainer.global_step)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # a failed step or Ctrl+C (Lightning calls this for both): the window of the failed step
+        # is closed unlogged, and the last completed probe is drawn, as at a normal end
+        self._end_run(trainer)
+
+    def _end_run(self, trainer: pl.Trainer) -> None:
+        """Close a window left open (unlogged), write the scalars held, draw the last probe's
+        visuals if it drew none, take out the switches and wait for the visuals to be written."""
+        host = self._host(trainer)
+        self._group.end(host)
+        monitors = _monitors(trainer)
+        if trainer.is_global_zero and monitors[-1] is self:  # after every monitor's last write
+            report_write_faults(host, host.sinks())  # how many writes were lost, once per logger
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_run(trainer)  # a probed batch that never ended (e.g. skipped) is closed too
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._group.release()
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if "callbacks" in checkpoint:  # absent from a weights-only checkpoint
+            checkpoint["callbacks"][self.state_key] = self._group.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._group.load_state_dict(state_dict)
+
+
+class ActivationMonitor(AttentionMonitor):
+    """A monitor of the forward pass: probes open for the first batch of every
+    ``every_n_steps``-th optimizer step (step 0 included) and close when that batch ends.
+
+    Values are logged at the step the batch started on, i.e. for the weights the spectrum monitor
+    logs at the same step. Validation is not probed unless ``probe_validation=True``: then the
+    first batch of every validation run is measured and logged under ``{prefix}/val/...`` (no
+    alerts).
+    """
+
+    engine: ActivationEngine
+
+    def __init__(self, engine: ActivationEngine, probe_validation: bool = False) -> None:
+        super().__init__(engine, probe_validation=probe_validation)
+
+
+def _monitors(trainer: pl.Trainer) -> list[AttentionMonitor]:
+    return [cb for cb in trainer.callbacks if isinstance(cb, AttentionMonitor)]
+
+
+def _run_dir(sink: LoggerSink) -> str:
+    return str(getattr(sink.logger, "log_dir", None) or id(sink.logger))

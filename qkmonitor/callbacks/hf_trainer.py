@@ -1,0 +1,154 @@
+"""The monitor engines in a Hugging Face ``transformers.Trainer``: a thin ``TrainerCallback``.
+
+The same engines, tags and dashboards as the Lightning callbacks and
+:class:`~qkmonitor.engine.Monitoring` (which this drives): the Trainer's ``on_step_begin`` opens the
+window of the optimizer step (probes opened on probe steps), the first micro-batch's end
+(``on_substep_end`` under gradient accumulation, else ``on_step_end``) measures and logs it — the
+first micro-batch of a step, as the Lightning callbacks measure — and ``on_step_end`` reads the
+weights after the update (so the spectrum is logged at steps 0, n, 2n, ... and after the last update
+that lands on one, as in Lightning), ``on_train_end`` closes it. Needs ``transformers`` and
+``accelerate`` (``pip install "qkmonitor[hf]"``).
+
+``transformers.Trainer`` gives callbacks no hook when a step raises. The next ``train()`` closes a
+window left open, and the callback is a context manager that closes it on the way out::
+
+    with QKMonitorCallback() as monitor:
+        Trainer(model, args, train_dataset=data, callbacks=[monitor]).train()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import TrainerCallback
+
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, MonitorEngine, Monitoring, QKSpectrum
+from qkmonitor.output.tags import HF_HPARAMS_METRICS
+from qkmonitor.validation import check_optional_positive_int
+
+__all__ = ["QKMonitorCallback"]
+
+
+class QKMonitorCallback(TrainerCallback):
+    """Watch attention in a ``transformers.Trainer`` run.
+
+    Args:
+        engines: the engines (each used by this callback only); default: one
+            :class:`~qkmonitor.engine.QKSpectrum`, :class:`~qkmonitor.engine.AttentionEntropy` and
+            :class:`~qkmonitor.engine.EffectiveRank`, with their default arguments.
+        writer: a ``torch.utils.tensorboard.SummaryWriter`` (or any
+            :class:`~qkmonitor.engine.Sink`); default: a writer in ``$TENSORBOARD_LOGGING_DIR``
+            if set, else ``{output_dir}/runs/qkmonitor`` (beside the Trainer's own TensorBoard
+            runs), opened on the main process only.
+        every_n_steps: the probe interval of engines that did not set one; default: the
+            Trainer's ``logging_steps`` when it is a step count, else 50.
+
+    The run's hyper-parameters in TensorBoard's HPARAMS tab are the ``TrainingArguments``
+    (``to_sanitized_dict``) and every engine's rule thresholds. An alert with
+    ``alert_action="stop"`` sets ``control.should_training_stop``.
+
+    Example::
+
+        from transformers import Trainer
+        from qkmonitor.callbacks.hf_trainer import QKMonitorCallback
+
+        with QKMonitorCallback() as monitor:
+            Trainer(model, args, train_dataset=data, callbacks=[monitor]).train()
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[MonitorEngine] | None = None,
+        *,
+        writer: Any = None,
+        every_n_steps: int | None = None,
+    ) -> None:
+        engines = (
+            [QKSpectrum(), AttentionEntropy(), EffectiveRank()]
+            if engines is None
+            else list(engines)
+        )
+        if not engines or not all(isinstance(e, MonitorEngine) for e in engines):
+            raise ValueError(
+                "Expected `engines` to be a non-empty list of MonitorEngine or None, got "
+                f"{engines!r}"
+            )
+        check_optional_positive_int("every_n_steps", every_n_steps)
+        self.engines = engines
+        self.writer = writer
+        self.every_n_steps = every_n_steps
+        #: the :class:`~qkmonitor.engine.Monitoring` of the current (or last) ``train()``
+        self.monitoring: Monitoring | None = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
+        self.close()  # a window a failed train() left open
+        if model is None:
+            raise ValueError("QKMonitorCallback: the Trainer passed no `model` to on_train_begin")
+        writer = None
+        if state.is_world_process_zero:
+            writer = self.writer if self.writer is not None else self._default_writer(args)
+            self.writer = writer
+        every = self.every_n_steps
+        if every is None:
+            steps = args.logging_steps
+            every = int(steps) if float(steps) >= 1 and float(steps).is_integer() else 50
+        self.monitoring = Monitoring(
+            model,
+            self.engines,
+            writer=writer,
+            hparams=args.to_sanitized_dict(),
+            optimizer=optimizer,
+            every_n_steps=every,
+            hparams_metrics=HF_HPARAMS_METRICS,
+        )
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if self.monitoring is not None:
+            self.monitoring.abort()  # a step that raised before its end
+            self.monitoring.begin(state.global_step)
+
+    def on_substep_end(self, args, state, control, **kwargs) -> None:
+        """The end of a micro-batch that is not a step's last: the first one closes the window."""
+        if self.monitoring is not None:
+            self.monitoring.end()  # later micro-batches of the step find it closed
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self.monitoring is not None:
+            self.monitoring.end()  # no-op when on_substep_end closed it
+            self.monitoring.observe_weights(
+                state.global_step
+            )  # after the update, as Lightning's does
+            if self.monitoring.should_stop:
+                control.should_training_stop = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        """The logged training loss, for the rules that tell learning from failing: they see it
+        every ``logging_steps`` (set it to at most 10 for them to have the loss at each probe)."""
+        loss = (logs or {}).get("loss")
+        if self.monitoring is not None and isinstance(loss, (int, float)):
+            self.monitoring.observe_loss(float(loss), step=max(0, state.global_step - 1))
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close any open probe and flush the writer; idempotent."""
+        if self.monitoring is not None:
+            self.monitoring.close()
+
+    def __enter__(self) -> QKMonitorCallback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _default_writer(args) -> Any:
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir = os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(
+            args.output_dir, "runs", "qkmonitor"
+        )
+        return SummaryWriter(log_dir=os.path.expanduser(log_dir))

@@ -1,0 +1,86 @@
+"""QKSpectrumMonitor: the spectrum of every head's query-key product, from the weights alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import lightning.pytorch as pl
+
+from qkmonitor.alerts import Alert, AlertRule
+from qkmonitor.attention.adapters import LayerSpec
+from qkmonitor.engine import MonitorOptions, QKSpectrum
+
+from .base import AttentionMonitor
+
+__all__ = ["QKSpectrumMonitor"]
+
+
+class QKSpectrumMonitor(AttentionMonitor):
+    r"""Log the spectrum of ``W_QK^h = W_Q^h (W_K^g)^T`` for every head of every attention layer.
+
+    Reads weights only (no forward pass): every ``every_n_steps`` optimizer steps, and once
+    before the first step, layer by layer, each head's ``d_k x d_k`` Gram matrices give its
+    singular values and eigenvalues (:mod:`qkmonitor.measures.layer_spectra`). Per head:
+
+    .. math::
+
+        \kappa = \frac{\sigma_1}{\sum_i \sigma_i}, \quad
+        \kappa_{eig} = \frac{|\lambda|_{max}}{\sum_i |\lambda_i|}, \quad
+        \mathrm{erank} = \exp\Big(-\sum_i p_i \log p_i\Big),\ p_i = \frac{\sigma_i}{\sum_j
+        \sigma_j}, \quad \|W_{QK}\|_2 \cdot \mathrm{scale} = \sigma_1 \cdot \mathrm{scale}.
+
+    Logged keys (``LL`` = layer index, ``HH`` = head index, two digits; ``prefix`` =
+    ``log_key_prefix``):
+
+    - ``{prefix}/{metric}/layer_LL`` — the mean over heads — and ``{prefix}/{metric}_min/layer_LL``,
+      ``{prefix}/{metric}_max/layer_LL`` — the lowest and highest head — for ``kappa``,
+      ``kappa_eig``, ``eig_mean`` and ``eig_var`` (mean and variance of the eigenvalues of
+      ``W_K^T W_Q``, Bao et al. 2024), ``qk_erank`` and ``qk_spectral_norm``.
+    - ``{prefix}/heatmap/kappa`` — a layer x head image; ``{prefix}/qk_singular_values/layer_LL`` —
+      a histogram of the layer's singular values (TensorBoard loggers only; at every
+      ``visuals_every_n_probes``-th probe).
+    - ``{prefix}/{metric}/layer_LL_head_HH`` for each of the above with ``per_head=True``.
+    - ``{prefix}/alerts/kappa`` — how many ``kappa`` alerts have fired.
+
+    Default alert: ``kappa >= 0.2`` growing x2.5 per 30 steps, recovering below 0.15, on layers
+    without QK-norm (:data:`qkmonitor.alerts.KAPPA_RULE`, calibrated on
+    ``benchmarks/instability.py``), raising :class:`qkmonitor.OverLocalizationWarning`.
+
+    Args (keyword-only; see :class:`~qkmonitor.engine.MonitorOptions`):
+        every_n_steps: probe every this many optimizer steps (default: the Trainer's
+            ``log_every_n_steps``).
+        per_head: also log every head's value.
+        log_key_prefix: first part of every tag (tag-safe).
+        alerts: the alert rules (``None``: the defaults; ``[]``: none); each must watch a metric
+            this monitor logs.
+        alert_action: ``"warn"``, ``"stop"`` or ``"raise"``.
+        on_alert: ``on_alert(trainer, alert)`` for every alert that fires.
+        layers: which attention layers (one module, a list, or a function of the model).
+        visuals_every_n_probes: heatmaps, attention images and histograms at every this many
+            probes, from the first (default 20; 0: never); scalars and alerts at every probe.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from qkmonitor.callbacks import QKSpectrumMonitor
+
+        trainer = Trainer(callbacks=[QKSpectrumMonitor(every_n_steps=50, per_head=True)])
+    """
+
+    engine: QKSpectrum
+
+    def __init__(
+        self,
+        *,
+        every_n_steps: int | None = None,
+        per_head: bool = MonitorOptions.per_head,
+        log_key_prefix: str = MonitorOptions.log_key_prefix,
+        alerts: Sequence[AlertRule] | None = None,
+        alert_action: str = MonitorOptions.alert_action,
+        on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
+        layers: LayerSpec | None = None,
+        visuals_every_n_probes: int = MonitorOptions.visuals_every_n_probes,
+    ) -> None:
+        super().__init__(QKSpectrum(options=MonitorOptions.pick(locals())))
+        # the hooks are AttentionMonitor's: the weights are read at step 0 and after the update
+        # that ends each n-th step, the first batch checks the layouts of layers read by name
