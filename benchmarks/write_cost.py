@@ -35,9 +35,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from qkmonitor.callbacks.base import guarded_sink
-
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
+from qkmonitor.output.logger_sinks import guarded_sink
 
 
 def probe_values(engine, layers: int, heads: int, gen: torch.Generator) -> dict:

@@ -3,22 +3,19 @@
 Each callback drives one or more :class:`~qkmonitor.engine.MonitorEngine` through one set of
 hooks (:class:`AttentionMonitor`): the engines know the layers, decide the probe steps, measure,
 alert and build the tags; this module gives them a :class:`LightningHost` (the Trainer's loggers
-as sinks, a sink per kind of logger: :func:`logger_sink`; ``rank_zero_warn``, ``should_stop``,
-the learning rate) and calls them from the hooks. Probes are closed on success, on exception
-(``on_exception``, which Lightning also calls for a keyboard interrupt), at ``on_train_end`` and
-at ``teardown``.
+as sinks, a sink per kind of logger: :mod:`qkmonitor.output.logger_sinks`; ``rank_zero_warn``,
+``should_stop``, the learning rate) and calls them from the hooks. Probes are closed on success, on
+exception (``on_exception``, which Lightning also calls for a keyboard interrupt), at
+``on_train_end`` and at ``teardown``.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
-from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
@@ -28,7 +25,6 @@ from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.engine import (
     Host,
     MonitorEngine,
-    SummaryWriterSink,
     check_tag_collisions,
     write_run_header,
 )
@@ -36,189 +32,10 @@ from qkmonitor.engine.base import ActivationEngine, Values
 from qkmonitor.engine.group import EngineGroup
 from qkmonitor.engine.publishing import ScalarBatch
 from qkmonitor.output.guard import GuardedSink, report_write_faults
-from qkmonitor.output.sinks import is_summary_writer
+from qkmonitor.output.logger_sinks import LoggerSink, guarded_sink
 from qkmonitor.validation import check_bool
 
-__all__ = [
-    "ActivationMonitor",
-    "AttentionMonitor",
-    "LightningHost",
-    "LoggerSink",
-    "MLflowSink",
-    "TensorBoardSink",
-    "WandbSink",
-    "logger_sink",
-]
-
-
-class LoggerSink:
-    """A Lightning logger as an engine sink: its scalars through ``log_metrics``, nothing else.
-
-    This is what a logger without images gets (``CSVLogger``); :func:`logger_sink` picks the
-    sink for each logger. A logger's ``prefix`` (``log_metrics`` prepends ``{prefix}-``) is
-    :attr:`tag_prefix`, which the sinks below put on what they write outside ``log_metrics``, so
-    that it sits beside the scalars.
-    """
-
-    draws = False
-
-    def __init__(self, logger: Any) -> None:
-        self.logger = logger
-        prefix = getattr(logger, "_prefix", "") or ""
-        #: what the logger's ``log_metrics`` puts before every tag ("" without a prefix)
-        self.tag_prefix = f"{prefix}{getattr(logger, 'LOGGER_JOIN_CHAR', '-')}" if prefix else ""
-
-    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
-        self.logger.log_metrics(scalars, step=step)
-
-    # what a logger cannot show is dropped; the layout and hparams are TensorBoard's alone
-
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        pass
-
-    def log_image(self, tag: str, image: Any, step: int) -> None:
-        pass
-
-    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
-        pass
-
-    def log_layout(self, layout: dict) -> None:
-        pass
-
-    def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
-        pass
-
-
-class TensorBoardSink(LoggerSink):
-    """A logger with a TensorBoard ``SummaryWriter`` as its ``experiment``: texts, images,
-    histograms, the layout and hparams through the writer, under :attr:`tag_prefix`.
-
-    A ``TensorBoardLogger`` without a prefix gets the scalars through its writer too, one event a
-    probe (``log_metrics`` writes an event per tag; see :class:`SummaryWriterSink`) — the same tags
-    and values in the same run.
-    """
-
-    draws = True
-
-    def __init__(self, logger: Any) -> None:
-        super().__init__(logger)
-        self._writer = SummaryWriterSink(logger.experiment, scalars=False)
-        direct = isinstance(logger, TensorBoardLogger) and not self.tag_prefix
-        self._scalar_writer = SummaryWriterSink(logger.experiment) if direct else None
-
-    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
-        if self._scalar_writer is not None:
-            self._scalar_writer.log_scalars(scalars, step)
-        else:
-            super().log_scalars(scalars, step)
-
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        self._writer.log_text(self.tag_prefix + tag, text, step)
-
-    def log_image(self, tag: str, image: Any, step: int) -> None:
-        self._writer.log_image(self.tag_prefix + tag, image, step)
-
-    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
-        self._writer.log_histogram(self.tag_prefix + tag, values, step)
-
-    def log_layout(self, layout: dict) -> None:
-        self._writer.log_layout(layout)
-
-    def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
-        self._writer.log_hparams(params, metrics)
-
-    def flush(self) -> None:
-        self._writer.flush()
-
-    @property
-    def log_dir(self) -> str | None:
-        """The writer's run directory."""
-        return self._writer.log_dir
-
-    def reset(self) -> None:
-        """After a failed write: the writer opens a new event file (``SummaryWriterSink.reset``)."""
-        self._writer.reset()
-
-
-class WandbSink(LoggerSink):
-    """A ``WandbLogger``: images through its ``log_image`` (media under the image's tag) and
-    histograms as ``wandb.Histogram``, both through ``log_metrics``, which puts the prefix on them.
-
-    Alert texts are not written: their tag is the alert counter's, and a W&B key holds one kind of
-    value (the alert is still warned, and counted under that tag).
-    """
-
-    draws = True
-
-    def log_image(self, tag: str, image: Any, step: int) -> None:
-        self.logger.log_image(key=tag, images=[image], step=step)
-
-    def log_histogram(self, tag: str, values: Tensor, step: int) -> None:
-        import wandb
-
-        self.logger.log_metrics({tag: wandb.Histogram(values.detach().cpu().numpy())}, step=step)
-
-
-class MLflowSink(LoggerSink):
-    """An ``MLFlowLogger``: images and alert texts as the run's artifacts, one file a probe at
-    ``{tag_prefix}{tag}/step_SSSSSS.png`` (``.txt`` for a text). MLflow has no histograms."""
-
-    draws = True
-
-    def log_image(self, tag: str, image: Any, step: int) -> None:
-        self.logger.experiment.log_image(
-            self.logger.run_id, image, artifact_file=self._path(tag, step, "png")
-        )
-
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        self.logger.experiment.log_text(self.logger.run_id, text, self._path(tag, step, "txt"))
-
-    def _path(self, tag: str, step: int, suffix: str) -> str:
-        return f"{self.tag_prefix}{tag}/step_{step:06d}.{suffix}"
-
-
-def logger_sink(logger: Any) -> LoggerSink | None:
-    """The sink for one of the Trainer's loggers, chosen by what it really writes to: W&B and
-    MLflow by class, TensorBoard by its ``experiment`` being a ``SummaryWriter``, scalars alone
-    otherwise; None for Lightning's stand-in (``DummyLogger``: ``fast_dev_run``, the ``Tuner``),
-    which writes nothing. A stand-in experiment answers every method (``DummyExperiment``, also a
-    logger's on the ranks that do not write), so the methods an object answers say nothing."""
-    if isinstance(logger, DummyLogger):
-        return None
-    if isinstance(logger, WandbLogger):
-        return WandbSink(logger)
-    if isinstance(logger, MLFlowLogger):
-        return MLflowSink(logger)
-    if is_summary_writer(getattr(logger, "experiment", None)):
-        return TensorBoardSink(logger)
-    return LoggerSink(logger)
-
-
-#: each logger's guarded sink (:func:`guarded_sink`), made once: its guard counts the writes lost
-_GUARDED: weakref.WeakKeyDictionary[Any, GuardedSink] = weakref.WeakKeyDictionary()
-
-
-def guarded_sink(logger: Any) -> GuardedSink | None:
-    """The logger's sink (:func:`logger_sink`) behind its guard (:mod:`qkmonitor.output.guard`:
-    a write that fails is lost, not the fit), one per logger, shared by every monitor that writes
-    there; a TensorBoard directory is retried once it can be written again."""
-    guarded = _GUARDED.get(logger)
-    if guarded is None:
-        sink = logger_sink(logger)
-        if sink is None:
-            return None
-        where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-        destination = f"{type(logger).__name__} ({where})" if where else type(logger).__name__
-        tensorboard = isinstance(sink, TensorBoardSink)
-        if tensorboard:  # a SummaryWriter: its thread writes (engine.guard)
-            directory, reset = sink.log_dir, sink.reset
-            destination = str(directory)
-        else:
-            directory, reset = None, None
-        guarded = _GUARDED[logger] = GuardedSink(
-            sink, destination, directory=directory, reset=reset, asynchronous=tensorboard
-        )
-    return guarded
+__all__ = ["ActivationMonitor", "AttentionMonitor", "LightningHost"]
 
 
 def lost_writes(trainer: pl.Trainer) -> dict[str, int]:

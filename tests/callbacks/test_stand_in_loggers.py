@@ -17,8 +17,8 @@ from lightning.pytorch.tuner import Tuner
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.callbacks.base import LoggerSink, TensorBoardSink, logger_sink
 from qkmonitor.engine.updates import UPDATE_METRICS
+from qkmonitor.output.logger_sinks import LoggerSink, TensorBoardSink, logger_sink
 from qkmonitor.output.report import read_run
 
 
