@@ -30,7 +30,7 @@ from qkmonitor.engine import (
 )
 from qkmonitor.engine.base import ActivationEngine, Values
 from qkmonitor.engine.group import EngineGroup
-from qkmonitor.engine.publishing import ScalarBatch
+from qkmonitor.engine.host import ScalarBatch
 from qkmonitor.output.guard import GuardedSink, report_write_faults
 from qkmonitor.output.logger_sinks import LoggerSink, guarded_sink
 from qkmonitor.validation import check_bool
@@ -103,7 +103,7 @@ class AttentionMonitor(Callback):
     read it, the windows of the engines that probed are closed together
     (:func:`~qkmonitor.engine.base.finish_windows`: their aggregators reduced across processes in
     one collective), and the scalars of a probe step go out in one write
-    (:class:`~qkmonitor.engine.publishing.ScalarBatch`: the spectrum read after the step before it
+    (:class:`~qkmonitor.engine.host.ScalarBatch`: the spectrum read after the step before it
     waits for the activations measured in it).
 
     The engines' state (alert counts, the last probe step) goes into a checkpoint under

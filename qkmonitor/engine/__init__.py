@@ -8,9 +8,10 @@ these engines; a plain PyTorch loop drives them through :class:`Monitoring`. See
 ``docs/architecture.md``.
 """
 
-from qkmonitor.engine.base import ActivationEngine, Host, MonitorEngine, PlainHost
+from qkmonitor.engine.base import ActivationEngine, MonitorEngine
 from qkmonitor.engine.clip import QKClip
 from qkmonitor.engine.entropy import AttentionEntropy
+from qkmonitor.engine.host import Host, PlainHost
 from qkmonitor.engine.options import MonitorOptions
 from qkmonitor.engine.rank import EffectiveRank
 from qkmonitor.engine.session import Monitoring, check_tag_collisions, write_run_header

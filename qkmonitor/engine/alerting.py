@@ -30,7 +30,7 @@ from qkmonitor.measures.catalogue import CATALOGUE, metric
 from qkmonitor.validation import is_real
 
 if TYPE_CHECKING:
-    from qkmonitor.engine.base import Host
+    from qkmonitor.engine.host import Host
 
 __all__ = ["AlertPolicy", "LossHistory", "check_loss"]
 

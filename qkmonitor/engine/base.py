@@ -18,7 +18,6 @@ closes them and logs nothing. Every path closes what it opened.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import warnings
 import weakref
@@ -40,26 +39,22 @@ from qkmonitor.attention.compiled import SwitchedForward, UncompiledForward, com
 from qkmonitor.attention.intercept import unmeasured_attention_like
 from qkmonitor.attention.probes import Probe, ProbeRequest, ProbeResult
 from qkmonitor.engine.alerting import AlertPolicy, check_loss
+from qkmonitor.engine.host import Host
 from qkmonitor.engine.options import MonitorOptions, check_prefix
 from qkmonitor.engine.publishing import (
     Histograms,
     Images,
-    ScalarBatch,
     ValuePublisher,
     Values,
     as_rows,
-    write_scalars,
 )
 from qkmonitor.measures.catalogue import MetricSpec, metric, names_of
 from qkmonitor.measures.metrics import reduce_across_ranks
-from qkmonitor.output.sinks import Sink
 
 __all__ = [
     "ActivationEngine",
-    "Host",
     "MonitorEngine",
     "MonitorOptions",
-    "PlainHost",
     "Values",
     "Window",
     "check_prefix",
@@ -93,85 +88,6 @@ def finish_windows(host: Host, engines: Sequence[ActivationEngine]) -> None:
     reduce_across_ranks([m for engine, _ in closed for m in engine.aggregators()])
     for engine, window in closed:
         engine.complete(host, window)
-
-
-class Host:
-    """What an engine needs from what drives it. The base is a plain single-process loop.
-
-    Attributes:
-        owner: handed to ``on_alert(owner, alert)`` (the Trainer in Lightning).
-        is_logging_rank: whether this process writes (rank zero).
-    """
-
-    owner: Any = None
-    is_logging_rank: bool = True
-    #: where a probe's scalars wait to be written with those of the other engines at the same step
-    #: (one write a probe, :class:`~qkmonitor.engine.publishing.ScalarBatch`); None: at once
-    scalar_batch: ScalarBatch | None = None
-
-    def sinks(self) -> list[Sink]:
-        return []
-
-    def write_scalars(self, scalars: dict[str, float], step: int) -> None:
-        """Write one probe's scalars to every sink (on the logging rank), or add them to
-        :attr:`scalar_batch`."""
-        if self.scalar_batch is not None:
-            self.scalar_batch.add(scalars, step)
-        else:
-            write_scalars(self, scalars, step)
-
-    def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
-        warnings.warn(message, category, stacklevel=3)
-
-    def info(self, message: str) -> None:
-        """A line for the user (what was found): the ``qkmonitor`` logger at INFO, shown on stderr
-        unless the application configured that logger itself."""
-        _console_logger().info(message)
-
-    def stop(self) -> None:
-        """Ask the training loop to stop (alert action ``"stop"``)."""
-
-    def learning_rate(self) -> float | None:
-        return None
-
-
-def _console_logger() -> logging.Logger:
-    logger = logging.getLogger("qkmonitor")
-    if (
-        not logger.handlers and logger.level == logging.NOTSET
-    ):  # as Lightning does for its own logger
-        logger.setLevel(logging.INFO)
-        logger.addHandler(logging.StreamHandler())
-    return logger
-
-
-class PlainHost(Host):
-    """A host for a plain loop: fixed sinks, an optional optimizer for the learning rate.
-
-    ``should_stop`` turns True when an alert with action ``"stop"`` fires.
-    """
-
-    def __init__(
-        self,
-        sinks: Sequence[Sink] = (),
-        optimizer: torch.optim.Optimizer | None = None,
-        owner: Any = None,
-    ) -> None:
-        self._sinks = list(sinks)
-        self.optimizer = optimizer
-        self.owner = owner
-        self.should_stop = False
-
-    def sinks(self) -> list[Sink]:
-        return self._sinks
-
-    def stop(self) -> None:
-        self.should_stop = True
-
-    def learning_rate(self) -> float | None:
-        if self.optimizer is None:
-            return None
-        return next((float(g["lr"]) for g in self.optimizer.param_groups if "lr" in g), None)
 
 
 class MonitorEngine:

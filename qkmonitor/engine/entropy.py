@@ -45,7 +45,8 @@ from qkmonitor.alerts import (
 )
 from qkmonitor.attention.compiled import add_forward_hooks
 from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
-from qkmonitor.engine.base import ActivationEngine, Host, Values, Window
+from qkmonitor.engine.base import ActivationEngine, Values, Window
+from qkmonitor.engine.host import Host
 from qkmonitor.measures.catalogue import ENTROPY, names_of
 from qkmonitor.measures.metrics import AttentionStatistics, OutputLogits, logit_sums
 from qkmonitor.validation import check_int_between

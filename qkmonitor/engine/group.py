@@ -5,7 +5,7 @@ engine may skip its work (the intersection of their ``between_probes``, and of t
 steps: one check a batch), the training loss handed once to the engines whose rules read it, the
 windows closed together (:func:`~qkmonitor.engine.base.finish_windows`: their aggregators reduced
 across processes in one collective) and a probe step's scalars written once
-(:class:`~qkmonitor.engine.publishing.ScalarBatch`).
+(:class:`~qkmonitor.engine.host.ScalarBatch`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 from torch import Tensor
 
 from qkmonitor.engine.alerting import LossHistory, check_loss
-from qkmonitor.engine.base import NO_STEPS, Host, MonitorEngine, finish_windows
-from qkmonitor.engine.publishing import ScalarBatch
+from qkmonitor.engine.base import NO_STEPS, MonitorEngine, finish_windows
+from qkmonitor.engine.host import Host, ScalarBatch
 
 __all__ = ["EngineGroup"]
 

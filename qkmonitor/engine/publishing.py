@@ -24,23 +24,20 @@ from torch import Tensor
 
 from qkmonitor.measures.catalogue import metric
 from qkmonitor.output.dashboards import HeatmapScale, attention_image, grid_of, heatmap_image
-from qkmonitor.output.guard import confirm_writes, warn_write_faults
 from qkmonitor.output.publisher import PUBLISHER
 from qkmonitor.output.sinks import Sink
 from qkmonitor.output.tags import alert_scalars, alert_tag, head_tag, layer_tag, run_tag, worst_tag
 
 if TYPE_CHECKING:
-    from qkmonitor.engine.base import Host
+    from qkmonitor.engine.host import Host
 
 __all__ = [
     "AttentionPattern",
     "Histograms",
     "Images",
-    "ScalarBatch",
     "ValuePublisher",
     "Values",
     "as_rows",
-    "write_scalars",
 ]
 
 #: metric -> one (num_heads,) float CPU tensor per layer ((1,) for per-layer metrics)
@@ -73,46 +70,6 @@ def as_rows(values: Values | dict[str, list[list]]) -> dict[str, list[list]]:
         ]
         for name, grid in values.items()
     }
-
-
-def write_scalars(host: Host, scalars: dict[str, float], step: int) -> None:
-    """Write scalars at ``step`` to every sink of ``host``: one ``log_scalars`` call each (one
-    TensorBoard event, one CSV row); then what the guards saw (:mod:`qkmonitor.output.guard`)."""
-    sinks = host.sinks()
-    for sink in sinks:
-        sink.log_scalars(scalars, step)
-    # a TensorBoard writer's failure shows when it is flushed, off the training thread
-    if any(getattr(sink, "unconfirmed", False) for sink in sinks):
-        PUBLISHER.submit(partial(confirm_writes, sinks))
-    warn_write_faults(host, sinks)  # a destination that failed or resumed (engine.guard)
-
-
-class ScalarBatch:
-    """Scalars held by step until they are written together: the engines of one callback
-    (``QKMonitor``) write a probe step's scalars once (one TensorBoard event, one CSV row), the
-    spectrum read after the step before it with the activations measured in it.
-
-    A host with a batch (:attr:`Host.scalar_batch`) adds to it; the driver calls :meth:`flush`
-    after each batch's work, and with no bound at a run's end, on success and on failure."""
-
-    def __init__(self) -> None:
-        self._pending: dict[int, dict[str, float]] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._pending)
-
-    def add(self, scalars: dict[str, float], step: int) -> None:
-        self._pending.setdefault(step, {}).update(scalars)
-
-    def flush(self, host: Host, up_to: int | None = None) -> None:
-        """Write the held steps up to ``up_to`` (every one with None) in step order, one write a
-        step, on the logging rank."""
-        for step in sorted(self._pending):
-            if up_to is not None and step > up_to:
-                break
-            scalars = self._pending.pop(step)
-            if host.is_logging_rank:
-                write_scalars(host, scalars, step)
 
 
 class ValuePublisher:

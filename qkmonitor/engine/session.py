@@ -19,8 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.engine.alerting import check_loss
-from qkmonitor.engine.base import MonitorEngine, PlainHost
+from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.group import EngineGroup
+from qkmonitor.engine.host import PlainHost
 from qkmonitor.output.dashboards import LayoutSection, custom_scalars_layout
 from qkmonitor.output.guard import GuardedSink, report_write_faults
 from qkmonitor.output.publisher import PUBLISHER

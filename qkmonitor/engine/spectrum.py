@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.probes import Probe, ProbeRequest
-from qkmonitor.engine.base import Host, MonitorEngine
+from qkmonitor.engine.base import MonitorEngine
+from qkmonitor.engine.host import Host
 from qkmonitor.engine.updates import UPDATE_METRICS, UpdateSnapshot, take_snapshot, update_metrics
 from qkmonitor.measures.catalogue import SPECTRUM
 from qkmonitor.measures.layer_spectra import (

@@ -34,7 +34,7 @@ from torch import Tensor
 from qkmonitor.output.sinks import Sink
 
 if TYPE_CHECKING:
-    from qkmonitor.engine.base import Host
+    from qkmonitor.engine.host import Host
 
 __all__ = ["GuardedSink", "confirm_writes", "report_write_faults", "warn_write_faults"]
 
