@@ -35,7 +35,6 @@ from qkmonitor.attention.adapters import (
     find_attention_layers,
     parameters_without_data,
 )
-from qkmonitor.attention.compiled import SwitchedForward, UncompiledForward, compiled_roots
 from qkmonitor.attention.intercept import unmeasured_attention_like
 from qkmonitor.attention.probes import Probe, ProbeRequest, ProbeResult
 from qkmonitor.engine.alerting import AlertPolicy, check_loss
@@ -48,6 +47,7 @@ from qkmonitor.engine.publishing import (
     Values,
     as_rows,
 )
+from qkmonitor.engine.switches import CompileSwitches
 from qkmonitor.measures.catalogue import MetricSpec, metric, names_of
 from qkmonitor.measures.metrics import reduce_across_ranks
 
@@ -124,14 +124,9 @@ class MonitorEngine:
         self._session: Callable[[], Any] | None = (
             None  # the plain-loop Monitoring holding it (a weakref)
         )
-        self._switches: list[SwitchedForward] = []  # under torch.compile, held from bind to release
-        self._roots: list[SwitchedForward | UncompiledForward] = []  # the compiled regions' tops
         self._model: Callable[[], nn.Module | None] | None = None  # the bound model (a weakref)
-        self._compiled_roots: list[nn.Module] = []  # found at bind, switched at the first window
-        #: whether the bound model itself runs eagerly through a switch in each window, also when no
-        #: compile is seen (plain loops: a loop may compile the model where the monitors cannot see)
-        self.switch_model_in_windows = False
-        self._window_removers: list[Callable[[], None]] = []  # the roots switched on for a window
+        #: the switches under torch.compile, from a bind to its release
+        self.switches = CompileSwitches()
         self.alerting = AlertPolicy(
             self.default_rules if options.alerts is None else options.alerts,
             action=options.alert_action,
@@ -255,7 +250,7 @@ class MonitorEngine:
         self._model = weakref.ref(model)
         if self._lazy(model):  # no shapes to find layers by: nothing is measured in this run
             self.layers, self.unmeasured, self.qk_norm_layers = [], [], frozenset()
-            self._compiled_roots = []
+            self.switches.bind(model, lazy=True)
             return
         self.layers = find_attention_layers(model, self.options.layers)
         self.unmeasured = (
@@ -265,76 +260,35 @@ class MonitorEngine:
             i for i, layer in enumerate(self.layers) if layer.has_qk_norm
         )
         self._prepare(model)
-        self._compiled_roots = compiled_roots(
-            model
-        )  # switched at the first window, after every engine's discovery
+        self.switches.bind(model)  # switched at the first window, after every engine's discovery
 
-    # -- torch.compile (qkmonitor.attention.compiled)
-    # ------------------------------------------------------
+    # -- torch.compile (engine/switches.py) ------------------------------------------------------
 
     def _probed_modules(self) -> list[nn.Module]:
         """The modules this engine's probes install on (switched under compile)."""
         return []
 
-    def _switch_modules(self, roots: list[nn.Module]) -> None:
-        """Measure through switches (:mod:`qkmonitor.attention.compiled`), held until
-        :meth:`release`: the probed modules, and the roots of the compiled regions, which run
-        eagerly while a window is
-        open, so that probing neither recompiles the model nor breaks its graph inside a loop."""
-        held = {id(switch.module) for switch in self._switches}
-        for module in self._probed_modules():
-            if id(module) not in held and (switch := SwitchedForward.attach(module)) is not None:
-                self._switches.append(switch)
-                held.add(id(module))
-        for root in roots:
-            if getattr(
-                root, "_compiler_ctx", None
-            ):  # Lightning compiles its forward: put aside while probed
-                self._roots.append(UncompiledForward.of(root))
-            elif (switch := SwitchedForward.attach(root)) is not None:
-                self._switches.append(switch)
-                self._roots.append(switch)
+    @property
+    def switch_model_in_windows(self) -> bool:
+        """Whether the bound model itself runs through a switch in each window
+        (:attr:`CompileSwitches.switch_model`)."""
+        return self.switches.switch_model
 
-    def _switch_if_compiled(self) -> None:
-        """At a window's opening: switch the probed modules and the compiled regions' roots if the
-        model showed any at bind (:func:`~qkmonitor.attention.compiled.compiled_roots`); here, not
-        at bind,
-        so that every engine's discovery sees the modules' own classes."""
-        roots, self._compiled_roots = self._compiled_roots, []
-        if roots and not self._roots:
-            self._switch_modules(roots)
-
-    def _open_roots(self) -> None:
-        """Run the compiled regions' roots eagerly for the window (under compile), or the bound
-        model itself when :attr:`switch_model_in_windows` (switched for the window only)."""
-        if not self._roots and self.switch_model_in_windows and self._model is not None:
-            model = self._model()
-            switch = None if model is None else SwitchedForward.attach(model)
-            if switch is not None:
-                self._window_removers.append(switch.detach)
-                self._window_removers.append(switch.add())
-        for root in self._roots:
-            self._window_removers.append(root.add())
-
-    def _close_roots(self) -> None:
-        removers, self._window_removers = self._window_removers, []
-        for remove in reversed(removers):
-            remove()
+    @switch_model_in_windows.setter
+    def switch_model_in_windows(self, value: bool) -> None:
+        self.switches.switch_model = value
 
     def release(self) -> None:
         """Close any open probe and take out what binding put on the model (the switches under
         compile); idempotent. Called when a fit ends, on success and on failure."""
         self.abort()
         self.publishing.drain()  # every visual written before a logger closes
-        self._roots = []  # the roots' windows were closed by abort
-        switches, self._switches = self._switches, []
-        for switch in switches:
-            switch.detach()
+        self.switches.release()  # its windows were closed by abort
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_session"] = None  # a weak reference to the Monitoring holding it: not carried along
-        state.update(_switches=[], _roots=[], _model=None, _window_removers=[], _compiled_roots=[])
+        state["_model"] = None  # nor one to the bound model
         return state
 
     def _start_run(self) -> None:
@@ -700,7 +654,7 @@ class ActivationEngine(MonitorEngine):
             or self.without_data()
         ):
             return False
-        self._switch_if_compiled()
+        self.switches.before_window(self._probed_modules)
         self._window = (step, validation)
         try:
             request = self._request()
@@ -709,7 +663,7 @@ class ActivationEngine(MonitorEngine):
                     layer.open_probe(request) if measurable else Probe(layer.name, request)
                 )
             self._open_extra()
-            self._open_roots()
+            self.switches.open_window()
         except BaseException:
             self.abort()
             raise
@@ -724,7 +678,7 @@ class ActivationEngine(MonitorEngine):
     def close_probes(self) -> list[ProbeResult]:
         """Close every open probe (each one, even if another fails) and return their results."""
         probes, self._probes, self._window = self._probes, [], None
-        self._close_roots()
+        self.switches.close_window()
         results, error = [], None
         for probe in probes:
             try:

@@ -102,7 +102,7 @@ class QKSpectrum(MonitorEngine):
         """Open a layout probe on every layer still waiting for its check (none: nothing)."""
         if validation or self._checks or not self._layouts_waiting or self.without_data():
             return False
-        self._switch_if_compiled()
+        self.switches.before_window(self._probed_modules)
         waiting = [layer for layer in self.layers if layer.needs_layout_check]
         self._layouts_waiting = bool(waiting)  # a check only ends the wait: none waiting stays none
         try:
@@ -111,7 +111,7 @@ class QKSpectrum(MonitorEngine):
                     (layer, layer.open_probe(ProbeRequest(stats=False, layout=True)))
                 )
             if waiting:
-                self._open_roots()
+                self.switches.open_window()
         except BaseException:
             self.abort()
             raise
@@ -120,7 +120,7 @@ class QKSpectrum(MonitorEngine):
     def finish(self, host: Host) -> None:
         """Close the layout probes, check the layouts, and log the values held for the check."""
         checks, self._checks = self._checks, []
-        self._close_roots()
+        self.switches.close_window()
         for layer, probe in checks:
             message = layer.check_layout(probe.close())
             if message:
@@ -133,7 +133,7 @@ class QKSpectrum(MonitorEngine):
 
     def abort(self) -> None:
         checks, self._checks = self._checks, []
-        self._close_roots()
+        self.switches.close_window()
         for _, probe in checks:
             probe.close()
 
