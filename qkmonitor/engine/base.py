@@ -47,6 +47,7 @@ from qkmonitor.engine.publishing import (
     Values,
     as_rows,
 )
+from qkmonitor.engine.schedule import ProbeSchedule
 from qkmonitor.engine.switches import CompileSwitches
 from qkmonitor.measures.catalogue import MetricSpec, metric, names_of
 from qkmonitor.measures.metrics import reduce_across_ranks
@@ -60,10 +61,6 @@ __all__ = [
     "check_prefix",
     "finish_windows",
 ]
-
-
-#: no step (:attr:`MonitorEngine.between_probes` and ``quiet`` before a batch has been seen)
-NO_STEPS = range(0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +115,8 @@ class MonitorEngine:
                 f"{type(options).__name__} and {sorted(fields)}"
             )
         self.options = options
-        #: the probe interval in effect: the one given, or the host's default from bind on
-        self.every_n_steps = options.every_n_steps
+        #: when it probes (the interval in effect, the last probed step, the steps between)
+        self.schedule = ProbeSchedule(options.every_n_steps)
         self._restored = False  # a checkpoint's state was loaded and the next bind keeps it
         self._session: Callable[[], Any] | None = (
             None  # the plain-loop Monitoring holding it (a weakref)
@@ -152,12 +149,39 @@ class MonitorEngine:
         #: the engines beside this one in its driver (set by the driver: ``EngineGroup.bound``,
         #: the Lightning callbacks of one Trainer), whose metrics its rules may read
         self.siblings: list[MonitorEngine] = []
-        self.latest_step: int | None = None
         #: The last validation probe's values, like :attr:`latest`.
         self.latest_validation: Values = {}
         self._warned: set[str] = set()
-        #: steps at which a host skips all but the loss, and all (:meth:`steps_after`)
-        self.between_probes, self.quiet = NO_STEPS, NO_STEPS
+
+    # -- the schedule (engine/schedule.py) ------------------------------------------------------
+
+    @property
+    def every_n_steps(self) -> int | None:
+        """The probe interval in effect: the one given, or the host's default from bind on."""
+        return self.schedule.every_n_steps
+
+    @every_n_steps.setter
+    def every_n_steps(self, value: int | None) -> None:
+        self.schedule.every_n_steps = value
+
+    @property
+    def latest_step(self) -> int | None:
+        """The step of the last training probe."""
+        return self.schedule.latest_step
+
+    @latest_step.setter
+    def latest_step(self, value: int | None) -> None:
+        self.schedule.latest_step = value
+
+    @property
+    def between_probes(self) -> range:
+        """Steps at which a host skips all but the loss (:meth:`steps_after`)."""
+        return self.schedule.between_probes
+
+    @property
+    def quiet(self) -> range:
+        """Steps at which a host skips everything (:meth:`steps_after`)."""
+        return self.schedule.quiet
 
     @property
     def prefix(self) -> str:
@@ -245,7 +269,7 @@ class MonitorEngine:
             self._start_run()
         if self.every_n_steps is None:
             self.every_n_steps = max(1, int(default_every_n_steps))
-        self.between_probes, self.quiet = NO_STEPS, NO_STEPS
+        self.schedule.forget_plan()
         self.release()  # an earlier bind's switches (validate, then fit)
         self._model = weakref.ref(model)
         if self._lazy(model):  # no shapes to find layers by: nothing is measured in this run
@@ -373,55 +397,32 @@ class MonitorEngine:
         return True
 
     def is_probe_step(self, step: int) -> bool:
-        """Whether ``step`` (optimizer steps so far) is probed: the first step at or after each
-        multiple of ``every_n_steps``. Under gradient accumulation several batches share a step and
-        only the first probes; with two optimizers stepping once per batch the step advances by 2,
-        and a multiple it skips is probed at the next step (every 5 steps: 0, 6, 10, 16, 20)."""
-        every = self.every_n_steps
-        if every is None or step == self.latest_step:
-            return False
-        return step % every == 0 or (
-            self.latest_step is not None and step // every > self.latest_step // every
-        )
+        """Whether ``step`` is probed (:meth:`ProbeSchedule.is_probe_step`)."""
+        return self.schedule.is_probe_step(step)
 
     def plan(self, step: int) -> None:
         """After the work of the batch at ``step``: once :attr:`between_probes` lies behind, the
         steps ahead where a host may skip work (:meth:`steps_after`). A host calls it at the end
         of every batch whose work it did not skip."""
-        if step >= self.between_probes.stop:
-            self.between_probes, self.quiet = self.steps_after(step)
+        schedule = self.schedule
+        if step >= schedule.between_probes.stop:
+            schedule.between_probes, schedule.quiet = self.steps_after(step)
 
     def steps_after(self, step: int) -> tuple[range, range]:
-        """The steps after ``step`` where a host may skip work, as ``(between_probes, quiet)``.
-
-        ``between_probes``: steps up to the next multiple of ``every_n_steps`` once the probe of
-        ``step``'s interval is done (the next interval's probe may land on any of its steps): no
-        probe window opens there (:meth:`is_probe_step` is False) and no weights are read; only
-        the loss may be kept. ``quiet``: those of them whose loss no rule reads either
-        (:meth:`wants_loss` is False), where a host skips everything. Both may be empty;
-        ``between_probes.stop`` is after ``step``, so the plan is made once per interval. At
-        ``every_n_steps=50`` with the default rules: steps 1 to 49 after a probe at 0, of them
-        1 to 29 quiet (the rules read the 20 steps before a probe). A batch's hooks run between
-        two training steps, when little of the monitor's code is in the CPU's caches: each line
-        they skip there counts."""
-        every, latest = self.every_n_steps, self.latest_step
-        none = range(step + 1, step + 1)
-        if every is None or self.probing or latest is None or latest > step:
-            return none, none
-        first = step - step % every  # the interval's first step, a multiple of every_n_steps
-        if latest < first:  # the probe of this interval is still to come
-            return none, none
-        lead = self.alerting.loss_lead  # the steps before the next probe whose loss is read
-        quiet_from = max(step + 1, LOSS_SMOOTHING if lead else 0)  # and the run's first losses
-        quiet = range(quiet_from, max(quiet_from, first + every - lead))
-        return range(step + 1, first + every), quiet
+        """The steps after ``step`` where a host may skip work, as ``(between_probes, quiet)``
+        (:meth:`ProbeSchedule.steps_after`, with this engine's window and its rules' loss
+        lead)."""
+        return self.schedule.steps_after(
+            step,
+            probing=self.probing,
+            loss_lead=self.alerting.loss_lead,
+            loss_smoothing=LOSS_SMOOTHING,
+        )
 
     def draws_visuals(self, step: int) -> bool:
         """Whether the probe at ``step`` draws the visuals: every ``visuals_every_n_probes``-th
         probe, counting the one at step 0."""
-        every = self.every_n_steps or 1
-        visuals = self.options.visuals_every_n_probes
-        return visuals > 0 and (step // every) % visuals == 0
+        return self.schedule.draws_visuals(step, self.options.visuals_every_n_probes)
 
     # -- the probe window (weights engines ignore it) -------------------------------------------
 
@@ -597,7 +598,7 @@ class MonitorEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._restored = True
         self.latest_step = state.get("latest_step")
-        self.between_probes, self.quiet = NO_STEPS, NO_STEPS
+        self.schedule.forget_plan()
         self.alerting.load_state_dict(state)
 
 

@@ -16,8 +16,9 @@ from typing import Any
 from torch import Tensor
 
 from qkmonitor.engine.alerting import LossHistory, check_loss
-from qkmonitor.engine.base import NO_STEPS, MonitorEngine, finish_windows
+from qkmonitor.engine.base import MonitorEngine, finish_windows
 from qkmonitor.engine.host import Host, ScalarBatch
+from qkmonitor.engine.schedule import NO_STEPS
 
 __all__ = ["EngineGroup"]
 
