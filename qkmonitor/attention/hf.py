@@ -56,13 +56,14 @@ from torch import Tensor, nn
 
 from qkmonitor.attention import _hf_compat
 from qkmonitor.attention.adapters import AttentionLayer, QKWeights
-from qkmonitor.attention.calls import FailedCall, MaskedCall
+from qkmonitor.attention.calls import MaskedCall
 from qkmonitor.attention.clip import ProjectionRows, QKRows, linear_rows
 from qkmonitor.attention.installs import set_attribute
 from qkmonitor.attention.intercept import LayoutChecked
 from qkmonitor.attention.layouts import infer_layouts
-from qkmonitor.attention.probes import ObserverSet, Probe, side_computation
+from qkmonitor.attention.probes import Probe
 from qkmonitor.attention.registry import register_family
+from qkmonitor.attention.route import Route, observed
 from qkmonitor.validation import is_int, is_real
 
 __all__ = [
@@ -85,14 +86,19 @@ _ORIGINAL_KEY = "_qkmonitor_original_attn_implementation"
 _ROUTE_KEY = "_qkmonitor_route"
 
 
-class _Route:
-    """What probing installed on one module: the probes' observers, and how to undo the install."""
+class _DispatchRoute(Route):
+    """A module's attention calls routed through qkmonitor's registered attention function:
+    ``restore`` puts the module's own implementation back."""
+
+    key = _ROUTE_KEY
 
     def __init__(self, restore: Callable[[], None], default_scale: Callable[[], float]) -> None:
-        self.observers = ObserverSet()
+        super().__init__()
         self.restore = restore
         self.default_scale = default_scale
-        self.undo_install: Callable[[], None] = lambda: None  # takes the route off the module
+
+    def uninstall(self) -> None:
+        self.restore()
 
 
 class HFAttentionLayer(AttentionLayer):
@@ -118,23 +124,15 @@ class HFAttentionLayer(AttentionLayer):
         return True
 
     def install(self, probe: Probe) -> Callable[[], None]:
-        module = self.module
-        route = module.__dict__.get(_ROUTE_KEY)
-        if route is None:
+        def make() -> _DispatchRoute | None:
             restore = _route_module(self)
-            if restore is None:  # warned: the probe sees no call, and the monitor says so
-                return lambda: None
-            route = _Route(restore, self._default_scale)
-            route.undo_install = set_attribute(module, _ROUTE_KEY, route)
-        remove_observer = route.observers.add(probe.observe, probe.request.sink_tokens)
+            # None: warned; the probe sees no call, and the monitor says so
+            return None if restore is None else _DispatchRoute(restore, self._default_scale)
 
-        def remove() -> None:
-            remove_observer()
-            if not route.observers and module.__dict__.get(_ROUTE_KEY) is route:
-                route.undo_install()
-                route.restore()
-
-        return remove
+        attached = _DispatchRoute.attach(
+            self.module, probe.observe, probe.request.sink_tokens, make
+        )
+        return (lambda: None) if attached is None else attached[1]
 
 
 class LlamaAttentionLayer(HFAttentionLayer):
@@ -425,13 +423,13 @@ def _probe_attention(
 def _capture(
     module: nn.Module, query: Tensor, key: Tensor, attention_mask, kwargs: dict, original
 ) -> None:
-    route = module.__dict__.get(_ROUTE_KEY)
+    route = _DispatchRoute.of(module)
     if route is None or not route.observers:
         return
-    try:
-        with torch.no_grad(), side_computation():
-            scale = kwargs.get("scaling")
-            call = MaskedCall.of(
+    scale = kwargs.get("scaling")
+    route.observers.notify(
+        observed(
+            lambda: MaskedCall.of(
                 module,
                 query,
                 key,
@@ -440,9 +438,8 @@ def _capture(
                 original,
                 scale=route.default_scale() if scale is None else float(scale),
             )
-    except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-        call = FailedCall(err)
-    route.observers.notify(call)
+        )
+    )
 
 
 def _warn(name: str, why: str) -> None:

@@ -45,10 +45,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from qkmonitor.attention.adapters import AttentionLayer, QKWeights
-from qkmonitor.attention.calls import FailedCall, MaskedCall, ScoresCall, split_mask
+from qkmonitor.attention.calls import MaskedCall, ScoresCall, split_mask
 from qkmonitor.attention.clip import QKRows
 from qkmonitor.attention.compiled import add_forward_hooks
-from qkmonitor.attention.installs import set_attribute
 from qkmonitor.attention.layouts import (
     HEADS_NAMES,
     AttentionSpec,
@@ -61,8 +60,9 @@ from qkmonitor.attention.layouts import (
     projections_of,
     qk_norm_modules,
 )
-from qkmonitor.attention.probes import ObserverSet, Probe, in_side_computation, side_computation
+from qkmonitor.attention.probes import AttentionCall, Probe, in_side_computation, side_computation
 from qkmonitor.attention.registry import register_family
+from qkmonitor.attention.route import Route, observed
 
 __all__ = [
     "InterceptedAttentionLayer",
@@ -277,7 +277,7 @@ def _match_logits(
 class _Interceptor(TorchFunctionMode):
     """Sees the torch calls of one module's forward; hands the attention calls to its route."""
 
-    def __init__(self, route: _Route) -> None:
+    def __init__(self, route: _InterceptRoute) -> None:
         super().__init__()
         self.route = route
 
@@ -303,12 +303,14 @@ _MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-class _Route:
-    """What probing installed on one module: the hooks, the probes' observers, the captured
-    inputs."""
+class _InterceptRoute(Route):
+    """A module's calls intercepted while it runs: the hooks that enter and leave the
+    interception, the captured inputs."""
+
+    key = _ROUTE_KEY
 
     def __init__(self, module: nn.Module) -> None:
-        self.observers = ObserverSet()
+        super().__init__()
         self.heads: int | None = None  # the query heads, where the layer knows them before a call
         self.weights: dict[int, int] = {}  # id(weight) -> probes asking for its inputs
         self._modes: list[_Interceptor] = []
@@ -316,7 +318,6 @@ class _Route:
         self._first = True
         self._qk: tuple[Tensor, Tensor] | None = None
         self._remove_hooks = add_forward_hooks(module, pre=self._enter, post=self._leave)
-        self.undo_install: Callable[[], None] = lambda: None  # takes the route off the module
 
     def _enter(self, module: nn.Module, args, kwargs) -> None:
         self._inputs, self._first, self._qk = {}, True, None
@@ -329,7 +330,7 @@ class _Route:
             self._modes.pop().__exit__(None, None, None)
         self._inputs, self._qk = {}, None
 
-    def remove(self) -> None:
+    def uninstall(self) -> None:
         self._remove_hooks()
         while self._modes:  # only if a forward was left without its hook (it never is)
             self._modes.pop().__exit__(None, None, None)
@@ -382,14 +383,14 @@ class _Route:
         if not self.observers:
             return
         first, self._first = self._first, False
-        try:
-            with torch.no_grad(), side_computation():
-                call = build()
-                if first and self.weights:
-                    call.evidence = evidence()
-        except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-            call = FailedCall(err)
-        self.observers.notify(call)
+
+        def build_with_evidence() -> AttentionCall:
+            call = build()
+            if first and self.weights:
+                call.evidence = evidence()
+            return call
+
+        self.observers.notify(observed(build_with_evidence))
 
     def _evidence(
         self, q: Tensor | None, k: Tensor | None, logits: Tensor | None, scale
@@ -449,25 +450,25 @@ def _route_probe(
 ) -> Callable[[], None]:
     """Route the module's attention calls to ``observe`` (default ``probe.observe``), and keep the
     inputs of ``weights`` for a layout check."""
-    route = module.__dict__.get(_ROUTE_KEY)
-    if route is None:
-        route = _Route(module)
+
+    def make() -> _InterceptRoute:
+        route = _InterceptRoute(module)
         route.heads = heads
-        route.undo_install = set_attribute(module, _ROUTE_KEY, route)
-    remove_observer = route.observers.add(observe or probe.observe, probe.request.sink_tokens)
+        return route
+
+    route, remove_observer = _InterceptRoute.attach(
+        module, observe or probe.observe, probe.request.sink_tokens, make
+    )
     keys = [id(w) for w in weights]
     for key in keys:
         route.weights[key] = route.weights.get(key, 0) + 1
 
     def remove() -> None:
-        remove_observer()
         for key in keys:
             route.weights[key] -= 1
             if not route.weights[key]:
                 del route.weights[key]
-        if not route.observers and module.__dict__.get(_ROUTE_KEY) is route:
-            route.undo_install()
-            route.remove()
+        remove_observer()
 
     return remove
 

@@ -76,6 +76,36 @@ def test_keyboard_interrupt_mid_probe_leaves_nothing(tmp_path, leftovers):
     assert leftovers(task) == []
 
 
+@pytest.mark.parametrize("kind", MODELS)
+def test_keyboard_interrupt_inside_a_probed_attention_forward_leaves_nothing(
+    tmp_path, kind, leftovers
+):
+    """The interrupt comes from an attention module's forward at a probed step (a forward hook
+    registered before the probe's raises it): torch runs no always-call hook for a BaseException,
+    so the probe's own hook is skipped and whatever it entered stays entered until the callback's
+    ``on_exception`` closes it."""
+    torch.manual_seed(0)
+    task = Task(MODELS[kind]())
+    attention = next(m for m in task.modules() if "attention" in type(m).__name__.lower())
+    calls = {"n": 0}
+
+    def interrupt(module, args, output):
+        calls["n"] += 1
+        if task.global_step == 2:
+            raise KeyboardInterrupt
+
+    handle = attention.register_forward_hook(interrupt)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown after on_exception
+            trainer(tmp_path, monitors()).fit(task)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        handle.remove()
+    assert calls["n"] > 0 and task.global_step == 2
+    assert leftovers(task) == []
+
+
 def test_teardown_closes_a_window_left_open(tmp_path, leftovers):
     """A probe window opened by hand (or by a hook whose batch never ended) closes at teardown."""
     task = Task(MODELS["torch-mha"]())

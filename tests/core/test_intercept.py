@@ -369,6 +369,74 @@ def test_a_forward_that_raises_inside_a_probed_module_leaves_nothing_and_trainin
 
 
 @pytest.mark.parametrize("flash", [True, False], ids=["sdpa", "softmax"])
+def test_a_keyboard_interrupt_inside_a_probed_forward_leaves_nothing_pushed_or_installed(
+    flash, leftovers
+):
+    """A BaseException skips torch's always-call forward hooks, so the interception's mode stays
+    entered until the probe closes: leaving ``monitoring.step`` must close it, and the next step
+    measures as usual."""
+    torch.manual_seed(0)
+    model = Model(NanoAttention(flash), NanoAttention(flash))
+    monitoring = Monitoring(
+        model, [QKSpectrum(), AttentionEntropy()], writer=MemorySink(), every_n_steps=1
+    )
+    tokens = torch.randint(0, 20, (2, T))
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    handle = model.blocks[0].c_proj.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), monitoring.step(0):
+        model(tokens)
+    handle.remove()
+    assert leftovers(model) == []
+    with monitoring.step(1):
+        model(tokens).sum().backward()
+    monitoring.close()
+    assert leftovers(model) == []
+    assert all(torch.isfinite(t).all() for t in monitoring.engines[1].latest["entropy_norm"])
+
+
+def test_a_module_called_twice_within_one_probe_is_measured_over_both_calls(leftovers):
+    """The same attention module applied twice in one forward (weight sharing, as in ALBERT or a
+    looped transformer): each call's statistics are its own and the probe sees both, as the
+    float64 reference of the two calls does."""
+    torch.manual_seed(0)
+    shared = NanoAttention(flash=True)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.attn, self.head = nn.Embedding(20, D), shared, nn.Linear(D, 20)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            x = x + self.attn(x)
+            x = x + self.attn(x)
+            return self.head(x)
+
+    model = Twice()
+    entropy = AttentionEntropy()
+    tokens = torch.randint(0, 20, (2, T))
+    monitored_step(model, QKSpectrum(), entropy, tokens=tokens)
+    assert leftovers(model) == []
+
+    # the reference: both calls' q and k, from the model's own projections
+    def qk(x):
+        b, t, c = x.shape
+        q, k, _ = (z.view(b, t, H, c // H).transpose(1, 2) for z in shared.c_attn(x).split(c, 2))
+        return q, k
+
+    with torch.no_grad():
+        x0 = model.embed(tokens)
+        x1 = x0 + shared(x0)
+        (norm0, _), (norm1, _) = entropy_reference(*qk(x0)), entropy_reference(*qk(x1))
+    expected = (norm0 + norm1) / 2  # (heads,): both calls' rows, as many each
+    assert torch.allclose(entropy.latest["entropy_norm"][0].double(), expected, atol=1e-5)
+    assert not torch.allclose(norm0, norm1, atol=1e-3)  # the two calls differ: both are counted
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["sdpa", "softmax"])
 def test_the_monitored_step_trains_bit_for_bit_as_its_unmonitored_twin(flash):
     import copy
 
