@@ -202,6 +202,32 @@ def test_fully_masked_by_padding(reference, device, backend):
     assert torch.isneginf(stats.lse[0]).all() and torch.isneginf(stats.max_logit[0]).all()
 
 
+def test_a_batch_beyond_the_grid_limit_runs_in_slices_that_equal_the_reference(
+    reference, device, monkeypatch
+):
+    """B·H above the grid's second axis (65,535; lowered to 4 here, so that B = 3, H = 2 takes
+    two launches of two and one sequence) is split over the batch, the padding mask with it:
+    outputs, statistics and gradients as the float64 reference, as one launch gives them."""
+    import qkmonitor.kernels._triton.autograd as triton_autograd
+
+    q, k, v = make_inputs(3, 3, 2, 1, 7, 11, 16, device)
+    mask = torch.ones(3, 11, dtype=torch.bool)
+    mask[2, :4] = False
+    monkeypatch.setattr(triton_autograd, "_MAX_GRID_Y", 4)
+    calls = []
+    original = triton_autograd.TritonAttention.apply
+    monkeypatch.setattr(
+        triton_autograd.TritonAttention,
+        "apply",
+        lambda *args: calls.append(args[0].shape[0]) or original(*args),
+    )
+    run_and_check(
+        reference, q, k, v, backend="triton", causal=True, key_padding_mask=mask.to(device),
+        sink_tokens=1,
+    )  # fmt: skip
+    assert calls[:2] == [2, 1]  # two launches: sequences 0-1, then 2
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_masked_by_causal_with_more_queries(reference, device, backend):
     n, m = 23, 6  # bottom-right aligned: rows i < n - m see no key

@@ -70,12 +70,14 @@ def test_prune_drops_tiles_that_spill_at_this_head_dim(kernel, block_d):
     ``max_block_d`` everywhere, and at ``sm80_spills`` head dims on compute capability 8.x."""
     named_args = {"N_Q_BUCKET": 4096, "N_K_BUCKET": 4096}
     configs = KERNEL_CONFIGS[kernel]
+    assert any(tuning.limits_of(c) != tuning.TileLimits() for c in configs)  # measured limits
     for capability in (8, 9):
         kept = tuning.prune(configs, named_args, capability=capability, BLOCK_D=block_d)
         for config in kept:
-            assert block_d <= config.max_block_d
-            assert capability != 8 or block_d not in config.sm80_spills
+            limits = tuning.limits_of(config)
+            assert block_d <= limits.max_block_d
+            assert capability != 8 or block_d not in limits.sm80_spills
     on_sm90 = tuning.prune(configs, named_args, capability=9, BLOCK_D=block_d)
     on_sm80 = tuning.prune(configs, named_args, capability=8, BLOCK_D=block_d)
-    spilling_on_sm80 = [c for c in on_sm90 if block_d in c.sm80_spills]
+    spilling_on_sm80 = [c for c in on_sm90 if block_d in tuning.limits_of(c).sm80_spills]
     assert len(on_sm80) == len(on_sm90) - len(spilling_on_sm80)

@@ -185,7 +185,8 @@ def triton_attention(
 
     Raises:
         ValueError: for CPU tensors when the kernels were not built for the interpreter (set
-            ``TRITON_INTERPRET=1`` before triton is imported), or when B·H exceeds the grid limit.
+            ``TRITON_INTERPRET=1`` before triton is imported), or when H alone exceeds the grid's
+            limit of 65,535 (B·H beyond it is split into launches over slices of the batch).
     """
     if q.device.type == "cpu" and not INTERPRETED:
         raise ValueError(
@@ -193,9 +194,19 @@ def triton_attention(
             "TRITON_INTERPRET=1 before triton is first imported to run them in the interpreter"
         )
     batch, heads, n, _ = q.shape
-    if batch * heads > _MAX_GRID_Y:
-        raise ValueError(
-            f"Expected B·H ≤ {_MAX_GRID_Y} for `backend='triton'`, got B={batch}, H={heads}"
+    if heads > _MAX_GRID_Y:
+        raise ValueError(f"Expected H ≤ {_MAX_GRID_Y} for `backend='triton'`, got H={heads}")
+    if batch * heads > _MAX_GRID_Y:  # B·H is the grid's second axis: one launch per batch slice
+        return _in_batch_slices(
+            q,
+            k,
+            v,
+            batch_per_launch=_MAX_GRID_Y // heads,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=scale,
+            return_stats=return_stats,
+            sink_tokens=sink_tokens,
         )
     if n == 0 or batch * heads == 0 or k.shape[2] == 0:
         from qkmonitor.kernels._torch import torch_attention  # nothing to fuse: empty rows
@@ -222,3 +233,38 @@ def triton_attention(
     if not return_stats:
         return out, None
     return out, (lse, entropy, max_prob, max_logit, sink)
+
+
+def _in_batch_slices(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    batch_per_launch: int,
+    key_padding_mask: torch.Tensor | None,
+    return_stats: bool,
+    **kwargs,
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None]:
+    """:func:`triton_attention` over slices of ``batch_per_launch`` sequences, concatenated (each
+    slice its own autograd node: the gradients flow back through the concatenation)."""
+    parts = [
+        triton_attention(
+            q[i : i + batch_per_launch],
+            k[i : i + batch_per_launch],
+            v[i : i + batch_per_launch],
+            key_padding_mask=None
+            if key_padding_mask is None
+            else key_padding_mask[i : i + batch_per_launch],
+            return_stats=return_stats,
+            **kwargs,
+        )
+        for i in range(0, q.shape[0], batch_per_launch)
+    ]
+    out = torch.cat([o for o, _ in parts])
+    if not return_stats:
+        return out, None
+    stats = tuple(
+        None if values[0] is None else torch.cat(values)
+        for values in zip(*(stats for _, stats in parts))
+    )
+    return out, stats

@@ -9,6 +9,7 @@ several configurations fails without a GPU.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,9 +38,29 @@ def _configs(shapes: list[tuple]) -> list[triton.Config]:
     configs = []
     for bm, bn, warps, stages, max_block_d, sm80_spills in shapes:
         config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-        config.max_block_d, config.sm80_spills = max_block_d, frozenset(sm80_spills)
+        _LIMITS[id(config)] = (config, TileLimits(max_block_d, frozenset(sm80_spills)))
         configs.append(config)
     return configs
+
+
+@dataclass(frozen=True)
+class TileLimits:
+    """Where a tile spills a register: above ``max_block_d`` (the padded head dim), and at the
+    head dims of ``sm80_spills`` on compute capability 8.x only."""
+
+    max_block_d: int = 256
+    sm80_spills: frozenset[int] = frozenset()
+
+
+#: each tile's limits, by the identity of its ``triton.Config`` (kept alive here with it): beside
+#: the config, not on it, as triton's Config has no field for them
+_LIMITS: dict[int, tuple[triton.Config, TileLimits]] = {}
+
+
+def limits_of(config: triton.Config) -> TileLimits:
+    """The :class:`TileLimits` :func:`_configs` gave ``config`` (none: no limit)."""
+    entry = _LIMITS.get(id(config))
+    return entry[1] if entry is not None and entry[0] is config else TileLimits()
 
 
 def smem_bytes(kernel: str, config: triton.Config, block_d: int, elem_bytes: int) -> int:
@@ -97,9 +118,8 @@ def prune(configs, named_args, kernel=None, smem_limit=None, capability=None, **
         capability = _capability_major(q)
 
     def spills(c):
-        return block_d > getattr(c, "max_block_d", 256) or (
-            capability == 8 and block_d in getattr(c, "sm80_spills", ())
-        )
+        limits = limits_of(c)
+        return block_d > limits.max_block_d or (capability == 8 and block_d in limits.sm80_spills)
 
     def area(c):
         return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
