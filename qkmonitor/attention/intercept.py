@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
@@ -275,25 +276,26 @@ def _match_logits(
 
 
 class _Interceptor(TorchFunctionMode):
-    """Sees the torch calls of one module's forward; hands the attention calls to its route."""
+    """Sees the torch calls of one forward of a module; hands them to that call's state."""
 
-    def __init__(self, route: _InterceptRoute) -> None:
+    def __init__(self, call: _Call) -> None:
         super().__init__()
-        self.route = route
+        self.call = call
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        route = self.route
+        call = self.call
         if in_side_computation():  # qkmonitor measuring a call inside the forward, not the model
             return func(*args, **kwargs)
+        weights = call.route.weights
         if func is F.scaled_dot_product_attention:
-            route.on_sdpa(args, kwargs)
+            call.on_sdpa(args, kwargs)
         elif func in _SOFTMAX:
-            route.on_softmax(args, kwargs)
-        elif route.weights and (func is F.linear or func is torch.addmm):
-            route.on_projection(func, args, kwargs)
-        elif route.weights and func in _MATMUL and len(args) == 2:
-            route.on_matmul(*args)
+            call.on_softmax(args, kwargs)
+        elif weights and (func is F.linear or func is torch.addmm):
+            call.on_projection(func, args, kwargs)
+        elif weights and func in _MATMUL and len(args) == 2:
+            call.on_matmul(*args)
         return func(*args, **kwargs)
 
 
@@ -305,7 +307,10 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 class _InterceptRoute(Route):
     """A module's calls intercepted while it runs: the hooks that enter and leave the
-    interception, the captured inputs."""
+    interception. What one forward captures is that call's own (:class:`_Call`), on a stack per
+    thread: a module called again inside its own forward, or from several threads at once
+    (``nn.DataParallel`` replicas share the module's ``__dict__``), keeps each call's evidence
+    apart."""
 
     key = _ROUTE_KEY
 
@@ -313,55 +318,77 @@ class _InterceptRoute(Route):
         super().__init__()
         self.heads: int | None = None  # the query heads, where the layer knows them before a call
         self.weights: dict[int, int] = {}  # id(weight) -> probes asking for its inputs
-        self._modes: list[_Interceptor] = []
-        self._inputs: dict[int, Tensor] = {}
-        self._first = True
-        self._qk: tuple[Tensor, Tensor] | None = None
+        self._threads = threading.local()  # .calls: this thread's open calls, innermost last
         self._remove_hooks = add_forward_hooks(module, pre=self._enter, post=self._leave)
 
+    def _calls(self) -> list[_Call]:
+        calls = getattr(self._threads, "calls", None)
+        if calls is None:
+            calls = self._threads.calls = []
+        return calls
+
     def _enter(self, module: nn.Module, args, kwargs) -> None:
-        self._inputs, self._first, self._qk = {}, True, None
-        mode = _Interceptor(self)
-        mode.__enter__()
-        self._modes.append(mode)
+        call = _Call(self)
+        call.mode.__enter__()
+        self._calls().append(call)
 
     def _leave(self, module: nn.Module, args, output) -> None:
-        if self._modes:
-            self._modes.pop().__exit__(None, None, None)
-        self._inputs, self._qk = {}, None
+        calls = self._calls()
+        if calls:
+            calls.pop().mode.__exit__(None, None, None)
 
     def uninstall(self) -> None:
         self._remove_hooks()
-        while self._modes:  # only if a forward was left without its hook (it never is)
-            self._modes.pop().__exit__(None, None, None)
+        # a forward left without its hook: a BaseException (KeyboardInterrupt) skips torch's
+        # always-call hooks, so its mode is still entered on this thread until the probe closes
+        calls = self._calls()
+        while calls:
+            calls.pop().mode.__exit__(None, None, None)
+
+
+class _Call:
+    """What one forward of an intercepted module captures: the projections' inputs the layout
+    check asks for, the first 4-D ``q @ kᵀ`` (an explicit softmax's queries and keys), and
+    whether an attention call was already handed on (the first carries the layout evidence)."""
+
+    def __init__(self, route: _InterceptRoute) -> None:
+        self.route = route
+        self.inputs: dict[int, Tensor] = {}
+        self.first = True
+        self.qk: tuple[Tensor, Tensor] | None = None
+        self.mode = _Interceptor(self)
 
     def on_projection(self, func, args, kwargs) -> None:
         if func is F.linear:
             x, weight = (list(args) + [kwargs.get("input"), kwargs.get("weight")])[:2]
         else:  # Conv1D: addmm(bias, x, weight)
             x, weight = (list(args) + [None, None, None])[1:3]
-        if isinstance(weight, Tensor) and id(weight) in self.weights and isinstance(x, Tensor):
-            self._inputs.setdefault(id(weight), x.detach())
+        if (
+            isinstance(weight, Tensor)
+            and id(weight) in self.route.weights
+            and isinstance(x, Tensor)
+        ):
+            self.inputs.setdefault(id(weight), x.detach())
 
     def on_matmul(self, a, b) -> None:
         """``x @ W.T`` (a projection written as a matmul, e.g. Falcon's) and the first 4-D
         ``q @ k.transpose(-2, -1)`` of the forward (the queries and keys of an explicit softmax)."""
         if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
             return
-        weight = b if id(b) in self.weights else b._base
-        if weight is not None and id(weight) in self.weights:
-            self._inputs.setdefault(id(weight), a.detach())
-        elif self._qk is None and a.dim() == 4 and b.dim() == 4 and a.shape[-1] == b.shape[-2]:
-            self._qk = (a.detach(), b.detach().transpose(-1, -2))
+        weight = b if id(b) in self.route.weights else b._base
+        if weight is not None and id(weight) in self.route.weights:
+            self.inputs.setdefault(id(weight), a.detach())
+        elif self.qk is None and a.dim() == 4 and b.dim() == 4 and a.shape[-1] == b.shape[-2]:
+            self.qk = (a.detach(), b.detach().transpose(-1, -2))
 
     def on_sdpa(self, args, kwargs) -> None:
-        call = dict(zip(_SDPA_ARGS, args)) | kwargs
-        q, k = call["query"], call["key"]
+        sdpa = dict(zip(_SDPA_ARGS, args)) | kwargs
+        q, k = sdpa["query"], sdpa["key"]
         self._notify(
             lambda: _sdpa_call(
-                q, k, call.get("attn_mask"), bool(call.get("is_causal", False)), call.get("scale")
+                q, k, sdpa.get("attn_mask"), bool(sdpa.get("is_causal", False)), sdpa.get("scale")
             ),
-            lambda: self._evidence(q, k, None, call.get("scale")),
+            lambda: self._evidence(q, k, None, sdpa.get("scale")),
         )
 
     def on_softmax(self, args, kwargs) -> None:
@@ -370,27 +397,27 @@ class _InterceptRoute(Route):
         if not isinstance(x, Tensor) or x.dim() != 4 or dim not in (-1, 3):
             return
         if (
-            self.heads is not None and x.shape[1] != self.heads
+            self.route.heads is not None and x.shape[1] != self.route.heads
         ):  # not (B, H, N, M): heads folded elsewhere
             return
-        qk = self._qk
+        qk = self.qk
         if qk is not None and qk[0].shape[:3] == x.shape[:3] and qk[1].shape[2] == x.shape[3]:
             self._notify(lambda: _scores_call(x), lambda: self._evidence(qk[0], qk[1], None, None))
         else:
             self._notify(lambda: _scores_call(x), lambda: self._evidence(None, None, x, None))
 
     def _notify(self, build: Callable, evidence: Callable) -> None:
-        if not self.observers:
+        if not self.route.observers:
             return
-        first, self._first = self._first, False
+        first, self.first = self.first, False
 
         def build_with_evidence() -> AttentionCall:
             call = build()
-            if first and self.weights:
+            if first and self.route.weights:
                 call.evidence = evidence()
             return call
 
-        self.observers.notify(observed(build_with_evidence))
+        self.route.observers.notify(observed(build_with_evidence))
 
     def _evidence(
         self, q: Tensor | None, k: Tensor | None, logits: Tensor | None, scale
@@ -398,7 +425,7 @@ class _InterceptRoute(Route):
         like = q if q is not None else logits
         b, n, m = like.shape[0], like.shape[2], (k.shape[2] if k is not None else logits.shape[3])
         return LayoutEvidence(
-            dict(self._inputs),
+            dict(self.inputs),
             None if q is None else q[:, :, 0].detach().clone(),
             None if k is None else k[:, :, 0].detach().clone(),
             None if logits is None else logits[:, :, 0, 0].detach().clone(),

@@ -397,6 +397,80 @@ def test_a_keyboard_interrupt_inside_a_probed_forward_leaves_nothing_pushed_or_i
     assert all(torch.isfinite(t).all() for t in monitoring.engines[1].latest["entropy_norm"])
 
 
+def test_two_threads_in_one_probed_forward_keep_their_calls_apart(leftovers):
+    """Replicas on threads (``nn.DataParallel`` shares a module's ``__dict__``, so its route): two
+    threads run the same probed module at once. Thread 1 enters the module after thread 0 has
+    projected its input and before thread 0 calls SDPA; each call keeps its own evidence, so the
+    first probe's layout check (thread 0's SDPA against thread 0's projection input) holds, both
+    calls are measured, and nothing is left entered on either thread."""
+    import threading
+    import warnings
+
+    torch.manual_seed(0)
+    model = Model(NanoAttention(flash=True))
+    spectrum, entropy = QKSpectrum(), AttentionEntropy()
+    monitoring = Monitoring(model, [spectrum, entropy], writer=MemorySink(), every_n_steps=1)
+    projected, called = threading.Event(), threading.Event()
+
+    def after_projection(module, args, output):
+        if threading.current_thread().name == "replica-0":
+            assert projected.wait(30)  # thread 1 entered and projected meanwhile
+        else:
+            projected.set()
+            assert called.wait(30)  # thread 0's SDPA and output projection first
+
+    def before_output(module, args):
+        if threading.current_thread().name == "replica-0":
+            called.set()
+
+    handles = [
+        model.blocks[0].c_attn.register_forward_hook(after_projection),
+        model.blocks[0].c_proj.register_forward_pre_hook(before_output),
+    ]
+    tokens = [
+        torch.randint(0, 20, (2, T), generator=torch.Generator().manual_seed(i)) for i in (1, 2)
+    ]
+    errors, left = [], []
+
+    def forward(i):
+        try:
+            with torch.no_grad():
+                model(tokens[i])
+            left.append(torch._C._len_torch_function_stack())
+        except BaseException as err:  # noqa: BLE001 -- reported below
+            errors.append(err)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with monitoring.step(0):
+            threads = [
+                threading.Thread(target=forward, args=(i,), name=f"replica-{i}") for i in (0, 1)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        monitoring.close()
+    for handle in handles:
+        handle.remove()
+    assert errors == [] and left == [0, 0]
+    assert leftovers(model) == []
+    assert not [w for w in caught if "layout" in str(w.message)], [str(w.message) for w in caught]
+    assert torch.isfinite(spectrum.latest["kappa"][0]).all()
+    shared = NanoAttention(flash=True)
+    shared.load_state_dict(model.blocks[0].state_dict())
+    with torch.no_grad():
+        refs = []
+        for x in (model.embed(tokens[0]), model.embed(tokens[1])):
+            b, t, c = x.shape
+            q, k, _ = (
+                z.view(b, t, H, c // H).transpose(1, 2) for z in shared.c_attn(x).split(c, 2)
+            )
+            refs.append(entropy_reference(q, k)[0])
+    norm = entropy.latest["entropy_norm"][0]
+    assert torch.allclose(norm.double(), (refs[0] + refs[1]) / 2, atol=1e-5)  # both calls
+
+
 def test_a_module_called_twice_within_one_probe_is_measured_over_both_calls(leftovers):
     """The same attention module applied twice in one forward (weight sharing, as in ALBERT or a
     looped transformer): each call's statistics are its own and the probe sees both, as the
