@@ -1,0 +1,268 @@
+r"""Capture: seeing the torch calls of one module's forward while a probe is open on it.
+
+While a probe is open on a module, and only inside that module's forward, a
+``torch.overrides.TorchFunctionMode`` sees every torch call it makes. Two of them are attention:
+
+- ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)``:
+  the call's own q ``(B, H, N, D)``, k ``(B, H_kv, M, D)``, mask (bool: True = attend, or
+  additive), ``is_causal`` (top-left aligned, as SDPA defines it) and scale become a
+  :class:`~qkmonitor.attention.calls.MaskedCall`, measured by the fused kernel where the mask
+  allows;
+- a softmax over the last dim of a 4-D tensor ``(B, H, N, M)``: the logits the module computed,
+  which already hold its additive mask, ALiBi, relative bias or soft-capping, become a
+  :class:`~qkmonitor.attention.calls.ScoresCall` (``-inf`` and ``finfo.min``-like entries are
+  blocked keys).
+
+The mode is entered by the probe's forward pre-hook and left by its forward hook, which runs on
+an exception too (``always_call``; a ``BaseException`` skips it, and the route unwinds the call
+when the probe closes); both hooks are removed when the last probe on the module closes. An
+unprobed step installs nothing. What one forward captures is its own (:class:`_Call`, per thread).
+Statistics are computed on the side under ``no_grad`` in float32 or better; the model's call runs
+with its own arguments and its result is returned unchanged. The projections' inputs and the first
+call's queries and keys are kept for the layout check (:mod:`.layout_check`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from qkmonitor.attention.calls import MaskedCall, ScoresCall, split_mask
+from qkmonitor.attention.compiled import add_forward_hooks
+from qkmonitor.attention.layout_check import LayoutEvidence
+from qkmonitor.attention.probes import AttentionCall, Probe, in_side_computation
+from qkmonitor.attention.route import Route, observed
+
+_ROUTE_KEY = "_qkmonitor_intercept"
+#: the ways a softmax is called from Python (``F.softmax``, ``torch.softmax``, ``x.softmax``)
+_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax)
+
+
+class _Interceptor(TorchFunctionMode):
+    """Sees the torch calls of one forward of a module; hands them to that call's state."""
+
+    def __init__(self, call: _Call) -> None:
+        super().__init__()
+        self.call = call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        call = self.call
+        if in_side_computation():  # qkmonitor measuring a call inside the forward, not the model
+            return func(*args, **kwargs)
+        weights = call.route.weights
+        if func is F.scaled_dot_product_attention:
+            call.on_sdpa(args, kwargs)
+        elif func in _SOFTMAX:
+            call.on_softmax(args, kwargs)
+        elif weights and (func is F.linear or func is torch.addmm):
+            call.on_projection(func, args, kwargs)
+        elif weights and func in _MATMUL and len(args) == 2:
+            call.on_matmul(*args)
+        return func(*args, **kwargs)
+
+
+_MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class _InterceptRoute(Route):
+    """A module's calls intercepted while it runs: the hooks that enter and leave the
+    interception. What one forward captures is that call's own (:class:`_Call`), on a stack per
+    thread: a module called again inside its own forward, or from several threads at once
+    (``nn.DataParallel`` replicas share the module's ``__dict__``), keeps each call's evidence
+    apart."""
+
+    key = _ROUTE_KEY
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.heads: int | None = None  # the query heads, where the layer knows them before a call
+        self.weights: dict[int, int] = {}  # id(weight) -> probes asking for its inputs
+        self._threads = threading.local()  # .calls: this thread's open calls, innermost last
+        self._remove_hooks = add_forward_hooks(module, pre=self._enter, post=self._leave)
+
+    def _calls(self) -> list[_Call]:
+        calls = getattr(self._threads, "calls", None)
+        if calls is None:
+            calls = self._threads.calls = []
+        return calls
+
+    def _enter(self, module: nn.Module, args, kwargs) -> None:
+        call = _Call(self)
+        call.mode.__enter__()
+        self._calls().append(call)
+
+    def _leave(self, module: nn.Module, args, output) -> None:
+        calls = self._calls()
+        if calls:
+            calls.pop().mode.__exit__(None, None, None)
+
+    def uninstall(self) -> None:
+        self._remove_hooks()
+        # a forward left without its hook: a BaseException (KeyboardInterrupt) skips torch's
+        # always-call hooks, so its mode is still entered on this thread until the probe closes
+        calls = self._calls()
+        while calls:
+            calls.pop().mode.__exit__(None, None, None)
+
+
+class _Call:
+    """What one forward of an intercepted module captures: the projections' inputs the layout
+    check asks for, the first 4-D ``q @ kᵀ`` (an explicit softmax's queries and keys), and
+    whether an attention call was already handed on (the first carries the layout evidence)."""
+
+    def __init__(self, route: _InterceptRoute) -> None:
+        self.route = route
+        self.inputs: dict[int, Tensor] = {}
+        self.first = True
+        self.qk: tuple[Tensor, Tensor] | None = None
+        self.mode = _Interceptor(self)
+
+    def on_projection(self, func, args, kwargs) -> None:
+        if func is F.linear:
+            x, weight = (list(args) + [kwargs.get("input"), kwargs.get("weight")])[:2]
+        else:  # Conv1D: addmm(bias, x, weight)
+            x, weight = (list(args) + [None, None, None])[1:3]
+        if (
+            isinstance(weight, Tensor)
+            and id(weight) in self.route.weights
+            and isinstance(x, Tensor)
+        ):
+            self.inputs.setdefault(id(weight), x.detach())
+
+    def on_matmul(self, a, b) -> None:
+        """``x @ W.T`` (a projection written as a matmul, e.g. Falcon's) and the first 4-D
+        ``q @ k.transpose(-2, -1)`` of the forward (the queries and keys of an explicit softmax)."""
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+            return
+        weight = b if id(b) in self.route.weights else b._base
+        if weight is not None and id(weight) in self.route.weights:
+            self.inputs.setdefault(id(weight), a.detach())
+        elif self.qk is None and a.dim() == 4 and b.dim() == 4 and a.shape[-1] == b.shape[-2]:
+            self.qk = (a.detach(), b.detach().transpose(-1, -2))
+
+    def on_sdpa(self, args, kwargs) -> None:
+        sdpa = dict(zip(_SDPA_ARGS, args)) | kwargs
+        q, k = sdpa["query"], sdpa["key"]
+        self._notify(
+            lambda: _sdpa_call(
+                q, k, sdpa.get("attn_mask"), bool(sdpa.get("is_causal", False)), sdpa.get("scale")
+            ),
+            lambda: self._evidence(q, k, None, sdpa.get("scale")),
+        )
+
+    def on_softmax(self, args, kwargs) -> None:
+        x = args[0] if args else kwargs.get("input")
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if not isinstance(x, Tensor) or x.dim() != 4 or dim not in (-1, 3):
+            return
+        if (
+            self.route.heads is not None and x.shape[1] != self.route.heads
+        ):  # not (B, H, N, M): heads folded elsewhere
+            return
+        qk = self.qk
+        if qk is not None and qk[0].shape[:3] == x.shape[:3] and qk[1].shape[2] == x.shape[3]:
+            self._notify(lambda: _scores_call(x), lambda: self._evidence(qk[0], qk[1], None, None))
+        else:
+            self._notify(lambda: _scores_call(x), lambda: self._evidence(None, None, x, None))
+
+    def _notify(self, build: Callable, evidence: Callable) -> None:
+        if not self.route.observers:
+            return
+        first, self.first = self.first, False
+
+        def build_with_evidence() -> AttentionCall:
+            call = build()
+            if first and self.route.weights:
+                call.evidence = evidence()
+            return call
+
+        self.route.observers.notify(observed(build_with_evidence))
+
+    def _evidence(
+        self, q: Tensor | None, k: Tensor | None, logits: Tensor | None, scale
+    ) -> LayoutEvidence:
+        like = q if q is not None else logits
+        b, n, m = like.shape[0], like.shape[2], (k.shape[2] if k is not None else logits.shape[3])
+        return LayoutEvidence(
+            dict(self.inputs),
+            None if q is None else q[:, :, 0].detach().clone(),
+            None if k is None else k[:, :, 0].detach().clone(),
+            None if logits is None else logits[:, :, 0, 0].detach().clone(),
+            None if scale is None else float(scale),
+            b,
+            n,
+            m,
+            like.dtype,
+        )
+
+
+def _sdpa_call(q: Tensor, k: Tensor, attn_mask, is_causal: bool, scale) -> MaskedCall:
+    """The statistics of one SDPA call as SDPA defines it (``is_causal`` top-left aligned)."""
+    n, m = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    call = MaskedCall(q.detach(), k.detach(), scale, False, None, None, None)
+    allowed = bias = None
+    if attn_mask is not None:
+        mask = attn_mask.detach()
+        while mask.dim() < 4:
+            mask = mask[None]
+        allowed, bias = split_mask(mask)  # additive: -inf and finfo.min-like entries are blocked
+    if is_causal:
+        if n == m and allowed is None:
+            call.causal = True
+        else:
+            causal = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()[None, None]
+            allowed = causal if allowed is None else allowed & causal
+    call.allowed, call.bias = allowed, bias
+    if allowed is not None:
+        call.reduce()
+    return call
+
+
+def _scores_call(logits: Tensor) -> ScoresCall:
+    """The logits a module hands its softmax; ``finfo.min``-like entries are blocked keys."""
+    scores = logits.detach()
+    scores = scores.double() if scores.dtype == torch.float64 else scores.float()
+    blocked = logits.detach() <= torch.finfo(logits.dtype).min / 2
+    return ScoresCall(scores.masked_fill(blocked, float("-inf")))
+
+
+def route_probe(
+    module: nn.Module,
+    probe: Probe,
+    weights: list[Tensor],
+    observe: Callable | None = None,
+    heads: int | None = None,
+) -> Callable[[], None]:
+    """Route the module's attention calls to ``observe`` (default ``probe.observe``), and keep the
+    inputs of ``weights`` for a layout check."""
+
+    def make() -> _InterceptRoute:
+        route = _InterceptRoute(module)
+        route.heads = heads
+        return route
+
+    route, remove_observer = _InterceptRoute.attach(
+        module, observe or probe.observe, probe.request.sink_tokens, make
+    )
+    keys = [id(w) for w in weights]
+    for key in keys:
+        route.weights[key] = route.weights.get(key, 0) + 1
+
+    def remove() -> None:
+        for key in keys:
+            route.weights[key] -= 1
+            if not route.weights[key]:
+                del route.weights[key]
+        remove_observer()
+
+    return remove

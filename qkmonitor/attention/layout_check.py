@@ -1,0 +1,209 @@
+"""The layout check: does a candidate layout reproduce what the module computed?
+
+A layer read by name (:func:`qkmonitor.attention.layouts.infer_layouts`) has candidate layouts,
+not a layout. At its first probe the capture (:mod:`.capture`) keeps the inputs of the
+projections' ``F.linear``/``addmm`` calls and the first attention call's queries and keys (or
+logits) as a :class:`LayoutEvidence`; :func:`check_layout` predicts, in float64, the queries and
+keys of each candidate at sequence position 0 (where RoPE is the identity), QK-norm applied where
+the module has one, and compares them with what the module passed to SDPA (or, for a softmax, the
+logit of query 0 on key 0, where ALiBi is zero too), up to one scale each. The candidate that
+reproduces them is kept, with the key head each query head really scores against and the
+effective logit scale; when none does, the layer's κ is NaN and a warning says what differed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkmonitor.attention.layouts import (
+    QKLayout,
+    grouped_index,
+    modulo_index,
+    qk_norm_modules,
+)
+
+
+@dataclass
+class LayoutEvidence:
+    """What the first attention call of one forward shows about the layer's layout.
+
+    Attributes:
+        inputs: ``id(weight) -> input`` of the projections' calls in that forward.
+        q, k: position-0 queries ``(B, H, D)`` and keys ``(B, H_kv, D)`` of an SDPA call.
+        logits: ``(B, H)`` logits of query 0 on key 0 of a softmax call.
+        scale: the SDPA call's scale (None: its default ``1/sqrt(D)``).
+        batch, queries, keys: B, N, M of the call.
+        dtype: the dtype the module computed in.
+    """
+
+    inputs: dict[int, Tensor]
+    q: Tensor | None
+    k: Tensor | None
+    logits: Tensor | None
+    scale: float | None
+    batch: int
+    queries: int
+    keys: int
+    dtype: torch.dtype
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative residual a right layout stays under (TF32 and half-precision matmuls included);
+    a wrong one is of order 1."""
+    return 1e-2 if dtype in (torch.float32, torch.float64) else 6e-2
+
+
+def _position0(x: Tensor, batch: int, length: int) -> Tensor | None:
+    """Row of sequence position 0 of each sequence from a projection input ``(B, N, d)`` or
+    ``(B·N, d)``."""
+    if x.dim() == 3 and x.shape[0] == batch and x.shape[1] == length:
+        return x[:, 0]
+    if x.dim() == 2 and x.shape[0] == batch * length:
+        return x.view(batch, length, -1)[:, 0]
+    return None
+
+
+def _fit(observed: Tensor, predicted: Tensor) -> tuple[float, float]:
+    """The scalar c minimising ``|observed - c predicted|`` and the relative residual left."""
+    denom = float((predicted * predicted).sum())
+    if denom == 0.0 or not torch.isfinite(observed).all() or not torch.isfinite(predicted).all():
+        return float("nan"), float("inf")
+    c = float((observed * predicted).sum()) / denom
+    norm = float(observed.norm())
+    return c, (float((observed - c * predicted).norm()) / norm if norm > 0 else float("inf"))
+
+
+def _predict(
+    module: nn.Module, layout: QKLayout, evidence: LayoutEvidence
+) -> tuple[Tensor, Tensor] | str:
+    """Position-0 queries ``(B, H, D)`` and keys ``(B, H_kv, D)`` in float64, or why not."""
+    sources = layout.sources(module)
+    x_q = evidence.inputs.get(id(sources[0]))
+    x_k = evidence.inputs.get(id(sources[-1]))
+    if x_q is None or x_k is None:
+        return "the projections were not called in the forward (their inputs are unknown)"
+    x_q, x_k = (
+        _position0(x_q, evidence.batch, evidence.queries),
+        _position0(x_k, evidence.batch, evidence.keys),
+    )
+    if x_q is None or x_k is None:
+        return "the projection inputs are not (batch, sequence, features)"
+    w_q, b_q, w_k, b_k = layout.read(module)
+    q = F.linear(x_q.double(), w_q.double(), None if b_q is None else b_q.double())
+    k = F.linear(x_k.double(), w_k.double(), None if b_k is None else b_k.double())
+    q = q.view(q.shape[0], layout.num_heads, layout.head_dim)
+    k = k.view(k.shape[0], layout.num_kv_heads, layout.head_dim)
+    norms = qk_norm_modules(module)
+    if norms is not None:
+        q, k = _normed(norms[0], q), _normed(norms[1], k)
+    return q, k
+
+
+def _normed(norm: nn.Module, x: Tensor) -> Tensor:
+    """A QK-norm applied to ``(B, H, D)`` heads: per head, or over the whole width if it is that
+    wide."""
+    weight = getattr(norm, "weight", None)
+    width = weight.numel() if isinstance(weight, Tensor) else None
+    dtype = weight.dtype if isinstance(weight, Tensor) else torch.float32
+    if width is None or width == x.shape[-1]:
+        return norm(x.to(dtype)).double()
+    return norm(x.flatten(1).to(dtype)).view_as(x).double()
+
+
+def check_layout(
+    module: nn.Module, candidates: list[QKLayout], evidence: LayoutEvidence
+) -> QKLayout | str:
+    """The candidate layout that reproduces what the module computed, or what did not match.
+
+    Returns:
+        The layout kept, with ``kv_index`` (the key head each query head scores against) and
+        ``scale`` (the effective factor on the projections' ``q·k``) as observed; or a message.
+    """
+    tolerance = _tolerance(evidence.dtype)
+    failures: list[str] = []
+    best: tuple[float, QKLayout] | None = None
+    for layout in candidates:
+        predicted = _predict(module, layout, evidence)
+        if isinstance(predicted, str):
+            failures.append(predicted)
+            continue
+        q, k = predicted
+        found = (
+            _match_sdpa(layout, q, k, evidence)
+            if evidence.q is not None
+            else _match_logits(layout, q, k, evidence)
+        )
+        if isinstance(found, str):
+            failures.append(found)
+        elif best is None or found[0] < best[0]:
+            best = found
+    if best is None:
+        return failures[0] if failures else "no candidate layout"
+    residual, layout = best
+    if residual > tolerance:
+        return (
+            f"the weights read as {layout.describe()} give queries/keys {residual:.2g} (relative) "
+            f"away from those the module computed (tolerance {tolerance:g})"
+        )
+    return layout
+
+
+def _match_sdpa(
+    layout: QKLayout, q: Tensor, k: Tensor, ev: LayoutEvidence
+) -> tuple[float, QKLayout] | str:
+    q_obs, k_obs = ev.q.double(), ev.k.double()
+    if q_obs.shape != q.shape:
+        return (
+            f"the call's queries have {q_obs.shape[1]} heads of {q_obs.shape[2]}, the weights "
+            f"{layout.num_heads} of {layout.head_dim}"
+        )
+    c_q, r_q = _fit(q_obs, q)
+    kv_obs = k_obs.shape[1]
+    if kv_obs == layout.num_kv_heads:
+        index = None
+        predicted_k = k
+    elif kv_obs == layout.num_heads:  # the module expanded its keys itself: which key head is each
+        unit = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+        unit_obs = k_obs / k_obs.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+        similarity = torch.einsum("bhd,bgd->hg", unit_obs, unit)  # (H, H_kv)
+        index = tuple(int(g) for g in similarity.argmax(dim=1))
+        predicted_k = k[:, list(index)]
+    else:
+        return f"the call's keys have {kv_obs} heads, the weights {layout.num_kv_heads}"
+    c_k, r_k = _fit(k_obs, predicted_k)
+    if not (c_q > 0 and c_k > 0):
+        return "the weights' queries or keys point the other way from the call's"
+    nominal = ev.scale if ev.scale is not None else layout.head_dim**-0.5
+    scale = (
+        nominal if abs(c_q * c_k - 1.0) < 1e-4 else nominal * c_q * c_k
+    )  # a module that pre-scales q or k
+    if index is not None and index == grouped_index(layout.num_heads, layout.num_kv_heads):
+        index = None
+    return max(r_q, r_k), replace(layout, kv_index=index, scale=scale)
+
+
+def _match_logits(
+    layout: QKLayout, q: Tensor, k: Tensor, ev: LayoutEvidence
+) -> tuple[float, QKLayout] | str:
+    logits = ev.logits.double()
+    if logits.shape[1] != layout.num_heads:
+        return f"the softmax has {logits.shape[1]} heads, the weights {layout.num_heads}"
+    valid = torch.isfinite(logits) & (logits > torch.finfo(ev.dtype).min / 2)
+    if int(valid.sum()) < 2:
+        return "too few unmasked logits of query 0 on key 0 to check against"
+    pairings = [None]
+    if layout.num_kv_heads < layout.num_heads:
+        pairings.append(modulo_index(layout.num_heads, layout.num_kv_heads))
+    best: tuple[float, QKLayout] | str = "no pairing fits"
+    for index in pairings:
+        keys = k[:, list(index or grouped_index(layout.num_heads, layout.num_kv_heads))]
+        predicted = (q * keys).sum(-1)  # (B, H)
+        c, residual = _fit(logits[valid], predicted[valid])
+        if c > 0 and (isinstance(best, str) or residual < best[0]):
+            scale = layout.logit_scale if abs(c / layout.logit_scale - 1.0) < 1e-4 else c
+            best = (residual, replace(layout, kv_index=index, scale=scale))
+    return best
