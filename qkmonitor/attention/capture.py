@@ -55,7 +55,7 @@ class _Interceptor(TorchFunctionMode):
         call = self.call
         if in_side_computation():  # qkmonitor measuring a call inside the forward, not the model
             return func(*args, **kwargs)
-        weights = call.route.weights
+        weights = call.watch
         if func is F.scaled_dot_product_attention:
             call.on_sdpa(args, kwargs)
         elif func in _SOFTMAX:
@@ -85,7 +85,10 @@ class _InterceptRoute(Route):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.heads: int | None = None  # the query heads, where the layer knows them before a call
-        self.weights: dict[int, int] = {}  # id(weight) -> probes asking for its inputs
+        #: per probe that asks for the projections' inputs (a layout check), the function that
+        #: names those weights; read at each forward's entry, so that the weights are the objects
+        #: the forward computes with (FSDP2 hands F.linear unsharded parameters of its own)
+        self.sources: dict[object, Callable[[], list[Tensor]]] = {}
         self._threads = threading.local()  # .calls: this thread's open calls, innermost last
         self._remove_hooks = add_forward_hooks(module, pre=self._enter, post=self._leave)
 
@@ -114,6 +117,18 @@ class _InterceptRoute(Route):
             calls.pop().mode.__exit__(None, None, None)
 
 
+def _watched(route: _InterceptRoute) -> set[int]:
+    """The ids of the weights the route's layout probes ask for, as the module holds them now."""
+    watch: set[int] = set()
+    for sources in route.sources.values():
+        try:
+            weights = sources()
+        except Exception:  # noqa: BLE001 -- no evidence then; the check says so, training goes on
+            weights = []
+        watch.update(id(weight) for weight in weights)
+    return watch
+
+
 class _Call:
     """What one forward of an intercepted module captures: the projections' inputs the layout
     check asks for, the first 4-D ``q @ kᵀ`` (an explicit softmax's queries and keys), and
@@ -121,6 +136,8 @@ class _Call:
 
     def __init__(self, route: _InterceptRoute) -> None:
         self.route = route
+        #: ids of the weights whose inputs are kept (the objects of this forward)
+        self.watch = _watched(route)
         self.inputs: dict[int, Tensor] = {}
         self.first = True
         self.qk: tuple[Tensor, Tensor] | None = None
@@ -131,11 +148,7 @@ class _Call:
             x, weight = (list(args) + [kwargs.get("input"), kwargs.get("weight")])[:2]
         else:  # Conv1D: addmm(bias, x, weight)
             x, weight = (list(args) + [None, None, None])[1:3]
-        if (
-            isinstance(weight, Tensor)
-            and id(weight) in self.route.weights
-            and isinstance(x, Tensor)
-        ):
+        if isinstance(weight, Tensor) and id(weight) in self.watch and isinstance(x, Tensor):
             self.inputs.setdefault(id(weight), x.detach())
 
     def on_matmul(self, a, b) -> None:
@@ -143,8 +156,8 @@ class _Call:
         ``q @ k.transpose(-2, -1)`` of the forward (the queries and keys of an explicit softmax)."""
         if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
             return
-        weight = b if id(b) in self.route.weights else b._base
-        if weight is not None and id(weight) in self.route.weights:
+        weight = b if id(b) in self.watch else b._base
+        if weight is not None and id(weight) in self.watch:
             self.inputs.setdefault(id(weight), a.detach())
         elif self.qk is None and a.dim() == 4 and b.dim() == 4 and a.shape[-1] == b.shape[-2]:
             self.qk = (a.detach(), b.detach().transpose(-1, -2))
@@ -181,7 +194,7 @@ class _Call:
 
         def build_with_evidence() -> AttentionCall:
             call = build()
-            if first and self.route.weights:
+            if first and self.watch:
                 call.evidence = evidence()
             return call
 
@@ -239,12 +252,12 @@ def _scores_call(logits: Tensor) -> ScoresCall:
 def route_probe(
     module: nn.Module,
     probe: Probe,
-    weights: list[Tensor],
+    sources: Callable[[], list[Tensor]] | None = None,
     observe: Callable | None = None,
     heads: int | None = None,
 ) -> Callable[[], None]:
     """Route the module's attention calls to ``observe`` (default ``probe.observe``), and keep the
-    inputs of ``weights`` for a layout check."""
+    inputs of the weights ``sources()`` names, at each forward's entry, for a layout check."""
 
     def make() -> _InterceptRoute:
         route = _InterceptRoute(module)
@@ -254,15 +267,12 @@ def route_probe(
     route, remove_observer = _InterceptRoute.attach(
         module, observe or probe.observe, probe.request.sink_tokens, make
     )
-    keys = [id(w) for w in weights]
-    for key in keys:
-        route.weights[key] = route.weights.get(key, 0) + 1
+    token = object()
+    if sources is not None:
+        route.sources[token] = sources
 
     def remove() -> None:
-        for key in keys:
-            route.weights[key] -= 1
-            if not route.weights[key]:
-                del route.weights[key]
+        route.sources.pop(token, None)
         remove_observer()
 
     return remove

@@ -123,7 +123,7 @@ class LayoutChecked:
             probe.observe(call)
 
         self._verdict = None
-        return route_probe(self.module, probe, self._layout_sources(), observe, self._known_heads())
+        return route_probe(self.module, probe, self._layout_sources, observe, self._known_heads())
 
     def _known_heads(self) -> int | None:
         """H where the layout candidates agree on it before any call (a softmax over another dim 1
@@ -147,8 +147,9 @@ class LayoutChecked:
         return qk_norm_modules(self.module) is not None
 
     def weights_copy(self) -> SimpleNamespace:
-        """A CPU copy of the projection weights the candidates read (``(out, in)`` layout), which
-        ``layout.qk_weights`` reads like the module: values as they are now, for a check to come."""
+        """A CPU copy of the projection weights the candidates read (``(out, in)`` layout, whole
+        where they are sharded), which ``layout.qk_weights`` reads like the module: values as they
+        are now, for a check to come."""
         copy = SimpleNamespace()
         paths = self._paths or {
             p for layout in self.layout_candidates for p in (layout.q, layout.k) if p
@@ -157,6 +158,9 @@ class LayoutChecked:
             if path is None:
                 continue
             weight, _ = projection(self.module, path)
+            to_full = getattr(weight, "full_tensor", None)  # FSDP2's shard: gathered (a collective
+            if callable(to_full):  # every rank makes, as each copies its layers at the same probe)
+                weight = to_full()
             owner = copy
             *parents, leaf = path.split(".")
             for part in parents:
@@ -253,7 +257,7 @@ class InterceptedAttentionLayer(LayoutChecked, AttentionLayer):
         return True
 
     def install(self, probe: Probe) -> Callable[[], None]:
-        return route_probe(self.module, probe, [], heads=self._known_heads())
+        return route_probe(self.module, probe, heads=self._known_heads())
 
 
 def adapt_intercepted(name: str, module: nn.Module, index: int) -> InterceptedAttentionLayer | None:

@@ -144,15 +144,15 @@ class QKLayout:
         """``(w_q, b_q, w_k, b_k)``: (H·d_k, d) and (H_kv·d_k, d') weights, ``nn.Linear`` layout."""
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.k is not None:
-            w_q, b_q = projection(module, self.q)
-            w_k, b_k = projection(module, self.k)
+            w_q, b_q = map(_whole, projection(module, self.q))
+            w_k, b_k = map(_whole, projection(module, self.k))
             return (
                 w_q[: h * d],
                 _rows(b_q, slice(0, h * d)),
                 w_k[: kv * d],
                 _rows(b_k, slice(0, kv * d)),
             )
-        w, b = projection(module, self.q)
+        w, b = map(_whole, projection(module, self.q))
         q_rows, k_rows = fused_rows(self.fused, h, kv, d, device=w.device)
         return w[q_rows], _rows(b, q_rows), w[k_rows], _rows(b, k_rows)
 
@@ -267,6 +267,14 @@ def projection(module: nn.Module, path: str) -> tuple[Tensor, Tensor | None]:
     bias = getattr(obj, "bias", None)
     bias = bias if isinstance(bias, Tensor) else None
     return (weight.T, bias) if _is_conv1d(obj) else (weight, bias)
+
+
+def _whole(t: Tensor | None) -> Tensor | None:
+    """A sharded tensor (FSDP2's DTensor) gathered whole (a collective: every rank reads its
+    layers' weights at the same probe), any other as it is: its rows are picked by index, which a
+    row shard cannot serve."""
+    to_full = getattr(t, "full_tensor", None)
+    return to_full() if callable(to_full) else t
 
 
 def _weight_param(module: nn.Module, path: str) -> Tensor:

@@ -1,0 +1,121 @@
+"""An intercepted attention module (nanoGPT's, known to qkmonitor only by its projections' names
+and its SDPA call) under FSDP2, for the distributed test: `python fsdp2_intercept_job.py OUT_DIR
+WORLD`.
+
+WORLD 1 runs the plain model; WORLD 2 spawns two gloo ranks that ``fully_shard`` every block and
+the model, so that the projections' weights are DTensors and FSDP2 hands ``F.linear`` unsharded
+parameters of its own during the forward. Both probe two steps (no optimizer: the weights stay)
+of the same 8 sequences (each of two ranks 4 of them) with the spectrum and entropy monitors in a
+plain loop; rank 0 saves the latest values and the warnings to ``OUT_DIR/values.pt``.
+"""
+
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
+
+D, H, T = 32, 4, 8
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.n_head = H
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (
+            z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+            for z in self.c_attn(x).split(c, 2)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = CausalSelfAttention()
+
+    def forward(self, x):
+        return x + self.attn(x)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, 16)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def run(rank: int, world: int, out_dir: str) -> None:
+    if world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world
+        )
+    torch.manual_seed(0)
+    model = Model()
+    with torch.no_grad():  # sharper heads than at initialisation, so that entropies differ
+        for block in model.blocks:
+            block.attn.c_attn.weight.mul_(3.0)
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    spectrum, entropy = QKSpectrum(), AttentionEntropy()
+    monitoring = Monitoring(model, [spectrum, entropy], every_n_steps=1)
+    tokens = torch.randint(0, 16, (8, T), generator=torch.Generator().manual_seed(1))
+    mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    kappa_at_0 = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for step in range(2):  # step 0 checks the layout on a copy, step 1 reads the weights
+                with monitoring.step(step):
+                    model(tokens[mine]).sum().backward()
+                if step == 0:  # held for the layout check, logged when the step ended
+                    kappa_at_0 = [t.clone() for t in spectrum.latest["kappa"]]
+        finally:
+            monitoring.close()
+    if rank == 0:
+        torch.save(
+            {
+                "kappa": [t.clone() for t in spectrum.latest["kappa"]],
+                "kappa_at_0": kappa_at_0,
+                "entropy_norm": [t.clone() for t in entropy.latest["entropy_norm"]],
+                "warnings": [str(w.message) for w in caught],
+            },
+            f"{out_dir}/values.pt",
+        )
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    out_dir, world = sys.argv[1], int(sys.argv[2])
+    if world == 1:
+        run(0, 1, out_dir)
+    else:
+        mp.spawn(run, args=(world, out_dir), nprocs=world)
+
+
+if __name__ == "__main__":
+    main()
