@@ -112,7 +112,7 @@ def write_scalars(host: Host, scalars: dict[str, float], step: int) -> None:
     # a TensorBoard writer's failure shows when it is flushed, off the training thread
     if any(getattr(sink, "unconfirmed", False) for sink in sinks):
         PUBLISHER.submit(partial(confirm_writes, sinks))
-    warn_write_faults(host, sinks)  # a destination that failed or resumed (engine.guard)
+    warn_write_faults(host, sinks)  # a destination that failed or resumed (output.guard)
 
 
 class ScalarBatch:

@@ -188,7 +188,7 @@ def guarded_sink(logger: Any) -> GuardedSink | None:
         where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
         destination = f"{type(logger).__name__} ({where})" if where else type(logger).__name__
         tensorboard = isinstance(sink, TensorBoardSink)
-        if tensorboard:  # a SummaryWriter: its thread writes (engine.guard)
+        if tensorboard:  # a SummaryWriter: its thread writes (output.guard)
             directory, reset = sink.log_dir, sink.reset
             destination = str(directory)
         else:
