@@ -913,11 +913,9 @@ PARTS = (
     ("qkmonitor.engine.spectrum", "QKSpectrum.before_update"),  # the optimizer's view: the copy
     ("qkmonitor.engine.spectrum", "QKSpectrum._updates_after"),  # ... and the comparison
     ("qkmonitor.engine.entropy", "logit_sums"),  # the output logits' sums
-    (
-        "qkmonitor.attention.calls",
-        "MaskedCall._stats",
-    ),  # an intercepted layer's statistics (once a call)
-    ("qkmonitor.attention.calls", "MaskedCall.probs"),  # its probability slice, for the ranks
+    # an intercepted layer's statistics (once a call), and its probability slice for the ranks
+    ("qkmonitor.attention.calls", "MaskedCall._stats"),
+    ("qkmonitor.attention.calls", "MaskedCall.probs"),
     ("qkmonitor.engine.entropy", "AttentionEntropy._accumulate"),
     ("qkmonitor.engine.entropy", "AttentionEntropy._values"),
     ("qkmonitor.engine.rank", "EffectiveRank._accumulate"),
