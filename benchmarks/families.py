@@ -34,13 +34,14 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from qkmonitor.models import DecoderLM, EncoderDecoder, TransformerConfig, VisionEncoder
 from qkmonitor.models.tasks import PythonSourceDataModule, make_recall_batch
 from qkmonitor.models.tasks.base import IGNORE_INDEX
 from qkmonitor.models.tasks.copy_reverse import NUM_SPECIAL, PAD, make_copy_batch
 from qkmonitor.models.tasks.grid import NUM_CLASSES, PATCH_DIM, make_grid_batch
 from qkmonitor.models.tasks.modular import make_modular_addition
-from torch import Tensor, nn
 
 __all__ = ["FAMILIES", "Family"]
 

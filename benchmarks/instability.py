@@ -76,8 +76,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from qkmonitor.models.tasks.base import lr_factor
 from torch import nn
+
+from qkmonitor.models.tasks.base import lr_factor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/families.py
 

@@ -15,9 +15,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import TaskModule
-from torch import Tensor, nn
 
 __all__ = ["GPT", "NanoGPTTask"]
 

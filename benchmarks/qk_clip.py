@@ -24,9 +24,9 @@ import time
 import warnings
 
 import torch
-from qkmonitor.models.tasks import train_recall_miniature
 
 from qkmonitor.engine import AttentionEntropy, QKClip
+from qkmonitor.models.tasks import train_recall_miniature
 
 LR = 0.1  # the miniature's peak rate, at which its logits run away
 TAUS = (100.0, 30.0, 10.0)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
-from qkmonitor.models.tasks import make_recall_batch
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.models.tasks import make_recall_batch
 
 PAIRS, KEYS, VALUES = 4, 16, 16
 

@@ -16,11 +16,11 @@ import warnings
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from qkmonitor.callbacks import EffectiveRankMonitor
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor import RankCollapseWarning
+from qkmonitor.callbacks import EffectiveRankMonitor
 from qkmonitor.cli import quiet_lightning
 
 

@@ -225,6 +225,7 @@ def write_run(root: Path) -> Path:
     TensorBoard."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
+
     from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
     from qkmonitor.models import TransformerConfig
     from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask

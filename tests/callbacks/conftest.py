@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
 def tiny_task(lr: float = 3e-3, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int | None = None):

@@ -15,6 +15,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 
 STEPS, WARM = 10, 4

@@ -9,12 +9,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from packaging.version import Version
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE, KAPPA_RULE
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 COMMON = [
     "every_n_steps",

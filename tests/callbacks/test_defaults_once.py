@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 
 import pytest
+
 from qkmonitor.callbacks import (
     AttentionEntropyMonitor,
     EffectiveRankMonitor,
@@ -15,7 +16,6 @@ from qkmonitor.callbacks import (
     QKMonitor,
     QKSpectrumMonitor,
 )
-
 from qkmonitor.engine import (
     AttentionEntropy,
     EffectiveRank,

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
-from qkmonitor.models.positional import apply_rotary_pos_emb
 from torch import nn
 
 from qkmonitor.alerts import MalignantCollapseWarning, RankCollapseWarning
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
+from qkmonitor.models.positional import apply_rotary_pos_emb
 
 
 def np_erank(s: np.ndarray) -> float:

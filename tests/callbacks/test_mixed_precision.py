@@ -8,8 +8,8 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.engine import AttentionEntropy, Monitoring
 
 from .zoo import MODELS, SEQ, VOCAB, Task

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+
 from qkmonitor.callbacks import QKClip
 
 

@@ -11,6 +11,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from qkmonitor.callbacks import (
     AttentionEntropyMonitor,
     EffectiveRankMonitor,
@@ -18,7 +20,6 @@ from qkmonitor.callbacks import (
     QKMonitor,
     QKSpectrumMonitor,
 )
-from torch import nn
 
 from .zoo import MODELS, VOCAB, Task
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from qkmonitor.callbacks import QKSpectrumMonitor
 from torch import nn
 
 from qkmonitor import OverLocalizationWarning
 from qkmonitor.alerts import KAPPA_RULE
+from qkmonitor.callbacks import QKSpectrumMonitor
 
 #: kappa as a level (the default rule is a trend, which a constant kappa never fires): the old rule
 LEVEL_KAPPA = KAPPA_RULE.replace(

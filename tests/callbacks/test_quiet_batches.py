@@ -6,8 +6,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.engine import AttentionEntropy, MonitorEngine, QKSpectrum
 
 

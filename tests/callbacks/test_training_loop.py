@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
 
 
@@ -130,9 +131,8 @@ def test_validation_is_probed_only_when_asked_and_logged_apart(tmp_path, make_ta
 def test_a_callback_reused_for_a_second_fit_starts_as_a_new_one(tmp_path, make_task):
     """Notebooks and sweeps call ``fit`` again with the same callback: alert state and counts, the
     latest values and the loss history start over, as they would with a new instance."""
-    from qkmonitor.callbacks import QKSpectrumMonitor
-
     from qkmonitor.alerts import KAPPA_RULE
+    from qkmonitor.callbacks import QKSpectrumMonitor
 
     def always():
         # fires once per head and then stays active (hysteresis): its count is the head count
@@ -183,6 +183,7 @@ def test_two_optimizers_probe_at_the_first_step_at_or_after_each_multiple(
     ``global_step`` advances by 2: ``every_n_steps=5`` probes at 0, 6, 10, 16, 20 (every multiple of
     5 met or passed once), not only at the multiples of 10 that happen to be batch starts."""
     import torch
+
     from qkmonitor.callbacks import QKSpectrumMonitor
 
     task, data = make_task()

@@ -9,9 +9,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 VOCAB, SEQ = 16, 8
 

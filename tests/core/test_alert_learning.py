@@ -8,8 +8,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from qkmonitor.callbacks import AttentionEntropyMonitor
-from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 
 from qkmonitor.alerts import (
@@ -19,7 +17,9 @@ from qkmonitor.alerts import (
     AlertTracker,
     LogitGrowthWarning,
 )
+from qkmonitor.callbacks import AttentionEntropyMonitor
 from qkmonitor.engine import AttentionEntropy, Monitoring
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 GROWTH = AlertRule(
     name="growth",

@@ -16,12 +16,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from qkmonitor.models import DecoderLM, TransformerConfig, VisionEncoder
-from qkmonitor.models.tasks.base import IGNORE_INDEX, lr_factor
-from qkmonitor.models.tasks.grid import NUM_CLASSES, PATCH_DIM, make_grid_batch
 
 from qkmonitor.alerts import DEFAULT_RULES, Alert
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from qkmonitor.models import DecoderLM, TransformerConfig, VisionEncoder
+from qkmonitor.models.tasks.base import IGNORE_INDEX, lr_factor
+from qkmonitor.models.tasks.grid import NUM_CLASSES, PATCH_DIM, make_grid_batch
 
 EVERY = 10
 

@@ -225,9 +225,8 @@ def test_every_default_rule_carries_evidence_and_the_kappa_rule_is_a_trend_that_
 
 
 def test_engines_know_their_qk_norm_layers_and_the_kappa_rule_skips_them():
-    from qkmonitor.models import DecoderLM, TransformerConfig
-
     from qkmonitor.engine import Monitoring, PlainHost, QKSpectrum
+    from qkmonitor.models import DecoderLM, TransformerConfig
 
     fired = []
     engine = QKSpectrum(on_alert=lambda owner, alert: fired.append(alert))

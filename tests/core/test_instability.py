@@ -11,10 +11,10 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from qkmonitor.models.tasks import train_recall_miniature
 
 from qkmonitor.alerts import Alert
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
+from qkmonitor.models.tasks import train_recall_miniature
 
 EVERY = 10
 

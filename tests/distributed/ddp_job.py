@@ -18,6 +18,8 @@ from collections import Counter
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
 from qkmonitor.callbacks import (
     AttentionEntropyMonitor,
     EffectiveRankMonitor,
@@ -27,7 +29,6 @@ from qkmonitor.callbacks import (
 )
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import CausalLMTask, make_recall_batch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 class Job(CausalLMTask):

@@ -14,10 +14,10 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from qkmonitor.models import DecoderLM, TransformerConfig
-from qkmonitor.models.tasks import make_recall_batch
 
 from qkmonitor.engine import Monitoring, QKClip
+from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.models.tasks import make_recall_batch
 
 
 def train(rank: int, world: int, out_dir: str) -> None:

@@ -9,12 +9,12 @@ import warnings
 
 import pytest
 import torch
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
-from qkmonitor.models import DecoderLM, TransformerConfig
 from torch.utils.tensorboard import SummaryWriter
 
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, MemorySink, Monitoring, QKSpectrum
 from qkmonitor.engine.entropy import MAX_SINK_TOKENS
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, MemorySink, Monitoring, QKSpectrum
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 VOCAB, SEQ, STEPS = 16, 12, 10
 

@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 import torch
-from qkmonitor.models import DecoderLM, TransformerConfig
 from torch import nn
 
 from qkmonitor.alerts import QKMonitorWarning
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 
 class MHAModel(nn.Module):

@@ -12,10 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClip, QKSpectrum
 from qkmonitor.engine.updates import UPDATE_METRICS
 

@@ -13,9 +13,9 @@ import itertools
 import random
 
 import pytest
-from qkmonitor.models import DecoderLM, TransformerConfig
 
 from qkmonitor.engine import AttentionEntropy, MonitorEngine, QKSpectrum
+from qkmonitor.models import DecoderLM, TransformerConfig
 
 
 def step_sequences() -> dict[str, list[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
+
 from qkmonitor.models import DecoderLM, TransformerConfig
 
 TOKENS = torch.randint(0, 20, (3, 12), generator=torch.Generator().manual_seed(1))

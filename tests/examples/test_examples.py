@@ -173,10 +173,11 @@ def test_plain_pytorch_loop_logs_the_same_tags_and_dashboards_as_the_lightning_c
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
-    from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.tensorboard import SummaryWriter
+
+    from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 
     example = load("plain_pytorch_loop")
     steps, every = 6, 2

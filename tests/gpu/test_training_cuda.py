@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import Logger
+
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask

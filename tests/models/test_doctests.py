@@ -11,6 +11,7 @@ import importlib
 import pkgutil
 
 import pytest
+
 import qkmonitor.callbacks
 import qkmonitor.models
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+
 from qkmonitor.models.positional import (
     LearnedPositionalEmbedding,
     NDimensionalRoPE,

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from qkmonitor.models.scaling import (
     CriticalAttentionScaling,
     PolylogScale,

@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import CharLMTask, PythonSourceDataModule, python_source_files
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import CopyReverseDataModule, Seq2SeqTask, make_copy_batch
 from qkmonitor.models.tasks.base import IGNORE_INDEX

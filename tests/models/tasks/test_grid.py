@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import GridRelationDataModule, VisionClassificationTask, make_grid_batch
 from qkmonitor.models.tasks.grid import NEITHER, SAME_COLUMN, SAME_ROW
