@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.attention.compiled import own_class
+from qkmonitor.attention.recognition import names_in_code
 
 #: The name of the registry in the modeling files of ``transformers``.
 REGISTRY = "ALL_ATTENTION_FUNCTIONS"
@@ -86,8 +87,7 @@ def _dispatching_method(module: nn.Module):
     )
     for name in names:
         for function in _reached(cls, name):
-            code, scope = function.__code__, function.__globals__
-            if REGISTRY in code.co_names and _table_in(scope) is not None:
+            if REGISTRY in names_in_code(function) and _table_in(function.__globals__) is not None:
                 return function
     return None
 
@@ -106,7 +106,7 @@ def _reached(cls: type, name: str):
         if not hasattr(function, "__code__") or not hasattr(function, "__globals__"):
             return
         yield function
-        if "super" not in function.__code__.co_names:
+        if "super" not in names_in_code(function):
             return
 
 
@@ -202,10 +202,8 @@ def _with_causal_buffer(module: nn.Module, query: Tensor, key: Tensor, attention
     ``bias[:, :, M - N : M, :M]`` (bottom-right aligned) and fills the rest with ``finfo.min``.
     """
     buffer = getattr(module, "bias", None)
-    code = getattr(inspect.unwrap(eager), "__code__", None) if eager is not None else None
     if (
-        code is None
-        or "bias" not in code.co_names
+        "bias" not in names_in_code(eager)
         or getattr(module, "is_cross_attention", False)
         or not isinstance(buffer, Tensor)
         or buffer.dtype != torch.bool

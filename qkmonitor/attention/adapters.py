@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkmonitor.attention.calls import FailedCall, ScoresCall
+from qkmonitor.attention.calls import ScoresCall
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.compiled import add_forward_hooks
-from qkmonitor.attention.probes import KernelCall, Probe, ProbeRequest, ProbeResult
+from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
 from qkmonitor.attention.registry import families, register_family
+from qkmonitor.attention.route import Channel, Route, observed
 from qkmonitor.kernels import autocast_off
 
 __all__ = [
@@ -276,25 +277,13 @@ class MultiheadAttentionLayer(AttentionLayer):
         return True
 
     def install(self, probe: Probe) -> Callable[[], None]:
-        def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            names = (
-                "query",
-                "key",
-                "value",
-                "key_padding_mask",
-                "need_weights",
-                "attn_mask",
-                "average_attn_weights",
-                "is_causal",
-            )
-            try:
-                with torch.no_grad(), autocast_off():  # float32 or better under autocast too
-                    call = self._call_of(dict(zip(names, args)) | kwargs)
-            except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-                call = FailedCall(err)
-            probe.observe(call)
+        def make() -> _MultiheadChannel:
+            return _MultiheadChannel(self)
 
-        return add_forward_hooks(self.module, pre=capture)
+        _, remove = Route.attach(
+            self.module, _MultiheadChannel, probe.observe, probe.request.sink_tokens, make
+        )
+        return remove
 
     def _call_of(self, call: dict):
         mha: nn.MultiheadAttention = self.module
@@ -345,6 +334,40 @@ class MultiheadAttentionLayer(AttentionLayer):
                 _additive(kpm.to(q.device), None, h, scores, keys_only=True), m, 0.0
             )
         return ScoresCall(scores)
+
+
+_MHA_ARGS = (
+    "query",
+    "key",
+    "value",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "average_attn_weights",
+    "is_causal",
+)
+
+
+class _MultiheadChannel(Channel):
+    """``nn.MultiheadAttention``'s calls, seen by a forward pre-hook that reads the call's
+    arguments and measures it once for every probe open on the module."""
+
+    def __init__(self, layer: MultiheadAttentionLayer) -> None:
+        super().__init__()
+
+        def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            call = dict(zip(_MHA_ARGS, args)) | kwargs
+
+            def build() -> AttentionCall:
+                with autocast_off():  # float32 or better under autocast too
+                    return layer._call_of(call)
+
+            self.observers.notify(observed(build))
+
+        self._remove_hook = add_forward_hooks(layer.module, pre=capture)
+
+    def uninstall(self) -> None:
+        self._remove_hook()
 
 
 def _to(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:

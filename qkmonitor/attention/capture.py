@@ -14,7 +14,7 @@ While a probe is open on a module, and only inside that module's forward, a
   blocked keys).
 
 The mode is entered by the probe's forward pre-hook and left by its forward hook, which runs on
-an exception too (``always_call``; a ``BaseException`` skips it, and the route unwinds the call
+an exception too (``always_call``; a ``BaseException`` skips it, and the channel unwinds the call
 when the probe closes); both hooks are removed when the last probe on the module closes. An
 unprobed step installs nothing. What one forward captures is its own (:class:`_Call`, per thread).
 Statistics are computed on the side under ``no_grad`` in float32 or better; the model's call runs
@@ -36,9 +36,8 @@ from qkmonitor.attention.calls import MaskedCall, ScoresCall, split_mask
 from qkmonitor.attention.compiled import add_forward_hooks
 from qkmonitor.attention.layout_check import LayoutEvidence
 from qkmonitor.attention.probes import AttentionCall, Probe, in_side_computation
-from qkmonitor.attention.route import Route, observed
+from qkmonitor.attention.route import Channel, Route, observed
 
-_ROUTE_KEY = "_qkmonitor_intercept"
 #: the ways a softmax is called from Python (``F.softmax``, ``torch.softmax``, ``x.softmax``)
 _SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax)
 
@@ -73,14 +72,12 @@ _MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-class _InterceptRoute(Route):
+class _InterceptChannel(Channel):
     """A module's calls intercepted while it runs: the hooks that enter and leave the
     interception. What one forward captures is that call's own (:class:`_Call`), on a stack per
     thread: a module called again inside its own forward, or from several threads at once
     (``nn.DataParallel`` replicas share the module's ``__dict__``), keeps each call's evidence
     apart."""
-
-    key = _ROUTE_KEY
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -117,10 +114,10 @@ class _InterceptRoute(Route):
             calls.pop().mode.__exit__(None, None, None)
 
 
-def _watched(route: _InterceptRoute) -> set[int]:
-    """The ids of the weights the route's layout probes ask for, as the module holds them now."""
+def _watched(channel: _InterceptChannel) -> set[int]:
+    """The ids of the weights the channel's layout probes ask for, as the module holds them now."""
     watch: set[int] = set()
-    for sources in route.sources.values():
+    for sources in channel.sources.values():
         try:
             weights = sources()
         except Exception:  # noqa: BLE001 -- no evidence then; the check says so, training goes on
@@ -134,10 +131,10 @@ class _Call:
     check asks for, the first 4-D ``q @ kᵀ`` (an explicit softmax's queries and keys), and
     whether an attention call was already handed on (the first carries the layout evidence)."""
 
-    def __init__(self, route: _InterceptRoute) -> None:
-        self.route = route
+    def __init__(self, channel: _InterceptChannel) -> None:
+        self.channel = channel
         #: ids of the weights whose inputs are kept (the objects of this forward)
-        self.watch = _watched(route)
+        self.watch = _watched(channel)
         self.inputs: dict[int, Tensor] = {}
         self.first = True
         self.qk: tuple[Tensor, Tensor] | None = None
@@ -178,7 +175,7 @@ class _Call:
         if not isinstance(x, Tensor) or x.dim() != 4 or dim not in (-1, 3):
             return
         if (
-            self.route.heads is not None and x.shape[1] != self.route.heads
+            self.channel.heads is not None and x.shape[1] != self.channel.heads
         ):  # not (B, H, N, M): heads folded elsewhere
             return
         qk = self.qk
@@ -188,7 +185,7 @@ class _Call:
             self._notify(lambda: _scores_call(x), lambda: self._evidence(None, None, x, None))
 
     def _notify(self, build: Callable, evidence: Callable) -> None:
-        if not self.route.observers:
+        if not self.channel.observers:
             return
         first, self.first = self.first, False
 
@@ -198,7 +195,7 @@ class _Call:
                 call.evidence = evidence()
             return call
 
-        self.route.observers.notify(observed(build_with_evidence))
+        self.channel.observers.notify(observed(build_with_evidence))
 
     def _evidence(
         self, q: Tensor | None, k: Tensor | None, logits: Tensor | None, scale
@@ -259,20 +256,20 @@ def route_probe(
     """Route the module's attention calls to ``observe`` (default ``probe.observe``), and keep the
     inputs of the weights ``sources()`` names, at each forward's entry, for a layout check."""
 
-    def make() -> _InterceptRoute:
-        route = _InterceptRoute(module)
-        route.heads = heads
-        return route
+    def make() -> _InterceptChannel:
+        channel = _InterceptChannel(module)
+        channel.heads = heads
+        return channel
 
-    route, remove_observer = _InterceptRoute.attach(
-        module, observe or probe.observe, probe.request.sink_tokens, make
+    channel, remove_observer = Route.attach(
+        module, _InterceptChannel, observe or probe.observe, probe.request.sink_tokens, make
     )
     token = object()
     if sources is not None:
-        route.sources[token] = sources
+        channel.sources[token] = sources
 
     def remove() -> None:
-        route.sources.pop(token, None)
+        channel.sources.pop(token, None)
         remove_observer()
 
     return remove

@@ -33,9 +33,10 @@ that its probed step runs eagerly from the top.
 from __future__ import annotations
 
 import copyreg
+import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -48,6 +49,7 @@ __all__ = [
     "UncompiledForward",
     "add_forward_hooks",
     "compiled_roots",
+    "guard_interrupts",
     "own_class",
     "switch_of",
 ]
@@ -94,6 +96,9 @@ class SwitchedForward:
         self.base = type(module)
         self.active = False
         self._hooks: dict[int, tuple[Callable | None, Callable | None]] = {}  # key -> (pre, post)
+        #: called when a BaseException that is not an Exception leaves the forward
+        self._on_interrupt: dict[int, Callable[[], None]] = {}
+        self.guarded = False  # a plain bool, as ``active``: whether to catch an interrupt
         self._next = 0
         self._holders = 0
 
@@ -118,7 +123,8 @@ class SwitchedForward:
         if self._holders > 0:
             return
         self._hooks.clear()
-        self.active = False
+        self._on_interrupt.clear()
+        self.active = self.guarded = False
         if self.module.__dict__.get(_STATE) is self:
             del self.module.__dict__[_STATE]
             self.module.__class__ = self.base
@@ -138,34 +144,66 @@ class SwitchedForward:
 
         return remove
 
+    def on_interrupt(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` when a ``BaseException`` that is not an ``Exception`` (a
+        ``KeyboardInterrupt``, ``SystemExit``) leaves the module's forward, before it goes on up:
+        torch runs its always-call hooks on an ``Exception`` only, and a framework that gives its
+        callbacks no hook on failure (``transformers.Trainer``) runs nothing of ours after it.
+        Until the returned function is called."""
+        key, self._next = self._next, self._next + 1
+        self._on_interrupt[key] = callback
+        self.guarded = True
 
-_CLASSES: dict[type, type] = {}
+        def remove() -> None:
+            self._on_interrupt.pop(key, None)
+            self.guarded = bool(self._on_interrupt)
+
+        return remove
+
+    def interrupted(self) -> None:
+        """Run the interrupt callbacks (each once, even if one fails)."""
+        callbacks, self._on_interrupt = list(self._on_interrupt.values()), {}
+        self.guarded = False
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001, S110 -- the interrupt goes on up regardless
+                pass
 
 
+@functools.cache
 def _switched_class(base: type) -> type:
-    """``base`` with a switched ``forward`` (one class per base, named as the base)."""
-    switched = _CLASSES.get(base)
-    if switched is None:
-        own_forward = base.forward
+    """``base`` with a switched ``forward`` (one class per base, named as the base). The cache
+    is the one copy: made at a class's first switch, kept for the process (instances point at
+    it)."""
+    own_forward = base.forward
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            switch = self._qkmonitor_switch
-            if switch.active:  # a plain bool attribute: dynamo guards on its value
-                return _run_eagerly(switch, args, kwargs)
-            return own_forward(self, *args, **kwargs)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        switch = self._qkmonitor_switch
+        if switch.active:  # a plain bool attribute: dynamo guards on its value
+            return _run_eagerly(switch, args, kwargs)
+        if switch.guarded:
+            try:
+                return own_forward(self, *args, **kwargs)
+            except Exception:
+                raise
+            except BaseException:
+                switch.interrupted()
+                raise
+        return own_forward(self, *args, **kwargs)
 
-        switched = type(
-            base.__name__,
-            (base,),
-            {
-                "forward": forward,
-                "__reduce_ex__": _reduce_as_base,
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-                "__doc__": base.__doc__,
-            },
-        )
-        _CLASSES[base] = switched
+    functools.update_wrapper(forward, own_forward)  # its signature, for those that read it
+    switched = type(
+        base.__name__,
+        (base,),
+        {
+            "forward": forward,
+            "__reduce_ex__": _reduce_as_base,
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+        },
+    )
     return switched
 
 
@@ -201,6 +239,11 @@ def _run_module(switch: SwitchedForward, args: tuple, kwargs: dict) -> Any:
     output = None
     try:
         output = switch.base.forward(module, *args, **kwargs)
+    except Exception:
+        raise
+    except BaseException:
+        switch.interrupted()
+        raise
     finally:
         for _, post in hooks:
             if post is not None:
@@ -235,12 +278,17 @@ class UncompiledForward:
         self._holders = 0
         self._undo: list[Callable[[], None]] = []  # puts the compiled methods back
 
+    #: the one instance per module, shared by every engine; weak: gone with the module
+    _shared: ClassVar[weakref.WeakKeyDictionary[nn.Module, UncompiledForward]] = (
+        weakref.WeakKeyDictionary()
+    )
+
     @classmethod
     def of(cls, module: nn.Module) -> UncompiledForward:
         """The one instance for ``module``, shared by every engine (windows nest)."""
-        shared = _UNCOMPILED.get(module)
+        shared = cls._shared.get(module)
         if shared is None:
-            shared = _UNCOMPILED[module] = cls(module)
+            shared = cls._shared[module] = cls(module)
         return shared
 
     def add(self) -> Callable[[], None]:
@@ -262,7 +310,21 @@ class UncompiledForward:
                 restore()
 
 
-_UNCOMPILED: weakref.WeakKeyDictionary[nn.Module, UncompiledForward] = weakref.WeakKeyDictionary()
+def guard_interrupts(module: nn.Module, callback: Callable[[], None]) -> Callable[[], None]:
+    """Call ``callback()`` when a ``KeyboardInterrupt`` (any ``BaseException`` that is not an
+    ``Exception``) leaves ``module``'s forward, until the returned function is called: the module
+    is switched (:class:`SwitchedForward`, its forward still its own, not run eagerly) while
+    guarded. A module whose ``forward`` is an attribute of its own is not guarded."""
+    switch = SwitchedForward.attach(module)
+    if switch is None:
+        return lambda: None
+    remove = switch.on_interrupt(callback)
+
+    def unguard() -> None:
+        remove()
+        switch.detach()
+
+    return unguard
 
 
 def add_forward_hooks(

@@ -63,7 +63,7 @@ from qkmonitor.attention.intercept import LayoutChecked
 from qkmonitor.attention.layouts import infer_layouts
 from qkmonitor.attention.probes import Probe
 from qkmonitor.attention.registry import register_family
-from qkmonitor.attention.route import Route, observed
+from qkmonitor.attention.route import Channel, Route, observed
 from qkmonitor.validation import is_int, is_real
 
 __all__ = [
@@ -81,16 +81,9 @@ PROBE_IMPLEMENTATION = "qkmonitor_probe"
 _ORIGINAL_KEY = "_qkmonitor_original_attn_implementation"
 
 
-#: Where probing keeps its route on a module (installed by the first open probe, removed by the
-#: last).
-_ROUTE_KEY = "_qkmonitor_route"
-
-
-class _DispatchRoute(Route):
+class _DispatchChannel(Channel):
     """A module's attention calls routed through qkmonitor's registered attention function:
     ``restore`` puts the module's own implementation back."""
-
-    key = _ROUTE_KEY
 
     def __init__(self, restore: Callable[[], None], default_scale: Callable[[], float]) -> None:
         super().__init__()
@@ -124,13 +117,13 @@ class HFAttentionLayer(AttentionLayer):
         return True
 
     def install(self, probe: Probe) -> Callable[[], None]:
-        def make() -> _DispatchRoute | None:
+        def make() -> _DispatchChannel | None:
             restore = _route_module(self)
             # None: warned; the probe sees no call, and the monitor says so
-            return None if restore is None else _DispatchRoute(restore, self._default_scale)
+            return None if restore is None else _DispatchChannel(restore, self._default_scale)
 
-        attached = _DispatchRoute.attach(
-            self.module, probe.observe, probe.request.sink_tokens, make
+        attached = Route.attach(
+            self.module, _DispatchChannel, probe.observe, probe.request.sink_tokens, make
         )
         return (lambda: None) if attached is None else attached[1]
 
@@ -423,11 +416,11 @@ def _probe_attention(
 def _capture(
     module: nn.Module, query: Tensor, key: Tensor, attention_mask, kwargs: dict, original
 ) -> None:
-    route = _DispatchRoute.of(module)
-    if route is None or not route.observers:
+    channel = Route.channel(module, _DispatchChannel)
+    if channel is None or not channel.observers:
         return
     scale = kwargs.get("scaling")
-    route.observers.notify(
+    channel.observers.notify(
         observed(
             lambda: MaskedCall.of(
                 module,
@@ -436,7 +429,7 @@ def _capture(
                 attention_mask,
                 kwargs,
                 original,
-                scale=route.default_scale() if scale is None else float(scale),
+                scale=channel.default_scale() if scale is None else float(scale),
             )
         )
     )

@@ -1,11 +1,17 @@
 """Recognising attention modules that no family knows: by name, and by the code of their class.
 
-Reading a class's source (:func:`computes_attention`) is the one place qkmonitor recognises
-attention from code rather than from calls: discovery must decide which modules to probe before
-any forward has run, and a module that computes attention in its own forward (SDPA, or a softmax
-over its logits) is told apart from one that merely holds projections only by what its code
-calls. The first probe then observes the call itself and checks the layout against it
-(:mod:`.layout_check`), so a wrong guess costs a warning, not a wrong number.
+This module is the one place qkmonitor reads code rather than observing calls, in two functions:
+
+- :func:`computes_attention` reads a class's source. Discovery must decide which modules to probe
+  before any forward has run, and a module that computes attention in its own forward (SDPA, or a
+  softmax over its logits) is told apart from one that merely holds projections only by what its
+  code calls. The first probe then observes the call itself and checks the layout against it
+  (:mod:`.layout_check`), so a wrong guess costs a warning, not a wrong number.
+- :func:`names_in_code` reads the names a function's bytecode refers to, for
+  :mod:`._hf_compat`: whether a Hugging Face module's methods reach the attention registry (decided
+  at discovery, before any call), and whether transformers' eager function applies the module's
+  causal ``bias`` buffer (inside transformers' own code, after the call qkmonitor sees, where no
+  observer of ours runs).
 """
 
 from __future__ import annotations
@@ -52,6 +58,14 @@ def computes_attention(cls: type) -> str | None:
         if _SOFTMAX_IN_CODE.search(source):
             found = "softmax"
     return found
+
+
+def names_in_code(function: object) -> frozenset[str]:
+    """The global and attribute names ``function``'s bytecode refers to (``co_names``; empty for
+    anything without code), behind decorators that keep ``__wrapped__``. Why qkmonitor reads them
+    rather than observing a call: the module docstring."""
+    code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
+    return frozenset(code.co_names) if code is not None else frozenset()
 
 
 def child_computes(module: nn.Module) -> str | None:

@@ -24,7 +24,14 @@ from torch import nn
 
 from qkmonitor.validation import is_int
 
-__all__ = ["Family", "families", "register_family", "unregister_family"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "FamilyRegistry",
+    "families",
+    "register_family",
+    "unregister_family",
+]
 
 Adapt = Callable[[str, nn.Module, int], Any]
 
@@ -46,34 +53,44 @@ class Family:
     looked_for: str
 
 
-_FAMILIES: dict[str, Family] = {}
+class FamilyRegistry:
+    """The families discovery asks, by name. One per process (:data:`FAMILIES`): filled at
+    ``import qkmonitor`` (each family's module registers itself) and by ``register_attention``;
+    never emptied."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Family] = {}
+
+    def register(self, name: str, adapt: Adapt, *, priority: int, looked_for: str) -> Family:
+        """Add (or replace, by ``name``) a family of attention modules; returns its entry.
+
+        Raises:
+            ValueError: if ``name`` is not a non-empty string, ``adapt`` is not callable or
+                ``priority`` is not an int.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Expected `name` to be a non-empty str, got {name!r}")
+        if not callable(adapt):
+            raise ValueError(
+                f"Expected `adapt` to be callable (name, module, index) -> layer, got {adapt!r}"
+            )
+        if not is_int(priority):
+            raise ValueError(f"Expected `priority` to be an int, got {priority!r}")
+        family = Family(name, adapt, priority, looked_for)
+        self._by_name[name] = family
+        return family
+
+    def unregister(self, name: str) -> None:
+        """Remove a family by name (no error if it is not registered)."""
+        self._by_name.pop(name, None)
+
+    def ordered(self) -> list[Family]:
+        """The registered families, in the order discovery asks them."""
+        return sorted(self._by_name.values(), key=lambda family: (family.priority, family.name))
 
 
-def register_family(name: str, adapt: Adapt, *, priority: int, looked_for: str) -> Family:
-    """Add (or replace, by ``name``) a family of attention modules; returns its entry.
-
-    Raises:
-        ValueError: if ``name`` is not a non-empty string, ``adapt`` is not callable or
-            ``priority`` is not an int.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"Expected `name` to be a non-empty str, got {name!r}")
-    if not callable(adapt):
-        raise ValueError(
-            f"Expected `adapt` to be callable (name, module, index) -> layer, got {adapt!r}"
-        )
-    if not is_int(priority):
-        raise ValueError(f"Expected `priority` to be an int, got {priority!r}")
-    family = Family(name, adapt, priority, looked_for)
-    _FAMILIES[name] = family
-    return family
-
-
-def unregister_family(name: str) -> None:
-    """Remove a family by name (no error if it is not registered)."""
-    _FAMILIES.pop(name, None)
-
-
-def families() -> list[Family]:
-    """The registered families, in the order discovery asks them."""
-    return sorted(_FAMILIES.values(), key=lambda family: (family.priority, family.name))
+#: the process's families
+FAMILIES = FamilyRegistry()
+register_family = FAMILIES.register
+unregister_family = FAMILIES.unregister
+families = FAMILIES.ordered

@@ -11,6 +11,7 @@ exception (``on_exception``, which Lightning also calls for a keyboard interrupt
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,8 +21,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from qkmonitor.alerts import AlertTracker
-from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.engine import (
     Host,
     MonitorEngine,
@@ -75,6 +74,32 @@ class LightningHost(Host):
                 if "lr" in group:
                     return float(group["lr"])
         return None
+
+
+def _engine_state(name: str, *, each: bool = True) -> property:
+    """A property that reads an engine's state through the callback, with a
+    ``DeprecationWarning``: the state is the engine's (``callback.engine``, or ``.engines[i]`` of a
+    callback that drives several); the callback's own results are :attr:`AttentionMonitor.latest`.
+    ``each=False``: the first engine's (the prefix and layers, which a callback's engines share;
+    the metric names: every engine's)."""
+
+    def read(self: AttentionMonitor) -> Any:
+        warnings.warn(
+            f"{type(self).__name__}.{name} is deprecated: read `.engine.{name}` (or "
+            f"`.engines[i].{name}`); the callback keeps no state of its own",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if each and len(self.engines) != 1:
+            raise AttributeError(
+                f"{type(self).__name__} drives {len(self.engines)} engines, each with its own "
+                f"`{name}`: read it on one of `.engines`"
+            )
+        if name == "metric_names":
+            return tuple(m for engine in self.engines for m in engine.metric_names)
+        return getattr(self.engines[0], name)
+
+    return property(read, doc=f"Deprecated: the engine's ``{name}``.")
 
 
 class _StateKey:
@@ -135,11 +160,7 @@ class AttentionMonitor(Callback):
         prefix = ",".join(dict.fromkeys(e.prefix for e in self.engines))
         self._state_key = self._generate_state_key(prefix=prefix, layers=first.selection())
 
-    # -- the engines' state, read where users and tests look for it ---------------------------
-
-    @property
-    def layers(self) -> list[AttentionLayer]:
-        return self.engines[0].layers
+    # -- what the callback measured: the last probe's values -----------------------------------
 
     @property
     def latest(self) -> Values:
@@ -160,29 +181,13 @@ class AttentionMonitor(Callback):
         steps = [e.latest_step for e in self.engines if e.latest_step is not None]
         return max(steps) if steps else None
 
-    @property
-    def tracker(self) -> AlertTracker:
-        return self._one_engine("tracker").tracker
+    # -- the engines' own state: kept on the engines, read there (these warn) ------------------
 
-    @property
-    def prefix(self) -> str:
-        return self.engines[0].prefix
-
-    @property
-    def every_n_steps(self) -> int | None:
-        return self._one_engine("every_n_steps").every_n_steps
-
-    @property
-    def metric_names(self) -> tuple[str, ...]:
-        return tuple(name for engine in self.engines for name in engine.metric_names)
-
-    def _one_engine(self, what: str) -> MonitorEngine:
-        if len(self.engines) != 1:
-            raise AttributeError(
-                f"{type(self).__name__} drives {len(self.engines)} engines, each with its own "
-                f"`{what}`: read it on one of `.engines`"
-            )
-        return self.engines[0]
+    layers = _engine_state("layers", each=False)
+    tracker = _engine_state("tracker")
+    prefix = _engine_state("prefix", each=False)
+    every_n_steps = _engine_state("every_n_steps")
+    metric_names = _engine_state("metric_names", each=False)
 
     state_key = _StateKey()
 

@@ -10,7 +10,7 @@ for both paths.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from os import PathLike
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qkmonitor.attention.compiled import guard_interrupts
 from qkmonitor.engine.alerting import check_loss
 from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.group import EngineGroup
@@ -250,6 +251,9 @@ class Monitoring:
         for engine in engines:
             engine._session = weakref.ref(self)
         self._step: int | None = None  # the open training window's step
+        self._model = model
+        #: while a window is open: what stops the model's forward from closing it on an interrupt
+        self._unguard: Callable[[], None] | None = None
         self._group = EngineGroup(engines)  # the schedule in common, a probe's scalars held
         self.host = PlainHost(sinks, optimizer, owner=self)
         self.host.scalar_batch = self._group.scalars
@@ -316,6 +320,10 @@ class Monitoring:
         if not validation:
             self.observe_weights(step)
         self._group.open(step, validation=validation)
+        if self._unguard is None and any(engine.probing for engine in self.engines):
+            # a KeyboardInterrupt in the forward closes the window on its way up, where the loop
+            # around gives no hook to (transformers.Trainer without a context manager)
+            self._unguard = guard_interrupts(self._model, self.abort)
 
     def observe_loss(self, loss: Tensor | float, step: int | None = None) -> None:
         """The training loss of this step (of the open :meth:`step` window by default), for the
@@ -356,8 +364,13 @@ class Monitoring:
 
     def abort(self) -> None:
         """Close every open probe without logging (idempotent)."""
-        for engine in self.engines:
-            engine.abort()
+        unguard, self._unguard = self._unguard, None
+        try:
+            for engine in self.engines:
+                engine.abort()
+        finally:
+            if unguard is not None:
+                unguard()
 
     @staticmethod
     def _check_step(step: object) -> None:
@@ -378,6 +391,9 @@ class Monitoring:
         hook, self._update_hook = self._update_hook, None
         if hook is not None:
             hook.remove()
+        unguard, self._unguard = self._unguard, None
+        if unguard is not None:
+            unguard()
         self._group.end(self.host)  # the scalars held written, the pictures of the final state
         self.closed = True
         for sink in self.host.sinks():

@@ -193,3 +193,71 @@ def test_under_accumulation_the_first_micro_batch_of_a_step_is_measured_as_in_li
     probed = [calls for calls in forwards if any(calls)]
     assert probed == [[1, 1], [1, 1]]  # steps 0 and 2, one micro-batch each
     assert engine.latest_step == 2
+
+
+class SelfAttention(torch.nn.Module):
+    """Attention the generic family intercepts: projections by name, an SDPA call."""
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x):
+        q, k, v = (
+            proj(x).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + out.transpose(1, 2).flatten(2)
+
+
+class InterceptedLM(torch.nn.Module):
+    """A user's own model in a Trainer: two intercepted attention layers and a loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.layers = torch.nn.ModuleList(SelfAttention() for _ in range(2))
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("family", ["dispatch", "interception"])
+def test_a_keyboard_interrupt_in_a_probed_forward_leaves_nothing_without_a_context_manager(
+    tmp_path, leftovers, family
+):
+    """``transformers.Trainer`` runs no callback when a step raises, and torch's always-call hooks
+    do not run on a ``BaseException``: the interrupt itself must close the window on its way up,
+    so nothing stays installed or entered after ``train()`` even with no ``with`` around it."""
+    model = tiny_llama() if family == "dispatch" else InterceptedLM()
+    layers = model.model.layers if family == "dispatch" else model.layers
+    calls = {"n": 0}
+
+    def interrupt(module, args, output):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second step's forward: a probe step
+            raise KeyboardInterrupt
+
+    handle = layers[0].register_forward_hook(interrupt)
+    monitor = QKMonitorCallback(writer=SummaryWriter(str(tmp_path / "a")), every_n_steps=1)
+    with pytest.raises(KeyboardInterrupt):
+        trainer(tmp_path, model, monitor).train()
+    handle.remove()
+    assert calls["n"] == 2
+    assert leftovers(model) == []  # before any close(): the interrupt closed the window
+
+    # the callback goes on: the next train() measures as usual
+    trainer(tmp_path, model, monitor, steps=2).train()
+    assert leftovers(model) == []
+    entropy = monitor.engines[1]
+    assert entropy.latest_step == 1
+    assert all(torch.isfinite(h).all() for h in entropy.latest["entropy_norm"])

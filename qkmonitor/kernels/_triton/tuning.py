@@ -77,20 +77,22 @@ def smem_bytes(kernel: str, config: triton.Config, block_d: int, elem_bytes: int
     return (2 * bm + 2 * bn * stages) * block_d * elem_bytes  # dq: q, dO resident; k, v streamed
 
 
-_SMEM_LIMITS: dict[int, int] = {}
-
-
 def _smem_limit(x) -> int | None:
     """Opt-in shared memory per block of the tensor's GPU (None off CUDA): a launch that needs
     more fails with OutOfResources, which autotuning survives but a lone configuration does not."""
     if not (isinstance(x, torch.Tensor) and x.is_cuda):
         return None
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _SMEM_LIMITS:
-        from triton.runtime import driver  # at first launch, never at import
+    index = x.device.index
+    return _device_smem(torch.cuda.current_device() if index is None else index)
 
-        _SMEM_LIMITS[index] = driver.active.utils.get_device_properties(index)["max_shared_mem"]
-    return _SMEM_LIMITS[index]
+
+@functools.cache
+def _device_smem(index: int) -> int:
+    """The device's opt-in shared memory per block, read at its first launch (never at import)
+    and kept for the process."""
+    from triton.runtime import driver
+
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def _capability_major(x) -> int | None:
