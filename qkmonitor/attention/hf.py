@@ -58,6 +58,7 @@ from qkmonitor.attention import _hf_compat
 from qkmonitor.attention.adapters import AttentionLayer, QKWeights
 from qkmonitor.attention.calls import MaskedCall
 from qkmonitor.attention.clip import ProjectionRows, QKRows, linear_rows
+from qkmonitor.attention.compiled import own_class
 from qkmonitor.attention.installs import set_attribute
 from qkmonitor.attention.intercept import LayoutChecked
 from qkmonitor.attention.layouts import infer_layouts
@@ -95,9 +96,14 @@ class _DispatchChannel(Channel):
 
 
 class HFAttentionLayer(AttentionLayer):
-    """A ``transformers`` attention module; subclasses read its query/key weights."""
+    """A ``transformers`` attention module; subclasses read its query/key weights.
 
-    kind = "transformers"
+    Its :attr:`kind` is ``transformers.`` and the module's class (``transformers.BartAttention``):
+    the subclass says only how the weights are read, which several model families share."""
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return f"transformers.{own_class(self.module).__name__}"
 
     def _default_scale(self) -> float:
         return self.qk_weights().scale
@@ -131,8 +137,6 @@ class HFAttentionLayer(AttentionLayer):
 class LlamaAttentionLayer(HFAttentionLayer):
     """LLaMA-family attention: ``q_proj``/``k_proj`` ``nn.Linear``, GQA from the config."""
 
-    kind = "transformers.llama"
-
     def qk_weights(self) -> QKWeights:
         m = self.module
         heads, kv_heads, head_dim = _llama_shape(m)
@@ -152,8 +156,6 @@ class LlamaAttentionLayer(HFAttentionLayer):
 
 class GPT2AttentionLayer(HFAttentionLayer):
     """GPT-2 attention: q, k, v packed in the ``c_attn`` ``Conv1D`` (weight ``(in, out)``)."""
-
-    kind = "transformers.gpt2"
 
     def qk_weights(self) -> QKWeights:
         m = self.module
@@ -182,8 +184,6 @@ class GPT2AttentionLayer(HFAttentionLayer):
 class BertAttentionLayer(HFAttentionLayer):
     """BERT-style attention: ``query``/``key`` ``nn.Linear``, ``attention_head_size``."""
 
-    kind = "transformers.bert"
-
     def qk_weights(self) -> QKWeights:
         m = self.module
         heads, head_dim = m.num_attention_heads, m.attention_head_size
@@ -204,7 +204,6 @@ class HFLayoutAttentionLayer(LayoutChecked, HFAttentionLayer):
 
     def __init__(self, name: str, module: nn.Module, index: int, candidates: list) -> None:
         HFAttentionLayer.__init__(self, name, module, index)
-        self.kind = f"transformers.{type(module).__name__}"
         self.set_layouts(candidates)
 
     def _default_scale(self) -> float:

@@ -26,7 +26,9 @@ from qkmonitor.attention import calls, hf
 from qkmonitor.attention.adapters import find_attention_layers
 from qkmonitor.attention.probes import ProbeRequest
 from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
+from qkmonitor.engine import Monitoring, QKSpectrum
 from qkmonitor.measures.functional import qk_singular_values, spectral_concentration
+from qkmonitor.output.sinks import MemorySink
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,10 +85,10 @@ def bert_config(**kw):
     )
 
 
-FAMILIES = {
-    "llama": (llama_config, "LlamaForCausalLM", "model.layers.{}.self_attn", "transformers.llama"),
-    "gpt2": (gpt2_config, "GPT2LMHeadModel", "transformer.h.{}.attn", "transformers.gpt2"),
-    "bert": (bert_config, "BertModel", "encoder.layer.{}.attention.self", "transformers.bert"),
+FAMILIES = {  # config, model class, layer names, the class the layers are labelled with
+    "llama": (llama_config, "LlamaForCausalLM", "model.layers.{}.self_attn", "LlamaAttention"),
+    "gpt2": (gpt2_config, "GPT2LMHeadModel", "transformer.h.{}.attn", "GPT2Attention"),
+    "bert": (bert_config, "BertModel", "encoder.layer.{}.attention.self", "BertSelfAttention"),
 }
 # the families whose attention statistics this transformers gives
 WITH_STATS = ["llama", "gpt2", pytest.param("bert", marks=NEEDS_BERT_DISPATCH)]
@@ -156,7 +158,7 @@ def test_layers_are_found_in_order_with_their_kind(family):
     _, _, pattern, kind = FAMILIES[family]
     assert [f.name for f in found] == [pattern.format(i) for i in range(2)]
     assert [f.index for f in found] == [0, 1]
-    assert all(f.kind == kind and f.supports_stats for f in found)
+    assert all(f.kind == f"transformers.{kind}" and f.supports_stats for f in found)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +176,11 @@ def test_llama_family_is_recognised_by_structure(config, cls):
     )
     model = getattr(transformers, cls)(cfg)
     found = find_attention_layers(model)
-    assert [f.kind for f in found] == ["transformers.llama"] * 2
+    # labelled by their own class, read as the LLaMA family
+    assert [f.kind for f in found] == [
+        f"transformers.{cls.replace('ForCausalLM', 'Attention')}"
+    ] * 2
+    assert all(isinstance(f, hf.LlamaAttentionLayer) for f in found)
     w = found[1].qk_weights()
     assert (w.num_heads, w.num_kv_heads, tuple(w.w_k.shape)) == (4, 1, (8, 32))
 
@@ -325,7 +331,7 @@ def test_gemma2_softcap_and_sliding_window_go_through_explicit_scores():
             block.self_attn.q_proj.weight.mul_(300.0)  # logits well past the softcap
     ids, mask = batch(True)
     layers = find_attention_layers(model)
-    assert [f.kind for f in layers] == ["transformers.llama"] * 2
+    assert [f.kind for f in layers] == ["transformers.Gemma2Attention"] * 2
     before = logits_of(model, ids, mask)
     after, stats, probs = probed(layers, lambda: logits_of(model, ids, mask), probs_slice=(3, SEQ))
     assert torch.equal(before, after)
@@ -620,3 +626,45 @@ def test_lightning_run_on_a_tiny_llama_logs_entropy_and_kappa_for_every_layer(tm
     config = module.model.config
     assert config._attn_implementation == "sdpa"
     assert all(block.self_attn.config is config for block in module.model.model.layers)
+
+
+@pytest.mark.parametrize(
+    ("config", "cls", "kinds"),
+    [
+        ("BartConfig", "BartForConditionalGeneration", {"transformers.BartAttention": 3}),
+        ("MistralConfig", "MistralForCausalLM", {"transformers.MistralAttention": 2}),
+        ("GPT2Config", "GPT2LMHeadModel", {"transformers.GPT2Attention": 2}),
+    ],
+)
+def test_the_start_up_line_names_each_layers_own_class(config, cls, kinds, caplog):
+    """Each layer is labelled by the class the registry found, not by the reading it shares with
+    another family (every LLaMA-shaped module was `transformers.llama`)."""
+    small = dict(vocab_size=VOCAB, max_position_embeddings=64)
+    shapes = {
+        "BartConfig": dict(
+            d_model=16,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+        ),
+        "MistralConfig": dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+        "GPT2Config": dict(n_embd=16, n_layer=2, n_head=2, n_positions=64),
+    }[config]
+    if config == "GPT2Config":
+        small.pop("max_position_embeddings")
+    model = getattr(transformers, cls)(getattr(transformers, config)(**small, **shapes))
+    with caplog.at_level("INFO", logger="qkmonitor"):
+        Monitoring(model, [QKSpectrum()], writer=MemorySink()).close()
+    (line,) = [r.getMessage() for r in caplog.records if "measures" in r.getMessage()]
+    total = sum(kinds.values())
+    found = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    assert line.endswith(f"measures {total} attention layers: {found}"), line

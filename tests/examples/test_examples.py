@@ -107,7 +107,7 @@ def test_hf_llama_default_run_is_quiet_fires_no_alert_and_learns(tmp_path):
     result = run_example("hf_llama", "--log-dir", str(tmp_path), cwd=tmp_path)
     assert chatter(result) == []
     assert "[qkmonitor:" not in result.stderr  # healthy defaults, no alert (the docstring says why)
-    assert "(transformers.llama)" in result.stdout  # the layers it found
+    assert "(transformers.LlamaAttention)" in result.stdout  # the layers it found
     (run,) = (tmp_path / "hf_llama").iterdir()
     acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
     acc.Reload()
