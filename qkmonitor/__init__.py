@@ -33,6 +33,7 @@ from qkmonitor.attention.adapters import (
     find_attention_layers,
 )
 from qkmonitor.attention.intercept import InterceptedAttentionLayer, register_attention
+from qkmonitor.attention.latent import LatentNames
 from qkmonitor.attention.layouts import AttentionSpec
 from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
 
@@ -49,6 +50,7 @@ __all__ = [
     "EntropyCollapseWarning",
     "InterceptedAttentionLayer",
     "KernelCall",
+    "LatentNames",
     "LogitGrowthWarning",
     "MalignantCollapseWarning",
     "OverLocalizationWarning",

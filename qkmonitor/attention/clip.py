@@ -32,7 +32,14 @@ from torch import Tensor, nn
 
 from qkmonitor.validation import check_real
 
-__all__ = ["ProjectionRows", "QKRows", "clip_factors", "head_max_logits", "linear_rows"]
+__all__ = [
+    "LatentQKRows",
+    "ProjectionRows",
+    "QKRows",
+    "clip_factors",
+    "head_max_logits",
+    "linear_rows",
+]
 
 
 def clip_factors(max_logits: Tensor, tau: float) -> Tensor:
@@ -175,6 +182,42 @@ class QKRows:
         q, k = self.split(gamma.to(torch.float64))
         self.q.scale(q)
         self.k.scale(k)
+
+
+@dataclass(frozen=True)
+class LatentQKRows(QKRows):
+    """The head-specific rows of multi-head latent attention (:mod:`.latent`), scaled as Kimi K2's
+    QK-Clip scales them (Kimi Team 2025, the model it was made for).
+
+    Head h's logit is ``q_C^h·k_C^h + q_R^h·k_R``: its non-rotary query and key, both its own, and
+    its rotary query against the rotary key **shared** by every head. Scaling q_C^h and k_C^h by
+    ``√γ_h`` and q_R^h by ``γ_h`` scales both terms, hence the logit, by ``γ_h``, and leaves k_R,
+    and with it every other head, untouched.
+
+    Attributes:
+        q: each head's query rows (``d_n + d_r``, the rotary ``d_r`` last).
+        k: each head's non-rotary key rows (``d_n``, in the key/value up projection).
+        rope_dim: d_r.
+    """
+
+    rope_dim: int = 0
+
+    def scale_logits(self, gamma: Tensor) -> None:
+        if gamma.shape != (self.num_heads,):
+            raise ValueError(
+                f"Expected `gamma` of shape ({self.num_heads},), got {tuple(gamma.shape)}"
+            )
+        gamma = gamma.to(torch.float64)
+        r = self.rope_dim
+        nope = ProjectionRows(
+            self.q.weight, self.q.bias, self.q.rows[:, : self.q.rows.shape[1] - r]
+        )
+        rope = ProjectionRows(
+            self.q.weight, self.q.bias, self.q.rows[:, self.q.rows.shape[1] - r :]
+        )
+        nope.scale(gamma.sqrt())
+        rope.scale(gamma)
+        self.k.scale(gamma.sqrt())
 
 
 def linear_rows(

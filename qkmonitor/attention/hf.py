@@ -61,6 +61,7 @@ from qkmonitor.attention.clip import ProjectionRows, QKRows, linear_rows
 from qkmonitor.attention.compiled import own_class
 from qkmonitor.attention.installs import set_attribute
 from qkmonitor.attention.intercept import LayoutChecked
+from qkmonitor.attention.latent import LatentLayout, find_latent
 from qkmonitor.attention.layouts import infer_layouts
 from qkmonitor.attention.probes import Probe
 from qkmonitor.attention.registry import register_family
@@ -72,6 +73,7 @@ __all__ = [
     "BertAttentionLayer",
     "GPT2AttentionLayer",
     "HFAttentionLayer",
+    "HFLatentAttentionLayer",
     "HFLayoutAttentionLayer",
     "LlamaAttentionLayer",
     "adapt_hf_module",
@@ -213,10 +215,33 @@ class HFLayoutAttentionLayer(LayoutChecked, HFAttentionLayer):
         return (self.layout or self.layout_candidates[0]).logit_scale
 
 
+class HFLatentAttentionLayer(HFAttentionLayer):
+    """Multi-head latent attention (``DeepseekV3Attention``, and any module of its structure that
+    dispatches through the registry): statistics from the call's own queries and keys (rotary and
+    non-rotary parts concatenated, as the model hands them over), W_Q and W_K from the factored
+    projections (:mod:`qkmonitor.attention.latent`)."""
+
+    def __init__(self, name: str, module: nn.Module, index: int, layout: LatentLayout) -> None:
+        super().__init__(name, module, index)
+        self.layout = layout
+
+    def _default_scale(self) -> float:
+        return self.layout.logit_scale
+
+    def qk_weights(self) -> QKWeights:
+        return self.layout.qk_weights(self.module)
+
+    def qk_rows(self) -> QKRows:
+        return self.layout.qk_rows(self.module)
+
+
 def adapt_hf_module(name: str, module: nn.Module, index: int) -> HFAttentionLayer | None:
     """The adapter for a ``transformers`` attention module of a supported shape, else None."""
     if _llama_shape(module) is not None:
         return LlamaAttentionLayer(name, module, index)
+    latent = find_latent(module)
+    if latent is not None and _hf_compat.dispatches(module):
+        return HFLatentAttentionLayer(name, module, index, latent)
     if _is_gpt2(module):
         return GPT2AttentionLayer(name, module, index)
     if _is_bert(module):
@@ -243,8 +268,9 @@ register_family(
     priority=30,
     looked_for=(
         "Hugging Face transformers attention (LLaMA-family `q_proj`/`k_proj`, GPT-2 `c_attn` "
-        "Conv1D, BERT `query`/`key`, and any module dispatching through ALL_ATTENTION_FUNCTIONS "
-        "with projections of a known name; needs the `hf` extra)"
+        "Conv1D, BERT `query`/`key`, DeepSeek-V3's latent `kv_a_proj_with_mqa`/`kv_b_proj`, and "
+        "any module dispatching through ALL_ATTENTION_FUNCTIONS with projections of a known "
+        "name; needs the `hf` extra)"
     ),
 )
 

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from qkmonitor.attention.adapters import AttentionLayer, QKWeights
 from qkmonitor.attention.capture import route_probe
 from qkmonitor.attention.clip import QKRows
+from qkmonitor.attention.latent import LatentLayout, find_latent
 from qkmonitor.attention.layout_check import LayoutEvidence, check_layout
 from qkmonitor.attention.layouts import (
     HEADS_NAMES,
@@ -235,6 +236,10 @@ class InterceptedAttentionLayer(LayoutChecked, AttentionLayer):
         trusted: the candidate was stated by the user (an :class:`AttentionSpec`): used until a
             forward checks it.
         heads_from_call: the projections are known, the head counts come from the first call.
+        latent: a multi-head latent attention's reading (:mod:`qkmonitor.attention.latent`),
+            used as it is: its queries and keys go through norms and RoPE between the
+            projections and the call, which no layout check reproduces; its names and the
+            shapes they must fit are the evidence.
     """
 
     def __init__(
@@ -247,10 +252,15 @@ class InterceptedAttentionLayer(LayoutChecked, AttentionLayer):
         kind: str = "intercepted",
         trusted: bool = False,
         heads_from_call: bool = False,
+        latent: LatentLayout | None = None,
     ) -> None:
         AttentionLayer.__init__(self, name, module, index)
         self.kind = kind
-        self.set_layouts(list(candidates), trusted=trusted, heads_from_call=heads_from_call)
+        if latent is not None:
+            self.set_layouts([latent], trusted=True)
+            self._checked = True
+        else:
+            self.set_layouts(list(candidates), trusted=trusted, heads_from_call=heads_from_call)
 
     @property
     def supports_stats(self) -> bool:
@@ -267,8 +277,11 @@ def adapt_intercepted(name: str, module: nn.Module, index: int) -> InterceptedAt
         return None
     own = computes_attention(type(module))
     named = bool(ATTENTION_NAME.search(type(module).__name__))
-    paths = projections_of(module)
     kind = f"{library(module)}.{type(module).__name__}"
+    latent = find_latent(module)
+    if latent is not None and (own or named or child_computes(module)):
+        return InterceptedAttentionLayer(name, module, index, kind=kind, latent=latent)
+    paths = projections_of(module)
     if (
         paths is None
     ):  # statistics only (its weights are not found), if its own code computes attention
@@ -332,8 +345,11 @@ def register_attention(spec: AttentionSpec) -> None:
     def adapt(name: str, module: nn.Module, index: int) -> InterceptedAttentionLayer | None:
         if not spec.matches(name, module):
             return None
+        layout = spec.layout(module)
+        if isinstance(layout, LatentLayout):
+            return InterceptedAttentionLayer(name, module, index, kind=spec.family, latent=layout)
         return InterceptedAttentionLayer(
-            name, module, index, candidates=[spec.layout(module)], kind=spec.family, trusted=True
+            name, module, index, candidates=[layout], kind=spec.family, trusted=True
         )
 
     register_family(
@@ -352,6 +368,6 @@ register_family(
         "any module calling F.scaled_dot_product_attention or a 4-D softmax with query/key "
         "projections named q_proj/k_proj, query/key, to_q/to_k, wq/wk, q/k, q_lin/k_lin, or fused "
         "qkv, c_attn, query_key_value, Wqkv, qkv_proj (timm, litgpt, x-transformers, "
-        "nanoGPT-style modules)"
+        "nanoGPT-style modules), or latent ones (kv_a_proj_with_mqa/kv_b_proj, wkv_a/wkv_b)"
     ),
 )

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from qkmonitor.attention.adapters import QKWeights
 from qkmonitor.attention.clip import ProjectionRows, QKRows
+from qkmonitor.attention.latent import LatentLayout, LatentNames, find_latent
 from qkmonitor.validation import is_int, is_real
 
 __all__ = [
@@ -447,6 +448,9 @@ class AttentionSpec:
         pairing: ``"grouped"`` (``g = h // (H / H_kv)``) or ``"modulo"`` (``g = h % H_kv``).
         scale: the factor on ``q·k`` (a float or an attribute name); None: ``1/sqrt(head_dim)``.
         name: the family name shown at discovery (default: the class name matched).
+        latent: instead of ``q``/``k``/``qkv``, the factored projections of a multi-head latent
+            attention (:class:`qkmonitor.attention.latent.LatentNames`); its sizes are read from
+            the names and the shapes, ``scale`` from its ``scale`` names.
 
     Example::
 
@@ -454,6 +458,13 @@ class AttentionSpec:
 
         qkmonitor.register_attention(qkmonitor.AttentionSpec(
             match=MyAttention, qkv="in_proj", fused="heads", num_heads="n_heads"))
+
+        # a latent attention of one's own: the factored projections by name
+        qkmonitor.register_attention(qkmonitor.AttentionSpec(
+            match=MyLatentAttention,
+            latent=qkmonitor.LatentNames(kv_down="kv_down", kv_up="kv_up", kv_norm="kv_norm",
+                               q=None, q_down="q_down", q_norm="q_norm", q_up="q_up",
+                               num_heads=8, rope_dim=32)))
     """
 
     match: type | tuple[type, ...] | Callable[[str, nn.Module], bool]
@@ -467,6 +478,7 @@ class AttentionSpec:
     pairing: str = "grouped"
     scale: float | str | None = None
     name: str | None = None
+    latent: LatentNames | None = None
 
     def __post_init__(self) -> None:
         if not (callable(self.match) or isinstance(self.match, tuple)):
@@ -474,6 +486,18 @@ class AttentionSpec:
                 f"Expected `match` to be a module class, a tuple of them or a function "
                 f"(name, module) -> bool, got {self.match!r}"
             )
+        if self.latent is not None:
+            if not isinstance(self.latent, LatentNames):
+                raise ValueError(
+                    "Expected `latent` to be a qkmonitor.attention.latent.LatentNames, got "
+                    f"{type(self.latent).__name__}"
+                )
+            if self.q or self.k or self.qkv:
+                raise ValueError(
+                    "Expected either `latent` or `q`/`k`/`qkv`, got both (latent attention's "
+                    "projections are all in `latent`)"
+                )
+            return
         if (self.qkv is None) == (self.q is None or self.k is None) or (
             self.qkv and (self.q or self.k)
         ):
@@ -521,12 +545,22 @@ class AttentionSpec:
             return isinstance(module, self.match)
         return bool(self.match(name, module))
 
-    def layout(self, module: nn.Module) -> QKLayout:
+    def layout(self, module: nn.Module) -> QKLayout | LatentLayout:
         """The module's layout under this spec.
 
         Raises:
             ValueError: naming the field that the module does not have or that does not fit.
         """
+        if self.latent is not None:
+            layout = find_latent(module, self.latent)
+            if layout is None:
+                raise ValueError(
+                    f"`latent`: {type(module).__name__} has no latent projections "
+                    f"{self.latent.kv_down!r}/{self.latent.kv_up!r} with a query projection, "
+                    "of shapes that split into the heads (give `num_heads`, `rope_dim`, "
+                    "`latent_dim`)"
+                )
+            return layout
 
         def count(field_name: str) -> int | None:
             value = getattr(self, field_name)

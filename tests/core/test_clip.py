@@ -89,7 +89,40 @@ def _mha():
     return model, lambda: model(x)
 
 
+def _latent(q_lora_rank):
+    """Multi-head latent attention (DeepSeek-V3, the architecture Kimi K2 clips): each head's
+    rotary query meets a rotary key shared by every head."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        vocab_size=20,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=12,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+        max_position_embeddings=16,
+        attention_bias=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM._from_config(config, attn_implementation="sdpa")
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():  # logits large enough for the heads to differ
+        (attn.q_proj if q_lora_rank is None else attn.q_b_proj).weight.mul_(6.0)
+        attn.kv_b_proj.weight.mul_(6.0)
+        attn.kv_a_proj_with_mqa.weight.mul_(3.0)
+    tokens = torch.randint(0, 20, (3, 12), generator=torch.Generator().manual_seed(1))
+    return model.eval(), lambda: model(tokens)
+
+
 CASES = {
+    "latent-q-proj": lambda: _latent(None),
+    "latent-q-factored": lambda: _latent(8),
     "bundled-mha-bias-rope": lambda: _bundled(bias=True),
     "bundled-gqa-bias-rope": lambda: _bundled(bias=True, n_kv_heads=2),
     "bundled-mqa": lambda: _bundled(n_kv_heads=1, positional="learned"),
@@ -113,3 +146,28 @@ def test_after_the_clip_each_heads_max_logit_is_tau_and_healthy_heads_are_unchan
         assert torch.equal(
             s_after[~clipped], s[~clipped]
         )  # healthy heads: same logits, bit for bit
+
+
+def test_latent_attention_clips_its_own_rows_and_never_the_shared_rotary_key():
+    """Kimi K2's split: q_C and k_C by √γ, the head's rotary query by γ, the shared rotary key
+    (kv_a_proj_with_mqa's last rows) and the latent untouched."""
+    model, run = _latent(None)
+    attn = model.model.layers[0].self_attn
+    (layer,) = find_attention_layers(model)
+    before = {name: p.detach().clone() for name, p in attn.named_parameters()}
+    s = measured(layer, run)
+    gamma = clip_factors(s, float(s.median()))
+    layer.qk_rows().scale_logits(gamma)
+    after = dict(attn.named_parameters())
+    for name in ("kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias", "o_proj.weight"):
+        assert torch.equal(after[name], before[name]), name
+    nope, rope, value = 6, 4, 5
+    q = after["q_proj.weight"].view(4, nope + rope, -1)
+    q0 = before["q_proj.weight"].view(4, nope + rope, -1)
+    kv = after["kv_b_proj.weight"].view(4, nope + value, -1)
+    kv0 = before["kv_b_proj.weight"].view(4, nope + value, -1)
+    g = gamma.float()[:, None, None]
+    assert_close(q[:, :nope], q0[:, :nope] * g.sqrt())
+    assert_close(q[:, nope:], q0[:, nope:] * g)
+    assert_close(kv[:, :nope], kv0[:, :nope] * g.sqrt())
+    assert torch.equal(kv[:, nope:], kv0[:, nope:])  # the values

@@ -289,6 +289,76 @@ def _hf_llama() -> Built:
     return Built(model, causal_lm(tokens()), qk, {"before": "q_proj", "after": "o_proj"})
 
 
+def _deepseek_v3(q_lora_rank: int | None) -> Built:
+    """Multi-head latent attention (DeepSeek-V3, Kimi K2's architecture), the query projection
+    single (``q_lora_rank`` None) or factored. This file's reading of modeling_deepseek_v3: per
+    head, the query is ``[q_pass | q_rot]`` of ``q_proj`` (or ``q_b_proj(q_a_layernorm(q_a_proj
+    x))``), rows ``[H, d_n + d_r]``; the key is ``[k_nope | k_rot]``, ``k_nope`` the first d_n of
+    each head's ``[d_n | d_v]`` rows of ``kv_b_proj`` applied to ``kv_a_layernorm`` of the first
+    ``kv_lora_rank`` outputs of ``kv_a_proj_with_mqa``, ``k_rot`` its last d_r outputs, one for
+    every head. The norms' per-token 1/rms is left out (position 0 of RoPE, unit factor)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    heads_, nope, rope, value, rank = 4, 6, 4, 5, 12
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,  # dense MLPs: the attention is what is under test
+        num_attention_heads=heads_,
+        num_key_value_heads=heads_,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=value,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=32,
+        initializer_range=0.2,
+    )
+
+    def sharpen(model):
+        gen = torch.Generator().manual_seed(1)
+        for _, a in modules_of(model, DeepseekV3Attention):
+            scale_rows_(a.kv_b_proj.weight, slice(None), 1.5)
+            norms = [a.kv_a_layernorm] + ([a.q_a_layernorm] if a.q_lora_rank else [])
+            with torch.no_grad():  # norm weights away from 1, so that diag(g) counts
+                for norm in norms:
+                    norm.weight.copy_(0.5 + 1.5 * torch.rand(norm.weight.shape, generator=gen))
+
+    model = hf_build(transformers.DeepseekV3ForCausalLM, config, "sdpa", sharpen)
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, DeepseekV3Attention):
+            if a.q_lora_rank is None:
+                wq = a.q_proj.weight.detach().double()
+            else:
+                g = torch.diag(a.q_a_layernorm.weight.detach().double())
+                wq = a.q_b_proj.weight.detach().double() @ g @ a.q_a_proj.weight.detach().double()
+            kv_a = a.kv_a_proj_with_mqa.weight.detach().double()  # (rank + rope, d)
+            kv_b = a.kv_b_proj.weight.detach().double().view(heads_, nope + value, rank)
+            g = torch.diag(a.kv_a_layernorm.weight.detach().double())
+            k_nope = kv_b[:, :nope] @ g @ kv_a[:rank]  # (H, d_n, d)
+            k_rot = kv_a[rank:].expand(heads_, rope, -1)  # (H, d_r, d): the shared rotary key
+            wk = torch.cat([k_nope, k_rot], dim=1)  # (H, d_n + d_r, d)
+            out[n] = heads(wq, heads_), wk.transpose(1, 2)
+        return out
+
+    before = "q_proj" if q_lora_rank is None else "q_a_proj"
+    return Built(model, causal_lm(tokens()), qk, {"before": before, "after": "o_proj"})
+
+
+entry("hf-deepseek-v3", "transformers")(lambda: _deepseek_v3(None))
+entry("hf-deepseek-v3-q-lora", "transformers")(lambda: _deepseek_v3(8))
+
+
 # --------------------------------------------------------------------------------------------- timm
 
 
