@@ -136,17 +136,27 @@ class _Call:
         #: ids of the weights whose inputs are kept (the objects of this forward)
         self.watch = _watched(channel)
         self.inputs: dict[int, Tensor] = {}
+        self.biases: dict[int, Tensor] = {}  # the bias each projection's call added, where one did
         self.first = True
         self.qk: tuple[Tensor, Tensor] | None = None
         self.mode = _Interceptor(self)
 
     def on_projection(self, func, args, kwargs) -> None:
+        """``F.linear(input, weight, bias)`` and ``addmm(input, mat1, mat2)`` (GPT-2's Conv1D:
+        ``addmm(bias, x, weight)``), their arguments given by position or by keyword; the bias the
+        call adds is kept with the input (a module may assemble it in the forward, as BEiT's
+        ``cat(q_bias, zeros, v_bias)``)."""
         if func is F.linear:
-            x, weight = (list(args) + [kwargs.get("input"), kwargs.get("weight")])[:2]
-        else:  # Conv1D: addmm(bias, x, weight)
-            x, weight = (list(args) + [None, None, None])[1:3]
-        if isinstance(weight, Tensor) and id(weight) in self.watch and isinstance(x, Tensor):
-            self.inputs.setdefault(id(weight), x.detach())
+            call = dict(zip(("input", "weight", "bias"), args)) | kwargs
+            x, weight, bias = call.get("input"), call.get("weight"), call.get("bias")
+        else:
+            call = dict(zip(("input", "mat1", "mat2"), args)) | kwargs
+            x, weight, bias = call.get("mat1"), call.get("mat2"), call.get("input")
+        watched = isinstance(weight, Tensor) and id(weight) in self.watch
+        if watched and isinstance(x, Tensor) and id(weight) not in self.inputs:
+            self.inputs[id(weight)] = x.detach()
+            if isinstance(bias, Tensor) and bias.dim() == 1:
+                self.biases[id(weight)] = bias.detach()
 
     def on_matmul(self, a, b) -> None:
         """``x @ W.T`` (a projection written as a matmul, e.g. Falcon's) and the first 4-D
@@ -204,6 +214,7 @@ class _Call:
         b, n, m = like.shape[0], like.shape[2], (k.shape[2] if k is not None else logits.shape[3])
         return LayoutEvidence(
             dict(self.inputs),
+            dict(self.biases),
             None if q is None else q[:, :, 0].detach().clone(),
             None if k is None else k[:, :, 0].detach().clone(),
             None if logits is None else logits[:, :, 0, 0].detach().clone(),

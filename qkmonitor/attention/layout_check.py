@@ -33,6 +33,7 @@ class LayoutEvidence:
 
     Attributes:
         inputs: ``id(weight) -> input`` of the projections' calls in that forward.
+        biases: ``id(weight) -> bias`` those calls added (not all add one).
         q, k: position-0 queries ``(B, H, D)`` and keys ``(B, H_kv, D)`` of an SDPA call.
         logits: ``(B, H)`` logits of query 0 on key 0 of a softmax call.
         scale: the SDPA call's scale (None: its default ``1/sqrt(D)``).
@@ -41,6 +42,7 @@ class LayoutEvidence:
     """
 
     inputs: dict[int, Tensor]
+    biases: dict[int, Tensor]
     q: Tensor | None
     k: Tensor | None
     logits: Tensor | None
@@ -93,6 +95,9 @@ def _predict(
     if x_q is None or x_k is None:
         return "the projection inputs are not (batch, sequence, features)"
     w_q, b_q, w_k, b_k = layout.read(module)
+    called = (evidence.biases.get(id(sources[0])), evidence.biases.get(id(sources[-1])))
+    if any(bias is not None for bias in called):  # the biases the calls added, as they added them
+        b_q, b_k = layout.split_biases(*called)
     q = F.linear(x_q.double(), w_q.double(), None if b_q is None else b_q.double())
     k = F.linear(x_k.double(), w_k.double(), None if b_k is None else b_k.double())
     q = q.view(q.shape[0], layout.num_heads, layout.head_dim)

@@ -157,6 +157,19 @@ class QKLayout:
         q_rows, k_rows = fused_rows(self.fused, h, kv, d, device=w.device)
         return w[q_rows], _rows(b, q_rows), w[k_rows], _rows(b, k_rows)
 
+    def split_biases(
+        self, q_bias: Tensor | None, k_bias: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The query and key rows of biases given for the projections (``q_bias`` for ``q``, or
+        for the fused one; ``k_bias`` for ``k``), cut as :meth:`read` cuts the weights'."""
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.k is not None:
+            return _rows(q_bias, slice(0, h * d)), _rows(k_bias, slice(0, kv * d))
+        if q_bias is None:
+            return None, None
+        q_rows, k_rows = fused_rows(self.fused, h, kv, d, device=q_bias.device)
+        return q_bias[q_rows], q_bias[k_rows]
+
     def qk_rows(self, module: nn.Module) -> QKRows:
         """The projections by head, as views written through in place (QK-Clip)."""
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim

@@ -398,6 +398,58 @@ entry("timm-vit-sdpa", "timm")(lambda: _timm_vit(True))
 entry("timm-vit-softmax", "timm")(lambda: _timm_vit(False))
 
 
+def _timm_beit(fused: bool) -> Built:
+    """timm BEiT: ``qkv`` Linear without a bias, rows ``[3, H, d_k]``; its forward assembles the
+    bias ``cat(q_bias, zeros, v_bias)`` and calls ``F.linear(x, weight=self.qkv.weight,
+    bias=qkv_bias)`` with keywords; a relative position bias added to the logits (SDPA's float
+    mask, or before the softmax)."""
+    pytest.importorskip("timm")
+    from timm.models.beit import Attention, Beit
+
+    seeded()
+    model = Beit(
+        img_size=16,
+        patch_size=4,
+        embed_dim=32,
+        depth=2,
+        num_heads=4,
+        num_classes=5,
+        use_rel_pos_bias=True,
+    )
+    gen = torch.Generator().manual_seed(3)
+    for _, a in modules_of(model, Attention):
+        a.fused_attn = fused
+        scale_rows_(a.qkv.weight, slice(0, 64), 12.0)  # init std 0.02
+        with torch.no_grad():  # biases of their own, so that the assembled bias counts
+            a.q_bias.copy_(torch.randn(a.q_bias.shape, generator=gen))
+            a.v_bias.copy_(torch.randn(a.v_bias.shape, generator=gen))
+            a.relative_position_bias_table.copy_(
+                torch.randn(a.relative_position_bias_table.shape, generator=gen)
+            )
+    images = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([1, 3])
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, Attention):
+            w = a.qkv.weight
+            d = w.shape[0] // 3
+            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
+        return out
+
+    return Built(
+        no_dropout(model).train(),
+        lambda m: F.cross_entropy(m(images), labels),
+        qk,
+        {"before": None, "after": "proj"},  # its qkv weight is not called as a module
+        fail_patch=(F, "linear"),
+    )
+
+
+entry("timm-beit-sdpa", "timm")(lambda: _timm_beit(True))
+entry("timm-beit-softmax", "timm")(lambda: _timm_beit(False))
+
+
 # ------------------------------------------------------------------------------------------ nanoGPT
 
 
