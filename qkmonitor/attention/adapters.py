@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkmonitor.attention.calls import ScoresCall
+from qkmonitor.attention.calls import MASK_FLOOR, ScoresCall
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.compiled import add_forward_hooks
 from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
@@ -408,12 +408,17 @@ def _additive(
         return torch.zeros((), dtype=like.dtype, device=like.device)
     if keys_only:  # (B, M): bool True = allowed here, or an additive float mask
         bias = mask if mask.dtype != torch.bool else torch.where(mask, 0.0, float("-inf"))
-        return bias.to(like.dtype)[:, None, None, :]
+        return _floored(bias.to(like.dtype))[:, None, None, :]
     bias = torch.where(mask, float("-inf"), 0.0) if mask.dtype == torch.bool else mask
-    bias = bias.to(device=like.device, dtype=like.dtype)
+    bias = _floored(bias.to(device=like.device, dtype=like.dtype))
     if bias.dim() == 3:  # (B * H, N, M)
         bias = bias.view(batch, heads, *bias.shape[-2:])
     return bias[..., : like.shape[-2], : like.shape[-1]] if bias.dim() == 2 else bias
+
+
+def _floored(bias: Tensor) -> Tensor:
+    """An additive mask with its entries at or below ``MASK_FLOOR`` made ``-inf``: blocked keys."""
+    return bias.masked_fill(bias <= MASK_FLOOR, float("-inf"))
 
 
 def _extra_keys(mha: nn.MultiheadAttention, k: Tensor) -> tuple[Tensor, int]:

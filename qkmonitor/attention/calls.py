@@ -22,7 +22,7 @@ from torch import Tensor
 
 from qkmonitor.kernels import autocast_off
 
-__all__ = ["FailedCall", "MaskedCall", "ScoresCall", "split_mask"]
+__all__ = ["MASK_FLOOR", "FailedCall", "MaskedCall", "ScoresCall", "split_mask"]
 
 _MAX_SCORES = 1 << 24  # explicit path: score elements per chunk (128 MiB in float64)
 
@@ -303,11 +303,20 @@ def _rows_of(mask: Tensor, seqs: slice, rows: slice) -> Tensor:
     return mask[:, :, rows]
 
 
+#: An additive mask entry at or below this blocks its key (docs/metrics.md, "Masked keys"):
+#: ``-inf``, ``finfo.min``, ``-1e4`` and timm Swin's ``-100`` alike. ``e^-80 < 2^-115``: such a
+#: key's weight is below float32's resolution next to any key its row attends, unless its own
+#: logit is over 63 above theirs; no position bias (ALiBi, T5's buckets, relative tables) comes
+#: near it in practice.
+MASK_FLOOR = -80.0
+
+
 def split_mask(mask: Tensor) -> tuple[Tensor, Tensor | None]:
-    """A 4-D attention mask as (allowed bool, additive bias or None)."""
+    """A 4-D attention mask as (allowed bool, additive bias or None): an additive entry at or
+    below :data:`MASK_FLOOR` blocks its key, any other is a bias added to the logits."""
     if mask.dtype == torch.bool:
         return mask, None
-    blocked = mask <= torch.finfo(mask.dtype).min / 2  # eager masks use finfo.min; -inf too
+    blocked = mask <= MASK_FLOOR
     bias = mask.masked_fill(blocked, 0.0)
     return ~blocked, (None if not bool(bias.any()) else bias)
 

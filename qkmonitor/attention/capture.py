@@ -236,7 +236,7 @@ def _sdpa_call(q: Tensor, k: Tensor, attn_mask, is_causal: bool, scale) -> Maske
         mask = attn_mask.detach()
         while mask.dim() < 4:
             mask = mask[None]
-        allowed, bias = split_mask(mask)  # additive: -inf and finfo.min-like entries are blocked
+        allowed, bias = split_mask(mask)  # additive: entries at or below MASK_FLOOR are blocked
     if is_causal:
         if n == m and allowed is None:
             call.causal = True

@@ -450,6 +450,52 @@ entry("timm-beit-sdpa", "timm")(lambda: _timm_beit(True))
 entry("timm-beit-softmax", "timm")(lambda: _timm_beit(False))
 
 
+def _timm_swin(fused: bool) -> Built:
+    """timm Swin: ``qkv`` Linear rows ``[3, H, d_k]`` in each window's ``WindowAttention``; the
+    shifted block masks the keys of other regions with an additive ``-100`` (``get_attn_mask``),
+    added to the relative position bias: SDPA's float mask, or the logits before the softmax."""
+    pytest.importorskip("timm")
+    from timm.models.swin_transformer import SwinTransformer, WindowAttention
+
+    seeded()
+    model = SwinTransformer(
+        img_size=16,
+        patch_size=2,
+        in_chans=3,
+        num_classes=5,
+        embed_dim=16,
+        depths=(2,),
+        num_heads=(2,),
+        window_size=4,
+        drop_path_rate=0.0,  # stochastic depth: a step of its own at every call
+    )
+    for _, a in modules_of(model, WindowAttention):
+        a.fused_attn = fused
+        scale_rows_(a.qkv.weight, slice(0, 32), 18.0)
+    assert any(any(b.shift_size) for b in model.layers[0].blocks), "no shifted window"
+    images = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([1, 3])
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, WindowAttention):
+            w = a.qkv.weight
+            d = w.shape[0] // 3
+            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
+        return out
+
+    return Built(
+        no_dropout(model).train(),
+        lambda m: F.cross_entropy(m(images), labels),
+        qk,
+        {"before": "qkv", "after": "proj"},
+    )
+
+
+entry("timm-swin-sdpa", "timm")(lambda: _timm_swin(True))
+entry("timm-swin-softmax", "timm")(lambda: _timm_swin(False))
+
+
 # ------------------------------------------------------------------------------------------ nanoGPT
 
 
