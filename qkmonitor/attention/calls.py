@@ -10,11 +10,17 @@ A probe hands each forward of an attention module to its observers as an
 - :class:`ScoresCall`: explicit (B, H, N, M) scores as the model computed them (``-inf`` = blocked).
 - :class:`FailedCall`: a call that could not be read; measuring it raises the original error, which
   the probe records.
+- :class:`UnreadCall`: a forward of the module in which no attention call could be read, and why
+  (what it called, what is missing); not a measurement, the probe keeps the reason.
+
+``flex_attention``'s ``score_mod`` and ``BlockMask`` are applied as flex applies them
+(:func:`flex_apply`: the function at every ``(b, h, q_idx, kv_idx)``, vmapped over each index).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +28,16 @@ from torch import Tensor
 
 from qkmonitor.kernels import autocast_off
 
-__all__ = ["MASK_FLOOR", "FailedCall", "MaskedCall", "ScoresCall", "split_mask"]
+__all__ = [
+    "MASK_FLOOR",
+    "FailedCall",
+    "MaskedCall",
+    "ScoresCall",
+    "UnreadCall",
+    "block_mask_allowed",
+    "flex_apply",
+    "split_mask",
+]
 
 _MAX_SCORES = 1 << 24  # explicit path: score elements per chunk (128 MiB in float64)
 
@@ -64,6 +79,18 @@ class FailedCall:
         raise self.error
 
 
+class UnreadCall:
+    """A forward of a probed module in which no attention call could be read.
+
+    Attributes:
+        unread_reason: what the forward called and what was missing to read it, for the warning
+            (the attribute a probe looks for).
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.unread_reason = reason
+
+
 @dataclass
 class MaskedCall:
     """One attention call, reduced to scores and the keys each query row may attend."""
@@ -77,6 +104,8 @@ class MaskedCall:
     bias: Tensor | None  # 4-D additive float, same broadcasting
     window: int | None = None
     softcap: float | None = None
+    #: flex_attention's ``score_mod(score, b, h, q_idx, kv_idx)``, applied to the scaled scores
+    score_mod: Callable | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -95,6 +124,10 @@ class MaskedCall:
             None,
             None if softcap is None else float(softcap),
         )
+        if _is_block_mask(mask):  # flex_attention's: its blocks and its mask_mod
+            call.allowed = block_mask_allowed(mask, query.shape[0], query.shape[1], n, m)
+            call.bias = bias
+            return call
         if (
             isinstance(mask, Tensor) and mask.dim() == 4
         ):  # the mask says it all (sliding windows too)
@@ -221,6 +254,7 @@ class MaskedCall:
             and self.bias is None
             and self.window is None
             and self.softcap is None
+            and self.score_mod is None
         )
 
     def probs(self, sequences: int, rows: int) -> Tensor:
@@ -254,10 +288,13 @@ class MaskedCall:
         scores *= self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        i = torch.arange(n, device=q.device)[rows][:, None] + (
-            m - n
-        )  # the row's position among the keys
+        positions = torch.arange(n, device=q.device)[rows]
+        i = positions[:, None] + (m - n)  # the row's position among the keys
         j = torch.arange(m, device=q.device)[keys]
+        if self.score_mod is not None:
+            sequences = torch.arange(self.q.shape[0], device=q.device)[seqs]
+            heads = torch.arange(scores.shape[1], device=q.device)
+            scores = flex_apply(self.score_mod, sequences, heads, positions, j, score=scores)
         allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
         if self.causal:
             allowed = allowed & (j <= i)
@@ -301,6 +338,43 @@ def _rows_of(mask: Tensor, seqs: slice, rows: slice) -> Tensor:
     """A (B|1, H|1, N, M) tensor cut to some sequences and rows (broadcast dims kept)."""
     mask = mask if mask.shape[0] == 1 else mask[seqs]
     return mask[:, :, rows]
+
+
+def flex_apply(
+    fn: Callable, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, score: Tensor | None = None
+) -> Tensor:
+    """``fn`` at every ``(b, h, q_idx, kv_idx)``, as ``flex_attention`` calls it: a ``score_mod``
+    ``fn(score, b, h, q_idx, kv_idx)`` on ``score`` (B, H, N, M), or a ``mask_mod``
+    ``fn(b, h, q_idx, kv_idx)``; written for one position, vmapped over each index (the key
+    innermost). Returns (B, H, N, M)."""
+    args = (b, h, q_idx, kv_idx) if score is None else (score, b, h, q_idx, kv_idx)
+    first = 0 if score is None else 1
+    mapped = fn
+    for axis in (3, 2, 1, 0):  # kv, q, h, b: each map takes the score's leading dim
+        dims: list[int | None] = [None] * len(args)
+        dims[first + axis] = 0
+        if score is not None:
+            dims[0] = 0
+        mapped = torch.vmap(mapped, in_dims=tuple(dims))
+    out = mapped(*args)
+    return out.expand(len(b), len(h), len(q_idx), len(kv_idx))
+
+
+def _is_block_mask(mask: object) -> bool:
+    """Whether ``mask`` is flex_attention's ``BlockMask`` (torch 2.5 and later; not imported)."""
+    return type(mask).__name__ == "BlockMask" and callable(getattr(mask, "mask_mod", None))
+
+
+def block_mask_allowed(block_mask, batch: int, heads: int, n: int, m: int) -> Tensor:
+    """(B, H, N, M) bool: the keys a ``BlockMask`` lets each query row attend, as flex applies it:
+    the blocks it computes (partial or full) and, inside them, its ``mask_mod`` at every
+    position of the call's ``batch`` sequences and ``heads``."""
+    dense = block_mask.to_dense().bool()  # (B or 1, H or 1, query blocks, key blocks)
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    blocks = dense.repeat_interleave(q_block, -2).repeat_interleave(kv_block, -1)[..., :n, :m]
+    device = dense.device
+    index = [torch.arange(size, device=device) for size in (batch, heads, n, m)]
+    return blocks & flex_apply(block_mask.mask_mod, *index).bool()
 
 
 #: An additive mask entry at or below this blocks its key (docs/metrics.md, "Masked keys"):

@@ -24,6 +24,8 @@ call's queries and keys are kept for the layout check (:mod:`.layout_check`).
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 from collections.abc import Callable
 
@@ -32,9 +34,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from qkmonitor.attention.calls import MaskedCall, ScoresCall, split_mask
-from qkmonitor.attention.compiled import add_forward_hooks
+from qkmonitor.attention.calls import (
+    MaskedCall,
+    ScoresCall,
+    UnreadCall,
+    block_mask_allowed,
+    split_mask,
+)
+from qkmonitor.attention.compiled import add_forward_hooks, own_class
 from qkmonitor.attention.layout_check import LayoutEvidence
+from qkmonitor.attention.layouts import HEADS_NAMES, attribute
 from qkmonitor.attention.probes import AttentionCall, Probe, in_side_computation
 from qkmonitor.attention.route import Channel, Route, observed
 
@@ -52,8 +61,8 @@ class _Interceptor(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         call = self.call
-        if in_side_computation():  # qkmonitor measuring a call inside the forward, not the model
-            return func(*args, **kwargs)
+        if in_side_computation() or call.in_kernel:  # qkmonitor's own computation, or the ops
+            return func(*args, **kwargs)  # inside an attention kernel already observed (flex)
         weights = call.watch
         if func is F.scaled_dot_product_attention:
             call.on_sdpa(args, kwargs)
@@ -70,6 +79,120 @@ _MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+#: flex_attention's arguments after (query, key, value)
+_FLEX_ARGS = ("score_mod", "block_mask", "scale", "enable_gqa")
+
+
+def _open_calls() -> list[_Call]:
+    """This thread's open intercepted forwards, innermost last (any module's)."""
+    calls = getattr(_OPEN, "calls", None)
+    if calls is None:
+        calls = _OPEN.calls = []
+    return calls
+
+
+def _forget(call: _Call) -> None:
+    calls = _open_calls()
+    if call in calls:
+        calls.remove(call)
+
+
+_OPEN = threading.local()
+
+
+class FlexObserver:
+    """``flex_attention`` seen inside an intercepted forward. It is a Python function, not a torch
+    function a ``TorchFunctionMode`` sees: while an interception channel is installed, the names
+    that hold it (``torch.nn.attention.flex_attention.flex_attention``, and in the namespace of the
+    module's class any name bound to it or to ``torch.compile`` of it) hold a function that hands
+    the call to the innermost intercepted forward of the thread, then runs the original. One per
+    process (:data:`FLEX`): each name is counted per channel and put back when the last channel
+    that holds it goes."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[int, str], list] = {}  # (id(namespace), name) -> [count, ns, old]
+
+    def hold(self, module: nn.Module) -> Callable[[], None]:
+        """Observe the flex_attention names ``module``'s forward may call; returns the release."""
+        original = _flex_function()
+        if original is None:  # torch before 2.5
+            return lambda: None
+        namespaces = [vars(sys.modules[original.__module__])]
+        home = sys.modules.get(own_class(module).__module__)
+        if home is not None and vars(home) is not namespaces[0]:
+            namespaces.append(vars(home))
+        keys = []
+        for namespace in namespaces:
+            for name, value in list(namespace.items()):
+                observed = getattr(value, "__qkmonitor_observes__", None)
+                if value is original or _compiled_of(value) is original or observed is not None:
+                    keys.append(self._patch(namespace, name, observed or value))
+
+        def release() -> None:
+            for key in keys:
+                self._unpatch(key)
+
+        return release
+
+    def _patch(self, namespace: dict, name: str, value) -> tuple[int, str]:
+        key = (id(namespace), name)
+        held = self._held.get(key)
+        if held is None:
+            namespace[name] = _observing(value)
+            held = self._held[key] = [0, namespace, value]
+        held[0] += 1
+        return key
+
+    def _unpatch(self, key: tuple[int, str]) -> None:
+        held = self._held.get(key)
+        if held is None:
+            return
+        held[0] -= 1
+        if held[0] == 0:
+            del self._held[key]
+            _, namespace, value = held
+            name = key[1]
+            if getattr(namespace.get(name), "__qkmonitor_observes__", None) is value:
+                namespace[name] = value
+
+
+def _flex_function():
+    try:
+        from torch.nn.attention import flex_attention as module
+    except ImportError:
+        return None
+    function = getattr(module, "flex_attention", None)
+    observed_original = getattr(function, "__qkmonitor_observes__", None)
+    return observed_original if observed_original is not None else function
+
+
+def _compiled_of(value) -> object | None:
+    """What ``torch.compile(f)`` compiled (``f``), for a compiled function; else None."""
+    return getattr(value, "_torchdynamo_orig_callable", None)
+
+
+def _observing(flex: Callable) -> Callable:
+    """``flex`` that first hands its call to the thread's innermost intercepted forward."""
+
+    @functools.wraps(flex)
+    def observed(query, key, value, *args, **kwargs):
+        calls = _open_calls()
+        call = calls[-1] if calls and not in_side_computation() else None
+        if call is None or call.in_kernel:
+            return flex(query, key, value, *args, **kwargs)
+        call.on_flex(query, key, args, kwargs)
+        call.in_kernel = True  # flex's own ops (its eager fallback's softmax) are not the module's
+        try:
+            return flex(query, key, value, *args, **kwargs)
+        finally:
+            call.in_kernel = False
+
+    observed.__qkmonitor_observes__ = flex
+    return observed
+
+
+#: the process's observer of flex_attention (:class:`FlexObserver`)
+FLEX = FlexObserver()
 
 
 class _InterceptChannel(Channel):
@@ -86,7 +209,10 @@ class _InterceptChannel(Channel):
         #: names those weights; read at each forward's entry, so that the weights are the objects
         #: the forward computes with (FSDP2 hands F.linear unsharded parameters of its own)
         self.sources: dict[object, Callable[[], list[Tensor]]] = {}
+        #: the head count a 3-D (B·H, N, M) softmax is split by, where the module names one
+        self.split_heads: int | None = attribute(module, HEADS_NAMES)
         self._threads = threading.local()  # .calls: this thread's open calls, innermost last
+        self._release_flex = FLEX.hold(module)
         self._remove_hooks = add_forward_hooks(module, pre=self._enter, post=self._leave)
 
     def _calls(self) -> list[_Call]:
@@ -99,19 +225,28 @@ class _InterceptChannel(Channel):
         call = _Call(self)
         call.mode.__enter__()
         self._calls().append(call)
+        _open_calls().append(call)
 
     def _leave(self, module: nn.Module, args, output) -> None:
         calls = self._calls()
-        if calls:
-            calls.pop().mode.__exit__(None, None, None)
+        if not calls:
+            return
+        call = calls.pop()
+        _forget(call)
+        call.mode.__exit__(None, None, None)
+        if output is not None and call.first and self.observers:  # it ran; nothing was read
+            self.observers.notify(UnreadCall(call.unread_reason()))
 
     def uninstall(self) -> None:
         self._remove_hooks()
+        self._release_flex()
         # a forward left without its hook: a BaseException (KeyboardInterrupt) skips torch's
         # always-call hooks, so its mode is still entered on this thread until the probe closes
         calls = self._calls()
         while calls:
-            calls.pop().mode.__exit__(None, None, None)
+            call = calls.pop()
+            _forget(call)
+            call.mode.__exit__(None, None, None)
 
 
 def _watched(channel: _InterceptChannel) -> set[int]:
@@ -139,7 +274,33 @@ class _Call:
         self.biases: dict[int, Tensor] = {}  # the bias each projection's call added, where one did
         self.first = True
         self.qk: tuple[Tensor, Tensor] | None = None
+        self.in_kernel = False  # inside an observed kernel: its own ops are not the module's
+        self.unread: list[str] = []  # attention-like calls seen but not read, and why
         self.mode = _Interceptor(self)
+
+    def unread_reason(self) -> str:
+        """Why this forward gave nothing to read: the calls seen and what was missing, or that
+        none of the calls qkmonitor reads was made."""
+        if self.unread:
+            return "; ".join(dict.fromkeys(self.unread))
+        return (
+            "its forward called none of F.scaled_dot_product_attention, flex_attention or a "
+            "softmax over the keys of (B, H, N, M) or (B·H, N, M) scores (another kernel, e.g. "
+            "xformers' or flash-attn's, is not read)"
+        )
+
+    def on_flex(self, query, key, args: tuple, kwargs: dict) -> None:
+        """``flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, ...)``:
+        the scores as flex computes them (its score_mod and block mask applied)."""
+        flex = dict(zip(_FLEX_ARGS, args)) | kwargs
+        if not (isinstance(query, Tensor) and isinstance(key, Tensor) and query.dim() == 4):
+            self.unread.append("a flex_attention call whose queries are not (B, H, N, D)")
+            return
+        scale = flex.get("scale")
+        self._notify(
+            lambda: _flex_call(query, key, flex.get("score_mod"), flex.get("block_mask"), scale),
+            lambda: self._evidence(query, key, None, scale),
+        )
 
     def on_projection(self, func, args, kwargs) -> None:
         """``F.linear(input, weight, bias)`` and ``addmm(input, mat1, mat2)`` (GPT-2's Conv1D:
@@ -180,14 +341,34 @@ class _Call:
         )
 
     def on_softmax(self, args, kwargs) -> None:
+        """A softmax over the keys: of (B, H, N, M) logits, of (B, N, H, M) ones (heads in the
+        third dim where the layer's head count says so), or of (B·H, N, M) ones split by the
+        module's head count."""
         x = args[0] if args else kwargs.get("input")
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        if not isinstance(x, Tensor) or x.dim() != 4 or dim not in (-1, 3):
+        if not isinstance(x, Tensor) or dim not in (-1, x.dim() - 1):
             return
-        if (
-            self.channel.heads is not None and x.shape[1] != self.channel.heads
-        ):  # not (B, H, N, M): heads folded elsewhere
+        heads = self.channel.heads
+        if x.dim() == 3:
+            split = heads or self.channel.split_heads
+            if split is None or x.shape[0] % split:
+                self.unread.append(
+                    f"a softmax over the last dim of a 3-D tensor of shape {tuple(x.shape)}, whose "
+                    "first dim could not be split into (batch, heads): "
+                    + ("the module names no head count" if split is None else f"{split} heads")
+                )
+                return
+            x = x.view(x.shape[0] // split, split, *x.shape[1:])
+        elif x.dim() != 4:
             return
+        elif heads is not None and x.shape[1] != heads:
+            if x.shape[2] != heads:  # not (B, H, N, M) nor (B, N, H, M): heads folded elsewhere
+                self.unread.append(
+                    f"a softmax over a tensor of shape {tuple(x.shape)}, in which no dim holds "
+                    f"the layer's {heads} heads"
+                )
+                return
+            x = x.transpose(1, 2)
         qk = self.qk
         if qk is not None and qk[0].shape[:3] == x.shape[:3] and qk[1].shape[2] == x.shape[3]:
             self._notify(lambda: _scores_call(x), lambda: self._evidence(qk[0], qk[1], None, None))
@@ -246,6 +427,19 @@ def _sdpa_call(q: Tensor, k: Tensor, attn_mask, is_causal: bool, scale) -> Maske
     call.allowed, call.bias = allowed, bias
     if allowed is not None:
         call.reduce()
+    return call
+
+
+def _flex_call(q: Tensor, k: Tensor, score_mod, block_mask, scale) -> MaskedCall:
+    """The statistics of one flex_attention call as flex defines it: ``score_mod`` on the scaled
+    scores, the block mask's blocks and ``mask_mod``; GQA keys read by query head h // (H/H_kv)."""
+    n, m = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    call = MaskedCall(q.detach(), k.detach(), scale, False, None, None, None, score_mod=score_mod)
+    if block_mask is not None:
+        call.allowed = block_mask_allowed(block_mask, q.shape[0], q.shape[1], n, m)
+        if score_mod is None:
+            call.reduce()
     return call
 
 

@@ -131,6 +131,7 @@ class ProbeResult:
         max_logits: each call's (B, H) largest logits (empty unless requested).
         calls: forwards observed.
         failures: reasons of the calls whose measurement failed (they are in no list above).
+        unread: why a forward that ran gave no call to read (what it called, what is missing).
     """
 
     stats: list[AttentionStats] = field(default_factory=list)
@@ -138,6 +139,7 @@ class ProbeResult:
     max_logits: list[Tensor] = field(default_factory=list)
     calls: int = 0
     failures: list[str] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
 
 
 class Probe:
@@ -166,6 +168,10 @@ class Probe:
         """Measure one forward (called by what opening installed, under ``no_grad``); a checkpoint's
         recomputation of a forward in the backward is not a new one and is left out."""
         if self.closed or recomputing():
+            return
+        reason = getattr(call, "unread_reason", None)
+        if reason is not None:  # a forward that ran with nothing to read (calls.UnreadCall)
+            self._result.unread.append(reason)
             return
         self._result.calls += 1
         try:

@@ -623,6 +623,7 @@ class ActivationEngine(MonitorEngine):
 
     def _prepare(self, model: nn.Module) -> None:
         self._measurable = [layer.supports_stats for layer in self.layers]
+        self._windows_closed = 0  # a first window that reads no layer is an error, later ones not
         unsupported = [layer.name for layer, ok in zip(self.layers, self._measurable) if not ok]
         if len(unsupported) == len(self.layers):
             raise ValueError(
@@ -747,8 +748,33 @@ class ActivationEngine(MonitorEngine):
                 "a probed batch held no token (an empty batch): nothing was measured and "
                 "its values are NaN. This warning is shown once.",
             )
+        unread = [
+            (layer, result.unread[0])
+            for layer, result, measurable in zip(self.layers, results, self._measurable)
+            if measurable and result.calls == 0 and result.unread
+        ]
+        read_any = any(r.calls for r, measurable in zip(results, self._measurable) if measurable)
+        if not self._windows_closed and unread and not read_any:
+            self._windows_closed += 1
+            names = "; ".join(f"{layer.name!r}: {why}" for layer, why in unread[:3])
+            more = f" (and {len(unread) - 3} more)" if len(unread) > 3 else ""
+            raise ValueError(
+                f"{type(self).__name__} measures none of its {len(self.layers)} attention layers: "
+                f"they ran in the first probed forward, but no attention call could be read "
+                f"({names}{more}). Describe the attention with qkmonitor.register_attention "
+                "(README, 'Use it on your model'), or leave this monitor out."
+            )
+        self._windows_closed += 1
         for layer, result, measurable in zip(self.layers, results, self._measurable):
-            if result.calls == 0 and measurable:
+            if result.calls == 0 and measurable and result.unread:
+                self.warn_once(
+                    host,
+                    f"unread:{layer.name}",
+                    f"layer {layer.name!r} ran in the probed forward, but none of its attention "
+                    f"calls could be read ({result.unread[0]}); its values are NaN. This warning "
+                    "is shown once per layer.",
+                )
+            elif result.calls == 0 and measurable:
                 self.warn_once(
                     host,
                     f"missing:{layer.name}",
