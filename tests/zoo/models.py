@@ -1278,3 +1278,403 @@ def _bloom() -> Built:
         return out
 
     return Built(model, causal_lm(ids, mask), qk, {"before": "query_key_value", "after": "dense"})
+
+
+# ------------------------------------------------- the "Works with" table's other models (issue 33)
+
+
+def _separate(attn_cls, q: str = "q_proj", k: str = "k_proj", heads_of=None):
+    """``qk`` for modules with separate query/key ``nn.Linear`` projections whose rows are the
+    heads in order, query head h reading key head h // (H / H_kv); ``heads_of(module)`` gives
+    (H, H_kv)."""
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, attn_cls):
+            h, kv = heads_of(a)
+            wq, wk = getattr(a, q).weight, getattr(a, k).weight
+            out[n] = pair(heads(wq, h), heads(wk, kv), blocked(h, kv))
+        return out
+
+    return qk
+
+
+def _sharpen_separate(attn_cls, factor: float, q: str = "q_proj", k: str = "k_proj"):
+    def sharpen(model):
+        for _, a in modules_of(model, attn_cls):
+            scale_rows_(getattr(a, q).weight, slice(None), factor)
+            scale_rows_(getattr(a, k).weight, slice(None), factor)
+
+    return sharpen
+
+
+def _hf_decoder(
+    config_name: str,
+    model_name: str,
+    attn_path: str,
+    impl: str,
+    factor: float,
+    heads_: int,
+    kv_heads: int,
+    out: str = "o_proj",
+    **config_kw,
+) -> Built:
+    """A Hugging Face causal LM whose attention has separate ``q_proj``/``k_proj`` Linear rows
+    ``[H, d_k]`` and ``[H_kv, d_k]`` (this file's reading of each modeling file named below)."""
+    transformers = pytest.importorskip("transformers")
+    module_name, cls_name = attn_path.rsplit(".", 1)
+    attn_cls = getattr(__import__(module_name, fromlist=[cls_name]), cls_name)
+    config = getattr(transformers, config_name)(vocab_size=VOCAB, **config_kw)
+    model = hf_build(
+        getattr(transformers, model_name), config, impl, _sharpen_separate(attn_cls, factor)
+    )
+    qk = _separate(attn_cls, heads_of=lambda a: (heads_, kv_heads))
+    return Built(model, causal_lm(tokens()), qk, {"before": "q_proj", "after": out})
+
+
+_DECODER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    max_position_embeddings=32,
+    initializer_range=0.2,
+)
+
+# Mistral: GQA, a sliding window shorter than the batch's sequence (eager: in the 4-D mask)
+entry("hf-mistral-sliding", "transformers")(
+    lambda: _hf_decoder(
+        "MistralConfig",
+        "MistralForCausalLM",
+        "transformers.models.mistral.modeling_mistral.MistralAttention",
+        "eager",
+        1.5,
+        4,
+        2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=5,
+        **_DECODER,
+    )
+)
+# Gemma-2: soft-capped logits, sliding and global layers alternating, head_dim of its own
+entry("hf-gemma2-eager", "transformers")(
+    lambda: _hf_decoder(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        "transformers.models.gemma2.modeling_gemma2.Gemma2Attention",
+        "eager",
+        3.0,
+        4,
+        2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        attn_logit_softcapping=10.0,
+        **_DECODER,
+    )
+)
+# Qwen3: QK-norm per head (q_norm, k_norm), not part of W_QK
+entry("hf-qwen3", "transformers")(
+    lambda: _hf_decoder(
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        "transformers.models.qwen3.modeling_qwen3.Qwen3Attention",
+        "sdpa",
+        1.5,
+        4,
+        2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        **_DECODER,
+    )
+)
+# OLMo-2: QK-norm over the whole projection
+entry("hf-olmo2", "transformers")(
+    lambda: _hf_decoder(
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        "transformers.models.olmo2.modeling_olmo2.Olmo2Attention",
+        "sdpa",
+        1.5,
+        4,
+        4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        **_DECODER,
+    )
+)
+# GPT-J: partial rotary, out_proj, sizes in n_embd/n_head
+entry("hf-gptj", "transformers")(
+    lambda: _hf_decoder(
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        "transformers.models.gptj.modeling_gptj.GPTJAttention",
+        "eager",
+        1.0,
+        4,
+        4,
+        out="out_proj",
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        rotary_dim=4,
+        n_positions=32,
+        initializer_range=0.2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+)
+# OPT: biases, the 1/sqrt(d) folded into the queries (scaling), out_proj
+entry("hf-opt", "transformers")(
+    lambda: _hf_decoder(
+        "OPTConfig",
+        "OPTForCausalLM",
+        "transformers.models.opt.modeling_opt.OPTAttention",
+        "sdpa",
+        2.0,
+        4,
+        4,
+        out="out_proj",
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        word_embed_proj_dim=32,
+        init_std=0.2,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+)
+
+
+@entry("hf-bart", "transformers")
+def _bart() -> Built:
+    """BART: encoder self-attention (padding), decoder causal self-attention and cross-attention
+    over the encoder's keys; ``q_proj``/``k_proj`` rows ``[H, d_k]``."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.bart.modeling_bart import BartAttention
+
+    config = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=32,
+        init_std=0.2,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=0,
+    )
+    model = hf_build(
+        transformers.BartForConditionalGeneration,
+        config,
+        "sdpa",
+        _sharpen_separate(BartAttention, 1.5),
+    )
+    src, src_mask, tgt = tokens(1), padding_mask(pad=3), tokens(2, seq=10)
+
+    def loss(m):
+        logits = m(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt).logits
+        return lm_loss(logits, tgt)
+
+    qk = _separate(BartAttention, heads_of=lambda a: (a.num_heads, a.num_heads))
+    return Built(model, loss, qk, {"before": "q_proj", "after": "out_proj"})
+
+
+@entry("hf-whisper", "transformers")
+def _whisper() -> Built:
+    """Whisper: an audio encoder (self-attention), a text decoder (causal self-attention and
+    cross-attention); ``k_proj`` has no bias."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.whisper.modeling_whisper import WhisperAttention
+
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=8,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_source_positions=8,
+        max_target_positions=16,
+        init_std=0.2,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=0,
+        decoder_start_token_id=1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = hf_build(
+        transformers.WhisperForConditionalGeneration,
+        config,
+        "sdpa",
+        _sharpen_separate(WhisperAttention, 2.0),
+    )
+    features = torch.randn(BATCH, 8, 16, generator=torch.Generator().manual_seed(0))
+    tgt = tokens(2, seq=10)
+
+    def loss(m):
+        return lm_loss(m(input_features=features, decoder_input_ids=tgt).logits, tgt)
+
+    qk = _separate(WhisperAttention, heads_of=lambda a: (a.num_heads, a.num_heads))
+    return Built(model, loss, qk, {"before": "q_proj", "after": "out_proj"})
+
+
+@entry("hf-clip", "transformers")
+def _clip() -> Built:
+    """CLIP: a text tower (causal, padding) and a vision tower, each ``q_proj``/``k_proj``."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.clip.modeling_clip import CLIPAttention
+
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        initializer_range=0.2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=4,
+        initializer_range=0.2,
+    )
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    model = hf_build(transformers.CLIPModel, config, "sdpa", _sharpen_separate(CLIPAttention, 2.0))
+    ids = tokens(3, seq=10, low=3)
+    pixels = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+
+    def loss(m):
+        out = m(input_ids=ids, pixel_values=pixels, return_loss=True)
+        return out.loss
+
+    qk = _separate(CLIPAttention, heads_of=lambda a: (a.num_heads, a.num_heads))
+    return Built(model, loss, qk, {"before": "q_proj", "after": "out_proj"})
+
+
+@entry("hf-vit", "transformers")
+def _hf_vit() -> Built:
+    """Hugging Face ViT: ``ViTAttention`` with ``q_proj``/``k_proj`` Linear rows ``[H, d_k]``
+    (5.x; before, ``ViTSelfAttention`` with ``query``/``key``)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.vit import modeling_vit
+
+    attn_cls = getattr(modeling_vit, "ViTSelfAttention", None) or modeling_vit.ViTAttention
+    q, k = ("query", "key") if attn_cls.__name__ == "ViTSelfAttention" else ("q_proj", "k_proj")
+    config = transformers.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=16,
+        patch_size=4,
+        num_labels=5,
+        initializer_range=0.2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = hf_build(
+        transformers.ViTForImageClassification,
+        config,
+        "sdpa",
+        _sharpen_separate(attn_cls, 1.5, q, k),
+    )
+    pixels = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([1, 3])
+    qk = _separate(attn_cls, q, k, lambda a: (4, 4))
+    return Built(
+        model,
+        lambda m: F.cross_entropy(m(pixel_values=pixels).logits, labels),
+        qk,
+        {"before": q, "after": None},
+        fail_patch=(F, "scaled_dot_product_attention"),
+    )
+
+
+@entry("timm-deit", "timm")
+def _timm_deit() -> Built:
+    """timm DeiT (distilled): ViT's ``Attention`` (fused ``qkv``) with a distillation token."""
+    pytest.importorskip("timm")
+    from timm.layers import Attention
+    from timm.models.deit import VisionTransformerDistilled
+
+    seeded()
+    model = VisionTransformerDistilled(
+        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5
+    )
+    for _, a in modules_of(model, Attention):
+        scale_rows_(a.qkv.weight, slice(0, 64), 12.0)
+    images = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([1, 3])
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, Attention):
+            w, d = a.qkv.weight, a.num_heads * a.head_dim
+            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
+        return out
+
+    def loss(m):
+        logits = m(images)
+        return F.cross_entropy(logits[0] if isinstance(logits, tuple) else logits, labels)
+
+    return Built(no_dropout(model).train(), loss, qk, {"before": "qkv", "after": "proj"})
+
+
+@entry("torchvision-vit", "torchvision")
+def _torchvision_vit() -> Built:
+    """torchvision's VisionTransformer: ``nn.MultiheadAttention`` in each encoder block."""
+    pytest.importorskip("torchvision")
+    from torchvision.models import VisionTransformer
+
+    seeded()
+    model = VisionTransformer(
+        image_size=16,
+        patch_size=4,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        mlp_dim=64,
+        num_classes=5,
+    )
+    for _, a in modules_of(model, nn.MultiheadAttention):
+        scale_rows_(a.in_proj_weight, slice(0, 64), 3.0)
+    images = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([1, 3])
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, nn.MultiheadAttention):
+            w, d = a.in_proj_weight, a.embed_dim
+            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
+        return out
+
+    return Built(
+        no_dropout(model).train(),
+        lambda m: F.cross_entropy(m(images), labels),
+        qk,
+        {"before": None, "after": None},
+        fail_patch=(F, "multi_head_attention_forward"),
+    )

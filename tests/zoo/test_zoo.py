@@ -457,3 +457,64 @@ def test_a_step_that_raises_inside_attention_leaves_nothing(name, where, leftove
     assert torch._C._len_torch_function_stack() == 0
     assert len(entropy.latest["entropy_norm"]) == len(names)
     assert all(torch.isfinite(heads).all() for heads in entropy.latest["entropy_norm"])
+
+
+@pytest.mark.parametrize("name", ["hf-mistral-sliding", "timm-swin-sdpa", "hf-deepseek-v3"])
+def test_a_zoo_model_in_a_lightning_fit_logs_what_one_monitored_step_measures(
+    name, tmp_path, leftovers
+):
+    """The same model through Lightning's callbacks (a TensorBoard-free fit, the weights held
+    still by a zero learning rate): κ equals the float64 reference, and the statistics equal
+    those of the plain loop's step on the same batch."""
+    import lightning.pytorch as pl
+
+    from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
+
+    built = build(name)
+    twin = copy.deepcopy(built.model)
+    _, plain, _ = monitored_step(twin, built)
+
+    class Task(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = built.model
+
+        def training_step(self, batch, batch_idx):
+            return built.loss(self.model)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.zeros(2, 1), batch_size=1)
+
+    spectrum = QKSpectrumMonitor(every_n_steps=1, per_head=True)
+    entropy = AttentionEntropyMonitor(every_n_steps=1, per_head=True)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=2,
+        logger=False,
+        callbacks=[spectrum, entropy],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    )
+    trainer.fit(Task())
+    assert leftovers(built.model) == []
+    expected = built.qk(built.model)
+    # names under the LightningModule: its `model.` first
+    layers = {
+        layer.name.removeprefix("model."): i for i, layer in enumerate(spectrum.engine.layers)
+    }
+    assert sorted(layers) == sorted(expected)
+    for layer_name, (wq, wk) in expected.items():
+        torch.testing.assert_close(
+            spectrum.engine.latest["kappa"][layers[layer_name]].double(),
+            kappa_reference(wq, wk),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+    for metric in ("entropy_norm", "max_prob"):
+        for got, want in zip(entropy.engine.latest[metric], plain.latest[metric]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
