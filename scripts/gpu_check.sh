@@ -2,8 +2,9 @@
 # GPU readiness check on one CUDA GPU, sized to finish within 8 minutes on an H200:
 #   0. warm Triton's cache: build, on every core, the kernels the next steps launch
 #      (scripts/compile_kernels.py --set gpu-check; otherwise autotuning compiles them one by one);
-#   1. pytest -m gpu: the Triton kernels against SDPA and float64 references, and a bf16-mixed
-#      Lightning fit with all three monitors, on CUDA;
+#   1. pytest -m gpu: the Triton kernels against SDPA and float64 references, a bf16-mixed
+#      Lightning fit with all three monitors, and flex_attention training under the monitors
+#      (score_mod and block mask; its backward exists on CUDA only), on CUDA;
 #   2. benchmarks/attention.py: Triton forward and forward+backward TFLOP/s, with and without
 #      statistics, against SDPA's flash backend (bf16, causal, N = 1k..16k, D = 64 and 128);
 #   3. benchmarks/overhead.py: training steps/s of a GPT-2-small-sized model, monitors vs none;
