@@ -511,12 +511,33 @@ def find_attention_layers(
             claimed.append(name)
     if not found:
         raise ValueError(
-            f"No attention layers found in {type(model).__name__}: looked for {_looked_for()}. "
-            "Describe yours with qkmonitor.register_attention(qkmonitor.AttentionSpec(...)), or "
-            "pass `layers=` (AttentionLayer subclasses, modules, or a function of the model); see "
-            "the README, 'Use it on your model'."
+            f"No attention layers found in {type(model).__name__}: looked for {_looked_for()}."
+            f"{_passed_over(model)} Describe yours with "
+            "qkmonitor.register_attention(qkmonitor.AttentionSpec(...)), or pass `layers=` "
+            "(AttentionLayer subclasses, modules, or a function of the model); see the README, "
+            "'Use it on your model'."
         )
     return found
+
+
+def _passed_over(model: nn.Module) -> str:
+    """The modules that look like attention (by name, or an SDPA call in their code) that no
+    family took, named for the error, and why they were passed over."""
+    from qkmonitor.attention.recognition import NOT_ATTENTION, looks_like_attention
+
+    passed = [
+        f"{name!r} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if name and not isinstance(module, NOT_ATTENTION) and looks_like_attention(module)
+    ]
+    if not passed:
+        return ""
+    more = f" and {len(passed) - 3} more" if len(passed) > 3 else ""
+    return (
+        f" Passed over, though they look like attention: {', '.join(passed[:3])}{more}: none of "
+        "their submodules is a query/key projection of a name qkmonitor knows, and no family "
+        "recognises their structure."
+    )
 
 
 def _from_user(

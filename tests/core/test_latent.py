@@ -264,3 +264,20 @@ def test_a_spec_whose_latent_names_do_not_fit_the_module_says_so():
     )
     with pytest.raises(ValueError, match="`latent`: MLA has no latent projections 'kv_down'"):
         spec.layout(MLA())
+
+
+def test_a_latent_attention_of_unknown_names_is_named_in_the_error():
+    """Found by nothing (its projections have names of its own): the error names the module that
+    looks like attention and was passed over, and the spec to describe it."""
+    names = {"wq_a": "a", "q_norm": "b", "wq_b": "c", "wkv_a": "d", "kv_norm": "e", "wkv_b": "f"}
+
+    class RenamedAttention(MLA):
+        pass
+
+    model = Model(RenamedAttention(names=names))
+    with pytest.raises(ValueError, match="No attention layers found in Model") as info:
+        qkmonitor.find_attention_layers(model)
+    assert "Passed over, though they look like attention: 'blocks.0' (RenamedAttention)" in str(
+        info.value
+    )
+    assert "AttentionSpec" in str(info.value)
