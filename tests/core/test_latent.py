@@ -76,6 +76,15 @@ class MLA(nn.Module):
         return self.wo(y.transpose(1, 2).flatten(2))
 
 
+def _attend_elsewhere(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    b, t, _ = x.shape
+    q = block.b(block.a(x)).view(b, t, H, -1).transpose(1, 2)
+    latent, k_rot = block.d(x).split([RANK, ROPE], -1)
+    k_nope, v = block.f(latent).view(b, t, H, -1).transpose(1, 2).split([NOPE, VALUE], -1)
+    k = torch.cat([k_nope, k_rot[:, None].expand(b, H, t, ROPE)], -1)
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+
 class Model(nn.Module):
     def __init__(self, *blocks: nn.Module) -> None:
         super().__init__()
@@ -269,12 +278,17 @@ def test_a_spec_whose_latent_names_do_not_fit_the_module_says_so():
 def test_a_latent_attention_of_unknown_names_is_named_in_the_error():
     """Found by nothing (its projections have names of its own): the error names the module that
     looks like attention and was passed over, and the spec to describe it."""
-    names = {"wq_a": "a", "q_norm": "b", "wq_b": "c", "wkv_a": "d", "kv_norm": "e", "wkv_b": "f"}
 
-    class RenamedAttention(MLA):
-        pass
+    class RenamedAttention(nn.Module):  # its attention call is in a function of another module
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(D, Q_RANK), nn.Linear(Q_RANK, H * (NOPE + ROPE))
+            self.d, self.f = nn.Linear(D, RANK + ROPE), nn.Linear(RANK, H * (NOPE + VALUE))
 
-    model = Model(RenamedAttention(names=names))
+        def forward(self, x):
+            return _attend_elsewhere(self, x)
+
+    model = Model(RenamedAttention())
     with pytest.raises(ValueError, match="No attention layers found in Model") as info:
         qkmonitor.find_attention_layers(model)
     assert "Passed over, though they look like attention: 'blocks.0' (RenamedAttention)" in str(
