@@ -111,19 +111,20 @@ class FlexObserver:
 
     def __init__(self) -> None:
         self._held: dict[tuple[int, str], list] = {}  # (id(namespace), name) -> [count, ns, old]
+        self._names: dict[int, tuple[str, ...]] = {}  # id(namespace) -> its flex_attention names
 
     def hold(self, module: nn.Module) -> Callable[[], None]:
         """Observe the flex_attention names ``module``'s forward may call; returns the release."""
         original = _flex_function()
         if original is None:  # torch before 2.5
             return lambda: None
-        namespaces = [vars(sys.modules[original.__module__])]
+        torch_names = vars(sys.modules[original.__module__])
+        keys = [self._patch(torch_names, "flex_attention", original)]
         home = sys.modules.get(own_class(module).__module__)
-        if home is not None and vars(home) is not namespaces[0]:
-            namespaces.append(vars(home))
-        keys = []
-        for namespace in namespaces:
-            for name, value in list(namespace.items()):
+        if home is not None and vars(home) is not torch_names:
+            namespace = vars(home)
+            for name in self._names_in(namespace, original):
+                value = namespace.get(name)
                 observed = getattr(value, "__qkmonitor_observes__", None)
                 if value is original or _compiled_of(value) is original or observed is not None:
                     keys.append(self._patch(namespace, name, observed or value))
@@ -133,6 +134,20 @@ class FlexObserver:
                 self._unpatch(key)
 
         return release
+
+    def _names_in(self, namespace: dict, original: Callable) -> tuple[str, ...]:
+        """The names of a module's namespace bound to flex_attention (or to ``torch.compile`` of
+        it), read once per namespace: a module binds them at its import."""
+        found = self._names.get(id(namespace))
+        if found is None:
+            found = self._names[id(namespace)] = tuple(
+                name
+                for name, value in list(namespace.items())
+                if value is original
+                or _compiled_of(value) is original
+                or getattr(value, "__qkmonitor_observes__", None) is not None
+            )
+        return found
 
     def _patch(self, namespace: dict, name: str, value) -> tuple[int, str]:
         key = (id(namespace), name)
