@@ -104,8 +104,9 @@ class FlexObserver:
     """``flex_attention`` seen inside an intercepted forward. It is a Python function, not a torch
     function a ``TorchFunctionMode`` sees: while an interception channel is installed, the names
     that hold it (``torch.nn.attention.flex_attention.flex_attention``, and in the namespace of the
-    module's class any name bound to it or to ``torch.compile`` of it) hold a function that hands
-    the call to the innermost intercepted forward of the thread, then runs the original. One per
+    module's class any name bound to it or to ``torch.compile`` of it, found once per file) hold a
+    function that hands the call to the innermost intercepted forward of the thread, then runs the
+    original. One per
     process (:data:`FLEX`): each name is counted per channel and put back when the last channel
     that holds it goes."""
 
