@@ -362,6 +362,31 @@ entry("hf-deepseek-v3-q-lora", "transformers")(lambda: _deepseek_v3(8))
 # --------------------------------------------------------------------------------------------- timm
 
 
+def _fused_qkv(attn_cls, weight: Callable[[nn.Module], Tensor] = lambda a: a.qkv.weight):
+    """``qk`` for a fused q/k/v projection with rows ``[q | k | v]``, each ``[H, d_k]`` (timm's
+    ``qkv``, ``nn.MultiheadAttention``'s ``in_proj_weight``)."""
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, attn_cls):
+            w = weight(a)
+            d = w.shape[0] // 3
+            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
+        return out
+
+    return qk
+
+
+IMAGES = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+LABELS = torch.tensor([1, 3])
+
+
+def classify(model: nn.Module) -> Tensor:
+    """The image classifiers' loss on one fixed batch (the first output of a distilled model)."""
+    logits = model(IMAGES)
+    return F.cross_entropy(logits[0] if isinstance(logits, tuple) else logits, LABELS)
+
+
 def _timm_vit(fused: bool) -> Built:
     pytest.importorskip("timm")
     from timm.layers import Attention
@@ -376,19 +401,11 @@ def _timm_vit(fused: bool) -> Built:
         scale_rows_(
             a.qkv.weight, slice(0, 64), 12.0
         )  # init std 0.02; rows [q | k | v], each [H, d_k]
-    images = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    labels = torch.tensor([1, 3])
-
-    def qk(model):
-        out = {}
-        for n, a in modules_of(model, Attention):
-            w, d = a.qkv.weight, a.num_heads * a.head_dim
-            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
-        return out
+    qk = _fused_qkv(Attention)
 
     return Built(
         no_dropout(model).train(),
-        lambda m: F.cross_entropy(m(images), labels),
+        classify,
         qk,
         {"before": "qkv", "after": "proj"},
     )
@@ -426,20 +443,11 @@ def _timm_beit(fused: bool) -> Built:
             a.relative_position_bias_table.copy_(
                 torch.randn(a.relative_position_bias_table.shape, generator=gen)
             )
-    images = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    labels = torch.tensor([1, 3])
-
-    def qk(model):
-        out = {}
-        for n, a in modules_of(model, Attention):
-            w = a.qkv.weight
-            d = w.shape[0] // 3
-            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
-        return out
+    qk = _fused_qkv(Attention)
 
     return Built(
         no_dropout(model).train(),
-        lambda m: F.cross_entropy(m(images), labels),
+        classify,
         qk,
         {"before": None, "after": "proj"},  # its qkv weight is not called as a module
         fail_patch=(F, "linear"),
@@ -473,20 +481,11 @@ def _timm_swin(fused: bool) -> Built:
         a.fused_attn = fused
         scale_rows_(a.qkv.weight, slice(0, 32), 18.0)
     assert any(any(b.shift_size) for b in model.layers[0].blocks), "no shifted window"
-    images = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    labels = torch.tensor([1, 3])
-
-    def qk(model):
-        out = {}
-        for n, a in modules_of(model, WindowAttention):
-            w = a.qkv.weight
-            d = w.shape[0] // 3
-            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
-        return out
+    qk = _fused_qkv(WindowAttention)
 
     return Built(
         no_dropout(model).train(),
-        lambda m: F.cross_entropy(m(images), labels),
+        classify,
         qk,
         {"before": "qkv", "after": "proj"},
     )
@@ -1601,12 +1600,10 @@ def _hf_vit() -> Built:
         "sdpa",
         _sharpen_separate(attn_cls, 1.5, q, k),
     )
-    pixels = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    labels = torch.tensor([1, 3])
     qk = _separate(attn_cls, q, k, lambda a: (4, 4))
     return Built(
         model,
-        lambda m: F.cross_entropy(m(pixel_values=pixels).logits, labels),
+        lambda m: F.cross_entropy(m(pixel_values=IMAGES).logits, LABELS),
         qk,
         {"before": q, "after": None},
         fail_patch=(F, "scaled_dot_product_attention"),
@@ -1626,21 +1623,9 @@ def _timm_deit() -> Built:
     )
     for _, a in modules_of(model, Attention):
         scale_rows_(a.qkv.weight, slice(0, 64), 12.0)
-    images = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    labels = torch.tensor([1, 3])
+    qk = _fused_qkv(Attention)
 
-    def qk(model):
-        out = {}
-        for n, a in modules_of(model, Attention):
-            w, d = a.qkv.weight, a.num_heads * a.head_dim
-            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
-        return out
-
-    def loss(m):
-        logits = m(images)
-        return F.cross_entropy(logits[0] if isinstance(logits, tuple) else logits, labels)
-
-    return Built(no_dropout(model).train(), loss, qk, {"before": "qkv", "after": "proj"})
+    return Built(no_dropout(model).train(), classify, qk, {"before": "qkv", "after": "proj"})
 
 
 @entry("torchvision-vit", "torchvision")
@@ -1661,19 +1646,11 @@ def _torchvision_vit() -> Built:
     )
     for _, a in modules_of(model, nn.MultiheadAttention):
         scale_rows_(a.in_proj_weight, slice(0, 64), 3.0)
-    images = torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    labels = torch.tensor([1, 3])
-
-    def qk(model):
-        out = {}
-        for n, a in modules_of(model, nn.MultiheadAttention):
-            w, d = a.in_proj_weight, a.embed_dim
-            out[n] = heads(w[:d], a.num_heads), heads(w[d : 2 * d], a.num_heads)
-        return out
+    qk = _fused_qkv(nn.MultiheadAttention, lambda a: a.in_proj_weight)
 
     return Built(
         no_dropout(model).train(),
-        lambda m: F.cross_entropy(m(images), labels),
+        classify,
         qk,
         {"before": None, "after": None},
         fail_patch=(F, "multi_head_attention_forward"),
