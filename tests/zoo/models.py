@@ -1313,13 +1313,12 @@ def _hf_decoder(
     attn_path: str,
     impl: str,
     factor: float,
-    heads_: int,
-    kv_heads: int,
     out: str = "o_proj",
     **config_kw,
 ) -> Built:
     """A Hugging Face causal LM whose attention has separate ``q_proj``/``k_proj`` Linear rows
-    ``[H, d_k]`` and ``[H_kv, d_k]`` (this file's reading of each modeling file named below)."""
+    ``[H, d_k]`` and ``[H_kv, d_k]`` (this file's reading of each modeling file named below),
+    H and H_kv as its config says."""
     transformers = pytest.importorskip("transformers")
     module_name, cls_name = attn_path.rsplit(".", 1)
     attn_cls = getattr(__import__(module_name, fromlist=[cls_name]), cls_name)
@@ -1327,7 +1326,9 @@ def _hf_decoder(
     model = hf_build(
         getattr(transformers, model_name), config, impl, _sharpen_separate(attn_cls, factor)
     )
-    qk = _separate(attn_cls, heads_of=lambda a: (heads_, kv_heads))
+    h = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or h
+    qk = _separate(attn_cls, heads_of=lambda a: (h, kv))
     return Built(model, causal_lm(tokens()), qk, {"before": "q_proj", "after": out})
 
 
@@ -1347,8 +1348,6 @@ entry("hf-mistral-sliding", "transformers")(
         "transformers.models.mistral.modeling_mistral.MistralAttention",
         "eager",
         1.5,
-        4,
-        2,
         num_attention_heads=4,
         num_key_value_heads=2,
         sliding_window=5,
@@ -1363,8 +1362,6 @@ entry("hf-gemma2-eager", "transformers")(
         "transformers.models.gemma2.modeling_gemma2.Gemma2Attention",
         "eager",
         3.0,
-        4,
-        2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
@@ -1381,8 +1378,6 @@ entry("hf-qwen3", "transformers")(
         "transformers.models.qwen3.modeling_qwen3.Qwen3Attention",
         "sdpa",
         1.5,
-        4,
-        2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
@@ -1397,8 +1392,6 @@ entry("hf-olmo2", "transformers")(
         "transformers.models.olmo2.modeling_olmo2.Olmo2Attention",
         "sdpa",
         1.5,
-        4,
-        4,
         num_attention_heads=4,
         num_key_value_heads=4,
         **_DECODER,
@@ -1412,8 +1405,6 @@ entry("hf-gptj", "transformers")(
         "transformers.models.gptj.modeling_gptj.GPTJAttention",
         "eager",
         1.0,
-        4,
-        4,
         out="out_proj",
         n_embd=32,
         n_layer=2,
@@ -1434,8 +1425,6 @@ entry("hf-opt", "transformers")(
         "transformers.models.opt.modeling_opt.OPTAttention",
         "sdpa",
         2.0,
-        4,
-        4,
         out="out_proj",
         hidden_size=32,
         ffn_dim=64,
