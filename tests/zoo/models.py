@@ -298,7 +298,11 @@ def _deepseek_v3(q_lora_rank: int | None) -> Built:
     ``kv_lora_rank`` outputs of ``kv_a_proj_with_mqa``, ``k_rot`` its last d_r outputs, one for
     every head. The norms' per-token 1/rms is left out (position 0 of RoPE, unit factor)."""
     transformers = pytest.importorskip("transformers")
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+    modeling = pytest.importorskip(
+        "transformers.models.deepseek_v3.modeling_deepseek_v3",
+        reason="DeepSeek-V3: transformers 4.50+",
+    )
+    DeepseekV3Attention = modeling.DeepseekV3Attention
 
     heads_, nope, rope, value, rank = 4, 6, 4, 5, 12
     config = transformers.DeepseekV3Config(
@@ -1321,7 +1325,7 @@ def _hf_decoder(
     H and H_kv as its config says."""
     transformers = pytest.importorskip("transformers")
     module_name, cls_name = attn_path.rsplit(".", 1)
-    attn_cls = getattr(__import__(module_name, fromlist=[cls_name]), cls_name)
+    attn_cls = getattr(pytest.importorskip(module_name), cls_name)
     config = getattr(transformers, config_name)(vocab_size=VOCAB, **config_kw)
     model = hf_build(
         getattr(transformers, model_name), config, impl, _sharpen_separate(attn_cls, factor)
