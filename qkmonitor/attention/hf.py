@@ -64,6 +64,7 @@ from qkmonitor.attention.intercept import LayoutChecked
 from qkmonitor.attention.latent import LatentLayout, find_latent
 from qkmonitor.attention.layouts import infer_layouts
 from qkmonitor.attention.probes import Probe
+from qkmonitor.attention.recognition import computes_attention
 from qkmonitor.attention.registry import register_family
 from qkmonitor.attention.route import Channel, Route, observed
 from qkmonitor.validation import is_int, is_real
@@ -236,8 +237,14 @@ class HFLatentAttentionLayer(HFAttentionLayer):
 
 
 def adapt_hf_module(name: str, module: nn.Module, index: int) -> HFAttentionLayer | None:
-    """The adapter for a ``transformers`` attention module of a supported shape, else None."""
+    """The adapter for a ``transformers`` attention module of a supported shape, else None.
+
+    A LLaMA-shaped module that computes its attention in its own code instead of dispatching
+    (BART, CLIP, OPT, GPT-J, ViT, Whisper before their release dispatched) is left to the generic
+    family, which intercepts that computation."""
     if _llama_shape(module) is not None:
+        if not _hf_compat.dispatches(module) and computes_attention(own_class(module)):
+            return None
         return LlamaAttentionLayer(name, module, index)
     latent = find_latent(module)
     if latent is not None and _hf_compat.dispatches(module):

@@ -356,7 +356,7 @@ def test_hugging_face_flex_attention_is_measured_as_its_eager_twin():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with torch.no_grad(), monitoring.step(0):
-                model(ids)
+                model(ids, use_cache=False)  # 4.48: a HybridCache shorter than the input fails
             monitoring.close()
         assert not [w for w in caught if "not supported" in str(w.message)]
         values[implementation] = entropy.latest
