@@ -14,7 +14,8 @@ source):
 
 Which modules dispatch at all: the LLaMA family and GPT-2 from 4.48; BERT only from 5.0 (before,
 ``BertSelfAttention`` and ``BertSdpaSelfAttention`` compute attention inside the module, so there is
-nothing to route: the layer's weight metrics work and a warning says the statistics are missing).
+nothing to route: :func:`qkmonitor.attention.hf.adapt_hf_module` leaves such modules to the
+generic family, which intercepts the computation).
 What a call leaves implicit, made explicit here so that the statistics describe the attention the
 model computes:
 

@@ -64,7 +64,7 @@ from qkmonitor.attention.intercept import LayoutChecked
 from qkmonitor.attention.latent import LatentLayout, find_latent
 from qkmonitor.attention.layouts import infer_layouts
 from qkmonitor.attention.probes import Probe
-from qkmonitor.attention.recognition import computes_attention
+from qkmonitor.attention.recognition import forward_computes_attention
 from qkmonitor.attention.registry import register_family
 from qkmonitor.attention.route import Channel, Route, observed
 from qkmonitor.validation import is_int, is_real
@@ -239,25 +239,29 @@ class HFLatentAttentionLayer(HFAttentionLayer):
 def adapt_hf_module(name: str, module: nn.Module, index: int) -> HFAttentionLayer | None:
     """The adapter for a ``transformers`` attention module of a supported shape, else None.
 
-    A LLaMA-shaped module that computes its attention in its own code instead of dispatching
-    (BART, CLIP, OPT, GPT-J, ViT, Whisper before their release dispatched) is left to the generic
-    family, which intercepts that computation."""
-    if _llama_shape(module) is not None:
-        if not _hf_compat.dispatches(module) and computes_attention(own_class(module)):
-            return None
+    A LLaMA- or BERT-shaped module whose forward computes its attention itself instead of
+    dispatching (BART, CLIP, OPT, GPT-J, Whisper, BERT, ViT before their release dispatched) is
+    left to the generic family, which intercepts that computation."""
+    computes_itself = _computes_itself(module)
+    if _llama_shape(module) is not None and not computes_itself:
         return LlamaAttentionLayer(name, module, index)
     latent = find_latent(module)
     if latent is not None and _hf_compat.dispatches(module):
         return HFLatentAttentionLayer(name, module, index, latent)
     if _is_gpt2(module):
         return GPT2AttentionLayer(name, module, index)
-    if _is_bert(module):
+    if _is_bert(module) and not computes_itself:
         return BertAttentionLayer(name, module, index)
     if _hf_compat.dispatches(module):
         candidates = infer_layouts(module)
         if candidates:
             return HFLayoutAttentionLayer(name, module, index, candidates)
     return None
+
+
+def _computes_itself(module: nn.Module) -> bool:
+    """The module's own forward computes attention (SDPA or a softmax) and does not dispatch."""
+    return bool(forward_computes_attention(own_class(module))) and not _hf_compat.dispatches(module)
 
 
 def _adapt_if_imported(name: str, module: nn.Module, index: int) -> HFAttentionLayer | None:

@@ -60,6 +60,21 @@ def computes_attention(cls: type) -> str | None:
     return found
 
 
+@cache
+def forward_computes_attention(cls: type) -> str | None:
+    """``"sdpa"`` or ``"softmax"`` if the ``forward`` the class resolves calls it in its own code
+    (not an inherited method it overrides): a Hugging Face module of a known shape that computes
+    its attention there, instead of dispatching, is read by interception."""
+    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return None
+    if _SDPA_IN_CODE.search(source):
+        return "sdpa"
+    return "softmax" if _SOFTMAX_IN_CODE.search(source) else None
+
+
 def names_in_code(function: object) -> frozenset[str]:
     """The global and attribute names ``function``'s bytecode refers to (``co_names``; empty for
     anything without code), behind decorators that keep ``__wrapped__``. Why qkmonitor reads them

@@ -440,16 +440,24 @@ def test_flash_attention_calls_apply_padding_causality_and_the_sliding_window():
 @pytest.mark.skipif(
     BERT_DISPATCHES, reason=f"transformers {TRANSFORMERS}: BERT attention dispatches (from 5.0)"
 )
-def test_bert_before_transformers_5_warns_which_layer_has_no_statistics_and_why():
-    layers = find_attention_layers(build("bert"))
-    for layer in layers:
-        with pytest.warns(RuntimeWarning) as record:
-            assert not layer.supports_stats
-        message = str(record[0].message)
-        assert f"no attention statistics for {layer.name!r}" in message
-        assert f"transformers {transformers.__version__}: {type(layer.module).__name__}" in message
-        assert "without calling a function from `ALL_ATTENTION_FUNCTIONS`" in message
-        assert layer.qk_weights().num_heads == 4  # the weight metrics still work
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_bert_before_transformers_5_is_read_by_intercepting_its_own_attention(attn):
+    """Before 5.0 BERT computes its attention in its own forward (nothing to route): the generic
+    family intercepts that computation, and the statistics equal the eager attention weights."""
+    from qkmonitor.attention.intercept import InterceptedAttentionLayer
+
+    model = build("bert", attn)
+    ids, mask = batch(True)
+    layers = find_attention_layers(model)
+    assert all(isinstance(layer, InterceptedAttentionLayer) for layer in layers)
+    assert all(layer.supports_stats for layer in layers)
+    before = logits_of(model, ids, mask)
+    after, stats, probs = probed(layers, lambda: logits_of(model, ids, mask), probs_slice=(2, 4))
+    assert torch.equal(before, after)
+    attentions = eager_twin(model)(
+        input_ids=ids, attention_mask=mask, output_attentions=True
+    ).attentions
+    assert_stats_match_eager_weights(stats, probs, attentions, (2, 4))
 
 
 class _OwnAttention(transformers.models.llama.modeling_llama.LlamaAttention):
