@@ -62,12 +62,15 @@ def computes_attention(cls: type) -> str | None:
 
 @cache
 def forward_computes_attention(cls: type) -> str | None:
-    """``"sdpa"`` or ``"softmax"`` if the ``forward`` the class resolves calls it in its own code
-    (not an inherited method it overrides): a Hugging Face module of a known shape that computes
-    its attention there, instead of dispatching, is read by interception."""
-    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    """``"sdpa"`` or ``"softmax"`` if the class that defines the ``forward`` ``cls`` resolves
+    calls it in its own code (its methods, as GPT-J's ``_attn``; not a class it overrides): a
+    Hugging Face module of a known shape that computes its attention there, instead of
+    dispatching, is read by interception."""
+    owner = next((base for base in cls.__mro__ if "forward" in vars(base)), None)
+    if owner is None or owner in (nn.Module, object):
+        return None
     try:
-        source = inspect.getsource(forward)
+        source = inspect.getsource(owner)
     except (OSError, TypeError):
         return None
     if _SDPA_IN_CODE.search(source):

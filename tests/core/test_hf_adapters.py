@@ -230,6 +230,7 @@ def test_gpt2_scale_is_the_modules_own_scaling(inverse_layer_idx):
         assert layer.qk_weights().scale == pytest.approx(block.attn.scaling)
 
 
+@NEEDS_BERT_DISPATCH  # before, its layout is checked at the first probe (the test below)
 def test_bert_weights_are_query_and_key():
     model = build("bert")
     for layer, block in zip(find_attention_layers(model), model.encoder.layer):
@@ -458,6 +459,18 @@ def test_bert_before_transformers_5_is_read_by_intercepting_its_own_attention(at
         input_ids=ids, attention_mask=mask, output_attentions=True
     ).attentions
     assert_stats_match_eager_weights(stats, probs, attentions, (2, 4))
+    # the weights, read by name and checked against the forward: query and key
+    spectrum = QKSpectrum(per_head=True)
+    monitoring = Monitoring(model, [spectrum], writer=MemorySink(), every_n_steps=1)
+    with monitoring.step(0):
+        logits_of(model, ids, mask)
+    monitoring.close()
+    for i, block in enumerate(model.encoder.layer):
+        attn = block.attention.self
+        heads = [attn.query.weight[h * 8 : (h + 1) * 8].T for h in range(4)]
+        keys = [attn.key.weight[h * 8 : (h + 1) * 8].T for h in range(4)]
+        expected = dense_kappa(heads, keys, 4)
+        assert_close(spectrum.latest["kappa"][i].double(), expected, rtol=1e-5, atol=1e-6)
 
 
 class _OwnAttention(transformers.models.llama.modeling_llama.LlamaAttention):
