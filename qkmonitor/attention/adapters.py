@@ -238,14 +238,15 @@ class MultiheadAttentionLayer(AttentionLayer):
     ``batch_first`` does not matter for the weights. The scale is ``1/sqrt(head_dim)``, as in
     ``F.multi_head_attention_forward``.
 
-    Statistics: a probe installs a forward pre-hook that reads the call's query, key and masks and
-    recomputes the scores ``q_h k_h^T / sqrt(d_k)`` on the side, under ``no_grad`` and in float32
+    Statistics: the module's route carries one forward pre-hook (:class:`_MultiheadChannel`, for
+    every probe open on it) that reads the call's query, key and masks and recomputes the scores
+    ``q_h k_h^T / sqrt(d_k)`` on the side, under ``no_grad`` and in float32
     or better — the module's own call, its arguments and its outputs are untouched
     (``need_weights`` stays as the caller set it). The keys MHA appends (``bias_k``, the zero key
     of ``add_zero_attn``) are appended here too, and masks are widened over them as MHA does. With
     no mask, a causal mask or a boolean key padding mask the fused kernel gives the statistics
     without an N x M matrix; any other ``attn_mask`` goes through the explicit scores. Closing the
-    probe removes the hook.
+    last probe removes the hook.
     """
 
     kind = "torch.nn.MultiheadAttention"
