@@ -314,10 +314,23 @@ def guard_interrupts(module: nn.Module, callback: Callable[[], None]) -> Callabl
     """Call ``callback()`` when a ``KeyboardInterrupt`` (any ``BaseException`` that is not an
     ``Exception``) leaves ``module``'s forward, until the returned function is called: the module
     is switched (:class:`SwitchedForward`, its forward still its own, not run eagerly) while
-    guarded. A module whose ``forward`` is an attribute of its own is not guarded."""
+    guarded; one whose ``forward`` is an attribute of its own (``accelerate``'s autocast wrapper)
+    has that attribute wrapped instead, recorded in its installs and put back."""
     switch = SwitchedForward.attach(module)
     if switch is None:
-        return lambda: None
+        own = module.__dict__["forward"]
+
+        @functools.wraps(own)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return own(*args, **kwargs)
+            except Exception:
+                raise
+            except BaseException:
+                callback()
+                raise
+
+        return set_attribute(module, "forward", forward)
     remove = switch.on_interrupt(callback)
 
     def unguard() -> None:

@@ -59,7 +59,7 @@ def tiny_llama(fail_at_call: int | None = None):
     return model
 
 
-def trainer(tmp_path, model, callback, steps: int = 4):
+def trainer(tmp_path, model, callback, steps: int = 4, **arguments):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"),
         max_steps=steps,
@@ -70,6 +70,7 @@ def trainer(tmp_path, model, callback, steps: int = 4):
         save_strategy="no",
         use_cpu=True,
         disable_tqdm=True,
+        **arguments,
     )
     return transformers.Trainer(
         model=model, args=args, train_dataset=Tokens(), callbacks=[callback]
@@ -231,9 +232,13 @@ class InterceptedLM(torch.nn.Module):
         return {"loss": loss, "logits": logits}
 
 
-@pytest.mark.parametrize("family", ["dispatch", "interception"])
+@pytest.mark.parametrize(
+    ("family", "precision"),
+    [("dispatch", {}), ("interception", {}), ("interception", {"bf16": True})],
+    ids=["dispatch", "interception", "interception-bf16"],
+)
 def test_a_keyboard_interrupt_in_a_probed_forward_leaves_nothing_without_a_context_manager(
-    tmp_path, leftovers, family
+    tmp_path, leftovers, family, precision
 ):
     """``transformers.Trainer`` runs no callback when a step raises, and torch's always-call hooks
     do not run on a ``BaseException``: the interrupt itself must close the window on its way up,
@@ -249,14 +254,14 @@ def test_a_keyboard_interrupt_in_a_probed_forward_leaves_nothing_without_a_conte
 
     handle = layers[0].register_forward_hook(interrupt)
     monitor = QKMonitorCallback(writer=SummaryWriter(str(tmp_path / "a")), every_n_steps=1)
-    with pytest.raises(KeyboardInterrupt):
-        trainer(tmp_path, model, monitor).train()
+    with pytest.raises(KeyboardInterrupt):  # bf16: accelerate wraps the model's forward itself
+        trainer(tmp_path, model, monitor, **precision).train()
     handle.remove()
     assert calls["n"] == 2
     assert leftovers(model) == []  # before any close(): the interrupt closed the window
 
     # the callback goes on: the next train() measures as usual
-    trainer(tmp_path, model, monitor, steps=2).train()
+    trainer(tmp_path, model, monitor, steps=2, **precision).train()
     assert leftovers(model) == []
     entropy = monitor.engines[1]
     assert entropy.latest_step == 1
