@@ -391,6 +391,22 @@ def classify(model: nn.Module) -> Tensor:
     return F.cross_entropy(logits[0] if isinstance(logits, tuple) else logits, LABELS)
 
 
+def timm_built(model: nn.Module, attn_cls, factor: float, fused: bool | None = None) -> Built:
+    """A timm classifier whose attention has a fused ``qkv`` (rows ``[q | k | v]``): the query
+    and key rows sharpened by ``factor`` (init std 0.02), ``fused_attn`` set where given."""
+    for _, a in modules_of(model, attn_cls):
+        if fused is not None:
+            a.fused_attn = fused
+        q_and_k = 2 * (a.qkv.weight.shape[0] // 3)
+        scale_rows_(a.qkv.weight, slice(0, q_and_k), factor)
+    return Built(
+        no_dropout(model).train(),
+        classify,
+        _fused_qkv(attn_cls),
+        {"before": "qkv", "after": "proj"},
+    )
+
+
 def _timm_vit(fused: bool) -> Built:
     pytest.importorskip("timm")
     from timm.layers import Attention
@@ -400,19 +416,7 @@ def _timm_vit(fused: bool) -> Built:
     model = VisionTransformer(
         img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5
     )
-    for _, a in modules_of(model, Attention):
-        a.fused_attn = fused
-        scale_rows_(
-            a.qkv.weight, slice(0, 64), 12.0
-        )  # init std 0.02; rows [q | k | v], each [H, d_k]
-    qk = _fused_qkv(Attention)
-
-    return Built(
-        no_dropout(model).train(),
-        classify,
-        qk,
-        {"before": "qkv", "after": "proj"},
-    )
+    return timm_built(model, Attention, 12.0, fused)
 
 
 entry("timm-vit-sdpa", "timm")(lambda: _timm_vit(True))
@@ -481,18 +485,8 @@ def _timm_swin(fused: bool) -> Built:
         window_size=4,
         drop_path_rate=0.0,  # stochastic depth: a step of its own at every call
     )
-    for _, a in modules_of(model, WindowAttention):
-        a.fused_attn = fused
-        scale_rows_(a.qkv.weight, slice(0, 32), 18.0)
     assert any(any(b.shift_size) for b in model.layers[0].blocks), "no shifted window"
-    qk = _fused_qkv(WindowAttention)
-
-    return Built(
-        no_dropout(model).train(),
-        classify,
-        qk,
-        {"before": "qkv", "after": "proj"},
-    )
+    return timm_built(model, WindowAttention, 18.0, fused)
 
 
 entry("timm-swin-sdpa", "timm")(lambda: _timm_swin(True))
@@ -1614,11 +1608,7 @@ def _timm_deit() -> Built:
     model = VisionTransformerDistilled(
         img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5
     )
-    for _, a in modules_of(model, Attention):
-        scale_rows_(a.qkv.weight, slice(0, 64), 12.0)
-    qk = _fused_qkv(Attention)
-
-    return Built(no_dropout(model).train(), classify, qk, {"before": "qkv", "after": "proj"})
+    return timm_built(model, Attention, 12.0)
 
 
 @entry("torchvision-vit", "torchvision")
