@@ -364,3 +364,58 @@ def test_hugging_face_flex_attention_is_measured_as_its_eager_twin():
         for eager, flex in zip(values["eager"][metric], values["flex_attention"][metric]):
             assert torch.isfinite(flex).all()
             assert_close(flex, eager, rtol=1e-5, atol=1e-5)
+
+
+class Boom(Exception):
+    pass
+
+
+def test_a_step_that_raises_after_flex_leaves_the_names_and_the_model_as_they_were(leftovers):
+    """A failure inside a probed flex forward: the observed names are put back, nothing stays on
+    the model or the torch function stack, and the next step measures every layer."""
+    torch.manual_seed(0)
+    model = sharpened(Model(FlexAttention(score_mod=soft_cap), FlexAttention(score_mod=soft_cap)))
+    entropy = AttentionEntropy()
+    monitoring = Monitoring(model, [entropy], writer=MemorySink(), every_n_steps=1)
+    x = torch.randn(B, T, D)
+
+    def boom(module, args, output):
+        raise Boom
+
+    handle = model.blocks[1].o_proj.register_forward_hook(boom)  # after its flex call
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        with pytest.raises(Boom), torch.no_grad(), monitoring.step(0):
+            model(x)
+        handle.remove()
+        assert globals()["flex_attention"] is flex_module.flex_attention
+        assert leftovers(model) == []
+        with torch.no_grad(), monitoring.step(1):
+            model(x)
+    monitoring.close()
+    assert leftovers(model) == []
+    assert all(torch.isfinite(h).all() for h in entropy.latest["entropy_norm"])
+
+
+def test_two_monitorings_share_the_observed_names_until_the_last_one_closes(leftovers):
+    torch.manual_seed(0)
+    model = sharpened(Model(FlexAttention(mask_mod=causal_window)))
+    first, second = AttentionEntropy(), AttentionEntropy(log_key_prefix="second")
+    one = Monitoring(model, [first], writer=MemorySink(), every_n_steps=1)
+    two = Monitoring(model, [second], writer=MemorySink(), every_n_steps=1)
+    x = torch.randn(B, T, D)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        with torch.no_grad():
+            one.begin(0)
+            two.begin(0)
+            model(x)
+            one.end()
+            assert globals()["flex_attention"] is not flex_module.flex_attention  # still held
+            model(x)
+            two.end()
+    assert globals()["flex_attention"] is flex_module.flex_attention
+    one.close()
+    two.close()
+    assert leftovers(model) == []
+    assert torch.equal(first.latest["entropy_norm"][0], second.latest["entropy_norm"][0])
