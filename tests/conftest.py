@@ -121,8 +121,6 @@ def probe_leftovers(model: torch.nn.Module) -> list[str]:
             left.append(f"observers on {name!r}")
         if "_qkmonitor_route" in module.__dict__:
             left.append(f"route on {name!r}")
-        if "_qkmonitor_intercept" in module.__dict__:
-            left.append(f"interception route on {name!r}")
         if "_qkmonitor_installs" in module.__dict__ or "__getstate__" in module.__dict__:
             left.append(f"installs ledger on {name!r}")
         if getattr(module.__dict__.get("forward"), "__qkmonitor_switch__", None) is not None:
