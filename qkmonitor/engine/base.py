@@ -623,7 +623,7 @@ class ActivationEngine(MonitorEngine):
 
     def _prepare(self, model: nn.Module) -> None:
         self._measurable = [layer.supports_stats for layer in self.layers]
-        self._windows_closed = 0  # a first window that reads no layer is an error, later ones not
+        self._first_window = True  # a first window that reads no layer is an error, later ones not
         unsupported = [layer.name for layer, ok in zip(self.layers, self._measurable) if not ok]
         if len(unsupported) == len(self.layers):
             raise ValueError(
@@ -754,8 +754,8 @@ class ActivationEngine(MonitorEngine):
             if measurable and result.calls == 0 and result.unread
         ]
         read_any = any(r.calls for r, measurable in zip(results, self._measurable) if measurable)
-        if not self._windows_closed and unread and not read_any:
-            self._windows_closed += 1
+        first, self._first_window = self._first_window, False
+        if first and unread and not read_any:
             names = "; ".join(f"{layer.name!r}: {why}" for layer, why in unread[:3])
             more = f" (and {len(unread) - 3} more)" if len(unread) > 3 else ""
             raise ValueError(
@@ -764,7 +764,6 @@ class ActivationEngine(MonitorEngine):
                 f"({names}{more}). Describe the attention with qkmonitor.register_attention "
                 "(README, 'Use it on your model'), or leave this monitor out."
             )
-        self._windows_closed += 1
         for layer, result, measurable in zip(self.layers, results, self._measurable):
             if result.calls == 0 and measurable and result.unread:
                 self.warn_once(
