@@ -366,7 +366,8 @@ def test_training_loss_is_read_plotted_and_told(runs, tmp_path):
     assert tmp_path / "report" / "training_loss.png" in report.plots
     check_png(tmp_path / "report" / "training_loss.png")
     (line,) = _loss_figure([run], ["A"]).axes[0].get_lines()
-    assert [tuple(point) for point in line.get_xydata()] == pytest.approx(expected)
+    assert list(line.get_xdata()) == [step for step, _ in expected]
+    assert list(line.get_ydata()) == pytest.approx([loss for _, loss in expected])
     told = next(line for line in report.text.splitlines() if "training loss (`train_loss`)" in line)
     first, final = re.findall(r"([-\d.e+]+) at step (\d+)", told)
     assert close(first[0], expected[0][1]) and int(first[1]) == expected[0][0], told
