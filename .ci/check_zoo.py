@@ -16,16 +16,26 @@ import torch
 
 if cpu_torch and torch.version.cuda is not None:
     sys.exit(f"error: the model-zoo installs replaced the CPU torch with {torch.__version__}")
-import lightning  # noqa: F401,E402
-import mlflow  # noqa: F401,E402
-import timm  # noqa: F401,E402
-import torchvision  # noqa: F401,E402
-import transformers  # noqa: F401,E402
-import wandb  # noqa: F401,E402
-import x_transformers  # noqa: F401,E402
-from litgpt.config import Config  # noqa: F401,E402
-from litgpt.model import GPT  # noqa: F401,E402
+import lightning  # noqa: F401
+import mlflow  # noqa: F401
+import timm  # noqa: F401
+import torchvision  # noqa: F401
+import transformers  # noqa: F401
+import wandb  # noqa: F401
+import x_transformers  # noqa: F401
+from litgpt.config import Config  # noqa: F401
+from litgpt.model import GPT  # noqa: F401
 
-names = ("torch", "transformers", "lightning", "pytest", "torchvision", "timm", "litgpt",
-         "x-transformers", "mlflow-skinny", "wandb")
+names = (
+    "torch",
+    "transformers",
+    "lightning",
+    "pytest",
+    "torchvision",
+    "timm",
+    "litgpt",
+    "x-transformers",
+    "mlflow-skinny",
+    "wandb",
+)
 print("zoo:", "; ".join(f"{name} {version(name)}" for name in names))

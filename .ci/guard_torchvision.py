@@ -16,9 +16,10 @@ if spec is not None and spec.origin is not None:
     path = pathlib.Path(spec.origin).parent / "_meta_registrations.py"
     text, n = re.subn(
         r'^@torch\.library\.register_fake\(("torchvision::\w+")\)$',
-        r"@(torch.library.register_fake(\1) if torchvision.extension._has_ops() else (lambda fn: fn))",
+        r"@(torch.library.register_fake(\1) if torchvision.extension._has_ops()"
+        r" else (lambda fn: fn))",
         path.read_text(),
-        flags=re.M,
+        flags=re.MULTILINE,
     )
     if n:
         path.write_text(text)

@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> dict[str, list]:
             log_every_n_steps=20,
         )
         trainer.fit(TinyLlama())
-    print("layers:", ", ".join(f"{layer.name} ({layer.kind})" for layer in monitors[0].layers))
+    print(
+        "layers:", ", ".join(f"{layer.name} ({layer.kind})" for layer in monitors[0].engine.layers)
+    )
     for monitor in monitors:
         for metric, layers in monitor.latest.items():
             print(f"{metric:18s}", "  ".join(f"L{i}: {v.mean():.3f}" for i, v in enumerate(layers)))

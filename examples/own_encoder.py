@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             enable_model_summary=False,
         )
         trainer.fit(MarkedTokenClassifier())
-    print("layers:", ", ".join(f"{layer.name} ({layer.kind})" for layer in monitors[0].layers))
+    print(
+        "layers:", ", ".join(f"{layer.name} ({layer.kind})" for layer in monitors[0].engine.layers)
+    )
     for monitor in monitors:
         for metric, layers in monitor.latest.items():
             print(f"{metric:18s}", "  ".join(f"L{i}: {v.mean():.3f}" for i, v in enumerate(layers)))

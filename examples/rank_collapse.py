@@ -58,7 +58,7 @@ class AttentionOnly(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def run(depth: int, skip: bool, log_dir: str) -> tuple[list[float], int]:
+def run(depth: int, skip: bool, log_dir: str) -> tuple[list[float], int, str]:
     pl.seed_everything(0, verbose=False)
     monitor = EffectiveRankMonitor(every_n_steps=5)
     with quiet_lightning():  # no tips or device report
@@ -75,7 +75,7 @@ def run(depth: int, skip: bool, log_dir: str) -> tuple[list[float], int]:
             warnings.simplefilter("always")
             trainer.fit(AttentionOnly(depth, skip))
     fired = sum(issubclass(w.category, RankCollapseWarning) for w in caught)
-    return [v.item() for v in monitor.latest["hidden_collapse"]], fired
+    return [v.item() for v in monitor.latest["hidden_collapse"]], fired, trainer.logger.log_dir
 
 
 def main(argv: list[str] | None = None) -> dict[str, tuple[list[float], int]]:
@@ -85,14 +85,16 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[list[float], int]]:
     args = parser.parse_args(argv)
     results = {skip: run(args.depth, skip, args.log_dir) for skip in (False, True)}
     print("hidden_collapse = ||X - 1 mean(X)||_F / ||X||_F after each layer")
-    for skip, (collapse, fired) in results.items():
+    for skip, (collapse, fired, _) in results.items():
         label = "with skips   " if skip else "without skips"
         print(
             f"  {label}",
             " ".join(f"{c:8.1e}" for c in collapse),
             f"  rank-collapse warnings: {fired}",
         )
-    return {"no_skip": results[False], "skip": results[True]}
+    print(f"\ntensorboard --logdir {args.log_dir}")
+    print(f"qkmonitor report {results[False][2]} {results[True][2]}")
+    return {"no_skip": results[False][:2], "skip": results[True][:2]}
 
 
 if __name__ == "__main__":

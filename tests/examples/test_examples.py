@@ -95,8 +95,15 @@ def chatter(result: subprocess.CompletedProcess) -> list[str]:
 def test_lightning_examples_print_no_lightning_chatter(tmp_path, name, args, shown):
     result = run_example(name, *args, "--log-dir", str(tmp_path), cwd=tmp_path)
     assert chatter(result) == []
+    assert "DeprecationWarning" not in result.stderr  # an example uses what is current
     assert shown in result.stdout
     assert list(tmp_path.glob("**/events.out.tfevents.*"))  # and it logged
+    # it ends with the commands that show its run, each naming a folder it wrote
+    tensorboard, report = result.stdout.strip().splitlines()[-2:]
+    assert tensorboard == f"tensorboard --logdir {tmp_path}"
+    assert report.startswith("qkmonitor report ")
+    for run in report.split()[2:]:
+        assert list(Path(run).glob("events.out.tfevents.*")), run
 
 
 @pytest.mark.slow
@@ -106,6 +113,7 @@ def test_hf_llama_default_run_is_quiet_fires_no_alert_and_learns(tmp_path):
 
     result = run_example("hf_llama", "--log-dir", str(tmp_path), cwd=tmp_path)
     assert chatter(result) == []
+    assert "DeprecationWarning" not in result.stderr  # an example uses what is current
     assert "[qkmonitor:" not in result.stderr  # healthy defaults, no alert (the docstring says why)
     assert "(transformers.LlamaAttention)" in result.stdout  # the layers it found
     (run,) = (tmp_path / "hf_llama").iterdir()

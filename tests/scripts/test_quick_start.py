@@ -25,7 +25,7 @@ def quick_start_commands() -> list[str]:
     """The commands of the README's quick-start block."""
     text = README.read_text()
     section = text[text.index("## Quick start") :]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
     return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
 
 
@@ -40,6 +40,7 @@ def test_an_unknown_job_is_one_line_naming_the_jobs(tmp_path):
     done = subprocess.run(
         [str(ROOT / "run"), "deploy"],
         capture_output=True,
+        check=False,
         text=True,
         env=os.environ | {"QKMONITOR_VENV": str(tmp_path / "venv")},
         timeout=30,
@@ -54,7 +55,8 @@ def test_an_unknown_job_is_one_line_naming_the_jobs(tmp_path):
 def test_the_two_commands_set_up_and_run_from_a_clean_clone(tmp_path):
     """A fresh clone and a fresh virtualenv: `./run train` trains and prints its summary, then
     `./run test` installs the test extras into the same environment and runs pytest."""
-    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
+    head = ["git", "-C", str(ROOT), "rev-parse", "HEAD"]
+    if subprocess.run(head, capture_output=True, check=False).returncode:
         pytest.skip("not a git checkout")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=120)
@@ -70,7 +72,13 @@ def test_the_two_commands_set_up_and_run_from_a_clean_clone(tmp_path):
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            ["./run", *args], cwd=clone, env=env, capture_output=True, text=True, timeout=900
+            ["./run", *args],
+            cwd=clone,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
         )
 
     train = run("train", "--steps", "20", "--log-dir", str(tmp_path / "runs"))
