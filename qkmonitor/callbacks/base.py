@@ -223,11 +223,9 @@ class AttentionMonitor(Callback):
             self._bind(trainer, pl_module)
 
     def _bind(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        host = self._host(trainer)
-        for engine in self.engines:
-            engine.bind(pl_module, default_every_n_steps=trainer.log_every_n_steps)
-            engine.report_discovery(host)
-        self._group.bound()
+        self._group.bind(
+            pl_module, self._host(trainer), default_every_n_steps=trainer.log_every_n_steps
+        )
 
     def _host(self, trainer: pl.Trainer) -> LightningHost:
         return LightningHost(trainer, scalar_batch=self._group.scalars)
@@ -269,7 +267,7 @@ class AttentionMonitor(Callback):
     ) -> None:
         step = self._batch_step = trainer.global_step
         if step not in self._group.between:  # no engine opens a window there (`steps_after`)
-            self._group.open(step)
+            self._group.open(self._host(trainer), step)
 
     @override
     def on_train_batch_end(
@@ -334,7 +332,7 @@ class AttentionMonitor(Callback):
             and dataloader_idx == 0
             and not trainer.sanity_checking
         ):
-            self._group.open(trainer.global_step, validation=True)
+            self._group.open(self._host(trainer), trainer.global_step, validation=True)
 
     @override
     def on_validation_batch_end(

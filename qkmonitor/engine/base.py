@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import traceback
 import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from qkmonitor.attention.adapters import (
 from qkmonitor.attention.intercept import unmeasured_attention_like
 from qkmonitor.attention.probes import Probe, ProbeRequest, ProbeResult
 from qkmonitor.engine.alerting import AlertPolicy, check_loss
+from qkmonitor.engine.failures import MeasuresNothingError, guarded
 from qkmonitor.engine.host import Host
 from qkmonitor.engine.options import MonitorOptions, check_prefix
 from qkmonitor.engine.publishing import (
@@ -74,17 +77,36 @@ class Window:
     carried: Any
 
 
-def finish_windows(host: Host, engines: Sequence[ActivationEngine]) -> None:
+def finish_windows(
+    host: Host, engines: Sequence[ActivationEngine], beside: Sequence[MonitorEngine] = ()
+) -> None:
     """Close the open windows of ``engines`` and log them, their aggregators reduced across
     processes together: one collective for all of them under DDP
     (:func:`~qkmonitor.measures.metrics.reduce_across_ranks`). An engine alone may have its own
     :meth:`~MonitorEngine.finish` (QKClip's); several must split theirs
-    (:meth:`ActivationEngine.close_window`, :meth:`ActivationEngine.complete`)."""
-    windows = [(engine, engine.close_window(host)) for engine in engines]
+    (:meth:`ActivationEngine.close_window`, :meth:`ActivationEngine.complete`). ``beside``: every
+    engine of the driver (an engine that reads none of its layers beside others that do is turned
+    off, not an error: :func:`~qkmonitor.engine.failures.guarded`)."""
+    # each engine's part guarded: a metric problem is one warning naming its layers, never the
+    # end of the run (engine/failures.py)
+    windows = [
+        (
+            engine,
+            guarded(host, engine, "measuring", step, partial(engine.close_window, host), beside),
+        )
+        for engine in engines
+        for step in [engine.window_step]
+    ]
     closed = [(engine, window) for engine, window in windows if window is not None]
-    reduce_across_ranks([m for engine, _ in closed for m in engine.aggregators()])
+    try:
+        reduce_across_ranks([m for engine, _ in closed for m in engine.aggregators()])
+    except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+        for engine, window in closed:
+            engine.discard()
+            engine.warn_failure(host, "reducing across processes", window.step, err)
+        return
     for engine, window in closed:
-        engine.complete(host, window)
+        guarded(host, engine, "computing", window.step, partial(engine.complete, host, window))
 
 
 class MonitorEngine:
@@ -152,6 +174,9 @@ class MonitorEngine:
         #: The last validation probe's values, like :attr:`latest`.
         self.latest_validation: Values = {}
         self._warned: set[str] = set()
+        #: the warnings of the run given once for every engine of a driver (a model without data):
+        #: the driver's group hands its engines one set at each bind; alone, the engine's own
+        self.run_warnings: set[str] = self._warned
 
     # -- the schedule (engine/schedule.py) ------------------------------------------------------
 
@@ -322,7 +347,10 @@ class MonitorEngine:
         self.alerting.start_run()
         self.latest, self.latest_step, self.latest_validation = {}, None, {}
         self.latest_run = {}
+        shared = self.run_warnings is not self._warned  # a driver's set, renewed by the driver
         self._warned = set()
+        if not shared:
+            self.run_warnings = self._warned
         self.publishing.forget()
 
     def _prepare(self, model: nn.Module) -> None:
@@ -359,7 +387,8 @@ class MonitorEngine:
             for name, p in model.named_parameters()
             if isinstance(p, nn.parameter.UninitializedTensorMixin)
         ]
-        if lazy:
+        if lazy and "lazy" not in self.run_warnings:
+            self.run_warnings.add("lazy")
             more = f" and {len(lazy) - 1} more" if len(lazy) > 1 else ""
             warnings.warn(  # one place and one text for every engine: shown once
                 f"qkmonitor: the model's lazy parameters are not materialised yet ({lazy[0]!r}"
@@ -383,8 +412,8 @@ class MonitorEngine:
         ]
         if not names:
             return False
-        if "no data" not in self._warned:
-            self._warned.add("no data")
+        if "no data" not in self.run_warnings:  # one warning a run for every engine of a driver
+            self.run_warnings.add("no data")
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             warnings.warn(  # one place and one text for every engine: shown once
                 f"qkmonitor: the attention layers' parameters hold no data ({names[0]!r}{more}: "
@@ -590,6 +619,45 @@ class MonitorEngine:
             self._warned.add(key)
             host.warn(f"{type(self).__name__}: {message}", RuntimeWarning)
 
+    # -- metric problems (engine/failures.py) ---------------------------------------------------
+
+    @property
+    def window_step(self) -> int | None:
+        """The step of the open probe window (None when none is open)."""
+        return None
+
+    def discard(self) -> None:
+        """Drop what a failed stage left: the open window (unlogged) and the aggregators' sums."""
+        self.abort()
+
+    def warn_failure(
+        self, host: Host, stage: str, step: int | None, err: BaseException, layers=None
+    ) -> None:
+        """One warning per stage and layer set: ``stage`` raised ``err`` at ``step``; the layers
+        (all of the engine's by default) get nothing at that step, training goes on."""
+        names = [layer.name for layer in self.layers] if layers is None else list(layers)
+        where = f" at step {step}" if step is not None else ""
+        frame = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ else []
+        origin = f", in {frame[0].name} ({frame[0].filename}:{frame[0].lineno})" if frame else ""
+        self.warn_once(
+            host,
+            f"failure:{stage}:{','.join(names)}",
+            f"{stage} failed{where} for layer(s) {names} ({type(err).__name__}: {err}{origin}); "
+            "nothing of theirs is logged for that step and training goes on. This warning is "
+            "shown once (a metric problem, please report it).",
+        )
+
+    def measure_nothing(self, host: Host, reason: str) -> None:
+        """Turn this engine off for the run, with one warning saying why (a monitor beside others
+        that measure something: :class:`~qkmonitor.engine.failures.MeasuresNothingError`)."""
+        self.discard()
+        self.layers, self.unmeasured, self.qk_norm_layers = [], [], frozenset()
+        self.warn_once(
+            host,
+            "measures nothing",
+            f"{reason} This monitor measures nothing in this run; the others go on.",
+        )
+
     # -- resume ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -626,7 +694,7 @@ class ActivationEngine(MonitorEngine):
         self._first_window = True  # a first window that reads no layer is an error, later ones not
         unsupported = [layer.name for layer, ok in zip(self.layers, self._measurable) if not ok]
         if len(unsupported) == len(self.layers):
-            raise ValueError(
+            raise MeasuresNothingError(
                 f"{type(self).__name__}: layers {unsupported} give no attention statistics; "
                 "describe them with qkmonitor.AttentionSpec (statistics come from their SDPA or "
                 "softmax call), or pass `layers=` with qkmonitor.AttentionLayer subclasses that "
@@ -697,6 +765,17 @@ class ActivationEngine(MonitorEngine):
     def abort(self) -> None:
         self.close_probes()
 
+    @property
+    def window_step(self) -> int | None:
+        return None if self._window is None else self._window[0]
+
+    def discard(self) -> None:
+        try:
+            self.close_probes()
+        finally:
+            for aggregator in self.aggregators():
+                aggregator.reset()
+
     def finish(self, host: Host) -> None:
         window = self.close_window(host)
         if window is not None:
@@ -758,7 +837,7 @@ class ActivationEngine(MonitorEngine):
         if first and unread and not read_any:
             names = "; ".join(f"{layer.name!r}: {why}" for layer, why in unread[:3])
             more = f" (and {len(unread) - 3} more)" if len(unread) > 3 else ""
-            raise ValueError(
+            raise MeasuresNothingError(
                 f"{type(self).__name__} measures none of its {len(self.layers)} attention layers: "
                 f"they ran in the first probed forward, but no attention call could be read "
                 f"({names}{more}). Describe the attention with qkmonitor.register_attention "

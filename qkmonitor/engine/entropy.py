@@ -93,6 +93,8 @@ class AttentionEntropy(ActivationEngine):
         self._output_window: list | None = None  # the chosen source's sums, for _accumulate
         self._told_no_logits = False
         self._output_failure: str | None = None  # why a window's logits could not be read
+        self._failed: dict[int, tuple[int, Exception]] = {}  # layers whose aggregation raised
+        self._broken: set[int] = set()  # of them, those of the window being completed
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -169,6 +171,10 @@ class AttentionEntropy(ActivationEngine):
             self.warn_once(
                 host, "output logits", f"the output logits could not be read ({failure})"
             )
+        failed, self._failed = self._failed, {}
+        for i, (step, err) in failed.items():
+            self.warn_failure(host, "aggregating the statistics", step, err, [self.layers[i].name])
+        self._broken = set(failed)
         super().complete(host, window)
         if self._logits_source is None and not window.validation and not self._told_no_logits:
             self._told_no_logits = True
@@ -191,11 +197,15 @@ class AttentionEntropy(ActivationEngine):
         for sums in window or []:
             self._output.add(*sums)
         aggregator = self._aggregator
-        for result, columns in zip(results, self._heads):
-            for stats in result.stats:
-                if aggregator.device != stats.entropy.device:
-                    aggregator.to(stats.entropy.device)
-                aggregator.update(stats, columns)
+        self._failed = {}
+        for i, (result, columns) in enumerate(zip(results, self._heads)):
+            try:
+                for stats in result.stats:
+                    if aggregator.device != stats.entropy.device:
+                        aggregator.to(stats.entropy.device)
+                    aggregator.update(stats, columns)
+            except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+                self._failed[i] = (step, err)  # NaN at this step (warned in `complete`)
 
     def _values(self, carried: None) -> tuple[Values, dict[str, Any]]:
         # the states hold every rank's rows (reduced by the caller: a rank that saw no rows adds
@@ -219,8 +229,12 @@ class AttentionEntropy(ActivationEngine):
             # no row (an empty batch), or no row with two keys (one-token sequences): NaN by
             # definition
             blank = no_spread | no_rows if name == "entropy_norm" else no_rows
-            values[name] = [computed.get(name, nan)[h] for h in self._heads]
-            undefined[name] = [blank[h] for h in self._heads]
+            values[name] = [
+                nan[h] if i in self._broken else computed.get(name, nan)[h]
+                for i, h in enumerate(self._heads)
+            ]
+            # a layer whose aggregation failed is NaN, warned about already (not as non-finite)
+            undefined[name] = [blank[h] | (i in self._broken) for i, h in enumerate(self._heads)]
         return values, {"undefined": undefined, "run_values": run}
 
 

@@ -11,12 +11,14 @@ across processes in one collective) and a probe step's scalars written once
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from qkmonitor.engine.alerting import LossHistory, check_loss
 from qkmonitor.engine.base import MonitorEngine, finish_windows
+from qkmonitor.engine.failures import MeasuresNothingError, guarded
 from qkmonitor.engine.host import Host, ScalarBatch
 from qkmonitor.engine.schedule import NO_STEPS
 
@@ -50,6 +52,42 @@ class EngineGroup:
         self.between, self.quiet = NO_STEPS, NO_STEPS
         self.scalars = ScalarBatch()
 
+    def bind(self, model: nn.Module, host: Host, *, default_every_n_steps: int = 50) -> None:
+        """Bind every engine to ``model`` (a new run) and report what each found, then
+        :meth:`bound`. The engines share one set of the run's once-only warnings (a model without
+        data is one warning, not one per engine). An engine that can read none of the layers
+        (:class:`~qkmonitor.engine.failures.MeasuresNothingError`) is an error only when no
+        engine of the group can measure anything; beside one that can, it is one warning and
+        measures nothing. A ``ValueError`` or ``TypeError`` (a ``layers=`` that names no module of
+        the model) goes to the caller; another exception is a metric problem: warned, that engine
+        measures nothing."""
+        shared: set[str] = set()
+        refused: list[tuple[MonitorEngine, MeasuresNothingError]] = []
+        for engine in self.engines:
+            engine.run_warnings = shared
+            try:
+                engine.bind(model, default_every_n_steps=default_every_n_steps)
+            except MeasuresNothingError as err:
+                refused.append((engine, err))
+            except (ValueError, TypeError):
+                raise
+            except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+                engine.warn_failure(host, "finding the attention layers", None, err, layers=[])
+                engine.measure_nothing(host, "Its layers could not be found.")
+        if refused and len(refused) == len(self.engines):
+            raise refused[0][1]
+        for engine, err in refused:
+            engine.measure_nothing(host, str(err))
+        for engine in self.engines:
+            guarded(
+                host,
+                engine,
+                "reporting the layers found",
+                None,
+                partial(engine.report_discovery, host),
+            )
+        self.bound()
+
     def bound(self) -> None:
         """After every engine's ``bind`` or ``load_state_dict``: a new schedule, and one loss
         history for the engines whose rules read the loss (what the longest-kept of them held)."""
@@ -66,11 +104,17 @@ class EngineGroup:
                 engine.alerting.share_losses(shared)
         self._losses = self.loss_readers[0].alerting.losses if self.loss_readers else None
 
-    def open(self, step: int, *, validation: bool = False) -> None:
+    def open(self, host: Host, step: int, *, validation: bool = False) -> None:
         """Open the windows of ``step`` (the engines that may probe it)."""
         for engine in self.engines:
             if validation or step not in engine.between_probes:
-                engine.open(step, validation=validation)
+                guarded(
+                    host,
+                    engine,
+                    "opening the probes",
+                    step,
+                    partial(engine.open, step, validation=validation),
+                )
 
     def observe_loss(self, step: int, loss: Tensor | float) -> None:
         """The loss of ``step``, kept once where an engine's rules may read it (the engines share
@@ -105,18 +149,31 @@ class EngineGroup:
         if step + 1 in self.between:
             return
         for engine in self.weights:
-            engine.before_update(host, step)
+            guarded(
+                host,
+                engine,
+                "copying the query/key rows",
+                step,
+                partial(engine.before_update, host, step),
+            )
 
     def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
         """Measure the weights after ``step`` updates, where that is a probe step."""
         for engine in self.weights:
-            engine.observe_weights(host, step, **kwargs)
+            guarded(
+                host,
+                engine,
+                "reading the weights",
+                step,
+                partial(engine.observe_weights, host, step, **kwargs),
+                self.engines,
+            )
 
     def finish(self, host: Host, step: int, *, after: int | None = None, **kwargs: Any) -> None:
         """The end of the batch at ``step``: close and log the open windows, measure the weights
         after the batch's update (at ``after``, where the driver reads them there), plan the steps
         ahead, and write the scalars held up to ``step``."""
-        finish_windows(host, [e for e in self.engines if e.probing])
+        finish_windows(host, [e for e in self.engines if e.probing], self.engines)
         if after is not None and after > 0:
             self.observe_weights(host, after, **kwargs)
         for engine in self.engines:
@@ -130,7 +187,7 @@ class EngineGroup:
         None)."""
         probing = [e for e in self.engines if e.probing]
         if probing or self.scalars:
-            finish_windows(host, probing)
+            finish_windows(host, probing, self.engines)
             self.scalars.flush(host, up_to=step)
 
     def abort(self) -> None:
@@ -146,7 +203,9 @@ class EngineGroup:
             self.abort()
             self.scalars.flush(host)
             for engine in self.engines:
-                engine.draw_final(host)
+                guarded(
+                    host, engine, "drawing the last probe", None, partial(engine.draw_final, host)
+                )
         finally:
             self.release()
 

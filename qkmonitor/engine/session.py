@@ -260,9 +260,7 @@ class Monitoring:
         check_tag_collisions(engines)
         for engine in engines:
             engine.switch_model_in_windows = True  # a loop may call torch.compile(model) unseen
-            engine.bind(model, default_every_n_steps=every_n_steps)
-            engine.report_discovery(self.host)
-        self._group.bound()
+        self._group.bind(model, self.host, default_every_n_steps=every_n_steps)
         write_run_header(sinks, engines, hparams, metrics=hparams_metrics)
         #: the optimizer's step pre-hook that tells the engines an update comes (the q/k update
         #: metrics); removed by :meth:`close`
@@ -319,7 +317,7 @@ class Monitoring:
         self._step = None if validation else step
         if not validation:
             self.observe_weights(step)
-        self._group.open(step, validation=validation)
+        self._group.open(self.host, step, validation=validation)
         if self._unguard is None and any(engine.probing for engine in self.engines):
             # a KeyboardInterrupt in the forward closes the window on its way up, where the loop
             # around gives no hook to (transformers.Trainer without a context manager)

@@ -23,6 +23,7 @@ from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.probes import Probe, ProbeRequest
 from qkmonitor.engine.base import MonitorEngine
+from qkmonitor.engine.failures import MeasuresNothingError
 from qkmonitor.engine.host import Host
 from qkmonitor.engine.updates import UPDATE_METRICS, UpdateSnapshot, take_snapshot, update_metrics
 from qkmonitor.measures.catalogue import SPECTRUM
@@ -79,11 +80,7 @@ class QKSpectrum(MonitorEngine):
         self._snapshot, self._updates_seen, self._told_no_updates = None, False, False
         blind = [layer.name for layer in self.layers if not layer.supports_weights]
         if len(blind) == len(self.layers):
-            raise ValueError(
-                f"{type(self).__name__}: the query/key weights of {blind} are not found (no "
-                "projection of a known name); describe them with qkmonitor.AttentionSpec (README, "
-                "'Use it on your model')"
-            )
+            raise MeasuresNothingError(f"{type(self).__name__}: {_blind_message(blind)}")
 
     # -- the layout check of layers read by name ------------------------------------------------
 
@@ -119,17 +116,24 @@ class QKSpectrum(MonitorEngine):
 
     def finish(self, host: Host) -> None:
         """Close the layout probes, check the layouts, and log the values held for the check."""
+        self._check_layouts(host)
+        if self._pending is not None:
+            step, spectra, copies, updates = self._pending
+            self._pending = None
+            merged = _merged(self.layers, spectra, self._spectra_of_copies(host, copies))
+            self._log(host, step, merged, updates)
+
+    def _check_layouts(self, host: Host) -> None:
+        """Close the layout probes and keep the layouts their forwards confirmed (a no-op once
+        done): at the window's end, or earlier, before the update of the first probed step (the
+        forward has run by then), so that the rows the update metrics compare are known from the
+        first update on."""
         checks, self._checks = self._checks, []
         self.switches.close_window()
         for layer, probe in checks:
             message = layer.check_layout(probe.close())
             if message:
                 self.warn_once(host, f"layout:{layer.name}", message)
-        if self._pending is not None:
-            step, spectra, copies, updates = self._pending
-            self._pending = None
-            merged = _merged(self.layers, spectra, self._spectra_of_copies(host, copies))
-            self._log(host, step, merged, updates)
 
     def abort(self) -> None:
         checks, self._checks = self._checks, []
@@ -161,8 +165,10 @@ class QKSpectrum(MonitorEngine):
         waiting = {i: layer for i, layer in enumerate(self.layers) if layer.needs_layout_check}
         updates = self._updates_after(host, step)
         with torch.no_grad(), full_parameters(full_model):
-            spectra = spectrum_of_layers([layer.qk_weights() for layer in ready.values()])
+            weights = self._read(host, step, ready)
+            spectra = spectrum_of_layers(list(weights.values()))
             copies = {i: layer.weights_copy() for i, layer in waiting.items()}
+        ready = weights
         spectra = {i: _layer_of(spectra, j) for j, i in enumerate(ready)}
         if copies:  # logged once the first forward has checked their layouts (finish)
             self.latest_step = step
@@ -180,6 +186,7 @@ class QKSpectrum(MonitorEngine):
         self._updates_seen = True
         if not self.layers or not self.is_probe_step(step + 1) or self.without_data():
             return
+        self._check_layouts(host)  # the first forward has run: the rows of its layout are known
         if self._snapshot is not None and self._snapshot.step == step:
             return
         self._snapshot = None
@@ -190,14 +197,20 @@ class QKSpectrum(MonitorEngine):
                 host,
                 "updates",
                 f"the query/key update metrics could not be read ({type(err).__name__}: {err}); "
-                "they are NaN",
+                f"they are NaN at step {step + 1} and read again at the next probe (shown once)",
             )
             return
-        for name, why in skipped.items():
+        for name, (why, whole_run) in skipped.items():
+            when = (
+                "for the whole run"
+                if whole_run
+                else f"at step {step + 1}, and read again at the next probe (shown once)"
+            )
             self.warn_once(
                 host,
                 f"updates:{name}",
-                f"the query/key update and gradient metrics of layer {name!r} are NaN: {why}",
+                f"the query/key update and gradient metrics of layer {name!r} are NaN {when}: "
+                f"{why}",
             )
 
     def _updates_after(self, host: Host, step: int) -> tuple[dict, dict]:
@@ -215,7 +228,8 @@ class QKSpectrum(MonitorEngine):
                     host,
                     "updates",
                     f"the query/key update metrics could not be read ({type(err).__name__}: "
-                    f"{err}); they are NaN",
+                    f"{err}); they are NaN at step {step} and read again at the next probe "
+                    "(shown once)",
                 )
         if values is not None:
             undefined = {
@@ -257,15 +271,23 @@ class QKSpectrum(MonitorEngine):
         return out
 
     def _warn_blind(self, host: Host) -> None:
-        for layer in self.layers:
-            if not layer.supports_weights:
-                self.warn_once(
-                    host,
-                    f"blind:{layer.name}",
-                    f"the query/key weights of layer {layer.name!r} are not found (no projection "
-                    "of a known name); its spectrum metrics are NaN. Describe it with "
-                    "qkmonitor.AttentionSpec.",
-                )
+        """One warning for every layer whose weights are not found (the others are measured)."""
+        blind = [layer.name for layer in self.layers if not layer.supports_weights]
+        if blind:
+            self.warn_once(
+                host, "blind", f"{_blind_message(blind)}; their spectrum metrics are NaN"
+            )
+
+    def _read(self, host: Host, step: int, layers: dict[int, AttentionLayer]) -> dict[int, Any]:
+        """Each layer's :class:`QKWeights`, by index; a layer whose read raises is left out (NaN)
+        with one warning naming it (a metric problem never stops training)."""
+        out = {}
+        for i, layer in layers.items():
+            try:
+                out[i] = layer.qk_weights()
+            except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+                self.warn_failure(host, "reading the query/key weights", step, err, [layer.name])
+        return out
 
     def _log(
         self, host: Host, step: int, spectra: LayerSpectra, updates: tuple[dict, dict]
@@ -318,3 +340,11 @@ def _merged(layers: list[AttentionLayer], *parts: dict[int, tuple]) -> LayerSpec
             out.undefined[name].append(undefined[name])
         out.singular_values.append(sv)
     return out
+
+
+def _blind_message(names: list[str]) -> str:
+    return (
+        f"the query/key weights of layer(s) {names} are not found (no projection of a known name, "
+        "or a layout that no rule places); describe them with qkmonitor.AttentionSpec (README, "
+        "'Use it on your model': q=/k= or qkv= with its order and head counts)"
+    )

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.clip import ProjectionRows, QKRows
+from qkmonitor.attention.intercept import LayoutUnknownError
 
 __all__ = ["UPDATE_METRICS", "UpdateSnapshot", "take_snapshot", "update_metrics"]
 
@@ -63,24 +64,34 @@ class UpdateSnapshot:
     layers: list[tuple[int, tuple[int, ...]] | None]
 
 
-def take_snapshot(layers: list[AttentionLayer], step: int) -> tuple[UpdateSnapshot, dict[str, str]]:
+def take_snapshot(
+    layers: list[AttentionLayer], step: int
+) -> tuple[UpdateSnapshot, dict[str, tuple[str, bool]]]:
     """Copy every layer's query and key rows and read their gradient norms, before the update
     that follows ``step`` updates (the rows of every projection of one shape in one copy).
-    Returns the snapshot and, by layer name, why a layer was left out (its family gives no rows,
-    or its weights are sharded)."""
+    Returns the snapshot and, by layer name, why a layer was left out and whether for the whole
+    run (its family gives no rows, its layout failed its check, its weights are sharded) or for
+    this read only (reading its rows raised)."""
     projections: list[ProjectionRows] = []
     mapped: list[tuple[int, tuple[int, ...]] | None] = []
-    skipped: dict[str, str] = {}
+    skipped: dict[str, tuple[str, bool]] = {}
     for layer in layers:
         try:
             rows: QKRows = layer.qk_rows()
-        except NotImplementedError as err:
+        except (NotImplementedError, LayoutUnknownError) as err:  # no rows for the whole run
             mapped.append(None)
-            skipped[layer.name] = str(err)
+            skipped[layer.name] = (str(err), True)
+            continue
+        except Exception as err:  # noqa: BLE001 -- a metric problem: this read only
+            mapped.append(None)
+            skipped[layer.name] = (f"{type(err).__name__}: {err}", False)
             continue
         if _sharded(rows.q.weight) or _sharded(rows.k.weight):
             mapped.append(None)
-            skipped[layer.name] = "its query/key weights are sharded (DTensor): not read yet"
+            skipped[layer.name] = (
+                "its query/key weights are sharded (DTensor): not read yet",
+                True,
+            )
             continue
         mapped.append((len(projections), tuple(rows.kv_index)))
         projections += [rows.q, rows.k]
