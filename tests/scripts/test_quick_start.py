@@ -89,7 +89,7 @@ def test_the_two_commands_set_up_and_run_from_a_clean_clone(tmp_path):
     assert venv_python.exists()
     check = "import torch, qkmonitor; print(qkmonitor.__file__, torch.__version__)"
     where = subprocess.run(
-        [str(venv_python), "-c", check], capture_output=True, text=True, check=True
+        [str(venv_python), "-c", check], cwd=tmp_path, capture_output=True, text=True, check=True
     ).stdout
     assert where.startswith(str(clone / "qkmonitor")), where  # the clone's package, editable
     if os.environ.get("CI") or "+cpu" in where:  # this project's machines: the CPU build stays
