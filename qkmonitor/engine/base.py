@@ -305,9 +305,7 @@ class MonitorEngine:
         self.unmeasured = (
             unmeasured_attention_like(model, self.layers) if self.options.layers is None else []
         )
-        self.qk_norm_layers = frozenset(
-            i for i, layer in enumerate(self.layers) if layer.has_qk_norm
-        )
+        self.qk_norm_layers = frozenset(i for i, layer in enumerate(self.layers) if _qk_norm(layer))
         self._prepare(model)
         self.switches.bind(model)  # switched at the first window, after every engine's discovery
 
@@ -613,10 +611,12 @@ class MonitorEngine:
         ``visuals_every_n_probes``-th (the pictures always show the final state)."""
         self.publishing.draw_final(host)
 
-    def warn_once(self, host: Host, key: str, message: str) -> None:
-        """Warn once per ``key`` per run (a new fit warns again)."""
-        if key not in self._warned:
-            self._warned.add(key)
+    def warn_once(self, host: Host, key: str, message: str, *, shared: bool = False) -> None:
+        """Warn once per ``key`` per run (a new fit warns again); ``shared``: once for every engine
+        of the driver (:attr:`run_warnings`: a failure two engines meet on one layer)."""
+        given = self.run_warnings if shared else self._warned
+        if key not in given:
+            given.add(key)
             host.warn(f"{type(self).__name__}: {message}", RuntimeWarning)
 
     # -- metric problems (engine/failures.py) ---------------------------------------------------
@@ -645,6 +645,7 @@ class MonitorEngine:
             f"{stage} failed{where} for layer(s) {names} ({type(err).__name__}: {err}{origin}); "
             "nothing of theirs is logged for that step and training goes on. This warning is "
             "shown once (a metric problem, please report it).",
+            shared=True,
         )
 
     def measure_nothing(self, host: Host, reason: str) -> None:
@@ -865,6 +866,7 @@ class ActivationEngine(MonitorEngine):
                     f"failed:{layer.name}",
                     f"no statistics for layer {layer.name!r} in {len(result.failures)} call(s) "
                     f"({reason}); they are left out. This warning is shown once per layer.",
+                    shared=True,
                 )
 
     def _measure(
@@ -873,3 +875,11 @@ class ActivationEngine(MonitorEngine):
         """Values from the closed probes' results (one per layer, of the window at ``step``), plus
         extra ``record`` arguments; images only where ``visuals``."""
         raise NotImplementedError
+
+
+def _qk_norm(layer: AttentionLayer) -> bool:
+    """Whether ``layer`` has QK-norm; False where reading its weights raises (their read warns)."""
+    try:
+        return layer.has_qk_norm
+    except Exception:  # noqa: BLE001 -- a metric problem must never stop training
+        return False

@@ -108,6 +108,7 @@ class EffectiveRank(ActivationEngine):
         self.blocks: list[nn.Module] = []
         self._hooks: list = []
         self._hidden: dict[int, list[Tensor]] = {}
+        self._mean = HeadMean(1, sync_on_compute=False)  # sized at bind (`_fit`)
 
     def _request(self) -> ProbeRequest:
         sequences = self._probe_sequences

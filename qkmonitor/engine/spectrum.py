@@ -218,7 +218,7 @@ class QKSpectrum(MonitorEngine):
         metric -> one (H,) tensor per layer): from the snapshot taken before the last update, NaN
         and undefined without one."""
         snapshot, self._snapshot = self._snapshot, None
-        heads = [layer.num_heads_hint for layer in self.layers]
+        heads = [_heads_of(layer) for layer in self.layers]
         values = None
         if snapshot is not None and snapshot.step == step - 1:
             try:
@@ -328,7 +328,7 @@ def _merged(layers: list[AttentionLayer], *parts: dict[int, tuple]) -> LayerSpec
     for i, layer in enumerate(layers):
         found = next((part[i] for part in parts if i in part), None)
         if found is None:
-            heads = layer.num_heads_hint
+            heads = _heads_of(layer)
             found = (
                 {m: torch.full((heads,), float("nan")) for m in SPECTRUM_METRICS},
                 {m: torch.ones(heads, dtype=torch.bool) for m in SPECTRUM_METRICS},
@@ -348,3 +348,12 @@ def _blind_message(names: list[str]) -> str:
         "or a layout that no rule places); describe them with qkmonitor.AttentionSpec (README, "
         "'Use it on your model': q=/k= or qkv= with its order and head counts)"
     )
+
+
+def _heads_of(layer: AttentionLayer) -> int:
+    """The layer's head count for its NaN values: 1 where reading it raises (a layer whose weights
+    cannot be read, warned about where the read failed)."""
+    try:
+        return layer.num_heads_hint
+    except Exception:  # noqa: BLE001 -- a metric problem must never stop training
+        return 1
