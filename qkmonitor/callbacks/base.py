@@ -219,8 +219,8 @@ class AttentionMonitor(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.engines[0].layers:  # `trainer.validate(...)` without a fit
-            self._bind(trainer, pl_module)
+        if not self._group.bound_to(pl_module):  # `trainer.validate(...)` without a fit, or
+            self._bind(trainer, pl_module)  # of another module than the last one bound
 
     def _bind(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._group.bind(

@@ -309,6 +309,11 @@ class MonitorEngine:
         self._prepare(model)
         self.switches.bind(model)  # switched at the first window, after every engine's discovery
 
+    @property
+    def model(self) -> nn.Module | None:
+        """The model of the last :meth:`bind` (None before one, or once it is gone)."""
+        return self._model() if self._model is not None else None
+
     # -- torch.compile (engine/switches.py) ------------------------------------------------------
 
     def _probed_modules(self) -> list[nn.Module]:

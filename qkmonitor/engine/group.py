@@ -88,6 +88,10 @@ class EngineGroup:
             )
         self.bound()
 
+    def bound_to(self, model: nn.Module) -> bool:
+        """Whether every engine is bound to ``model`` (a driver rebinds when its model changes)."""
+        return all(e.model is model for e in self.engines)
+
     def bound(self) -> None:
         """After every engine's ``bind`` or ``load_state_dict``: a new schedule, and one loss
         history for the engines whose rules read the loss (what the longest-kept of them held)."""
