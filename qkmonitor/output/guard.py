@@ -9,14 +9,22 @@ A TensorBoard writer writes on a thread of its own: a write is accepted at once,
 shows only at a later write or flush. Its guard is *asynchronous*: the writer is flushed once a
 probe, on the publishing thread (:meth:`GuardedSink.confirm`), and the writes accepted since the
 last flush that went through are the ones lost when one fails. A writer whose thread failed
-refuses every later write, its own logger's included, and raises again when flushed or closed:
-the guard drops its failed event file at once (``reset``; ``SummaryWriter`` opens a new one at its
-next write).
+refuses every later write, its own logger's included, and raises again when flushed or closed.
 
-Later writes are tried again, once per step, where the destination can take them (a TensorBoard
-directory: it exists and is writable), and flushed; when one goes through, the guard says that
-writing resumed and how many writes were lost. At the run's end (:meth:`GuardedSink.report`) the
-summary says how many were lost in all.
+The failed writer is left as it is while its directory cannot be written: a logger that shares it
+(a Lightning ``TensorBoardLogger``) meets, at its own next write, the error its own write would
+have met there (the same error on its own event file, raised by Lightning as it raises it without
+qkmonitor), never one that qkmonitor's handling made. Later writes are tried again, once per step,
+where the destination can take them (a TensorBoard directory: it exists and is writable): then the
+failed event file is dropped first (``reset``; ``SummaryWriter`` opens a new one at its next
+write, for the logger's writes too), the write is made and flushed; when one goes through, the
+guard says that writing resumed and how many writes were lost. At the run's end
+(:meth:`GuardedSink.report`) the summary says how many were lost in all, and a writer still failed
+is dropped, so that its logger's flush and close at the end do not raise an error of a write of
+the monitors (the logger's own failures are raised by the logger before that).
+
+:meth:`GuardedSink.write` puts a write of the destination's owner under the same guard
+(``qkmonitor train``'s own logger: its run survives a failing directory).
 
 Messages are kept, not warned, where a write fails (it may be the publishing thread's): the
 training thread hands them to its host (:func:`warn_write_faults`).
@@ -47,8 +55,9 @@ class GuardedSink:
         destination: where it writes, in words (a run directory, a logger and its directory).
         directory: the directory it writes into, if it is one: writes are retried only while it
             exists and is writable.
-        reset: called after a failed write (a TensorBoard writer drops its failed event file, so
-            that the next write, ours or the logger's own, opens a new one).
+        reset: called before a write is retried where the destination can take it again, and at
+            the run's end while it still fails (a TensorBoard writer drops its failed event file,
+            so that the next write, ours or the logger's own, opens a new one).
         asynchronous: the sink's writes are taken by a thread of its own and confirmed by its
             ``flush`` (a TensorBoard writer).
 
@@ -70,7 +79,9 @@ class GuardedSink:
         self._directory = directory
         self._reset = reset
         self._asynchronous = asynchronous
-        self._lock = threading.Lock()  # the training thread and the publishing thread write
+        # the training thread and the publishing thread write; reentrant: a sink's write may go
+        # through its logger, whose own writes may be guarded by this guard too (GuardedSink.write)
+        self._lock = threading.RLock()
         self._pending = 0  # writes accepted by an asynchronous sink since its last flush
         self._pending_since: int | None = None  # the step of the first of them
         self._failing = False
@@ -105,6 +116,16 @@ class GuardedSink:
     def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
         self._write(self.sink.log_hparams, None, params, metrics)
 
+    def write(self, method: Callable, *args: Any, step: int | None = None) -> None:
+        """``method(*args)``, a write of the destination's owner (``qkmonitor train``'s logger)
+        under this guard: counted, retried and reported with the monitors' writes."""
+        self._write(method, step, *args)
+
+    @property
+    def failing(self) -> bool:
+        """Whether the destination failed and no write went through since."""
+        return self._failing
+
     def flush(self) -> None:
         """Flush the sink; for an asynchronous one, what it accepted is confirmed (or lost)."""
         with self._lock:
@@ -135,6 +156,8 @@ class GuardedSink:
             if retry and (step == self._failed_step or not self._may_retry()):
                 self._lose(1, step)
                 return
+            if retry and self._reset is not None:
+                self._reset()  # the failed event file is dropped only where a new one can go
             try:
                 method(*args)
             except Exception as err:  # noqa: BLE001 -- a logging fault never stops training
@@ -185,8 +208,6 @@ class GuardedSink:
         self._failing, self._failed_step = True, step
         self._error = f"{type(err).__name__}: {err}"
         self._pending, self._pending_since = 0, None
-        if self._reset is not None:
-            self._reset()
         if first:
             at = f" at step {since}" if since is not None else ""
             self._messages.append(
@@ -219,6 +240,8 @@ class GuardedSink:
     def report(self) -> str | None:
         """At a run's end: how many writes were lost since the last report, or None (once)."""
         with self._lock:
+            if self._failing and self._reset is not None:
+                self._reset()  # the end: a logger's flush and close meet no failure of ours
             if not self._lost:
                 return None
             still = "; it still fails" if self._failing else ""

@@ -250,3 +250,76 @@ def test_the_guard_passes_the_sinks_attributes_and_counts_nothing_when_nothing_f
     guarded.log_scalars({"a": 1.0}, 3)
     assert guarded.scalars == [("a", 1.0, 3)] and guarded.draws
     assert guarded.report() is None and guarded.take_messages() == [] and guarded.lost_total == 0
+
+
+class ReplaceDirectory(pl.Callback):
+    """The logger's directory replaced by a file as probe step ``at`` starts: the monitors' writes
+    at its end come before the logger's own (Lightning logs after the callbacks' batch end), and
+    what the publishing thread confirms is waited for, so that the monitors' guard has seen the
+    failure before the logger writes."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == self.at:
+            PUBLISHER.drain()
+            shutil.rmtree(trainer.logger.log_dir)
+            open(trainer.logger.log_dir, "w").close()
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step - 1 == self.at:
+            PUBLISHER.drain()
+
+
+def _failed_fit(tmp_path, name, monitors):
+    """A fit whose TensorBoardLogger writes every step and whose directory is replaced by a file
+    as step 4 (a probe step) starts: the error it raises, and the logger."""
+    from .conftest import tiny_task
+
+    task, data = tiny_task()
+    logger = TensorBoardLogger(tmp_path, name=name, version=0)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=STEPS,
+        logger=logger,
+        callbacks=[*monitors, ReplaceDirectory(4)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Exception) as raised:
+            trainer.fit(task, datamodule=data)
+    return raised.value, logger
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
+
+
+def test_a_users_tensorboard_logger_that_fails_raises_lightnings_own_error(tmp_path):
+    """The logger's own failure is raised as Lightning raises it without qkmonitor: the same OS
+    error on the logger's own event file (the first write after the replacement may be the
+    monitors'; their guard leaves the failed writer as it is, so the logger meets the failure its
+    own write would have met, not one from a writer that qkmonitor reopened)."""
+    alone, alone_logger = _failed_fit(tmp_path, "alone", [])
+    monitored, logger = _failed_fit(
+        tmp_path, "monitored", [AttentionEntropyMonitor(every_n_steps=EVERY)]
+    )
+    for err, its in ((alone, alone_logger), (monitored, logger)):
+        cause = _root_cause(err)
+        assert isinstance(cause, NotADirectoryError), repr(err)
+        # the logger's own event file, in the directory that became a file
+        assert cause.filename.decode().startswith(f"{its.log_dir}/events.out.tfevents."), cause
+    # Lightning's own error either way, as it raises it without qkmonitor (which of the two
+    # depends on which call meets the writer's failure first): a save()'s flush raising the
+    # writer's error as it is, or log_metrics' ValueError made from it
+    for err in (alone, monitored):
+        assert type(err) in (NotADirectoryError, ValueError)
+        assert isinstance(err, NotADirectoryError) or "you tried to log" in str(err)
