@@ -130,6 +130,11 @@ _PER_TASK = "default: per task, see below"
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
+#: Below this many parameters ``qkmonitor train`` runs torch on one CPU thread: its matrices are
+#: too small for intra-op threads to pay (the default recall model, 0.1 M parameters: 300 steps
+#: in docs/cli.md's measurement, one thread against torch's default).
+SMALL_MODEL = 1_000_000
+
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Shows each option's default once: appended unless the help text already speaks of it."""
@@ -286,6 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the last weights under the run's checkpoints/ folder",
     )
     train.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help=(
+            "torch's CPU threads (default: 1 for a model under "
+            f"{SMALL_MODEL / 1e6:g} M parameters, else torch's own; OMP_NUM_THREADS wins where set)"
+        ),
+    )
+    train.add_argument(
         "--progress-bar",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -414,8 +428,62 @@ _BUILDERS = {
 
 
 def _train(args: argparse.Namespace) -> int:
-    with quiet_lightning():
-        return _run_training(args)
+    import torch
+
+    threads = torch.get_num_threads()  # process-wide: given back for a caller in this process
+    try:
+        with quiet_lightning(), _quiet_writer_threads():
+            return _run_training(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _quiet_writer_threads():
+    """A TensorBoard writer's thread that fails (its directory gone, replaced, read-only) ends
+    without its traceback: the guard of the run's writes says what failed and counts what was
+    lost (``output.guard``). Other threads' exceptions are printed as before."""
+    import threading
+
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # another TensorBoard: its threads' tracebacks are printed
+        yield
+        return
+    previous = threading.excepthook
+
+    def hook(args):
+        if not isinstance(args.thread, _AsyncWriterThread):
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+
+
+def _threads(args: argparse.Namespace, task) -> str:
+    """Set torch's CPU threads for the model; the header's words for it. A small model's matrices
+    are too small for intra-op threads to pay, and on a loaded machine the threads wait for each
+    other (docs/cli.md: 300 steps of the default model, one thread against torch's default)."""
+    import os
+
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        return f"{args.threads} (--threads)"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return f"{torch.get_num_threads()} (OMP_NUM_THREADS)"
+    params = sum(p.numel() for p in task.parameters())
+    if params < SMALL_MODEL:
+        torch.set_num_threads(1)
+        return (
+            f"1 (a model under {SMALL_MODEL / 1e6:g} M parameters gains nothing from more; "
+            "--threads N to change)"
+        )
+    return f"{torch.get_num_threads()} (torch's default; --threads N to change)"
 
 
 @contextlib.contextmanager
@@ -453,7 +521,6 @@ def _run_training(args: argparse.Namespace) -> int:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import TensorBoardLogger
 
     from qkmonitor.callbacks import QKMonitor
     from qkmonitor.callbacks.base import lost_writes
@@ -464,9 +531,12 @@ def _run_training(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"qkmonitor train: {err}", file=sys.stderr)
         return 2
-    logger = TensorBoardLogger(args.log_dir, name=args.name or args.task, default_hp_metric=False)
+    logger = _guarded_logger_class()(
+        args.log_dir, name=args.name or args.task, default_hp_metric=False
+    )
     monitor = QKMonitor(every_n_steps=args.every_n_steps, per_head=args.per_head)
     checkpoint = ModelCheckpoint(save_last=False) if args.checkpoint else None
+    checkpoint_io = _checkpoint_io_class()(logger.log_dir)
     callbacks = [
         monitor,
         *([checkpoint] if checkpoint else []),
@@ -487,6 +557,7 @@ def _run_training(args: argparse.Namespace) -> int:
             enable_model_summary=False,
             num_sanity_val_steps=0,
             enable_checkpointing=args.checkpoint,
+            plugins=[checkpoint_io],
         )
     except (
         ValueError,
@@ -495,17 +566,84 @@ def _run_training(args: argparse.Namespace) -> int:
     ) as err:  # e.g. an accelerator this machine lacks
         print(f"qkmonitor train: {err}", file=sys.stderr)
         return 2
-    print(_what_trains(args, task, trainer, logger.log_dir), flush=True)
+    threads = _threads(args, task)
+    print(_what_trains(args, task, trainer, logger.log_dir, threads), flush=True)
     trainer.fit(task, datamodule=data)
     final = trainer.validate(task, datamodule=data, verbose=False)[0]
     lost = lost_writes(trainer)
     print(_summary(monitor.engines, final, logger.log_dir, step=trainer.global_step, lost=lost))
-    if checkpoint is not None and checkpoint.best_model_path:
-        print(f"checkpoint: {checkpoint.best_model_path}")
-    else:
+    if checkpoint is None:
         print("checkpoint: none (--no-checkpoint)")
+    elif checkpoint_io.error is not None:
+        print(f"checkpoint: not saved ({checkpoint_io.error})")
+    elif checkpoint.best_model_path:
+        print(f"checkpoint: {checkpoint.best_model_path}")
     print(_next_steps(args.log_dir, logger.log_dir))
     return 0
+
+
+def _guarded_logger_class():
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from qkmonitor.output.logger_sinks import guarded_sink
+
+    class GuardedTensorBoardLogger(TensorBoardLogger):
+        """``qkmonitor train``'s logger: a ``TensorBoardLogger`` whose own writes go through the
+        guard of the monitors' writes to its directory (``output.guard``): a directory deleted,
+        replaced or read-only mid-run loses writes, counted in the summary's ``writes lost``
+        line, not the run; writing resumes when it can be written again, and a deleted
+        directory is never made again by the logger (the monitors' writes do not make it either).
+        """
+
+        def log_metrics(self, metrics, step=None):
+            guarded_sink(self).write(super().log_metrics, metrics, step, step=step)
+
+        def log_hyperparams(self, params, metrics=None, step=None):
+            guarded_sink(self).write(super().log_hyperparams, params, metrics, step, step=step)
+
+        def save(self):
+            guard = guarded_sink(self)
+            guard.confirm()  # what the writer took: written, or counted lost
+            if not guard.failing:
+                guard.write(super().save)  # a flush and hparams.yaml
+
+        def finalize(self, status):
+            guard = guarded_sink(self)
+            guard.confirm()
+            if not guard.failing:
+                guard.write(super().finalize, status)
+
+    return GuardedTensorBoardLogger
+
+
+def _checkpoint_io_class():
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    class RunCheckpointIO(TorchCheckpointIO):
+        """``qkmonitor train``'s checkpoints: saved only while the run directory is a writable
+        directory (one deleted or replaced mid-run is not made again for them), and a save that
+        fails does not end the run; ``error`` says why the last save was not made (None: it
+        was)."""
+
+        def __init__(self, run_dir: str) -> None:
+            super().__init__()
+            self.run_dir = run_dir
+            self.error: str | None = None
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+            import os
+
+            if not (os.path.isdir(self.run_dir) and os.access(self.run_dir, os.W_OK)):
+                self.error = f"{self.run_dir} is no longer a writable directory"
+                return
+            try:
+                super().save_checkpoint(checkpoint, path, storage_options)
+            except OSError as err:
+                self.error = f"{type(err).__name__}: {err}"
+            else:
+                self.error = None
+
+    return RunCheckpointIO
 
 
 #: What each task learns, in words, from the parsed options.
@@ -524,7 +662,7 @@ _TASK_WORDS = {
 _MODEL_WORDS = {"copy": "encoder-decoder", "reverse": "encoder-decoder", "grid": "vision encoder"}
 
 
-def _what_trains(args: argparse.Namespace, task, trainer, log_dir: str) -> str:
+def _what_trains(args: argparse.Namespace, task, trainer, log_dir: str, threads: str) -> str:
     """The line before the progress bar: the task, the model's size, where it runs and logs."""
     params = sum(p.numel() for p in task.parameters())
     sides = " a side" if args.task in ("copy", "reverse") else ""
@@ -536,7 +674,8 @@ def _what_trains(args: argparse.Namespace, task, trainer, log_dir: str) -> str:
         f"{args.heads} heads{kv}, d_model {args.d_model}, {args.positional} positions, "
         f"{params / 1e6:.2f} M parameters\n"
         f"  {args.steps} steps on {trainer.strategy.root_device}, the monitors probing every "
-        f"{args.every_n_steps}; logs: {log_dir}"
+        f"{args.every_n_steps}; logs: {log_dir}\n"
+        f"  threads: {threads}"
     )
 
 

@@ -380,3 +380,83 @@ def test_a_log_directory_that_fails_mid_run_is_counted_in_the_summary(
         "(OSError: [Errno 28] No space left on device)."
     )
     assert [m for m in messages if m.startswith(f"qkmonitor: {lost} write(s)")] == [report]
+
+
+#: ``qkmonitor train`` with its run directory broken as step AT starts (deleted, replaced by a
+#: file, or read-only: as root, where chmod stops no write, every open for writing under it fails
+#: with EACCES and os.access says so), run as the console script's ``main`` in a fresh process.
+BREAK_THE_LOG_DIRECTORY = r"""
+import builtins, errno, io, os, shutil, sys
+import lightning.pytorch as pl
+
+MODE, AT = sys.argv[1], int(sys.argv[2])
+read_only = []
+
+class Break(pl.Callback):
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step != AT:
+            return
+        run_dir = trainer.logger.log_dir
+        if MODE == "delete":
+            shutil.rmtree(run_dir)
+        elif MODE == "file":
+            shutil.rmtree(run_dir)
+            open(run_dir, "w").close()
+        else:
+            read_only.append(os.path.realpath(run_dir))
+
+def _refused(path, mode):
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return False
+    path = os.path.realpath(os.fsdecode(path))
+    return any(path.startswith(d) for d in read_only) and any(c in mode for c in "wax+")
+
+_open, _access = builtins.open, os.access
+
+def guarded_open(file, mode="r", *args, **kwargs):
+    if _refused(file, mode):
+        raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(file))
+    return _open(file, mode, *args, **kwargs)
+
+def guarded_access(path, how, *args, **kwargs):
+    if how & os.W_OK and _refused(path, "w"):
+        return False
+    return _access(path, how, *args, **kwargs)
+
+builtins.open = io.open = guarded_open
+os.access = guarded_access
+_Trainer = pl.Trainer
+pl.Trainer = lambda *a, callbacks=(), **k: _Trainer(*a, callbacks=[*callbacks, Break()], **k)
+
+from qkmonitor.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["delete", "file", "read-only"])
+def test_the_train_command_survives_its_log_directory_failing_mid_run(tmp_path, mode):
+    """`qkmonitor train` in a process of its own, its run directory deleted, replaced by a file or
+    made read-only at step 8 of 20: it ends with exit 0, no traceback, the `writes lost` line (the
+    monitors' writes and its logger's own) and says that the checkpoint was not saved; a deleted
+    directory is not made again."""
+    script = tmp_path / "break_the_log_directory.py"
+    script.write_text(BREAK_THE_LOG_DIRECTORY)
+    root = tmp_path / "runs"
+    result = subprocess.run(
+        [sys.executable, str(script), mode, "8", "train", "--steps", "20", "--every-n-steps",
+         "5", "--log-dir", str(root), "--no-progress-bar"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    run_dir = root / "recall" / "version_0"
+    out = result.stdout
+    lost = re.search(rf"^writes lost: (\d+) to {re.escape(str(run_dir))} \(", out, re.MULTILINE)
+    assert lost and int(lost[1]) >= 4, out  # at least the scalars of the probes at 10, 15, 20
+    assert re.search(r"^checkpoint: not saved \(.*\)$", out, re.MULTILINE), out
+    assert "final validation: val_acc" in out and "Next:" in out
+    assert f"qkmonitor: writing to {run_dir} failed at step" in result.stderr
+    if mode == "delete":
+        assert not run_dir.exists()  # neither the logger nor the monitors made it again
+    elif mode == "file":
+        assert run_dir.is_file()
