@@ -17,6 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
@@ -204,6 +205,7 @@ class AttentionMonitor(Callback):
         # here, not in `setup`: a model built in `configure_model` exists now, the strategy has
         # put it on its device, and Lightning has not yet written its own hparams record
         self._bind(trainer, pl_module)
+        self._batch_step = trainer.global_step
         monitors = _monitors(trainer)
         if monitors[-1] is self:  # every monitor is bound now: one header for the run
             self._write_header(trainer, pl_module, monitors)
@@ -332,7 +334,8 @@ class AttentionMonitor(Callback):
             and dataloader_idx == 0
             and not trainer.sanity_checking
         ):
-            self._group.open(self._host(trainer), trainer.global_step, validation=True)
+            step = self._validation_step(trainer)
+            self._group.open(self._host(trainer), step, validation=True)
 
     @override
     def on_validation_batch_end(
@@ -344,7 +347,16 @@ class AttentionMonitor(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._group.finish_validation(self._host(trainer), trainer.global_step)
+        self._group.finish_validation(self._host(trainer), self._validation_step(trainer))
+
+    def _validation_step(self, trainer: pl.Trainer) -> int:
+        """The step Lightning logs a validation's metrics (``val_loss``) at: inside a fit, the step
+        of the training batch it follows (whose optimizer step has already advanced
+        ``global_step``), mid-epoch (``val_check_interval``) and at an epoch's end alike; in
+        ``trainer.validate``, ``global_step``."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            return self._batch_step
+        return trainer.global_step
 
     @override
     def on_exception(
