@@ -653,6 +653,17 @@ class MonitorEngine:
             shared=True,
         )
 
+    def warn_undefined(self, host: Host, step: int, name: str, layers: list[int]) -> None:
+        """Say once a run that ``name`` is NaN by definition for the data seen (never a silent
+        NaN): the layers, and the catalogue's reason."""
+        names = [self.layers[i].name for i in layers]
+        self.warn_once(
+            host,
+            f"undefined:{name}",
+            f"{name} is undefined at step {step} for layer(s) {names}: {metric(name).undefined}. "
+            "It is logged as NaN and fires no alert. This warning is shown once.",
+        )
+
     def measure_nothing(self, host: Host, reason: str) -> None:
         """Turn this engine off for the run, with one warning saying why (a monitor beside others
         that measure something: :class:`~qkmonitor.engine.failures.MeasuresNothingError`)."""
@@ -689,6 +700,9 @@ class ActivationEngine(MonitorEngine):
         self._probes: list[Probe] = []
         self._window: tuple[int, bool] | None = None
         self._measurable: list[bool] = []
+        #: metric -> the layers where the window's data left it undefined by definition (a
+        #: one-token sequence), set by :meth:`_values` and said once a run in :meth:`complete`
+        self._undefined_now: dict[str, list[int]] = {}
 
     @property
     def probing(self) -> bool:
@@ -812,6 +826,9 @@ class ActivationEngine(MonitorEngine):
         the values, recorded (alerts, tags) at the window's step."""
         with torch.no_grad():
             values, extra = self._values(window.carried)
+        notes, self._undefined_now = self._undefined_now, {}
+        for name, layers in notes.items():
+            self.warn_undefined(host, window.step, name, layers)
         self.record(host, values, window.step, validation=window.validation, **extra)
 
     def _accumulate(self, results: list[ProbeResult], step: int, *, visuals: bool) -> Any:

@@ -223,6 +223,12 @@ class AttentionEntropy(ActivationEngine):
         # (torchmetrics makes a one-slot result a scalar)
         computed = {name: value.float().cpu().reshape(-1) for name, value in computed.items()}
         no_rows, no_spread = computed["rows"] == 0, computed["norm_rows"] == 0
+        one_key = no_spread & ~no_rows  # rows, none of them with two keys: said once
+        self._undefined_now = {
+            "entropy_norm": [i for i, h in enumerate(self._heads) if bool(one_key[h].any())]
+        }
+        if not self._undefined_now["entropy_norm"]:
+            self._undefined_now = {}
         values: Values = {}
         undefined: dict[str, list[Tensor]] = {}
         for name in self.metric_names:

@@ -256,10 +256,20 @@ class EffectiveRank(ActivationEngine):
             means = self._mean.compute().float().cpu().reshape(-1)  # one slot: a scalar
         counted = self._mean.count.cpu() > 0  # no sample (an empty batch, one token): undefined
         self._mean.reset()
-        for layer_columns in self._columns:
+        self._undefined_now = {}
+        for i, layer_columns in enumerate(self._columns):
             for name, columns in layer_columns.items():
                 values[name].append(means[columns])
                 undefined[name].append(~counted[columns])
+            # samples, but none with a value: one-token sequences (said once a run)
+            for name, beside in (
+                ("hidden_collapse", "hidden_erank"),
+                ("attn_entropy_norm", "attn_erank"),
+            ):
+                if bool(counted[layer_columns[beside]].any()) and not bool(
+                    counted[layer_columns[name]].any()
+                ):
+                    self._undefined_now.setdefault(name, []).append(i)
         return (
             {name: values[name] for name in self.metric_names},
             {"images": images, "undefined": {name: undefined[name] for name in self.metric_names}},

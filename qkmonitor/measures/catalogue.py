@@ -31,6 +31,12 @@ __all__ = [
     "names_of",
 ]
 
+#: when a normalized entropy has no value: H_i / log n_i is 0/0 for a row with one key
+_ONE_KEY = (
+    "no query row may attend two keys (sequences of one token, or every row masked down to one "
+    "key): H_i / log 1 = 0/0"
+)
+
 SPECTRUM, ENTROPY, RANK = "QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor"
 #: QK-Clip (:class:`qkmonitor.engine.QKClip`): a cure that logs what it did.
 CLIP = "QKClip"
@@ -229,6 +235,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "attention entropy",
         "mean over rows with n_i > 1 of H_i / log n_i: 1 = uniform, 0 = one-hot",
         heatmap=(0.0, 1.0),
+        undefined=_ONE_KEY,
         summary=("mean", "min"),
         reading=(
             "1: uniform over the keys, 0: all on one key; sharp heads are normal where a task "
@@ -291,6 +298,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "low",
         "effective rank",
         "||X - 1 mean(X)^T||_F / ||X||_F: -> 0 under rank collapse (Dong et al. 2021)",
+        undefined=(
+            "every probed sequence is one token long: X = 1 mean(X)^T, so the ratio is 0 by "
+            "construction, not a collapse"
+        ),
         summary=("mean",),
         reading=(
             "1: the tokens' representations share no mean, 0: all tokens one vector (rank "
@@ -333,6 +344,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "effective rank",
         "entropy_norm of the same probe slice (the malignant_collapse rule pairs it with "
         "attn_erank)",
+        undefined=_ONE_KEY,
     ),
     MetricSpec(
         "clip_max_logit",
