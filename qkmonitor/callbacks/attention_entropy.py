@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from qkmonitor.alerts import Alert, AlertRule
 from qkmonitor.attention.adapters import LayerSpec
 from qkmonitor.engine import AttentionEntropy, MonitorOptions
+from qkmonitor.validation import keyword_only
 
 from .base import ActivationMonitor
 
@@ -66,6 +67,7 @@ class AttentionEntropyMonitor(ActivationMonitor):
 
     engine: AttentionEntropy
 
+    @keyword_only
     def __init__(
         self,
         *,

@@ -11,6 +11,7 @@ from qkmonitor.alerts import Alert, AlertRule
 from qkmonitor.attention.adapters import LayerSpec
 from qkmonitor.engine import EffectiveRank, MonitorOptions
 from qkmonitor.engine.rank import MAX_PROBE_SEQUENCES, MAX_PROBE_TOKENS, PATTERN_HEADS
+from qkmonitor.validation import keyword_only
 
 from .base import ActivationMonitor
 
@@ -66,6 +67,7 @@ class EffectiveRankMonitor(ActivationMonitor):
 
     engine: EffectiveRank
 
+    @keyword_only
     def __init__(
         self,
         *,

@@ -6,6 +6,7 @@ from qkmonitor.attention.adapters import LayerSpec
 from qkmonitor.engine import MonitorOptions
 from qkmonitor.engine import QKClip as QKClipEngine
 from qkmonitor.engine.clip import DEFAULT_TAU
+from qkmonitor.validation import keyword_only
 
 from .base import ActivationMonitor
 
@@ -43,6 +44,7 @@ class QKClip(ActivationMonitor):
 
     engine: QKClipEngine
 
+    @keyword_only
     def __init__(
         self,
         *,

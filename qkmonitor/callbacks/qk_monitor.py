@@ -20,6 +20,7 @@ from qkmonitor.engine import (
     MonitorOptions,
     QKSpectrum,
 )
+from qkmonitor.validation import keyword_only
 
 from .base import AttentionMonitor
 
@@ -82,6 +83,7 @@ class QKMonitor(AttentionMonitor):
         trainer = Trainer(callbacks=[QKMonitor(every_n_steps=50, per_head=True)])
     """
 
+    @keyword_only
     def __init__(
         self,
         *,

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from qkmonitor.alerts import Alert, AlertRule
 from qkmonitor.attention.adapters import LayerSpec
 from qkmonitor.engine import MonitorOptions, QKSpectrum
+from qkmonitor.validation import keyword_only
 
 from .base import AttentionMonitor
 
@@ -69,6 +70,7 @@ class QKSpectrumMonitor(AttentionMonitor):
 
     engine: QKSpectrum
 
+    @keyword_only
     def __init__(
         self,
         *,

@@ -20,15 +20,23 @@ from qkmonitor.validation import check_bool, check_non_negative_int, check_optio
 
 __all__ = ["MonitorOptions", "check_prefix"]
 
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+#: a part: letters, digits, ``_ - .``, never ``.`` or ``..`` nor any part that begins with two
+#: dots (MLflow refuses a name that ``posixpath.normpath`` changes or that begins with ``..``)
+_PREFIX_PART = r"\.?[A-Za-z0-9_\-][A-Za-z0-9_.\-]*"
+_PREFIX_RE = re.compile(rf"^{_PREFIX_PART}(/{_PREFIX_PART})*$")
 
 
 def check_prefix(prefix: object) -> str:
-    """A tag-safe ``log_key_prefix``: parts of letters, digits, ``_ . -`` joined by single ``/``."""
+    """A tag-safe ``log_key_prefix``, one that every logger takes as it is: parts of letters,
+    digits, ``_ . -`` joined by single ``/``, no leading or trailing ``/``, and no part ``.``,
+    ``..`` or beginning with ``..`` (TensorBoard and CSV take any tag; W&B makes sections of
+    the parts; MLflow refuses a metric name that would read as another path, as ``../x`` or
+    ``a/./b`` do)."""
     if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
         raise ValueError(
             "Expected `log_key_prefix` to be a tag-safe string (letters, digits, '_', '.', '-', "
-            f"parts joined by single '/', no leading or trailing '/'), got {prefix!r}"
+            "parts joined by single '/', no leading or trailing '/', no part '.' or '..' or "
+            f"beginning with '..'), got {prefix!r}"
         )
     return prefix
 
@@ -138,5 +146,30 @@ def _checked_layers(layers: object) -> Any:
         and not isinstance(layers, (nn.Module, AttentionLayer))
         and not callable(layers)
     ):
-        return tuple(layers)  # a generator is read once, here
+        layers = tuple(layers)  # a generator is read once, here
+        if not layers:
+            raise ValueError(
+                "Expected `layers` to be a non-empty list of modules or AttentionLayers, got an "
+                "empty list: leave it out (None) to monitor every attention layer found"
+            )
+        for i, item in enumerate(layers):
+            if not isinstance(item, (nn.Module, AttentionLayer)):
+                raise ValueError(
+                    f"Expected `layers[{i}]` to be a module or an AttentionLayer of the model, got "
+                    f"{type(item).__name__} {item!r}{_LAYER_HINTS.get(type(item), '')}"
+                )
     return layers
+
+
+#: what to pass instead of a name or an index (a module of the model, which is known only at fit
+#: start: a function of the model is called then)
+_LAYER_HINTS = {
+    str: (
+        ": a name is not looked up; pass the module itself, or a function of the model, called "
+        "when training starts, e.g. `layers=lambda m: [m.get_submodule(NAME)]`"
+    ),
+    int: (
+        ": an index is not looked up; pass the module itself, or a function of the model, "
+        "called when training starts, e.g. `layers=lambda m: [m.blocks[0].attn]`"
+    ),
+}

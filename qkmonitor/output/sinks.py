@@ -17,7 +17,14 @@ import numpy as np
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch import Tensor
 
-__all__ = ["MemorySink", "Sink", "SummaryWriterSink", "flatten_hparams", "is_summary_writer"]
+__all__ = [
+    "MemorySink",
+    "Sink",
+    "SummaryWriterSink",
+    "check_writer",
+    "flatten_hparams",
+    "is_summary_writer",
+]
 
 
 @runtime_checkable
@@ -53,6 +60,22 @@ def is_summary_writer(writer: object) -> bool:
     return any(
         cls.__name__ == "SummaryWriter" and cls.__module__.partition(".")[0] == "tensorboardX"
         for cls in type(writer).__mro__
+    )
+
+
+def check_writer(writer: object) -> None:
+    """Raise ``ValueError`` unless ``writer`` is None, a TensorBoard ``SummaryWriter`` or a
+    qkmonitor :class:`Sink` (what ``Monitoring(writer=...)`` takes); a path is answered with the
+    writer to make of it."""
+    from os import PathLike
+
+    path = isinstance(writer, (str, bytes, PathLike))
+    if writer is None or is_summary_writer(writer) or (isinstance(writer, Sink) and not path):
+        return
+    hint = f": pass `SummaryWriter({str(writer)!r})` (torch.utils.tensorboard)" if path else ""
+    raise ValueError(
+        "Expected `writer` to be a torch.utils.tensorboard.SummaryWriter, a qkmonitor Sink or "
+        f"None, got {type(writer).__name__} {writer!r}{hint}"
     )
 
 

@@ -13,7 +13,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE, KAPPA_RULE
-from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.callbacks import (
+    AttentionEntropyMonitor,
+    EffectiveRankMonitor,
+    QKClip,
+    QKMonitor,
+    QKSpectrumMonitor,
+)
 from qkmonitor.models import DecoderLM, TransformerConfig
 
 COMMON = [
@@ -214,3 +220,61 @@ def test_layers_takes_one_module_or_a_list_and_refuses_modules_outside_the_model
         ValueError, match="Expected `layers` to be a module, an AttentionLayer, a list"
     ):
         QKSpectrumMonitor(layers=3)
+
+
+def test_prefixes_that_read_as_other_paths_are_refused_as_mlflow_refuses_them():
+    """A prefix is refused where some logger would refuse its tags: MLflow's own check of a
+    metric name (``mlflow.utils.validation``) is the reference; every prefix accepted makes
+    tags it takes."""
+    validation = pytest.importorskip("mlflow.utils.validation")
+    from mlflow.exceptions import MlflowException
+
+    def mlflow_takes(tag: str) -> bool:
+        try:
+            validation._validate_metric_name(tag)
+        except MlflowException:
+            return False
+        return True
+
+    for prefix in ("../x", "..", ".", "a/./b", "a/../b", "x/..", "..a", "a/...", "./x"):
+        assert not mlflow_takes(f"{prefix}/kappa/layer_00") or prefix in ("a/...",)
+        with pytest.raises(ValueError, match=r"no part '\.' or '\.\.' or beginning with '\.\.'"):
+            QKSpectrumMonitor(log_key_prefix=prefix)
+    for prefix in ("qkmonitor", "runs/enc-1.v2", ".hidden", "a..b", "v1.", "a/.b/c_d"):
+        assert QKSpectrumMonitor(log_key_prefix=prefix).prefix == prefix
+        assert mlflow_takes(f"{prefix}/kappa/layer_00_head_00"), prefix
+
+
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        ([], r"Expected `layers` to be a non-empty list .* got an empty list: leave it out"),
+        ((), r"Expected `layers` to be a non-empty list"),
+        ([1], r"Expected `layers\[0\]` to be a module or an AttentionLayer .* got int 1: an index"),
+        (
+            ["blocks.0.attn"],
+            (
+                r"Expected `layers\[0\]` to be a module .* got str 'blocks.0.attn': a name is "
+                r"not looked up; .* a function of the model, called when training starts"
+            ),
+        ),
+        ([nn.Linear(2, 2), None], r"Expected `layers\[1\]` to be a module .* got NoneType None"),
+    ],
+)
+def test_layer_lists_that_cannot_be_layers_are_refused_at_construction(layers, message):
+    for cls in (QKSpectrumMonitor, QKMonitor):
+        with pytest.raises(ValueError, match=message):
+            cls(layers=layers)
+
+
+@pytest.mark.parametrize("cls", [QKMonitor, QKSpectrumMonitor, AttentionEntropyMonitor, QKClip])
+def test_a_positional_argument_says_the_parameters_are_keyword_only(cls):
+    name, first = cls.__name__, next(iter(inspect.signature(cls).parameters))  # QKClip: tau
+    with pytest.raises(
+        TypeError,
+        match=rf"^{name} takes keyword arguments only: {name}\({first}=50\), got 1 "
+        "positional argument$",
+    ):
+        cls(50)
+    assert inspect.signature(cls).parameters["every_n_steps"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert cls(every_n_steps=50).engines[0].every_n_steps == 50
