@@ -54,6 +54,19 @@ def _any_int(text: str) -> int:
     return _number(text, int, "an integer", lambda v: True)
 
 
+def _run_name(text: str) -> str:
+    """A run's folder name under the log directory: one path part, never one that leaves it."""
+    import os
+
+    separators = {"/", os.sep, *([os.altsep] if os.altsep else [])}
+    if not text or text in (".", "..") or any(sep in text for sep in separators):
+        raise argparse.ArgumentTypeError(
+            f"expected a run name without '/' that is not '.' or '..' (a folder under "
+            f"--log-dir), got {text!r}"
+        )
+    return text
+
+
 #: Per-task defaults of the shared options: each task learns with ``qkmonitor train --task X``
 #: on a 2-core CPU in about a minute or two. An option given on the command line wins.
 TASK_DEFAULTS: dict[str, dict[str, object]] = {
@@ -167,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from qkmonitor import __version__
     from qkmonitor.models.config import POSITIONAL
+    from qkmonitor.output.report import add_report_parser, directory_argument
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -277,9 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="Lightning accelerator: auto (a GPU where there is one), cpu, cuda, ...",
     )
-    train.add_argument("--log-dir", default="runs", help="TensorBoard root directory")
     train.add_argument(
-        "--name", default=None, help="run name under the log dir (default: the task's name)"
+        "--log-dir", type=directory_argument, default="runs", help="TensorBoard root directory"
+    )
+    train.add_argument(
+        "--name",
+        type=_run_name,
+        default=None,
+        help="run name, a folder under the log dir (default: the task's name)",
     )
     train.add_argument(
         "--seed", type=_any_int, default=0, help="seed of the data and the initialization"
@@ -305,8 +324,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="show the training progress (step N/total, loss, accuracy)",
     )
-    from qkmonitor.output.report import add_report_parser
-
     add_report_parser(commands, formatter_class=_HelpFormatter)
     return parser
 

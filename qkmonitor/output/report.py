@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from qkmonitor.measures.catalogue import CATALOGUE, MetricSpec
 from qkmonitor.output.tags import LOSS_TAGS, layer_prefixes, parse_alert_tag, parse_layer_tag
+from qkmonitor.validation import directory_problem
 
 if TYPE_CHECKING:
     from qkmonitor.alerts import AlertRule, Condition
@@ -1003,6 +1004,15 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def directory_argument(text: str) -> str:
+    """An argparse type (``report --out``, ``train --log-dir``): a directory to write into, one
+    that is or one to make (no part of it a file)."""
+    problem = directory_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}: {problem}")
+    return text
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "run_dirs",
@@ -1015,6 +1025,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
+        type=directory_argument,
         default=None,
         metavar="DIR",
         help="where the PNG plots go (default: RUN_DIR/report, or ./report for several runs)",
@@ -1065,7 +1076,7 @@ def run_report(args: argparse.Namespace) -> int:
             max_alerts=args.max_alerts,
             loss_tag=args.loss_tag,
         )
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # a bad run; --out that cannot be written
         print(f"qkmonitor report: {err}", file=sys.stderr)
         return 2
     print(report.text)

@@ -460,3 +460,43 @@ def test_the_train_command_survives_its_log_directory_failing_mid_run(tmp_path, 
         assert not run_dir.exists()  # neither the logger nor the monitors made it again
     elif mode == "file":
         assert run_dir.is_file()
+
+
+def test_a_file_as_a_directory_and_a_name_that_leaves_the_log_dir_are_one_line(tmp_path, capsys):
+    """`train --log-dir FILE`, `report --out FILE` and `train --name ../../x` (which wrote outside
+    the log directory): argparse's one error line naming the argument, exit 2, nothing made."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for argv, message in (
+        (
+            ["train", "--log-dir", str(a_file)],
+            f"argument --log-dir: expected a directory, got '{a_file}': it is a file",
+        ),
+        (
+            ["train", "--log-dir", str(a_file / "runs")],
+            (
+                f"argument --log-dir: expected a directory, got '{a_file / 'runs'}': "
+                f"'{a_file}' in it is a file"
+            ),
+        ),
+        (
+            ["report", str(tmp_path), "--out", str(a_file)],
+            f"argument --out: expected a directory, got '{a_file}': it is a file",
+        ),
+        *(
+            (
+                ["train", "--log-dir", str(tmp_path / "runs"), "--name", name],
+                (
+                    f"argument --name: expected a run name without '/' that is not '.' or '..' (a "
+                    f"folder under --log-dir), got '{name}'"
+                ),
+            )
+            for name in ("../../x", "a/b", "..", ".", "")
+        ),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "Traceback" not in err
+        assert err.strip().splitlines()[-1].endswith(message), (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing made
