@@ -11,7 +11,8 @@ A probe hands each forward of an attention module to its observers as an
 - :class:`FailedCall`: a call that could not be read; measuring it raises the original error, which
   the probe records.
 - :class:`UnreadCall`: a forward of the module in which no attention call could be read, and why
-  (what it called, what is missing); not a measurement, the probe keeps the reason.
+  (what it called, what is missing), or whose softmax is not one head's attention over tokens
+  (heads mixed before it, channels); not a measurement, the probe keeps the reason.
 
 ``flex_attention``'s ``score_mod`` and ``BlockMask`` are applied as flex applies them
 (:func:`flex_apply`: the function at every ``(b, h, q_idx, kv_idx)``, vmapped over each index).
@@ -80,15 +81,20 @@ class FailedCall:
 
 
 class UnreadCall:
-    """A forward of a probed module in which no attention call could be read.
+    """A forward of a probed module in which no attention call could be read, or whose call is
+    refused: what its softmax is over is not one head's attention over tokens (heads mixed before
+    it, channels).
 
     Attributes:
         unread_reason: what the forward called and what was missing to read it, for the warning
             (the attribute a probe looks for).
+        no_layout: why the layer's weights have no W_QK to check either (attention over
+            channels), or None: a layout check may still read them from the call's q and k.
     """
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, no_layout: str | None = None) -> None:
         self.unread_reason = reason
+        self.no_layout = no_layout
 
 
 @dataclass

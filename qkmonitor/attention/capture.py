@@ -11,7 +11,17 @@ While a probe is open on a module, and only inside that module's forward, a
 - a softmax over the last dim of a 4-D tensor ``(B, H, N, M)``: the logits the module computed,
   which already hold its additive mask, ALiBi, relative bias or soft-capping, become a
   :class:`~qkmonitor.attention.calls.ScoresCall` (``-inf`` and ``finfo.min``-like entries are
-  blocked keys).
+  blocked keys, and so are the keys of an additive mask seen added to those logits in the
+  forward, :mod:`.masks`; other finite logits at or below ``MASK_FLOOR`` count as keys, and are
+  named once per module in a warning).
+
+Leading dims before the heads (``(B, windows, H, N, D)``, timm Twins) are folded into the batch:
+each window is an attention problem of its own. Two calls are refused by name, as an
+:class:`~qkmonitor.attention.calls.UnreadCall` with the reason: a softmax after a Linear (or a
+convolution) over the heads of ``q @ kᵀ`` (talking heads, timm CaiT: the queries' and keys' layout
+is still checked, κ is a property of the weights), and one over channels (``q·kᵀ`` contracting the
+projections' tokens, its rows a head's channels: timm XCiT, whose weights then have no W_QK over
+tokens either).
 
 The mode is entered by the probe's forward pre-hook and left by its forward hook, which runs on
 an exception too (``always_call``; a ``BaseException`` skips it, and the channel unwinds the call
@@ -27,6 +37,8 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -35,6 +47,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from qkmonitor.attention.calls import (
+    MASK_FLOOR,
     MaskedCall,
     ScoresCall,
     UnreadCall,
@@ -44,6 +57,7 @@ from qkmonitor.attention.calls import (
 from qkmonitor.attention.compiled import add_forward_hooks, own_class
 from qkmonitor.attention.layout_check import LayoutEvidence
 from qkmonitor.attention.layouts import HEADS_NAMES, attribute
+from qkmonitor.attention.masks import AdditiveMasks
 from qkmonitor.attention.probes import AttentionCall, Probe, in_side_computation
 from qkmonitor.attention.route import Channel, Route, observed
 
@@ -63,19 +77,40 @@ class _Interceptor(TorchFunctionMode):
         call = self.call
         if in_side_computation() or call.in_kernel:  # qkmonitor's own computation, or the ops
             return func(*args, **kwargs)  # inside an attention kernel already observed (flex)
-        weights = call.watch
         if func is F.scaled_dot_product_attention:
             call.on_sdpa(args, kwargs)
         elif func in _SOFTMAX:
             call.on_softmax(args, kwargs)
-        elif weights and (func is F.linear or func is torch.addmm):
+        elif func is F.linear or func is torch.addmm:
             call.on_projection(func, args, kwargs)
-        elif weights and func in _MATMUL and len(args) == 2:
-            call.on_matmul(*args)
+        elif func is F.conv2d and args:
+            call.on_conv(args[0])
+        elif func in _MATMUL and len(args) == 2:
+            out = func(*args, **kwargs)
+            call.on_matmul(*args, out)
+            return out
+        elif func in _ADD and len(args) == 2 and "alpha" not in kwargs:
+            out = func(*args, **kwargs)
+            call.masks.on_add(*args, out)
+            return out
+        elif func in _MASKED_FILL:
+            out = func(*args, **kwargs)
+            call.masks.on_masked_fill(args, kwargs, out)
+            return out
         return func(*args, **kwargs)
 
 
 _MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+#: the ways logits and an additive mask are added (``scores + mask``, ``scores += mask``, ...)
+_ADD = (
+    torch.add,
+    torch.Tensor.add,
+    torch.Tensor.add_,
+    torch.Tensor.__add__,
+    torch.Tensor.__radd__,
+    torch.Tensor.__iadd__,
+)
+_MASKED_FILL = (torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_)
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -210,6 +245,10 @@ def _observing(flex: Callable) -> Callable:
 #: the process's observer of flex_attention (:class:`FlexObserver`)
 FLEX = FlexObserver()
 
+#: the capture's warnings given for each module (each is given once per module, whichever
+#: monitor's probe made the channel that saw it): weak per module
+_TOLD: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
 
 class _InterceptChannel(Channel):
     """A module's calls intercepted while it runs: the hooks that enter and leave the
@@ -228,6 +267,8 @@ class _InterceptChannel(Channel):
         #: the head count a 3-D (B·H, N, M) softmax is split by, where the module names one
         self.split_heads: int | None = attribute(module, HEADS_NAMES)
         self._threads = threading.local()  # .calls: this thread's open calls, innermost last
+        self.name = "?"  # the layer's name, for the warnings (set by the first probe)
+        self.told = _TOLD.setdefault(module, set())  # the warnings given for the module
         self._release_flex = FLEX.hold(module)
         self._remove_hooks = add_forward_hooks(module, pre=self._enter, post=self._leave)
 
@@ -252,6 +293,25 @@ class _InterceptChannel(Channel):
         call.mode.__exit__(None, None, None)
         if output is not None and call.first and self.observers:  # it ran; nothing was read
             self.observers.notify(UnreadCall(call.unread_reason()))
+
+    def note_unmasked(self, lowest: float) -> None:
+        """Warn, once per module, that a softmax input held finite logits at or below the mask
+        floor that no additive mask seen in the forward explains (counted as keys)."""
+        if "unmasked" in self.told:
+            return
+        self.told.add("unmasked")
+        warnings.warn(
+            f"qkmonitor: layer {self.name!r} hands its softmax finite logits as low as "
+            f"{lowest:.4g}, at or below {MASK_FLOOR:g}, that no additive mask seen in its forward "
+            "explains; they are counted as keys (docs/metrics.md, 'Masked keys': only -inf, "
+            "finfo.min-like logits and the keys of a mask added in the forward are blocked), so "
+            "its entropy_norm and max_prob count them. If they are a mask, add it to the logits "
+            "in the forward (`scores + mask`, `masked_fill`) from a tensor without a gradient, or "
+            "pass it to F.scaled_dot_product_attention as `attn_mask`. This warning is shown "
+            "once per layer.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def uninstall(self) -> None:
         self._remove_hooks()
@@ -279,8 +339,10 @@ def _watched(channel: _InterceptChannel) -> set[int]:
 
 class _Call:
     """What one forward of an intercepted module captures: the projections' inputs the layout
-    check asks for, the first 4-D ``q @ kᵀ`` (an explicit softmax's queries and keys), and
-    whether an attention call was already handed on (the first carries the layout evidence)."""
+    check asks for, the first ``q @ kᵀ`` (an explicit softmax's queries and keys), the additive
+    masks added to logits (:mod:`.masks`), what happened to the logits before the softmax (their
+    heads mixed), the token counts and widths the projections saw, and whether an attention call
+    was already handed on (the first carries the layout evidence)."""
 
     def __init__(self, channel: _InterceptChannel) -> None:
         self.channel = channel
@@ -289,7 +351,13 @@ class _Call:
         self.inputs: dict[int, Tensor] = {}
         self.biases: dict[int, Tensor] = {}  # the bias each projection's call added, where one did
         self.first = True
-        self.qk: tuple[Tensor, Tensor] | None = None
+        self.qk: tuple[Tensor, Tensor] | None = None  # the first q @ kᵀ: its q and k
+        self.last_qk: tuple[Tensor, Tensor] | None = None  # the latest q @ kᵀ before a softmax
+        self.product: Tensor | None = None  # the latest q @ kᵀ's result (logits to come)
+        self.mixed: str | None = None  # how the logits' heads were mixed, before the softmax
+        self.tokens: set[int] = set()  # the sequence lengths of the projections' inputs
+        self.widths: set[int] = set()  # and their widths
+        self.masks = AdditiveMasks()
         self.in_kernel = False  # inside an observed kernel: its own ops are not the module's
         self.unread: list[str] = []  # attention-like calls seen but not read, and why
         self.mode = _Interceptor(self)
@@ -322,48 +390,89 @@ class _Call:
         """``F.linear(input, weight, bias)`` and ``addmm(input, mat1, mat2)`` (GPT-2's Conv1D:
         ``addmm(bias, x, weight)``), their arguments given by position or by keyword; the bias the
         call adds is kept with the input (a module may assemble it in the forward, as BEiT's
-        ``cat(q_bias, zeros, v_bias)``)."""
+        ``cat(q_bias, zeros, v_bias)``). A Linear over the heads of the logits (talking heads)
+        mixes them."""
         if func is F.linear:
             call = dict(zip(("input", "weight", "bias"), args)) | kwargs
             x, weight, bias = call.get("input"), call.get("weight"), call.get("bias")
         else:
             call = dict(zip(("input", "mat1", "mat2"), args)) | kwargs
             x, weight, bias = call.get("mat1"), call.get("mat2"), call.get("input")
+        if not isinstance(x, Tensor):
+            return
+        product = self.product
+        if product is not None and x.shape[-1] == product.shape[-3] and _same_storage(x, product):
+            self.mixed = (
+                f"talking heads: a Linear over the {product.shape[-3]} heads of q·kᵀ, as CaiT's "
+                "proj_l"
+            )
+            return
+        if x.dim() >= 3:
+            self.tokens.add(x.shape[-2])
+            self.widths.add(x.shape[-1])
         watched = isinstance(weight, Tensor) and id(weight) in self.watch
-        if watched and isinstance(x, Tensor) and id(weight) not in self.inputs:
+        if watched and id(weight) not in self.inputs:
             self.inputs[id(weight)] = x.detach()
             if isinstance(bias, Tensor) and bias.dim() == 1:
                 self.biases[id(weight)] = bias.detach()
 
-    def on_matmul(self, a, b) -> None:
-        """``x @ W.T`` (a projection written as a matmul, e.g. Falcon's) and the first 4-D
-        ``q @ k.transpose(-2, -1)`` of the forward (the queries and keys of an explicit softmax)."""
+    def on_conv(self, x) -> None:
+        """A convolution whose channels are the heads of the logits mixes them (x-transformers'
+        1×1 talking heads)."""
+        product = self.product
+        if (
+            isinstance(x, Tensor)
+            and product is not None
+            and x.dim() == 4
+            and x.shape[1] == product.shape[-3]
+            and _same_storage(x, product)
+        ):
+            self.mixed = f"talking heads: a convolution over the {x.shape[1]} heads of q·kᵀ"
+
+    def on_matmul(self, a, b, out) -> None:
+        """``x @ W.T`` (a projection written as a matmul, e.g. Falcon's) and ``q @ kᵀ`` of
+        (..., H, N, D) queries (the queries and keys of an explicit softmax, the first kept for
+        the layout check)."""
         if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
             return
-        weight = b if id(b) in self.watch else b._base
-        if weight is not None and id(weight) in self.watch:
-            self.inputs.setdefault(id(weight), a.detach())
-        elif self.qk is None and a.dim() == 4 and b.dim() == 4 and a.shape[-1] == b.shape[-2]:
-            self.qk = (a.detach(), b.detach().transpose(-1, -2))
+        if self.watch:
+            weight = b if id(b) in self.watch else b._base
+            if weight is not None and id(weight) in self.watch:
+                self.inputs.setdefault(id(weight), a.detach())
+                return
+        if a.dim() >= 4 and b.dim() == a.dim() and a.shape[-1] == b.shape[-2]:
+            self.last_qk = (a.detach(), b.detach().transpose(-1, -2))
+            self.qk = self.qk or self.last_qk
+            self.product = out.detach() if isinstance(out, Tensor) else None
 
     def on_sdpa(self, args, kwargs) -> None:
         sdpa = dict(zip(_SDPA_ARGS, args)) | kwargs
         q, k = sdpa["query"], sdpa["key"]
+        if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() >= 4:
+            refused = self._over_channels(q, k)
+            if refused is not None:
+                self._refuse(*refused)
+                return
         self._notify(
             lambda: _sdpa_call(
                 q, k, sdpa.get("attn_mask"), bool(sdpa.get("is_causal", False)), sdpa.get("scale")
             ),
-            lambda: self._evidence(q, k, None, sdpa.get("scale")),
+            lambda: self._evidence(_fold(q), _fold(k), None, sdpa.get("scale")),
         )
 
     def on_softmax(self, args, kwargs) -> None:
-        """A softmax over the keys: of (B, H, N, M) logits, of (B, N, H, M) ones (heads in the
-        third dim where the layer's head count says so), or of (B·H, N, M) ones split by the
-        module's head count."""
+        """A softmax over the keys: of (B, H, N, M) logits (any leading dims before H folded into
+        the batch), of (B, N, H, M) ones (heads in the third dim where the layer's head count says
+        so), or of (B·H, N, M) ones split by the module's head count. The additive masks seen
+        going into the logits block their keys."""
         x = args[0] if args else kwargs.get("input")
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if not isinstance(x, Tensor) or dim not in (-1, x.dim() - 1):
             return
+        blocked = self.masks.blocked(x)
+        self.masks.clear()
+        mixed, self.mixed, self.product = self.mixed, None, None
+        last_qk, self.last_qk = self.last_qk, None
         heads = self.channel.heads
         if x.dim() == 3:
             split = heads or self.channel.split_heads
@@ -375,30 +484,80 @@ class _Call:
                 )
                 return
             x = x.view(x.shape[0] // split, split, *x.shape[1:])
-        elif x.dim() != 4:
+            blocked = None if blocked is None else blocked.view(x.shape)
+        elif x.dim() < 4:
             return
-        elif heads is not None and x.shape[1] != heads:
-            if x.shape[2] != heads:  # not (B, H, N, M) nor (B, N, H, M): heads folded elsewhere
+        elif heads is not None and x.shape[-3] != heads:
+            if x.dim() != 4 or x.shape[2] != heads:  # not (B, H, N, M) nor (B, N, H, M)
                 self.unread.append(
                     f"a softmax over a tensor of shape {tuple(x.shape)}, in which no dim holds "
                     f"the layer's {heads} heads"
                 )
                 return
             x = x.transpose(1, 2)
+            blocked = None if blocked is None else blocked.transpose(1, 2)
+        if last_qk is not None and x.shape[-2] == last_qk[0].shape[-2]:
+            refused = self._over_channels(*last_qk)
+            if refused is not None:
+                self._refuse(*refused)
+                return
+        if mixed is not None:
+            self._refuse(_mixed_reason(mixed), None)
+            return
+        x, blocked = _fold(x), None if blocked is None else _fold(blocked)
         qk = self.qk
-        if qk is not None and qk[0].shape[:3] == x.shape[:3] and qk[1].shape[2] == x.shape[3]:
-            self._notify(lambda: _scores_call(x), lambda: self._evidence(qk[0], qk[1], None, None))
-        else:
-            self._notify(lambda: _scores_call(x), lambda: self._evidence(None, None, x, None))
+        if qk is not None:
+            q, k = _fold(qk[0]), _fold(qk[1])
+            if q.shape[:3] == x.shape[:3] and k.shape[2] == x.shape[3]:
+                self._notify(
+                    lambda: self._scores(x, blocked), lambda: self._evidence(q, k, None, None)
+                )
+                return
+        self._notify(lambda: self._scores(x, blocked), lambda: self._evidence(None, None, x, None))
 
-    def _notify(self, build: Callable, evidence: Callable) -> None:
+    def _over_channels(self, q: Tensor, k: Tensor) -> tuple[str, str] | None:
+        """Why a q·kᵀ of (..., H, R, D) queries is over channels, not tokens, with what it means
+        for the weights; None when it is not: its rows are the head width of a projection
+        (R = C/H) and the dim it contracts is the projections' tokens (D = N), as in XCiT's
+        cross-covariance attention. Where R = D no shape tells them apart: read as tokens."""
+        heads, rows, width = q.shape[-3], q.shape[-2], q.shape[-1]
+        if rows == width or width not in self.tokens:
+            return None
+        if not any(c % heads == 0 and c // heads == rows for c in self.widths):
+            return None
+        reason = (
+            "its softmax is over channels, not tokens (cross-covariance attention, as XCiT's XCA: "
+            f"q·kᵀ contracts the {width} tokens, its rows are the {rows} channels of a head), so "
+            "it has no attention over tokens to measure"
+        )
+        no_layout = (
+            "its attention is over channels (cross-covariance attention, as XCiT's XCA: q·kᵀ "
+            "contracts the tokens), so there is no W_QK over tokens to read"
+        )
+        return reason, no_layout
+
+    def _refuse(self, reason: str, no_layout: str | None) -> None:
+        """Hand on a call that is not read, and why; ``no_layout``: why the weights are not read
+        either (else the first call's evidence still checks them)."""
+
+        qk = self.qk
+        evidence = (lambda: self._evidence(_fold(qk[0]), _fold(qk[1]), None, None)) if qk else None
+        self._notify(lambda: UnreadCall(reason, no_layout), None if no_layout else evidence)
+
+    def _scores(self, x: Tensor, blocked: Tensor | None) -> ScoresCall:
+        call, lowest = _scores_call(x, blocked)
+        if lowest is not None:
+            self.channel.note_unmasked(lowest)
+        return call
+
+    def _notify(self, build: Callable, evidence: Callable | None) -> None:
         if not self.channel.observers:
             return
         first, self.first = self.first, False
 
         def build_with_evidence() -> AttentionCall:
             call = build()
-            if first and self.watch:
+            if first and self.watch and evidence is not None:
                 call.evidence = evidence()
             return call
 
@@ -423,10 +582,37 @@ class _Call:
         )
 
 
+def _mixed_reason(how: str) -> str:
+    return (
+        f"it mixes its heads' logits before the softmax ({how}), so a head's softmax is not over "
+        "its own queries' and keys' logits: its attention statistics are not measured, while "
+        "its kappa, of its own W_Q^h W_K^hᵀ, is a property of the weights and is read"
+    )
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _fold(x: Tensor) -> Tensor:
+    """(..., H, N, D) -> (B', H, N, D): leading dims before the heads folded into the batch (timm
+    Twins' windows are independent attention problems)."""
+    return x.reshape(-1, *x.shape[-3:]) if x.dim() > 4 else x
+
+
 def _sdpa_call(q: Tensor, k: Tensor, attn_mask, is_causal: bool, scale) -> MaskedCall:
-    """The statistics of one SDPA call as SDPA defines it (``is_causal`` top-left aligned)."""
+    """The statistics of one SDPA call as SDPA defines it (``is_causal`` top-left aligned); leading
+    dims before the heads (windows) are folded into the batch."""
     n, m = q.shape[-2], k.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3])
+    if attn_mask is not None and q.dim() > 4:
+        attn_mask = attn_mask.detach()
+        mask_heads = attn_mask.shape[-3] if attn_mask.dim() >= 3 else 1
+        attn_mask = attn_mask.expand(*lead, mask_heads, n, m).reshape(-1, mask_heads, n, m)
+    if q.dim() > 4:
+        q = q.detach().expand(*lead, *q.shape[-3:]).reshape(-1, *q.shape[-3:])
+        k = k.detach().expand(*lead, *k.shape[-3:]).reshape(-1, *k.shape[-3:])
     call = MaskedCall(q.detach(), k.detach(), scale, False, None, None, None)
     allowed = bias = None
     if attn_mask is not None:
@@ -459,12 +645,19 @@ def _flex_call(q: Tensor, k: Tensor, score_mod, block_mask, scale) -> MaskedCall
     return call
 
 
-def _scores_call(logits: Tensor) -> ScoresCall:
-    """The logits a module hands its softmax; ``finfo.min``-like entries are blocked keys."""
+def _scores_call(logits: Tensor, masked: Tensor | None = None) -> tuple[ScoresCall, float | None]:
+    """The logits a module hands its softmax: the keys an observed additive mask blocks
+    (``masked``) and ``finfo.min``-like entries are blocked; any other entry is a key. Also the
+    lowest finite logit at or below :data:`MASK_FLOOR` that no observed mask explains (a mask the
+    capture could not see, or a very sharp head), or None."""
     scores = logits.detach()
     scores = scores.double() if scores.dtype == torch.float64 else scores.float()
     blocked = logits.detach() <= torch.finfo(logits.dtype).min / 2
-    return ScoresCall(scores.masked_fill(blocked, float("-inf")))
+    if masked is not None:
+        blocked = blocked | masked
+    unexplained = (scores <= MASK_FLOOR) & ~blocked & torch.isfinite(scores)
+    lowest = float(scores[unexplained].min()) if bool(unexplained.any()) else None
+    return ScoresCall(scores.masked_fill(blocked, float("-inf"))), lowest
 
 
 def route_probe(
@@ -480,6 +673,7 @@ def route_probe(
     def make() -> _InterceptChannel:
         channel = _InterceptChannel(module)
         channel.heads = heads
+        channel.name = probe.name
         return channel
 
     channel, remove_observer = Route.attach(

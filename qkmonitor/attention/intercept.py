@@ -114,6 +114,9 @@ class LayoutChecked:
         def observe(call) -> None:
             # judged now, inside the forward: the weights are those that computed the call (an
             # optimizer step may change them before the probe closes)
+            refused = getattr(call, "no_layout", None)  # its attention has no W_QK to check
+            if refused is not None and self._verdict is None:
+                self._verdict = refused
             evidence = getattr(call, "evidence", None)
             if evidence is not None and self._verdict is None:
                 try:

@@ -61,11 +61,12 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 def _position0(x: Tensor, batch: int, length: int) -> Tensor | None:
     """Row of sequence position 0 of each sequence from a projection input ``(B, N, d)`` or
-    ``(B·N, d)``."""
+    ``(B·N, d)``, or one whose leading dims hold B·N rows in that order (timm Twins' windows,
+    ``(B, h, w, ws, ws, d)`` for a call of B·h·w windows of ws² tokens: read so, and checked)."""
     if x.dim() == 3 and x.shape[0] == batch and x.shape[1] == length:
         return x[:, 0]
-    if x.dim() == 2 and x.shape[0] == batch * length:
-        return x.view(batch, length, -1)[:, 0]
+    if x.dim() >= 2 and x.shape[:-1].numel() == batch * length:
+        return x.reshape(batch, length, x.shape[-1])[:, 0]
     return None
 
 
@@ -150,11 +151,38 @@ def check_layout(
         return failures[0] if failures else "no candidate layout"
     residual, layout = best
     if residual > tolerance:
-        return (
+        why = (
             f"the weights read as {layout.describe()} give queries/keys {residual:.2g} (relative) "
             f"away from those the module computed (tolerance {tolerance:g})"
         )
+        if evidence.q is not None and _directions_match(module, layout, evidence, tolerance):
+            why += (
+                ", but in the same directions: it normalizes each head's queries and keys in its "
+                "forward (cosine attention, as Swinv2's, or an l2 QK-norm that is no module), "
+                "which the weights alone do not give"
+            )
+        return why
     return layout
+
+
+def _directions_match(
+    module: nn.Module, layout: QKLayout, evidence: LayoutEvidence, tolerance: float
+) -> bool:
+    """Whether each position-0 query and key the layout predicts points where the call's does,
+    once both are of unit length per head (what cosine attention computes)."""
+    predicted = _predict(module, layout, evidence)
+    if isinstance(predicted, str) or predicted[0].shape != evidence.q.shape:
+        return False
+    q, k = predicted
+    if evidence.k.shape != k.shape:
+        return False
+    _, r_q = _fit(_unit(evidence.q.double()), _unit(q))
+    _, r_k = _fit(_unit(evidence.k.double()), _unit(k))
+    return max(r_q, r_k) <= tolerance
+
+
+def _unit(x: Tensor) -> Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-300)
 
 
 def _match_sdpa(
@@ -180,8 +208,11 @@ def _match_sdpa(
     else:
         return f"the call's keys have {kv_obs} heads, the weights {layout.num_kv_heads}"
     c_k, r_k = _fit(k_obs, predicted_k)
-    if not (c_q > 0 and c_k > 0):
-        return "the weights' queries or keys point the other way from the call's"
+    if not (c_q > 0 and c_k > 0):  # a negative scale fits: the weights do not give these q, k
+        return (
+            f"the weights read as {layout.describe()} give queries/keys that the call's are not "
+            f"a positive multiple of (relative residuals {r_q:.2g}, {r_k:.2g})"
+        )
     nominal = ev.scale if ev.scale is not None else layout.head_dim**-0.5
     scale = (
         nominal if abs(c_q * c_k - 1.0) < 1e-4 else nominal * c_q * c_k

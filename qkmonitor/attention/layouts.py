@@ -56,6 +56,7 @@ SEPARATE_NAMES = (
     ("q_lin", "k_lin"),
     ("query_proj", "key_proj"),
     ("linear_q", "linear_k"),
+    ("q", "kv"),  # a fused key/value projection, keys first (timm Twins' and PVT's `kv`)
 )
 #: One fused q/k/v projection.
 FUSED_NAMES = (
@@ -397,6 +398,8 @@ def infer_layouts(
         kv_heads = heads // groups if groups and heads % groups == 0 else None
     if k_path is not None:
         k_out = _out_features(module, k_path)
+        if k_path.rsplit(".", 1)[-1] == "kv":  # [k | v]: the keys are its first half
+            k_out //= 2
         if head_dim is None or q_out < heads * head_dim:
             return []
         kv_heads = kv_heads or (k_out // head_dim if k_out % head_dim == 0 else None)
