@@ -41,6 +41,17 @@ Layout facts used here (read from the installed sources):
   ``new_decoder_architecture`` ``[H_kv, H/H_kv + 2, d_k]`` (each group's queries, its k, its v);
   multi-head (ALiBi) ``[H, 3, d_k]``.
 * BLOOM ``query_key_value``: rows ``[H, 3, d_k]``; ALiBi via ``alibi.baddbmm``, always softmax.
+* timm Twins: ``LocallyGroupedAttn`` ``qkv`` rows ``[3, H, d_k]``, SDPA (or softmax) on 5-D
+  ``(B, windows, H, ws², d_k)`` q/k; ``GlobalSubSampleAttn`` ``q`` rows ``[H, d_k]`` and ``kv`` rows
+  ``[2, H, d_k]`` (keys first), its keys from a strided conv of the tokens (``sr_ratio``).
+* timm CaiT: ``TalkingHeadAttn`` ``qkv`` rows ``[3, H, d_k]``, q pre-scaled, ``proj_l`` (a Linear
+  over the heads) on ``q @ kᵀ`` before the softmax; ``ClassAttn`` ``q``, ``k`` rows ``[H, d_k]``,
+  the class token's query alone.
+* timm XCiT: ``XCA`` ``qkv`` rows ``[3, H, d_h]`` permuted to ``(B, H, d_h, N)``: the softmax is
+  over a head's ``d_h`` channels; ``ClassAttn`` as CaiT's.
+* HF Swinv2: ``query``, ``key`` rows ``[H, d_k]``; cosine logits × ``logit_scale``, a continuous
+  relative position bias, and the layer's shifted-window mask (``get_attn_mask``: 0 or -100) added
+  to the logits twice before ``softmax``.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import pytest
 import torch
@@ -55,6 +67,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 VOCAB, SEQ, BATCH = 32, 12, 2
+#: docs/metrics.md, "Masked keys": an additive mask entry at or below it blocks its key
+MASK_FLOOR = -80.0
 QK = dict[str, tuple[Tensor, Tensor]]
 
 
@@ -73,6 +87,14 @@ class Built:
     )  # (module, attr) kernels to capture
     fail_patch: tuple[object, str] | None = None
     atol: float = 2e-5
+    kappa_atol: float | None = None  # None: rtol 1e-5, atol 1e-7; else this atol and no rtol
+    #: layer -> the keys its softmax may attend, from the model's own mask (``allowed(logits)``,
+    #: logits as the softmax got them), where the module adds its mask to its logits itself
+    allowed: dict[str, Callable[[Tensor], Tensor]] = field(default_factory=dict)
+    #: layer -> a pattern of the warning that refuses its κ by name (κ NaN)
+    kappa_refused: dict[str, str] = field(default_factory=dict)
+    #: layer -> a pattern of the warning that refuses its statistics by name (NaN)
+    stats_refused: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -466,6 +488,17 @@ entry("timm-beit-sdpa", "timm")(lambda: _timm_beit(True))
 entry("timm-beit-softmax", "timm")(lambda: _timm_beit(False))
 
 
+def window_keys(mask: Tensor | None, logits: Tensor) -> Tensor:
+    """The keys a shifted-window mask lets each row attend: ``mask`` (windows, N, N), 0 or at or
+    below the floor, for ``(B·windows, H, N, N)`` logits (windows of one image consecutive);
+    None: every key."""
+    free = torch.ones(logits.shape, dtype=torch.bool)
+    if mask is None:
+        return free
+    per_window = (mask > MASK_FLOOR)[:, None]  # (windows, 1, N, N)
+    return free & per_window.repeat(logits.shape[0] // mask.shape[0], 1, 1, 1)
+
+
 def _timm_swin(fused: bool) -> Built:
     """timm Swin: ``qkv`` Linear rows ``[3, H, d_k]`` in each window's ``WindowAttention``; the
     shifted block masks the keys of other regions with an additive ``-100`` (``get_attn_mask``),
@@ -485,8 +518,16 @@ def _timm_swin(fused: bool) -> Built:
         window_size=4,
         drop_path_rate=0.0,  # stochastic depth: a step of its own at every call
     )
-    assert any(any(b.shift_size) for b in model.layers[0].blocks), "no shifted window"
-    return timm_built(model, WindowAttention, 18.0, fused)
+    blocks = model.layers[0].blocks
+    assert any(any(b.shift_size) for b in blocks), "no shifted window"
+    built = timm_built(model, WindowAttention, 18.0, fused)
+    # the softmax's logits hold the -100 the module adds itself: its keys are masked (the block's
+    # own mask, as SDPA's additive mask blocks them on the fused path)
+    built.allowed = {
+        f"layers.0.blocks.{i}.attn": partial(window_keys, block.attn_mask)
+        for i, block in enumerate(blocks)
+    }
+    return built
 
 
 entry("timm-swin-sdpa", "timm")(lambda: _timm_swin(True))
@@ -1638,3 +1679,189 @@ def _torchvision_vit() -> Built:
         {"before": None, "after": None},
         fail_patch=(F, "multi_head_attention_forward"),
     )
+
+
+# ------------------------------------------------------------------ windows, mixed heads, channels
+
+
+def _twins(fused: bool) -> Built:
+    """timm Twins-SVT (``twins_svt_small``'s structure, tiny): per stage a locally grouped block
+    (windows of ws² tokens, 5-D q/k) then a global sub-sampled one (keys from a stride-sr conv:
+    M < N at sr_ratio 2)."""
+    pytest.importorskip("timm")
+    from timm.models.twins import GlobalSubSampleAttn, LocallyGroupedAttn, Twins
+
+    seeded()
+    model = Twins(
+        img_size=16,
+        patch_size=2,
+        embed_dims=(16, 32),
+        num_heads=(2, 4),
+        mlp_ratios=(2, 2),
+        depths=(2, 2),
+        wss=(2, 2),
+        sr_ratios=(2, 1),
+        num_classes=5,
+    )
+    for _, a in modules_of(model, (LocallyGroupedAttn, GlobalSubSampleAttn)):
+        a.fused_attn = fused
+        if isinstance(a, LocallyGroupedAttn):
+            scale_rows_(a.qkv.weight, slice(0, 2 * a.dim), 14.0)
+        else:
+            scale_rows_(a.q.weight, slice(None), 14.0)
+            scale_rows_(a.kv.weight, slice(0, a.dim), 14.0)
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, (LocallyGroupedAttn, GlobalSubSampleAttn)):
+            if isinstance(a, LocallyGroupedAttn):
+                w = a.qkv.weight
+                out[n] = heads(w[: a.dim], a.num_heads), heads(w[a.dim : 2 * a.dim], a.num_heads)
+            else:
+                out[n] = heads(a.q.weight, a.num_heads), heads(a.kv.weight[: a.dim], a.num_heads)
+        return out
+
+    return Built(
+        no_dropout(model).train(),
+        classify,
+        qk,
+        {"before": "q", "after": "proj"},
+        atol=3e-7,
+        kappa_atol=2e-8,
+    )
+
+
+entry("timm-twins-sdpa", "timm")(lambda: _twins(True))
+entry("timm-twins-softmax", "timm")(lambda: _twins(False))
+
+
+@entry("hf-swinv2", "transformers")
+def _swinv2() -> Built:
+    """Hugging Face Swinv2: two blocks of 4×4 windows over 8×8 tokens, the second shifted (its
+    mask blocks the keys of other regions: -100, added twice). The reference blocks the keys the
+    layer's own ``get_attn_mask`` marks (at or below the floor), whatever else the logits hold."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.swinv2.modeling_swinv2 import Swinv2Layer, Swinv2SelfAttention
+
+    config = transformers.Swinv2Config(
+        image_size=16,
+        patch_size=2,
+        embed_dim=16,
+        depths=[2],
+        num_heads=[2],
+        window_size=4,
+        num_labels=5,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0,
+    )
+    model = hf_build(
+        transformers.Swinv2ForImageClassification,
+        config,
+        "eager",
+        _sharpen_separate(Swinv2SelfAttention, 4.0, "query", "key"),
+    )
+    layers = modules_of(model, Swinv2Layer)
+    assert any(layer.shift_size > 0 for _, layer in layers), "no shifted window"
+    allowed = {  # each layer's own mask over its 8×8 tokens, or None: not shifted
+        f"{name}.attention.self": partial(window_keys, layer.get_attn_mask(8, 8, torch.float64))
+        for name, layer in layers
+    }
+    qk = _separate(Swinv2SelfAttention, "query", "key", lambda a: (2, 2))
+    return Built(
+        model,
+        lambda m: F.cross_entropy(m(pixel_values=IMAGES).logits, LABELS),
+        qk,
+        {"before": "query", "after": None},
+        fail_patch=(F, "softmax"),
+        allowed=allowed,
+        atol=3e-7,
+        kappa_refused={n: r"same directions: it normalizes each head's queries" for n in qk(model)},
+    )
+
+
+@entry("timm-cait", "timm")
+def _cait() -> Built:
+    """timm CaiT: talking-heads self-attention blocks (their heads' logits mixed by ``proj_l``
+    before the softmax: κ read, statistics refused by name) and a class-attention block."""
+    pytest.importorskip("timm")
+    from timm.models.cait import Cait, ClassAttn, TalkingHeadAttn
+
+    seeded()
+    model = Cait(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, depth_token_only=1)
+    model.reset_classifier(5)
+    for _, a in modules_of(model, TalkingHeadAttn):
+        scale_rows_(a.qkv.weight, slice(0, 64), 12.0)
+    for _, a in modules_of(model, ClassAttn):
+        a.fused_attn = True
+        scale_rows_(a.q.weight, slice(None), 12.0)
+        scale_rows_(a.k.weight, slice(None), 12.0)
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, (TalkingHeadAttn, ClassAttn)):
+            if isinstance(a, TalkingHeadAttn):
+                w = a.qkv.weight
+                out[n] = heads(w[:32], a.num_heads), heads(w[32:64], a.num_heads)
+            else:
+                out[n] = heads(a.q.weight, a.num_heads), heads(a.k.weight, a.num_heads)
+        return out
+
+    refused = {
+        n: r"mixes its heads' logits before the softmax \(talking heads.*proj_l"
+        for n, _ in modules_of(model, TalkingHeadAttn)
+    }
+    return Built(
+        no_dropout(model).train(),
+        classify,
+        qk,
+        {"before": "qkv", "after": "proj"},
+        atol=3e-7,
+        kappa_atol=2e-8,
+        stats_refused=refused,
+    )
+
+
+def _xcit(fused: bool) -> Built:
+    """timm XCiT: cross-covariance attention blocks (a softmax, or SDPA, over each head's
+    channels: κ and statistics refused by name) and a class-attention block (read)."""
+    pytest.importorskip("timm")
+    from timm.models.cait import ClassAttn
+    from timm.models.xcit import XCA, Xcit
+
+    seeded()
+    model = Xcit(img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=4, cls_attn_layers=1)
+    model.reset_classifier(5)
+    for _, a in modules_of(model, XCA):
+        a.fused_attn = fused
+        scale_rows_(a.qkv.weight, slice(0, 64), 12.0)
+    for _, a in modules_of(model, ClassAttn):
+        a.fused_attn = True
+        scale_rows_(a.q.weight, slice(None), 12.0)
+        scale_rows_(a.k.weight, slice(None), 12.0)
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, (XCA, ClassAttn)):
+            if isinstance(a, XCA):  # rows [3, H, d_h], as the module cuts them; κ refused
+                w = a.qkv.weight
+                out[n] = heads(w[:32], a.num_heads), heads(w[32:64], a.num_heads)
+            else:
+                out[n] = heads(a.q.weight, a.num_heads), heads(a.k.weight, a.num_heads)
+        return out
+
+    xca = [n for n, _ in modules_of(model, XCA)]
+    return Built(
+        no_dropout(model).train(),
+        classify,
+        qk,
+        {"before": "qkv", "after": "proj"},
+        atol=3e-7,
+        kappa_atol=2e-8,
+        kappa_refused={n: r"over channels \(cross-covariance.*no W_QK over tokens" for n in xca},
+        stats_refused={n: r"softmax is over channels, not tokens \(cross-covariance" for n in xca},
+    )
+
+
+entry("timm-xcit-sdpa", "timm")(lambda: _xcit(True))
+entry("timm-xcit-softmax", "timm")(lambda: _xcit(False))
