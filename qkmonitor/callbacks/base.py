@@ -208,7 +208,14 @@ class AttentionMonitor(Callback):
         self._batch_step = trainer.global_step
         monitors = _monitors(trainer)
         if monitors[-1] is self:  # every monitor is bound now: one header for the run
-            self._write_header(trainer, pl_module, monitors)
+            try:
+                self._write_header(trainer, pl_module, monitors)
+            except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+                rank_zero_warn(
+                    f"qkmonitor: the run's layout and hparams record could not be written "
+                    f"({type(err).__name__}: {err}); the metrics are logged without them.",
+                    category=RuntimeWarning,
+                )
         # the rules may read the metrics of every monitor of the Trainer, not only this one's
         everyone = [e for m in monitors for e in m.engines]
         for engine in everyone:

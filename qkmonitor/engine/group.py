@@ -194,17 +194,18 @@ class EngineGroup:
             finish_windows(host, probing, self.engines)
             self.scalars.flush(host, up_to=step)
 
-    def abort(self) -> None:
-        """Close every open window without logging (idempotent)."""
+    def abort(self, host: Host | None = None) -> None:
+        """Close every open window without logging (idempotent); an engine whose closing raises
+        is warned about, and the others are still closed."""
         for engine in self.engines:
-            engine.abort()
+            guarded(host or Host(), engine, "closing the probes", None, engine.abort)
 
     def end(self, host: Host) -> None:
         """A run's end, on success or failure: close a window left open (unlogged), write the
         scalars held, draw the last probe's visuals where it drew none, take out the switches and
         wait for the visuals to be written."""
         try:
-            self.abort()
+            self.abort(host)
             self.scalars.flush(host)
             for engine in self.engines:
                 guarded(

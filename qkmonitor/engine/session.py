@@ -364,8 +364,7 @@ class Monitoring:
         """Close every open probe without logging (idempotent)."""
         unguard, self._unguard = self._unguard, None
         try:
-            for engine in self.engines:
-                engine.abort()
+            self._group.abort(self.host)
         finally:
             if unguard is not None:
                 unguard()
