@@ -506,13 +506,12 @@ class _Call:
             return
         x, blocked = _fold(x), None if blocked is None else _fold(blocked)
         qk = self.qk
-        if qk is not None:
-            q, k = _fold(qk[0]), _fold(qk[1])
-            if q.shape[:3] == x.shape[:3] and k.shape[2] == x.shape[3]:
-                self._notify(
-                    lambda: self._scores(x, blocked), lambda: self._evidence(q, k, None, None)
-                )
-                return
+        if qk is not None and _folded(qk[0])[:3] == x.shape[:3] and qk[1].shape[-2] == x.shape[3]:
+            self._notify(
+                lambda: self._scores(x, blocked),
+                lambda: self._evidence(_fold(qk[0]), _fold(qk[1]), None, None),
+            )
+            return
         self._notify(lambda: self._scores(x, blocked), lambda: self._evidence(None, None, x, None))
 
     def _over_channels(self, q: Tensor, k: Tensor) -> tuple[str, str] | None:
@@ -591,13 +590,21 @@ def _mixed_reason(how: str) -> str:
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except RuntimeError:  # a tensor without storage of its own (a subclass): not known the same
+        return False
 
 
 def _fold(x: Tensor) -> Tensor:
     """(..., H, N, D) -> (B', H, N, D): leading dims before the heads folded into the batch (timm
     Twins' windows are independent attention problems)."""
     return x.reshape(-1, *x.shape[-3:]) if x.dim() > 4 else x
+
+
+def _folded(x: Tensor) -> tuple[int, ...]:
+    """The shape :func:`_fold` gives ``x``, without folding it."""
+    return (x.shape[:-3].numel(), *x.shape[-3:]) if x.dim() > 4 else tuple(x.shape)
 
 
 def _sdpa_call(q: Tensor, k: Tensor, attn_mask, is_causal: bool, scale) -> MaskedCall:

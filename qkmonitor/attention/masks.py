@@ -90,7 +90,11 @@ class AdditiveMasks:
         """The keys blocked in ``x`` (bool, its shape) by the masks added to it: ``x`` is one of
         the results held, or a view of one with its elements in the same order; else None."""
         for held, blocked in reversed(self._held):
-            if x.data_ptr() != held.data_ptr() or x.numel() != held.numel():
+            try:
+                same = x.data_ptr() == held.data_ptr() and x.numel() == held.numel()
+            except RuntimeError:  # a tensor without storage of its own (a subclass)
+                return None
+            if not same:
                 continue
             if x.shape == held.shape and x.stride() == held.stride():
                 return blocked
