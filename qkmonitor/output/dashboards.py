@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +44,10 @@ from qkmonitor.output.tags import (
 
 __all__ = [
     "FAMILIES",
+    "FAMILY_ORDER",
+    "HEADLINE",
     "HeatmapScale",
+    "Layout",
     "LayoutSection",
     "attention_image",
     "custom_scalars_layout",
@@ -63,19 +66,79 @@ class LayoutSection:
     alert_rules: tuple[str, ...] = ()
 
 
+#: the metrics charted first, after the loss: what to look at first (the catalogue's families
+#: follow, each without these)
+HEADLINE = ("entropy_norm", "kappa", "max_logit")
+
+#: the order of the families' categories after the headline: the activations' (what attention
+#: does) before the weights' (its spectrum, then the optimizer's view of it)
+FAMILY_ORDER = (
+    "attention entropy",
+    "QK spectrum",
+    "effective rank",
+    "QK-Clip",
+    "optimizer's view",
+)
+
+
+class Layout(dict):
+    """A custom-scalars layout (``{category: {chart: [kind, [tags]]}}``) that says which of its
+    categories chart tags a run may never write (:attr:`conditional`: the output logits', which
+    only a model whose forward returns logits has). A TensorBoard sink writes such a category only
+    once one of its tags was written (:class:`~qkmonitor.output.sinks.SummaryWriterSink`)."""
+
+    def __init__(self, *args, conditional: set[str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        #: the categories written only once a tag they chart was
+        self.conditional: set[str] = set(conditional or ())
+
+    def written(self, charted: set[str] | frozenset[str]) -> dict:
+        """The layout to write: the conditional categories not in ``charted`` (the ones whose
+        tags were written, :meth:`charted`) left out."""
+        return {
+            title: charts
+            for title, charts in self.items()
+            if title not in self.conditional or title in charted
+        }
+
+    def charted(self, tags: Iterable[str]) -> set[str]:
+        """The conditional categories that chart one of ``tags``."""
+        tags = list(tags)
+        return {title for title in self.conditional if _charts_any(self[title], tags)}
+
+
+def _charts_any(charts: dict, tags: Iterable[str]) -> bool:
+    patterns = [p for _, (_, chart_tags) in charts.items() for p in chart_tags]
+    return any(re.search(p, t) for p in patterns for t in tags)
+
+
 def custom_scalars_layout(
     sections: Sequence[LayoutSection],
     *,
     loss_tags: Sequence[str] = LOSS_TAGS + VAL_LOSS_TAGS,
     tag_prefix: str = "",
-) -> dict:
+) -> Layout:
     """The layout for ``SummaryWriter.add_custom_scalars``, covering every prefix present.
 
+    TensorBoard shows the categories and their charts in the layout's order (its custom-scalars
+    dashboard maps ``layout.category`` as it comes, and pages a category at 12 charts), so the
+    order here is the page's: the loss, then per prefix the headline metrics (:data:`HEADLINE`:
+    ``entropy_norm``, ``kappa``, ``max_logit``), then the families (:data:`FAMILY_ORDER`), the
+    output logits and the alert counters. A "per layer over heads" category follows each, its
+    charts by metric (catalogue order) and then by layer (00, 01, ...).
+
+    A *Multiline* chart colours its lines by run, not by tag: its lines (one per layer) share a
+    colour and are told apart only by hovering (TensorBoard's tooltip names the tag). So each
+    metric also has one chart per layer, named by the layer: a *Margin* chart (the mean over
+    heads, with the band from the lowest to the highest head) for a per-head metric. TensorBoard
+    offers no way to colour a run's lines by tag (a chart's content is a list of tag regexes, or
+    margin series, and nothing else).
+
     Sections under the same prefix (the usual three monitors) merge into one set of categories;
-    each prefix gets its own. Metric families and order come from
-    :mod:`qkmonitor.measures.catalogue`. The first category charts the loss: the loss is written by
-    the training code, not by the monitors, so the chart matches whichever of ``loss_tags`` the run
-    has.
+    each prefix gets its own. The first category charts the loss: the loss is written by the
+    training code, not by the monitors, so the chart matches whichever of ``loss_tags`` the run
+    has. The output logits' category is conditional (:class:`Layout`): written once the run wrote
+    one of its tags.
 
     Args:
         sections: what each monitor charts.
@@ -84,7 +147,7 @@ def custom_scalars_layout(
             ``prefix``), the loss's included; the sections' prefixes carry it already.
 
     Returns:
-        ``{category: {chart: ["Multiline" | "Margin", [tags]]}}``.
+        ``{category: {chart: ["Multiline" | "Margin", [tags]]}}``, a :class:`Layout`.
     """
     by_prefix: dict[str, dict] = {}
     for section in sections:
@@ -92,26 +155,33 @@ def custom_scalars_layout(
         merged["metrics"] += [m for m in section.metrics if m not in merged["metrics"]]
         merged["num_layers"] = max(merged["num_layers"], section.num_layers)
         merged["rules"] += [r for r in section.alert_rules if r not in merged["rules"]]
-    layout: dict[str, dict[str, list]] = {}
+    layout = Layout()
     if loss_tags:
         names = "|".join(re.escape(tag_prefix + tag) for tag in loss_tags)
         layout["training"] = {"loss (training and validation)": ["Multiline", [f"^({names})$"]]}
     for prefix, merged in by_prefix.items():
-        layout.update(
-            _prefix_layout(prefix, merged["metrics"], merged["num_layers"], merged["rules"])
-        )
+        _add_prefix_layout(layout, prefix, merged["metrics"], merged["num_layers"], merged["rules"])
     return layout
 
 
-def _prefix_layout(prefix: str, metrics: list[str], num_layers: int, rules: list[str]) -> dict:
-    layout: dict[str, dict[str, list]] = {}
+def _add_prefix_layout(
+    layout: Layout, prefix: str, metrics: list[str], num_layers: int, rules: list[str]
+) -> None:
     known = {m for names in FAMILIES.values() for m in names}
-    extra = tuple(m for m in metrics if m not in known)
-    for family, names in (*FAMILIES.items(), ("other", extra)):
+    headline = tuple(m for m in HEADLINE if m in metrics)
+    families = [(f"{prefix}: {', '.join(headline)}", headline)] if headline else []
+    order = [*FAMILY_ORDER, *(f for f in FAMILIES if f not in FAMILY_ORDER)]
+    families += [
+        (f"{prefix}: {family}", tuple(m for m in FAMILIES[family] if m not in HEADLINE))
+        for family in order
+        if family in FAMILIES
+    ]
+    families.append((f"{prefix}: other", tuple(m for m in metrics if m not in known)))
+    for title, names in families:
         present = [m for m in names if m in metrics]
         if not present:
             continue
-        layout[f"{prefix}: {family}"] = {
+        layout[title] = {
             f"{m} (a line per layer)": ["Multiline", [layer_tag_regex(prefix, m)]] for m in present
         }
         margins = {
@@ -128,14 +198,16 @@ def _prefix_layout(prefix: str, metrics: list[str], num_layers: int, rules: list
             for layer in range(num_layers)
         }
         if margins:
-            layout[f"{prefix}: {family}, per layer over heads"] = margins
+            layout[f"{title}, per layer over heads"] = margins
     if "max_logit" in metrics:  # AttentionEntropy's probe reads the model's output logits too
-        layout[f"{prefix}: output logits"] = {
+        title = f"{prefix}: output logits"
+        layout[title] = {
             "output_lse_rms and output_logit_max (the run's, not a layer's)": [
                 "Multiline",
                 [f"^{re.escape(run_tag(prefix, 'output_'))}"],
             ]
         }
+        layout.conditional.add(title)  # a model whose forward returns no logits has none
     if rules:
         layout[f"{prefix}: alerts"] = {
             "alerts fired (count; a rule appears at its first alert)": [
@@ -143,7 +215,6 @@ def _prefix_layout(prefix: str, metrics: list[str], num_layers: int, rules: list
                 [f"^{re.escape(alert_tag(prefix, ''))}"],
             ]
         }
-    return layout
 
 
 class HeatmapScale:

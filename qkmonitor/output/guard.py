@@ -116,6 +116,12 @@ class GuardedSink:
     def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
         self._write(self.sink.log_hparams, None, params, metrics)
 
+    def write_pending_layout(self) -> None:
+        """A layout the sink held back until the run's tags were known, written (at the end)."""
+        pending = getattr(self.sink, "write_pending_layout", None)
+        if callable(pending):
+            self._write(pending, None)
+
     def write(self, method: Callable, *args: Any, step: int | None = None) -> None:
         """``method(*args)``, a write of the destination's owner (``qkmonitor train``'s logger)
         under this guard: counted, retried and reported with the monitors' writes."""
@@ -274,6 +280,10 @@ def warn_write_faults(host: Host, sinks: Sequence[Any]) -> None:
 def report_write_faults(host: Host, sinks: Sequence[Any]) -> None:
     """At a run's end: what is pending confirmed, the messages given, then how many writes each
     destination lost."""
+    for sink in sinks:  # a layout held until the run's tags were known (output.sinks)
+        pending = getattr(sink, "write_pending_layout", None)
+        if callable(pending):
+            pending()
     confirm_writes(sinks)
     warn_write_faults(host, sinks)
     for sink in sinks:

@@ -89,6 +89,11 @@ class TensorBoardSink(LoggerSink):
             self._scalar_writer.log_scalars(scalars, step)
         else:
             super().log_scalars(scalars, step)
+        self._writer.note_scalars([self.tag_prefix + tag for tag in scalars], step)
+
+    def write_pending_layout(self) -> None:
+        """Write the layout held back until the run's tags were known (``SummaryWriterSink``)."""
+        self._writer.write_pending_layout()
 
     def log_text(self, tag: str, text: str, step: int) -> None:
         self._writer.log_text(self.tag_prefix + tag, text, step)

@@ -97,6 +97,10 @@ class SummaryWriterSink:
     def __init__(self, writer: Any, scalars: bool = True) -> None:
         self.writer = writer
         self._scalars = scalars
+        self._layout: Any = None  # a layout with conditional categories, written when known
+        self._charted: set[str] = set()  # its conditional categories whose tags were written
+        self._layout_pending = False
+        self._last_step: int | None = None
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         if self._scalars and scalars:
@@ -104,6 +108,30 @@ class SummaryWriterSink:
                 Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()
             ]
             self.writer._get_file_writer().add_summary(Summary(value=values), step)
+        self.note_scalars(scalars, step)
+
+    def note_scalars(self, tags: Any, step: int) -> None:
+        """The scalar tags written at ``step`` (with the logger's prefix, where a logger writes
+        them): a layout with conditional categories is written at the first write of a later
+        step than the first probe's (once a probe step's writes are all made) or at the run's end
+        (:meth:`write_pending_layout`), with the conditional categories whose tags were written
+        by then; again if one more comes."""
+        layout = self._layout
+        if layout is None:
+            return
+        if self._layout_pending and self._last_step is not None and step != self._last_step:
+            self.write_pending_layout()
+        self._last_step = step
+        charted = layout.charted(tags) - self._charted
+        if charted:
+            self._charted |= charted
+            self._layout_pending = True
+
+    def write_pending_layout(self) -> None:
+        """Write the layout held back (:meth:`note_scalars`), if it is pending."""
+        if self._layout is not None and self._layout_pending:
+            self._layout_pending = False
+            self.writer.add_custom_scalars(self._layout.written(self._charted))
 
     def log_text(self, tag: str, text: str, step: int) -> None:
         self.writer.add_text(tag, text, global_step=step)
@@ -132,7 +160,16 @@ class SummaryWriterSink:
         self.writer.add_histogram(tag, values, global_step=step)
 
     def log_layout(self, layout: dict) -> None:
-        self.writer.add_custom_scalars(layout)
+        """The custom-scalars layout; one with conditional categories
+        (:class:`~qkmonitor.output.dashboards.Layout`: the output logits', which a model whose
+        forward returns no logits never writes) is held until the first probe's scalars say which
+        of them the run writes (:meth:`note_scalars`): one layout a run, without an empty chart.
+        """
+        if getattr(layout, "conditional", None):
+            self._layout, self._charted, self._layout_pending = layout, set(), True
+            self._last_step = None
+        else:
+            self.writer.add_custom_scalars(layout)
 
     def log_hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
         """One hparams record in the run itself (``SummaryWriter.add_hparams`` would open a new

@@ -250,7 +250,7 @@ def test_layout_lists_margin_charts_only_for_per_head_metrics():
     layout = custom_scalars_layout(
         [LayoutSection("p", ("kappa", "hidden_collapse"), 2, ("kappa",))]
     )
-    margins = layout["p: QK spectrum, per layer over heads"]
+    margins = layout["p: kappa, per layer over heads"]
     assert list(margins) == [
         "kappa layer 00 (heads: min, mean, max)",
         "kappa layer 01 (heads: min, mean, max)",
@@ -320,3 +320,126 @@ def test_the_layout_starts_with_the_loss_whatever_its_tag():
     assert "training" not in custom_scalars_layout(
         [LayoutSection("p", ("kappa",), 1)], loss_tags=()
     )
+
+
+class _NoLogits(torch.nn.Module):
+    """Attention whose forward returns a scalar: no output logits to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0].sum()
+
+
+class _Logits(_NoLogits):
+    def forward(self, x):
+        return self.attn(x, x, x)[0]  # (B, N, 8): logits over 8 classes
+
+
+def _layouts_of(tmp_path, model) -> list:
+    """A plain loop with the three engines, 4 steps probed every 2; its layouts as TensorBoard's
+    reader has them."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+
+    log_dir = tmp_path / type(model).__name__
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    engines = [QKSpectrum(), AttentionEntropy(), EffectiveRank(max_probe_tokens=4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Monitoring(model, engines, writer=SummaryWriter(log_dir), every_n_steps=2) as m:
+            for step in range(4):
+                with m.step(step):
+                    model(x)
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [
+        layout_pb2.Layout.FromString(e.tensor_proto.string_val[0])
+        for e in acc.Tensors("custom_scalars__config__")
+    ], set(acc.Tags()["scalars"])
+
+
+def test_a_model_that_returns_no_logits_gets_no_output_logits_chart(tmp_path):
+    """The output logits' chart is in the layout of a run that writes their tags, and only
+    there: one layout a run either way, and every chart in it finds its scalars."""
+    for model, charted in ((_NoLogits(), False), (_Logits(), True)):
+        layouts, scalars = _layouts_of(tmp_path, model)
+        assert len(layouts) == 1, type(model).__name__
+        titles = [category.title for category in layouts[0].category]
+        assert ("qkmonitor: output logits" in titles) is charted, titles
+        assert any("/run/output_" in tag for tag in scalars) is charted
+        # the loss (this loop logs none) and the alert counters (no rule fired) aside
+        assert layouts[0].category[-1].title == "qkmonitor: alerts"
+        for category in layouts[0].category[1:-1]:
+            for chart in category.chart:
+                tags = [*chart.multiline.tag, *(s.value for s in chart.margin.series)]
+                assert all(
+                    any(re.search(p, t) for t in scalars) if p.startswith("^") else p in scalars
+                    for p in tags
+                ), (category.title, chart.title)
+
+
+def test_the_layout_puts_the_loss_then_entropy_norm_kappa_max_logit_first_and_layers_in_order(
+    tmp_path,
+):
+    """The layout as TensorBoard reads it (TensorBoard shows categories and charts in this order):
+    the loss, then the headline metrics, then the families; within a "per layer over heads"
+    category the charts go by metric in the catalogue's order, then by layer 00, 01, 02."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from qkmonitor.measures.catalogue import CATALOGUE
+    from qkmonitor.output.sinks import SummaryWriterSink
+
+    names = tuple(spec.name for spec in CATALOGUE)
+    layout = custom_scalars_layout([LayoutSection("qkmonitor", names, 3, ("kappa",))])
+    sink = SummaryWriterSink(SummaryWriter(tmp_path))
+    sink.log_layout(layout)
+    sink.log_scalars({"qkmonitor/run/output_lse_rms": 1.0}, 0)
+    sink.write_pending_layout()
+    sink.writer.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = acc.Tensors("custom_scalars__config__")
+    read = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+    titles = [category.title for category in read.category]
+    assert titles[:3] == [
+        "training",
+        "qkmonitor: entropy_norm, kappa, max_logit",
+        "qkmonitor: entropy_norm, kappa, max_logit, per layer over heads",
+    ]
+    first = [chart.title for chart in read.category[1].chart]
+    assert first == [f"{m} (a line per layer)" for m in ("entropy_norm", "kappa", "max_logit")]
+    families = [t for t in titles[3:] if "per layer" not in t]
+    assert families == [
+        "qkmonitor: attention entropy",
+        "qkmonitor: QK spectrum",
+        "qkmonitor: effective rank",
+        "qkmonitor: QK-Clip",
+        "qkmonitor: optimizer's view",
+        "qkmonitor: output logits",
+        "qkmonitor: alerts",
+    ]
+    by_title = {category.title: category for category in read.category}
+    for title, category in by_title.items():
+        if not title.endswith(", per layer over heads"):
+            continue
+        # the metrics in the order of their category's "a line per layer" charts
+        parent = by_title[title.removesuffix(", per layer over heads")]
+        lines = [chart.title.removesuffix(" (a line per layer)") for chart in parent.chart]
+        keys = []
+        for chart in category.chart:
+            metric, layer = re.fullmatch(r"(\w+) layer (\d\d) \(heads: .*\)", chart.title).groups()
+            keys.append((lines.index(metric), int(layer)))
+        assert keys == sorted(keys) and len(set(keys)) == len(keys), title
+        assert {layer for _, layer in keys} == {0, 1, 2}
+    assert [m for m in names if m in ("entropy_norm", "kappa", "max_logit")] != [
+        "entropy_norm",
+        "kappa",
+        "max_logit",
+    ]  # the headline's order is its own, not the catalogue's
+    # each metric is charted once: the headline's are not repeated in their families
+    multiline = [c.title for category in read.category for c in category.chart if c.multiline.tag]
+    assert len(multiline) == len(set(multiline))
