@@ -581,13 +581,18 @@ def _thresholds(metric: str) -> list[tuple[AlertRule, AlertRule | Condition]]:
     return [(rule, test) for rule in DEFAULT_RULES for test in rule.tests if test.metric == metric]
 
 
-def _threshold_text(rule: AlertRule, test: AlertRule | Condition) -> str:
-    """``alert kappa: ≥ 0.2, with more conditions`` (the rule's message states them all)."""
-    more = test.growth is not None or len(rule.tests) > 1 or rule.learning_drop is not None
-    sign = "≥" if test.above else "≤"
-    return f"alert {rule.name}: {sign} {test.threshold:g}" + (
-        ", with more conditions" if more else ""
-    )
+def _threshold_text(marks: Sequence[tuple[AlertRule, AlertRule | Condition]]) -> str:
+    """One label for the rules whose thresholds lie at one level: ``alert kappa: ≥ 0.2, with more
+    conditions`` (the rule's message states them all); ``alert logit_growth, fast_updates: ≥ 30``
+    for two at one level (two labels there would print over each other)."""
+    groups: dict[str, list[str]] = {}  # sign -> the rules' names, in order
+    more = False
+    for rule, test in marks:
+        groups.setdefault("≥" if test.above else "≤", []).append(rule.name)
+        more |= test.growth is not None or len(rule.tests) > 1 or rule.learning_drop is not None
+    level = marks[0][1].threshold
+    parts = [f"{', '.join(names)}: {sign} {level:g}" for sign, names in groups.items()]
+    return "alert " + "; ".join(parts) + (", with more conditions" if more else "")
 
 
 def _finite(values: Sequence[float]) -> list[float]:
@@ -641,6 +646,7 @@ def _draw_thresholds(ax, metric: str, low: float, high: float) -> None:
         bottom, top = min(low, *levels), max(high, *levels)
         ax.set_ylim(bottom - 0.05 * (top - bottom), top + 0.05 * (top - bottom))
     across = blended_transform_factory(ax.transAxes, ax.transData)
+    levels: dict[float, list] = {}  # one label a level: rules at one threshold share it
     for rule, test in lines:
         ax.axhline(
             test.threshold,
@@ -649,15 +655,18 @@ def _draw_thresholds(ax, metric: str, low: float, high: float) -> None:
             linewidth=1,
             gid=f"alert {rule.name}",
         )
+        levels.setdefault(test.threshold, []).append((rule, test))
+    for level, marks in levels.items():
         ax.text(
             0.995,
-            test.threshold,
-            _threshold_text(rule, test),
+            level,
+            _threshold_text(marks),
             transform=across,
             ha="right",
             va="bottom",
             fontsize="x-small",
             color=_THRESHOLD_COLOR,
+            gid=f"threshold {level:g}",
         )
     for side, y in (("above", 0.99), ("below", 0.01)):
         names = [

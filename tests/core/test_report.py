@@ -641,3 +641,25 @@ def test_command_line_prints_the_report_or_the_error(runs, tmp_path, capsys):
         out.startswith(f"qkmonitor report: {runs['alerting']}\n") and "[qkmonitor:kappa]" not in out
     )
     assert "alerts: 8 fired: kappa 8" in out and "plots:" not in out
+
+
+def test_rules_at_one_threshold_share_one_label_that_names_them_all(tmp_path):
+    """`max_logit.png` with values up to 40: the thresholds at 20, 30 and 50 are drawn, and the
+    two rules at 30 (logit_growth, fast_updates) are named in one label, not in two printed over
+    each other."""
+    at_30 = [
+        r.name
+        for r in DEFAULT_RULES
+        for t in r.tests
+        if (t.metric, t.threshold) == ("max_logit", 30.0)
+    ]
+    assert at_30 == ["logit_growth", "fast_updates"]  # the default rules this checks
+    write_run(tmp_path / "v", {"qkmonitor/max_logit/layer_00": [5.0, 25.0, 40.0]})
+    ax = _metric_figure([read_run(tmp_path / "v")], "max_logit", ["A"]).axes[0]
+    at = {}  # label height -> the labels there, from the figure's text artists
+    for text in ax.texts:
+        if text.get_text().startswith("alert ") and not (text.get_gid() or "").startswith("alerts"):
+            at.setdefault(text.get_position()[1], []).append(text.get_text())
+    assert {20.0, 30.0} <= set(at) and all(len(labels) == 1 for labels in at.values()), at
+    assert at[30.0][0].startswith("alert logit_growth, fast_updates: ≥ 30"), at
+    assert at[20.0][0].startswith("alert logit_jump: ≥ 20"), at
