@@ -119,7 +119,7 @@ class GuardedSink:
     def write_pending_layout(self) -> None:
         """A layout the sink held back until the run's tags were known, written (at the end)."""
         pending = getattr(self.sink, "write_pending_layout", None)
-        if callable(pending):
+        if callable(pending) and getattr(self.sink, "layout_pending", False):
             self._write(pending, None)
 
     def write(self, method: Callable, *args: Any, step: int | None = None) -> None:

@@ -91,6 +91,11 @@ class TensorBoardSink(LoggerSink):
             super().log_scalars(scalars, step)
         self._writer.note_scalars([self.tag_prefix + tag for tag in scalars], step)
 
+    @property
+    def layout_pending(self) -> bool:
+        """Whether the layout held back waits to be written (``SummaryWriterSink``)."""
+        return self._writer.layout_pending
+
     def write_pending_layout(self) -> None:
         """Write the layout held back until the run's tags were known (``SummaryWriterSink``)."""
         self._writer.write_pending_layout()

@@ -127,6 +127,11 @@ class SummaryWriterSink:
             self._charted |= charted
             self._layout_pending = True
 
+    @property
+    def layout_pending(self) -> bool:
+        """Whether a layout held back (:meth:`note_scalars`) waits to be written."""
+        return self._layout is not None and self._layout_pending
+
     def write_pending_layout(self) -> None:
         """Write the layout held back (:meth:`note_scalars`), if it is pending."""
         if self._layout is not None and self._layout_pending:
