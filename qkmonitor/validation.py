@@ -11,12 +11,8 @@ This module imports only the standard library.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
-from collections.abc import Callable
 from numbers import Real
-from typing import TypeVar
 
 __all__ = [
     "check_bool",
@@ -27,13 +23,9 @@ __all__ = [
     "check_optional_positive_int",
     "check_positive_int",
     "check_real",
-    "directory_problem",
     "is_int",
     "is_real",
-    "keyword_only",
 ]
-
-F = TypeVar("F", bound=Callable)
 
 
 def is_real(value: object) -> bool:
@@ -117,47 +109,3 @@ def check_fraction(name: str, value: object) -> None:
     1)"."""
     if not is_real(value) or not 0.0 < value < 1.0:
         raise ValueError(f"Expected `{name}` in (0, 1), got {value!r}")
-
-
-def directory_problem(path: str) -> str | None:
-    """Why ``path`` cannot be a directory to write into, in words, or None: it is a file, or a
-    part of it is (a directory that is missing is made; its permissions are found out at the
-    write)."""
-    import os
-
-    if os.path.isdir(path):
-        return None
-    if os.path.exists(path):
-        return "it is a file"
-    parent = os.path.dirname(os.path.abspath(path))
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if parent and not os.path.isdir(parent):
-        return f"{parent!r} in it is a file"
-    return None
-
-
-def keyword_only(init: F) -> F:
-    """Wrap a class's ``__init__`` whose parameters are all keyword-only, so that a positional
-    argument raises a ``TypeError`` that says so and names the parameter it was likely meant for
-    ("QKMonitor takes keyword arguments only: QKMonitor(every_n_steps=50)"), where Python's own
-    says "takes 1 positional argument but 2 were given". The signature stays the wrapped one
-    (``inspect.signature`` and LightningCLI read it through ``__wrapped__``)."""
-    names = [
-        p.name for p in inspect.signature(init).parameters.values() if p.kind is p.KEYWORD_ONLY
-    ]
-
-    @functools.wraps(init)
-    def checked(self, *args, **kwargs):
-        if args:
-            cls = type(self).__name__
-            shown = ", ".join(
-                f"{name}={value!r}" for name, value in zip([*names, *["..."] * len(args)], args)
-            )
-            raise TypeError(
-                f"{cls} takes keyword arguments only: {cls}({shown}), got {len(args)} positional "
-                f"argument{'s' if len(args) > 1 else ''}"
-            )
-        return init(self, **kwargs)
-
-    return checked  # type: ignore[return-value]

@@ -10,8 +10,8 @@ from torch import nn
 from qkmonitor.alerts import Alert, AlertRule
 from qkmonitor.attention.adapters import LayerSpec
 from qkmonitor.engine import EffectiveRank, MonitorOptions
+from qkmonitor.engine.options import keyword_only
 from qkmonitor.engine.rank import MAX_PROBE_SEQUENCES, MAX_PROBE_TOKENS, PATTERN_HEADS
-from qkmonitor.validation import keyword_only
 
 from .base import ActivationMonitor
 

@@ -6,7 +6,7 @@ from qkmonitor.attention.adapters import LayerSpec
 from qkmonitor.engine import MonitorOptions
 from qkmonitor.engine import QKClip as QKClipEngine
 from qkmonitor.engine.clip import DEFAULT_TAU
-from qkmonitor.validation import keyword_only
+from qkmonitor.engine.options import keyword_only
 
 from .base import ActivationMonitor
 

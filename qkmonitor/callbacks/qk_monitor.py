@@ -20,7 +20,7 @@ from qkmonitor.engine import (
     MonitorOptions,
     QKSpectrum,
 )
-from qkmonitor.validation import keyword_only
+from qkmonitor.engine.options import keyword_only
 
 from .base import AttentionMonitor
 

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from qkmonitor.alerts import Alert, AlertRule
 from qkmonitor.attention.adapters import LayerSpec
 from qkmonitor.engine import MonitorOptions, QKSpectrum
-from qkmonitor.validation import keyword_only
+from qkmonitor.engine.options import keyword_only
 
 from .base import AttentionMonitor
 

@@ -8,9 +8,11 @@ hand them over with :meth:`MonitorOptions.pick`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -18,7 +20,9 @@ from qkmonitor.alerts import ALERT_ACTIONS, Alert, AlertRule
 from qkmonitor.attention.adapters import AttentionLayer, LayerSpec
 from qkmonitor.validation import check_bool, check_non_negative_int, check_optional_positive_int
 
-__all__ = ["MonitorOptions", "check_prefix"]
+__all__ = ["MonitorOptions", "check_prefix", "keyword_only"]
+
+F = TypeVar("F", bound=Callable)
 
 #: a part: letters, digits, ``_ - .``, never ``.`` or ``..`` nor any part that begins with two
 #: dots (MLflow refuses a name that ``posixpath.normpath`` changes or that begins with ``..``)
@@ -173,3 +177,29 @@ _LAYER_HINTS = {
         "called when training starts, e.g. `layers=lambda m: [m.blocks[0].attn]`"
     ),
 }
+
+
+def keyword_only(init: F) -> F:
+    """Wrap a class's ``__init__`` whose parameters are all keyword-only, so that a positional
+    argument raises a ``TypeError`` that says so and names the parameter it was likely meant for
+    ("QKMonitor takes keyword arguments only: QKMonitor(every_n_steps=50)"), where Python's own
+    says "takes 1 positional argument but 2 were given". The signature stays the wrapped one
+    (``inspect.signature`` and LightningCLI read it through ``__wrapped__``)."""
+    names = [
+        p.name for p in inspect.signature(init).parameters.values() if p.kind is p.KEYWORD_ONLY
+    ]
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        if args:
+            cls = type(self).__name__
+            shown = ", ".join(
+                f"{name}={value!r}" for name, value in zip([*names, *["..."] * len(args)], args)
+            )
+            raise TypeError(
+                f"{cls} takes keyword arguments only: {cls}({shown}), got {len(args)} positional "
+                f"argument{'s' if len(args) > 1 else ''}"
+            )
+        return init(self, **kwargs)
+
+    return checked  # type: ignore[return-value]

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING
 
 from qkmonitor.measures.catalogue import CATALOGUE, MetricSpec
 from qkmonitor.output.tags import LOSS_TAGS, layer_prefixes, parse_alert_tag, parse_layer_tag
-from qkmonitor.validation import directory_problem
 
 if TYPE_CHECKING:
     from qkmonitor.alerts import AlertRule, Condition
@@ -1011,6 +1010,22 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
     return value
+
+
+def directory_problem(path: str) -> str | None:
+    """Why ``path`` cannot be a directory to write into, in words, or None: it is a file, or a
+    part of it is (a directory that is missing is made; its permissions are found out at the
+    write)."""
+    if os.path.isdir(path):
+        return None
+    if os.path.exists(path):
+        return "it is a file"
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        return f"{parent!r} in it is a file"
+    return None
 
 
 def directory_argument(text: str) -> str:
