@@ -125,7 +125,9 @@ def custom_scalars_layout(
     order here is the page's: the loss, then per prefix the headline metrics (:data:`HEADLINE`:
     ``entropy_norm``, ``kappa``, ``max_logit``), then the families (:data:`FAMILY_ORDER`), the
     output logits and the alert counters. A "per layer over heads" category follows each, its
-    charts by metric (catalogue order) and then by layer (00, 01, ...).
+    charts by metric (the category's order) and then by layer (00, 01, ...) on the page: the
+    layout lists them last first, as TensorBoard shows a category of margin charts from its last
+    chart to its first (its multiline categories in order; tests/browser reads the page).
 
     A *Multiline* chart colours its lines by run, not by tag: its lines (one per layer) share a
     colour and are told apart only by hovering (TensorBoard's tooltip names the tag). So each
@@ -197,8 +199,10 @@ def _add_prefix_layout(
             if _per_head(m)
             for layer in range(num_layers)
         }
-        if margins:
-            layout[f"{title}, per layer over heads"] = margins
+        if margins:  # last first: TensorBoard shows a category of margin charts from its last
+            # chart to its first (seen in headless Chromium, tests/browser), so the page reads
+            # them by metric, then layer 00, 01, ...
+            layout[f"{title}, per layer over heads"] = dict(reversed(margins.items()))
     if "max_logit" in metrics:  # AttentionEntropy's probe reads the model's output logits too
         title = f"{prefix}: output logits"
         layout[title] = {

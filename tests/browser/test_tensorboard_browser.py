@@ -48,8 +48,10 @@ CUSTOM_SCALAR_CARDS = r"""(() => {
       const tag = el.tagName;
       if (tag === 'TF-CUSTOM-SCALAR-MULTI-LINE-CHART-CARD'
           || tag === 'TF-CUSTOM-SCALAR-MARGIN-CHART-CARD') {
+        const box = el.getBoundingClientRect();  // where a person sees it
         cards.push({kind: tag.includes('MARGIN') ? 'margin' : 'multiline', title: el.title,
-                    lines: paths(el, 'line'), areas: paths(el, 'area')});
+                    lines: paths(el, 'line'), areas: paths(el, 'area'),
+                    top: box.top + window.scrollY, left: box.left});
       } else walk(el);
     } };
   walk(document);
@@ -128,8 +130,23 @@ def test_custom_scalars_dashboard_draws_the_per_layer_charts(browser, tensorboar
     text = browser.evaluate(PAGE_TEXT)
     shot = browser.screenshot(screenshot_dir / "custom_scalars.png")
     assert drawn(cards), f"charts not drawn (screenshot: {shot}): {cards}"
-    # every chart of the layout is a card in the page, each kind as the layout says
-    assert sorted(card["title"] for card in cards) == sorted(titles)
+    # every chart of the layout is a card in the page, each kind as the layout says, read as a
+    # person reads the page (top to bottom, left to right): the loss, then entropy_norm, kappa
+    # and max_logit, and each "per layer over heads" category by metric, then layer 00, 01
+    page = [card["title"] for card in sorted(cards, key=lambda c: (c["top"], c["left"]))]
+    assert sorted(page) == sorted(titles)
+    assert page[:4] == [
+        LOSS_CHART,
+        "entropy_norm (a line per layer)",
+        "kappa (a line per layer)",
+        "max_logit (a line per layer)",
+    ], page
+    heads = [t for t in page if "(heads:" in t]
+    assert heads[:6] == [
+        f"{metric} layer {layer:02d} (heads: min, mean, max)"
+        for metric in ("entropy_norm", "kappa", "max_logit")
+        for layer in (0, 1)
+    ], page
     assert {card["title"] for card in cards if card["kind"] == "margin"} == {
         t for t in titles if "(heads:" in t
     }

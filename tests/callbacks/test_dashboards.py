@@ -251,9 +251,9 @@ def test_layout_lists_margin_charts_only_for_per_head_metrics():
         [LayoutSection("p", ("kappa", "hidden_collapse"), 2, ("kappa",))]
     )
     margins = layout["p: kappa, per layer over heads"]
-    assert list(margins) == [
-        "kappa layer 00 (heads: min, mean, max)",
+    assert list(margins) == [  # last first: TensorBoard shows them from the last
         "kappa layer 01 (heads: min, mean, max)",
+        "kappa layer 00 (heads: min, mean, max)",
     ]
     assert "p: effective rank, per layer over heads" not in layout
     assert layout["p: alerts"]["alerts fired (count; a rule appears at its first alert)"] == [
@@ -387,7 +387,8 @@ def test_the_layout_puts_the_loss_then_entropy_norm_kappa_max_logit_first_and_la
 ):
     """The layout as TensorBoard reads it (TensorBoard shows categories and charts in this order):
     the loss, then the headline metrics, then the families; within a "per layer over heads"
-    category the charts go by metric in the catalogue's order, then by layer 00, 01, 02."""
+    category the charts go by metric, then by layer 00, 01, 02 on the page (the layout lists them
+    last first: TensorBoard shows such a category from its last chart, tests/browser)."""
     from torch.utils.tensorboard import SummaryWriter
 
     from qkmonitor.measures.catalogue import CATALOGUE
@@ -429,8 +430,8 @@ def test_the_layout_puts_the_loss_then_entropy_norm_kappa_max_logit_first_and_la
         # the metrics in the order of their category's "a line per layer" charts
         parent = by_title[title.removesuffix(", per layer over heads")]
         lines = [chart.title.removesuffix(" (a line per layer)") for chart in parent.chart]
-        keys = []
-        for chart in category.chart:
+        keys = []  # listed last first: TensorBoard shows margin categories from the last chart
+        for chart in reversed(category.chart):
             metric, layer = re.fullmatch(r"(\w+) layer (\d\d) \(heads: .*\)", chart.title).groups()
             keys.append((lines.index(metric), int(layer)))
         assert keys == sorted(keys) and len(set(keys)) == len(keys), title
