@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
                 "--log-dir",
                 args.log_dir,
                 "--no-progress-bar",
+                *([] if task == args.tasks[0] else ["--no-legend"]),  # the columns' legend once
             ]
         )
     return codes

@@ -324,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="show the training progress (step N/total, loss, accuracy)",
     )
+    train.add_argument(
+        "--legend",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end the summary with what each column means (--no-legend: the table alone)",
+    )
     add_report_parser(commands, formatter_class=_HelpFormatter)
     return parser
 
@@ -588,7 +594,16 @@ def _run_training(args: argparse.Namespace) -> int:
     trainer.fit(task, datamodule=data)
     final = trainer.validate(task, datamodule=data, verbose=False)[0]
     lost = lost_writes(trainer)
-    print(_summary(monitor.engines, final, logger.log_dir, step=trainer.global_step, lost=lost))
+    print(
+        _summary(
+            monitor.engines,
+            final,
+            logger.log_dir,
+            step=trainer.global_step,
+            lost=lost,
+            legend=args.legend,
+        )
+    )
     if checkpoint is None:
         print("checkpoint: none (--no-checkpoint)")
     elif checkpoint_io.error is not None:
@@ -763,11 +778,13 @@ def _summary(
     log_dir: str,
     step: int | None = None,
     lost: dict[str, int] | None = None,
+    legend: bool = True,
 ) -> str:
     """A per-layer table of each monitor engine's last probe, which probe each column comes from, a
     legend of the columns (from the metric catalogue), the alerts and the task's final
     validation scores; ``step``: the optimizer steps trained; ``lost``: the monitors' writes a
-    destination lost (``callbacks.base.lost_writes``), a line when any was."""
+    destination lost (``callbacks.base.lost_writes``), a line when any was; ``legend``: with the
+    columns' legend."""
     by_kind = {e.monitor: e for e in engines}
     columns = [c for c in summary_columns() if c[0] in by_kind]
     header = ["layer", "name"] + [m if agg == "mean" else f"{m} {agg}" for _, m, agg in columns]
@@ -797,7 +814,7 @@ def _summary(
             line(header),
             line(["-" * w for w in widths]),
             *map(line, rows),
-            *_legend(columns),
+            *(_legend(columns) if legend else []),
             f"alerts fired: {alerts}",
             *[
                 f"writes lost: {n} to {where} (see the warnings above)"

@@ -63,6 +63,7 @@ def test_bundled_tasks_example_runs_every_task_with_the_monitors(tmp_path, capsy
     assert out.count("qkmonitor summary after step 10 (") == 6
     assert out.count("kappa, qk_erank: the weights after step 10\n") == 6
     assert out.count("the last probed batch, at step 0\n") == 6
+    assert out.count("columns: a layer's mean over its heads") == 1  # the legend, once
     assert {p.name for p in tmp_path.iterdir()} == set(codes)
 
 
