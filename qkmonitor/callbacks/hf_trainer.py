@@ -19,12 +19,13 @@ window left open, and the callback is a context manager that closes it on the wa
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import TrainerCallback
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, MonitorEngine, Monitoring, QKSpectrum
+from qkmonitor.engine.session import checked_engines
 from qkmonitor.output.sinks import check_writer
 from qkmonitor.output.tags import HF_HPARAMS_METRICS
 from qkmonitor.validation import check_optional_positive_int
@@ -69,7 +70,7 @@ class QKMonitorCallback(TrainerCallback):
         engines = (
             [QKSpectrum(), AttentionEntropy(), EffectiveRank()]
             if engines is None
-            else _engine_list(engines)
+            else checked_engines(engines)
         )
         check_writer(writer)  # here, not when training starts
         check_optional_positive_int("every_n_steps", every_n_steps)
@@ -149,35 +150,3 @@ class QKMonitorCallback(TrainerCallback):
             args.output_dir, "runs", "qkmonitor"
         )
         return SummaryWriter(log_dir=os.path.expanduser(log_dir))
-
-
-def _engine_list(engines: object) -> list[MonitorEngine]:
-    """``engines`` as a non-empty list of engine instances, or a ValueError (TypeError for a
-    class) that names the argument and what to pass."""
-    if isinstance(engines, MonitorEngine):
-        name = type(engines).__name__
-        raise ValueError(
-            f"Expected `engines` to be a list of engines, got one {name}: pass `[{name}(...)]`"
-        )
-    if isinstance(engines, type) and issubclass(engines, MonitorEngine):
-        raise TypeError(
-            f"Expected `engines` to be a list of engine instances, got the class "
-            f"`{engines.__name__}`: pass `[{engines.__name__}()]`"
-        )
-    if isinstance(engines, (str, bytes)) or not isinstance(engines, Iterable):
-        raise ValueError(
-            "Expected `engines` to be a non-empty list of MonitorEngine or None, got "
-            f"{type(engines).__name__} {engines!r}"
-        )
-    engines = list(engines)
-    for engine in engines:
-        if isinstance(engine, type) and issubclass(engine, MonitorEngine):
-            raise TypeError(
-                f"Expected engine instances in `engines`, got the class `{engine.__name__}`: "
-                f"pass an instance: `{engine.__name__}()`"
-            )
-    if not engines or not all(isinstance(e, MonitorEngine) for e in engines):
-        raise ValueError(
-            f"Expected `engines` to be a non-empty list of MonitorEngine or None, got {engines!r}"
-        )
-    return engines

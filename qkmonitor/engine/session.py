@@ -94,13 +94,18 @@ def write_run_header(
         )
 
 
-def _checked_engines(engines: object) -> list[MonitorEngine]:
+def checked_engines(engines: object) -> list[MonitorEngine]:
     """``engines`` as a list, each an engine instance, or a ValueError (TypeError for a class)
-    that names what was given."""
+    that names what was given (``Monitoring``'s and the Hugging Face callback's argument)."""
     if isinstance(engines, MonitorEngine):
         name = type(engines).__name__
         raise ValueError(
             f"Expected `engines` to be a list of engines, got one {name}: pass `[{name}(...)]`"
+        )
+    if isinstance(engines, type) and issubclass(engines, MonitorEngine):
+        raise TypeError(
+            f"Expected `engines` to be a list of engine instances, got the class "
+            f"`{engines.__name__}`: pass `[{engines.__name__}()]`"
         )
     if not isinstance(engines, Iterable) or isinstance(engines, (str, bytes, Mapping)):
         raise ValueError(
@@ -223,7 +228,7 @@ class Monitoring:
             raise ValueError(
                 f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}"
             )
-        engines = _checked_engines(engines)
+        engines = checked_engines(engines)
         check_positive_int("every_n_steps", every_n_steps)
         sinks = [] if writer is None else [_sink_of(writer)]
         _check_optimizer(optimizer)

@@ -154,12 +154,39 @@ def summary_figures(text: str) -> dict:
     scores = re.search(r"^final validation: (.*)$", text, re.MULTILINE)
     assert header and rows and alerts and scores, text
     fired = {rule: int(n) for rule, n in re.findall(r"(\w+): (\d+)", alerts.group(1))}
+    watched = re.search(r"rules watched: ([\w, ]+)\)", alerts.group(1))
     return {
+        "watched": watched.group(1).split(", ") if watched else None,
         "columns": header.group(1).split(),
         "layers": {(int(i), name): [float(v) for v in cells.split()] for i, name, cells in rows},
         "alerts": {rule: n for rule, n in fired.items() if n},
         "scores": {k: float(v) for k, v in re.findall(r"(\w+) ([-0-9.e]+)", scores.group(1))},
     }
+
+
+def block_shape(text: str, log_dir: str) -> list[str]:
+    """A ``qkmonitor train`` output's lines with what moves from run to run taken out: its log
+    directory read as the default's, every number as ``#``, runs of spaces as one, the reason for
+    the thread count (the test's workers set ``OMP_NUM_THREADS``) as ``why``; the progress bar
+    left out."""
+    lines = []
+    for line in text.replace(log_dir, "runs").splitlines():
+        line = re.sub(r"[-+]?\d[\d.e+-]*|\bnan\b", "#", line)
+        line = re.sub(r"\s+", " ", line).strip()
+        line = re.sub(r"^threads: # \(.*\)$", "threads: # (why)", line)  # the test's workers: 1
+        if line and not line.startswith("step:"):
+            lines.append(line)
+    return lines
+
+
+def readme_block() -> str:
+    block = re.search(
+        r"<!-- train-output:start -->\n```\n(.*?)```\n<!-- train-output:end -->",
+        README.read_text(),
+        re.DOTALL,
+    )
+    assert block, "README.md lost its train-output markers"
+    return block.group(1)
 
 
 def readme_quick_start() -> tuple[dict, dict]:
@@ -192,8 +219,12 @@ def test_default_run_learns_associative_recall(tmp_path, capsys):
     the README states (val_acc and val_loss bounds, the same alerts, per-layer figures within a
     relative tolerance); it also reaches >= 99% recall accuracy."""
     assert main(["train", "--log-dir", str(tmp_path), "--no-progress-bar"]) == 0
-    printed = summary_figures(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    printed = summary_figures(out)
     shown, limits = readme_quick_start()
+    # the whole block, line by line, as a run prints it: header, table, legend, the rules watched
+    assert block_shape(out, str(tmp_path)) == block_shape(readme_block(), "runs")
+    assert printed["watched"] == shown["watched"]
     assert printed["scores"]["val_acc"] >= max(limits["val_acc"], 0.99), printed["scores"]
     assert printed["scores"]["val_loss"] <= limits["val_loss"], printed["scores"]
     assert printed["alerts"] == shown["alerts"]
