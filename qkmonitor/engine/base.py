@@ -863,8 +863,10 @@ class ActivationEngine(MonitorEngine):
             raise MeasuresNothingError(
                 f"{type(self).__name__} measures none of its {len(self.layers)} attention layers: "
                 f"they ran in the first probed forward, but no attention call could be read "
-                f"({names}{more}). Describe the attention with qkmonitor.register_attention "
-                "(README, 'Use it on your model'), or leave this monitor out."
+                f"({names}{more}). Where a call could not be read, describe the attention "
+                "with qkmonitor.register_attention (README, 'Use it on your model'); where it "
+                "is refused (heads mixed before the softmax, a softmax over channels), it is "
+                "not one head's attention over tokens: leave this monitor out."
             )
         for layer, result, measurable in zip(self.layers, results, self._measurable):
             if result.calls == 0 and measurable and result.unread:
