@@ -29,7 +29,10 @@ when the probe closes); both hooks are removed when the last probe on the module
 unprobed step installs nothing. What one forward captures is its own (:class:`_Call`, per thread).
 Statistics are computed on the side under ``no_grad`` in float32 or better; the model's call runs
 with its own arguments and its result is returned unchanged. The projections' inputs and the first
-call's queries and keys are kept for the layout check (:mod:`.layout_check`).
+call's queries and keys are kept for the layout check (:mod:`.layout_check`), and for a softmax over
+``q @ kᵀ`` the factor between that product and the logits it got
+(:func:`~qkmonitor.attention.layout_check.product_scale`): the scale a module applies after the
+product, which the queries and keys alone do not show.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from qkmonitor.attention.calls import (
     split_mask,
 )
 from qkmonitor.attention.compiled import add_forward_hooks, own_class
-from qkmonitor.attention.layout_check import LayoutEvidence
+from qkmonitor.attention.layout_check import LayoutEvidence, product_scale
 from qkmonitor.attention.layouts import HEADS_NAMES, attribute
 from qkmonitor.attention.masks import AdditiveMasks
 from qkmonitor.attention.probes import AttentionCall, Probe, in_side_computation
@@ -354,7 +357,11 @@ class _Call:
         self.qk: tuple[Tensor, Tensor] | None = None  # the first q @ kᵀ: its q and k
         self.last_qk: tuple[Tensor, Tensor] | None = None  # the latest q @ kᵀ before a softmax
         self.product: Tensor | None = None  # the latest q @ kᵀ's result (logits to come)
+        self.product_version: int | None = None  # its version counter when the matmul made it
         self.mixed: str | None = None  # how the logits' heads were mixed, before the softmax
+        #: the heads were mixed from the product as the matmul gave it (no factor after it), or
+        #: why that is not known (it was changed in place first)
+        self.mixed_unscaled: str | None = None
         self.tokens: set[int] = set()  # the sequence lengths of the projections' inputs
         self.widths: set[int] = set()  # and their widths
         self.masks = AdditiveMasks()
@@ -406,6 +413,7 @@ class _Call:
                 f"talking heads: a Linear over the {product.shape[-3]} heads of q·kᵀ, as CaiT's "
                 "proj_l"
             )
+            self.mixed_unscaled = self._changed_in_place(product)
             return
         if x.dim() >= 3:
             self.tokens.add(x.shape[-2])
@@ -428,6 +436,19 @@ class _Call:
             and _same_storage(x, product)
         ):
             self.mixed = f"talking heads: a convolution over the {x.shape[1]} heads of q·kᵀ"
+            self.mixed_unscaled = self._changed_in_place(product)
+
+    def _changed_in_place(self, product: Tensor) -> str | None:
+        """None where the latest ``q @ kᵀ`` is as the matmul gave it (its version counter
+        unchanged: the heads are mixed from it with no factor after the product); else why the
+        factor after the product is not known."""
+        version = _version(product)
+        if version is not None and version == self.product_version:
+            return None
+        return (
+            "its q @ kᵀ was changed in place before its heads were mixed, so the factor on a "
+            "head's own q·kᵀ is not known"
+        )
 
     def on_matmul(self, a, b, out) -> None:
         """``x @ W.T`` (a projection written as a matmul, e.g. Falcon's) and ``q @ kᵀ`` of
@@ -444,6 +465,7 @@ class _Call:
             self.last_qk = (a.detach(), b.detach().transpose(-1, -2))
             self.qk = self.qk or self.last_qk
             self.product = out.detach() if isinstance(out, Tensor) else None
+            self.product_version = None if self.product is None else _version(self.product)
 
     def on_sdpa(self, args, kwargs) -> None:
         sdpa = dict(zip(_SDPA_ARGS, args)) | kwargs
@@ -472,6 +494,7 @@ class _Call:
         blocked = self.masks.blocked(x)
         self.masks.clear()
         mixed, self.mixed, self.product = self.mixed, None, None
+        mixed_unscaled, self.mixed_unscaled = self.mixed_unscaled, None
         last_qk, self.last_qk = self.last_qk, None
         heads = self.channel.heads
         if x.dim() == 3:
@@ -502,14 +525,19 @@ class _Call:
                 self._refuse(*refused)
                 return
         if mixed is not None:
-            self._refuse(_mixed_reason(mixed), None)
+            self._refuse(_mixed_reason(mixed), None, mixed_unscaled)
             return
         x, blocked = _fold(x), None if blocked is None else _fold(blocked)
         qk = self.qk
         if qk is not None and _folded(qk[0])[:3] == x.shape[:3] and qk[1].shape[-2] == x.shape[3]:
             self._notify(
                 lambda: self._scores(x, blocked),
-                lambda: self._evidence(_fold(qk[0]), _fold(qk[1]), None, None),
+                lambda: self._evidence(
+                    _fold(qk[0]),
+                    _fold(qk[1]),
+                    None,
+                    *product_scale(_fold(qk[0]), _fold(qk[1]), x, blocked),
+                ),
             )
             return
         self._notify(lambda: self._scores(x, blocked), lambda: self._evidence(None, None, x, None))
@@ -535,12 +563,18 @@ class _Call:
         )
         return reason, no_layout
 
-    def _refuse(self, reason: str, no_layout: str | None) -> None:
+    def _refuse(self, reason: str, no_layout: str | None, scale_unknown: str | None = None) -> None:
         """Hand on a call that is not read, and why; ``no_layout``: why the weights are not read
-        either (else the first call's evidence still checks them)."""
+        either (else the first call's evidence still checks them). The heads of a mixed product
+        were mixed from ``q @ kᵀ`` as the matmul gave it: the factor on a head's own ``q·kᵀ`` is
+        what its operands carry (1 after the product), unless ``scale_unknown`` says why not."""
 
         qk = self.qk
-        evidence = (lambda: self._evidence(_fold(qk[0]), _fold(qk[1]), None, None)) if qk else None
+        evidence = (
+            (lambda: self._evidence(_fold(qk[0]), _fold(qk[1]), None, 1.0, scale_unknown))
+            if qk
+            else None
+        )
         self._notify(lambda: UnreadCall(reason, no_layout), None if no_layout else evidence)
 
     def _scores(self, x: Tensor, blocked: Tensor | None) -> ScoresCall:
@@ -563,7 +597,12 @@ class _Call:
         self.channel.observers.notify(observed(build_with_evidence))
 
     def _evidence(
-        self, q: Tensor | None, k: Tensor | None, logits: Tensor | None, scale
+        self,
+        q: Tensor | None,
+        k: Tensor | None,
+        logits: Tensor | None,
+        scale,
+        scale_unknown: str | None = None,
     ) -> LayoutEvidence:
         like = q if q is not None else logits
         b, n, m = like.shape[0], like.shape[2], (k.shape[2] if k is not None else logits.shape[3])
@@ -578,6 +617,7 @@ class _Call:
             n,
             m,
             like.dtype,
+            scale_unknown,
         )
 
 
@@ -587,6 +627,15 @@ def _mixed_reason(how: str) -> str:
         "its own queries' and keys' logits: its attention statistics are not measured, while "
         "its kappa, of its own W_Q^h W_K^hᵀ, is a property of the weights and is read"
     )
+
+
+def _version(x: Tensor) -> int | None:
+    """A tensor's version counter (bumped by each in-place change), or None where it has none
+    (an inference tensor)."""
+    try:
+        return int(x._version)
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:

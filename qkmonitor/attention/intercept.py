@@ -202,6 +202,13 @@ class LayoutChecked:
         verdict, self._verdict = getattr(self, "_verdict", None), None
         if isinstance(verdict, QKLayout):
             self.layout, self.layout_error = verdict, None
+            if verdict.scale_unknown is not None:  # the weights are read, their scale is not
+                return (
+                    f"layer {self.name!r}: the factor between its projections' q·kᵀ and the "
+                    f"logits of its softmax is not known ({verdict.scale_unknown}); its "
+                    "qk_spectral_norm (sigma_1 * scale) is NaN, its kappa and the other "
+                    "scale-free spectrum metrics are read"
+                )
             return None
         why = (
             verdict

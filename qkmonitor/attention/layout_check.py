@@ -9,6 +9,15 @@ the module has one, and compares them with what the module passed to SDPA (or, f
 logit of query 0 on key 0, where ALiBi is zero too), up to one scale each. The candidate that
 reproduces them is kept, with the key head each query head really scores against and the
 effective logit scale; when none does, the layer's κ is NaN and a warning says what differed.
+
+The logit scale is the factor between the projections' ``q·kᵀ`` and the logits the softmax gets,
+wherever the module applies it: on q or k before the product (timm's ``q * scale``, or d^-1/4 on
+both), which the fit of the call's queries and keys to the projections' gives, and on the product
+after it (SDPA's ``scale``; for a softmax, what :func:`product_scale` measures between the
+module's own ``q @ kᵀ`` and its logits, a position bias or mask the same over the batch allowed).
+Where that factor cannot be told from what is seen (logits that are not a multiple of ``q·kᵀ``
+plus such a bias: soft-capping, heads mixed before the softmax), the layout is kept with
+``scale_unknown`` and ``qk_spectral_norm`` is NaN, named in a warning, rather than a guess.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkmonitor.attention.calls import MASK_FLOOR
 from qkmonitor.attention.layouts import (
     QKLayout,
     grouped_index,
@@ -36,9 +46,13 @@ class LayoutEvidence:
         biases: ``id(weight) -> bias`` those calls added (not all add one).
         q, k: position-0 queries ``(B, H, D)`` and keys ``(B, H_kv, D)`` of an SDPA call.
         logits: ``(B, H)`` logits of query 0 on key 0 of a softmax call.
-        scale: the SDPA call's scale (None: its default ``1/sqrt(D)``).
+        scale: the factor the call puts on ``q·kᵀ``: an SDPA call's ``scale`` (None: its
+            default ``1/sqrt(D)``), or for a softmax over ``q @ kᵀ`` (``q``, ``k`` its operands)
+            the factor measured between that product and the logits (:func:`product_scale`).
         batch, queries, keys: B, N, M of the call.
         dtype: the dtype the module computed in.
+        scale_unknown: why the factor on ``q·kᵀ`` cannot be told from the call (``scale`` is
+            then not used); None where it can.
     """
 
     inputs: dict[int, Tensor]
@@ -51,6 +65,93 @@ class LayoutEvidence:
     queries: int
     keys: int
     dtype: torch.dtype
+    scale_unknown: str | None = None
+
+
+#: the first query rows of a softmax's logits compared with its ``q @ kᵀ`` (:func:`product_scale`)
+_ROWS = 8
+
+
+def _scale_tolerance(device: torch.device, *dtypes: torch.dtype) -> float:
+    """Relative residual under which logits are taken for a multiple of ``q·kᵀ`` (plus a bias the
+    same over the batch): rounding alone, of the least precise of ``dtypes`` (the operands' and
+    the logits'), of a 16-bit autocast around the call, or of TF32 matmuls on CUDA; a bias that
+    is not the same over the batch, or a nonlinearity (soft-capping), leaves more."""
+    if any(dtype in (torch.float16, torch.bfloat16) for dtype in dtypes) or _autocast(device):
+        return 1e-2
+    if device.type == "cuda" and torch.float32 in dtypes:
+        tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != (
+            "highest"
+        )
+        if tf32:
+            return 5e-3
+    return 1e-4
+
+
+def _autocast(device: torch.device) -> bool:
+    """Whether an autocast is on for the device's type (the check runs inside the forward)."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except (TypeError, RuntimeError):  # an older torch, or a device type autocast does not know
+        return torch.is_autocast_enabled()
+
+
+def fit_scale(
+    observed: Tensor, predicted: Tensor, valid: Tensor, tolerance: float
+) -> tuple[float, str | None]:
+    """The factor ``s`` with ``observed = s · predicted + bias`` over the ``valid`` entries, and
+    None; or NaN and why it cannot be told. Dim 0 is the batch: the bias may be any per entry of
+    the other dims (a relative position bias, ALiBi, a mask above the floor) if it is the same
+    for every batch element (then the batch's variation alone tells ``s``); without one, every
+    entry tells it. ``s`` must reproduce the entries to ``tolerance`` (relative residual)."""
+    observed, predicted = observed.double(), predicted.double()
+    c, residual = _fit(observed[valid], predicted[valid])
+    if c > 0 and residual <= tolerance:
+        return c, None
+    why = f"the logits are {residual:.2g} (relative) away from a multiple of q·kᵀ"
+    if observed.shape[0] > 1:
+        common = valid.all(0)  # entries valid in every batch element
+        if int(common.sum()) > 0:
+            o, p = observed[:, common], predicted[:, common]
+            c, residual = _fit(o - o.mean(0), p - p.mean(0))
+            if c > 0 and residual <= tolerance:
+                return c, None
+            why += f", and {residual:.2g} away from one plus a bias the same for each batch element"
+    return float("nan"), (
+        f"{why} (tolerance {tolerance:g}): its logits are not scale · q·kᵀ (+ a position bias), "
+        "so the scale cannot be told"
+    )
+
+
+def product_scale(
+    q: Tensor, k: Tensor, logits: Tensor, blocked: Tensor | None
+) -> tuple[float | None, str | None]:
+    """The factor between a module's own ``q @ kᵀ`` (its operands ``q`` ``(B, H, N, D)``, ``k``
+    ``(B, H_kv, M, D)``, broadcast as the matmul broadcast them) and the logits ``(B, H, N, M)``
+    its softmax got (the scale applied after the product, 1 where none), from the first query
+    rows in float64: ``(factor, None)``, or ``(None, why)`` where it cannot be told. Keys at or
+    below the mask floor, and those ``blocked`` by a mask seen added, are left out."""
+    rows = min(_ROWS, logits.shape[-2])
+    product = q[..., :rows, :].double() @ k.double().transpose(-1, -2)
+    observed = logits[..., :rows, :].double()
+    if product.shape != observed.shape:
+        return None, (
+            f"its q @ kᵀ is {tuple(product.shape)} and its softmax's logits {tuple(observed.shape)}"
+        )
+    valid = torch.isfinite(observed) & (observed > MASK_FLOOR) & torch.isfinite(product)
+    if blocked is not None:
+        valid = valid & ~blocked[..., :rows, :].expand_as(valid)
+    if int(valid.sum()) < 2:
+        return None, "too few unmasked logits to compare with its q @ kᵀ"
+    tolerance = _scale_tolerance(logits.device, q.dtype, k.dtype, logits.dtype)
+    c, why = fit_scale(observed, product, valid, tolerance)
+    return (None, why) if why is not None else (c, None)
+
+
+def _snapped(scale: float, layout: QKLayout) -> float:
+    """The layout's own scale (the module's ``scale`` attribute, else ``1/sqrt(d_k)``) where the
+    measured factor is it up to rounding; else the measured factor."""
+    return layout.logit_scale if abs(scale / layout.logit_scale - 1.0) < 1e-4 else scale
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -213,13 +314,15 @@ def _match_sdpa(
             f"the weights read as {layout.describe()} give queries/keys that the call's are not "
             f"a positive multiple of (relative residuals {r_q:.2g}, {r_k:.2g})"
         )
-    nominal = ev.scale if ev.scale is not None else layout.head_dim**-0.5
-    scale = (
-        nominal if abs(c_q * c_k - 1.0) < 1e-4 else nominal * c_q * c_k
-    )  # a module that pre-scales q or k
     if index is not None and index == grouped_index(layout.num_heads, layout.num_kv_heads):
         index = None
-    return max(r_q, r_k), replace(layout, kv_index=index, scale=scale)
+    if ev.scale_unknown is not None:
+        return max(r_q, r_k), replace(layout, kv_index=index, scale_unknown=ev.scale_unknown)
+    # the factor between the projections' q·kᵀ and the logits: what the module put on q and k
+    # before the product (timm's q * scale, d^-1/4 on both), times what the call puts after it
+    nominal = ev.scale if ev.scale is not None else layout.head_dim**-0.5
+    scale = nominal if abs(c_q * c_k - 1.0) < 1e-4 else nominal * c_q * c_k
+    return max(r_q, r_k), replace(layout, kv_index=index, scale=_snapped(scale, layout))
 
 
 def _match_logits(
@@ -240,6 +343,13 @@ def _match_logits(
         predicted = (q * keys).sum(-1)  # (B, H)
         c, residual = _fit(logits[valid], predicted[valid])
         if c > 0 and (isinstance(best, str) or residual < best[0]):
-            scale = layout.logit_scale if abs(c / layout.logit_scale - 1.0) < 1e-4 else c
-            best = (residual, replace(layout, kv_index=index, scale=scale))
-    return best
+            best = (residual, replace(layout, kv_index=index), predicted)
+    if isinstance(best, str):
+        return best
+    residual, layout, predicted = best
+    # the layout fits; the scale is told only where the logits are that multiple of the
+    # predicted q·k to rounding (or plus a bias of each head the same over the batch)
+    scale, why = fit_scale(logits, predicted, valid, _scale_tolerance(logits.device, ev.dtype))
+    if why is not None:
+        return residual, replace(layout, scale_unknown=why)
+    return residual, replace(layout, scale=_snapped(scale, layout))

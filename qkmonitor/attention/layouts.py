@@ -122,6 +122,10 @@ class QKLayout:
         kv_index: the key head of each query head; None for the grouped pairing.
         scale: the factor on ``q·k``; None for ``1/sqrt(head_dim)``.
         qk_norm: the layer normalizes q and k after the projections.
+        scale_unknown: why the layer's forward does not tell the factor between its projections'
+            ``q·kᵀ`` and the logits its softmax gets (set by the layout check,
+            :mod:`.layout_check`); the weights are read, and ``qk_spectral_norm`` (σ₁ · scale) is
+            NaN (:meth:`qk_weights` gives a NaN scale) rather than a guess.
     """
 
     q: str
@@ -133,6 +137,7 @@ class QKLayout:
     kv_index: tuple[int, ...] | None = None
     scale: float | None = None
     qk_norm: bool = False
+    scale_unknown: str | None = None
 
     @property
     def logit_scale(self) -> float:
@@ -203,7 +208,8 @@ class QKLayout:
             index = torch.tensor(self.kv_index, device=w_k.device)
             w_k = w_k.view(kv_heads, self.head_dim, -1)[index].flatten(0, 1)
             kv_heads = self.num_heads
-        return QKWeights(w_q, w_k, self.num_heads, kv_heads, self.logit_scale, qk_norm=self.qk_norm)
+        scale = float("nan") if self.scale_unknown is not None else self.logit_scale
+        return QKWeights(w_q, w_k, self.num_heads, kv_heads, scale, qk_norm=self.qk_norm)
 
     def describe(self) -> str:
         where = f"{self.q}/{self.k}" if self.k is not None else f"{self.q} ({self.fused})"

@@ -47,6 +47,30 @@ def kappa_reference(wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
     return sigma[:, 0] / sigma.sum(-1)
 
 
+def spectral_norm_reference(wq: torch.Tensor, wk: torch.Tensor, scale: float) -> torch.Tensor:
+    """(H, d, d_k) float64 per-head W_Q, W_K and the model's true logit scale -> σ₁ · scale per
+    head (docs/metrics.md, qk_spectral_norm), σ₁ from the dense d×d product's SVD."""
+    return torch.linalg.svdvals(wq @ wk.transpose(-1, -2))[:, 0] * scale
+
+
+#: the factor each entry's modules put between their projections' q·kᵀ and the logits of the
+#: softmax, read from the libraries' sources (models.py's notes), where it is not 1/sqrt(d_k):
+#: (model, layer name, d_k) -> scale. timm: ``head_dim ** -0.5``, on q before the product where
+#: ``fused_attn=False``; CaiT's talking heads: the factor on each head's own q·kᵀ before
+#: ``proj_l`` mixes the heads (q pre-scaled); T5: none (1); Gemma-2:
+#: ``query_pre_attn_scalar ** -0.5`` (its soft-cap comes after).
+TRUE_SCALE = {
+    "hf-t5-eager": lambda model, name, d_k: 1.0,
+    "hf-t5-sdpa": lambda model, name, d_k: 1.0,
+    "hf-gemma2-eager": lambda model, name, d_k: model.config.query_pre_attn_scalar**-0.5,
+}
+
+
+def true_scale(name: str, model, layer: str, d_k: int) -> float:
+    scale = TRUE_SCALE.get(name)
+    return d_k**-0.5 if scale is None else float(scale(model, layer, d_k))
+
+
 def probabilities(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Row softmax of float64 logits over the allowed keys (exact zeros elsewhere)."""
     s = s.masked_fill(~allowed, -math.inf)
@@ -367,6 +391,22 @@ def test_zoo_matches_float64_references(name, monkeypatch, leftovers):
             msg=lambda m, n=layer_name: f"kappa of {n}: {m}",
         )
 
+    # 1b. qk_spectral_norm = σ₁ · the model's true logit scale, wherever the module applies it
+    # (on q before the product, on the product, in SDPA); the layers whose κ is refused are NaN
+    for layer_name, (wq, wk) in expected_qk.items():
+        got = spectrum.latest["qk_spectral_norm"][layers[layer_name]]
+        if layer_name in built.kappa_refused:
+            assert torch.isnan(got).all(), f"{layer_name}: layout refused, yet {got}"
+            continue
+        scale = true_scale(name, model, layer_name, wq.shape[-1])
+        torch.testing.assert_close(
+            got.double(),
+            spectral_norm_reference(wq, wk, scale),
+            rtol=1e-5,
+            atol=1e-7,
+            msg=lambda m, n=layer_name, c=scale: f"qk_spectral_norm of {n} (scale {c:.6g}): {m}",
+        )
+
     # 3. the monitored loss is the unmonitored twin's, bit for bit
     twin_loss = built.loss(twin).detach()
     assert torch.equal(loss, twin_loss), (
@@ -419,6 +459,26 @@ def test_zoo_matches_float64_references(name, monkeypatch, leftovers):
     assert [layer.name for layer in spectrum.layers] == order
     assert [layer.index for layer in qkmonitor.find_attention_layers(model)] == list(
         range(len(order))
+    )
+
+
+def test_timm_vit_softmax_and_sdpa_give_the_same_qk_spectral_norm():
+    """Same weights, q pre-scaled before ``q @ kᵀ`` and a softmax (``fused_attn=False``) or SDPA:
+    the same σ₁ · head_dim**-0.5, not σ₁ / head_dim on the softmax path."""
+    values = {}
+    for name in ("timm-vit-sdpa", "timm-vit-softmax"):
+        built = build(name)
+        spectrum, _, _ = monitored_step(built.model, built)
+        values[name] = torch.stack(spectrum.latest["qk_spectral_norm"]).double()
+        wq, wk = built.qk(built.model)["blocks.0.attn"]
+        torch.testing.assert_close(
+            values[name][0],
+            spectral_norm_reference(wq, wk, wq.shape[-1] ** -0.5),
+            rtol=1e-5,
+            atol=0,
+        )
+    torch.testing.assert_close(
+        values["timm-vit-softmax"], values["timm-vit-sdpa"], rtol=1e-6, atol=0
     )
 
 
