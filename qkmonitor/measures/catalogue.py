@@ -169,6 +169,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "high",
         "QK spectrum",
         "sigma_1 * scale: how sharp the head's logits can get (Zhai et al. 2023, sigmaReparam)",
+        undefined="the layer's forward does not tell its logit scale (soft-capped logits; a "
+        "per-head bias with one sequence), named in a warning",
     ),
     MetricSpec(
         "q_update_ratio",

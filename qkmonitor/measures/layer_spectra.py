@@ -428,6 +428,9 @@ def _metrics(
     undefined = {name: torch.zeros(num_heads, dtype=torch.bool) for name in SPECTRUM_METRICS}
     for name in _RATIOS_OF_SIGMA:
         undefined[name] = zero.clone()
+    # a NaN scale: the layer's logit scale could not be told from its forward (refused by name
+    # where the layout was checked), not a broken weight
+    undefined["qk_spectral_norm"] |= torch.isnan(scale.to(sv.device))
     if not square:
         for name in _EIGEN_METRICS:
             undefined[name] = torch.ones(num_heads, dtype=torch.bool)

@@ -66,6 +66,8 @@ def test_engines_report_and_families_derive_from_it():
 
 def test_undefined_by_definition_is_documented_where_it_happens():
     assert "not square" in metric("kappa_eig").undefined and "0/0" in metric("kappa").undefined
-    assert metric("qk_spectral_norm").undefined == ""  # sigma_1 of a zero matrix is 0, not NaN
+    # sigma_1 of a zero matrix is 0, not NaN: only a scale the forward does not tell is undefined
+    assert "0/0" not in metric("qk_spectral_norm").undefined
+    assert "logit scale" in metric("qk_spectral_norm").undefined
     with pytest.raises(KeyError, match="Unknown metric 'kapa'; the catalogue has kappa"):
         metric("kapa")
