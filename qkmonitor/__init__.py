@@ -10,10 +10,6 @@ and tasks; :mod:`qkmonitor.cli` is the ``qkmonitor`` command.
 
 from importlib import metadata as _metadata
 
-from qkmonitor import _moved
-
-_moved.install()  # the module paths of before 2026-12-03 (e.g. qkmonitor.report) still import
-
 # the adapter families register themselves on import (qkmonitor.attention.registry), before any
 # discovery
 from qkmonitor.alerts import (
