@@ -11,7 +11,6 @@ exception (``on_exception``, which Lightning also calls for a keyboard interrupt
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,32 +74,6 @@ class LightningHost(Host):
                 if "lr" in group:
                     return float(group["lr"])
         return None
-
-
-def _engine_state(name: str, *, each: bool = True) -> property:
-    """A property that reads an engine's state through the callback, with a
-    ``DeprecationWarning``: the state is the engine's (``callback.engine``, or ``.engines[i]`` of a
-    callback that drives several); the callback's own results are :attr:`AttentionMonitor.latest`.
-    ``each=False``: the first engine's (the prefix and layers, which a callback's engines share;
-    the metric names: every engine's)."""
-
-    def read(self: AttentionMonitor) -> Any:
-        warnings.warn(
-            f"{type(self).__name__}.{name} is deprecated: read `.engine.{name}` (or "
-            f"`.engines[i].{name}`); the callback keeps no state of its own",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if each and len(self.engines) != 1:
-            raise AttributeError(
-                f"{type(self).__name__} drives {len(self.engines)} engines, each with its own "
-                f"`{name}`: read it on one of `.engines`"
-            )
-        if name == "metric_names":
-            return tuple(m for engine in self.engines for m in engine.metric_names)
-        return getattr(self.engines[0], name)
-
-    return property(read, doc=f"Deprecated: the engine's ``{name}``.")
 
 
 class _StateKey:
@@ -181,14 +154,6 @@ class AttentionMonitor(Callback):
         """The step of the latest probe (of any engine)."""
         steps = [e.latest_step for e in self.engines if e.latest_step is not None]
         return max(steps) if steps else None
-
-    # -- the engines' own state: kept on the engines, read there (these warn) ------------------
-
-    layers = _engine_state("layers", each=False)
-    tracker = _engine_state("tracker")
-    prefix = _engine_state("prefix", each=False)
-    every_n_steps = _engine_state("every_n_steps")
-    metric_names = _engine_state("metric_names", each=False)
 
     state_key = _StateKey()
 

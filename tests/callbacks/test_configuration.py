@@ -99,8 +99,8 @@ trainer:
 """)
     cli = LightningCLI(TinyLM, args=["fit", "--config", str(config)], save_config_callback=None)
     (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AttentionEntropyMonitor)]
-    options = monitor.engine.options
-    assert (monitor.every_n_steps, options.per_head, monitor.prefix) == (2, True, "attn")
+    engine = monitor.engine
+    assert (engine.every_n_steps, engine.options.per_head, engine.prefix) == (2, True, "attn")
     assert monitor.latest_step == 2 and monitor.latest["entropy_norm"][0].shape == (2,)
 
 
@@ -108,7 +108,7 @@ def test_bad_prefixes_are_refused():
     for prefix in (" ", "/x", "a//b", "x/", "", "a b", 3):
         with pytest.raises(ValueError, match="Expected `log_key_prefix` to be a tag-safe string"):
             QKSpectrumMonitor(log_key_prefix=prefix)
-    assert QKSpectrumMonitor(log_key_prefix="runs/enc-1.v2").prefix == "runs/enc-1.v2"
+    assert QKSpectrumMonitor(log_key_prefix="runs/enc-1.v2").engine.prefix == "runs/enc-1.v2"
 
 
 @pytest.mark.parametrize(
@@ -208,7 +208,7 @@ def test_layers_takes_one_module_or_a_list_and_refuses_modules_outside_the_model
         enable_model_summary=False,
         enable_checkpointing=False,
     ).fit(task)
-    assert [layer.name for layer in one.layers] == ["model.blocks.0.attn"]
+    assert [layer.name for layer in one.engine.layers] == ["model.blocks.0.attn"]
 
     stranger = nn.MultiheadAttention(16, 2)
     with pytest.raises(
@@ -241,7 +241,7 @@ def test_prefixes_that_read_as_other_paths_are_refused_as_mlflow_refuses_them():
         with pytest.raises(ValueError, match=r"no part '\.' or '\.\.' or beginning with '\.\.'"):
             QKSpectrumMonitor(log_key_prefix=prefix)
     for prefix in ("qkmonitor", "runs/enc-1.v2", ".hidden", "a..b", "v1.", "a/.b/c_d"):
-        assert QKSpectrumMonitor(log_key_prefix=prefix).prefix == prefix
+        assert QKSpectrumMonitor(log_key_prefix=prefix).engine.prefix == prefix
         assert mlflow_takes(f"{prefix}/kappa/layer_00_head_00"), prefix
 
 

@@ -164,7 +164,7 @@ def test_a_model_built_in_configure_model_is_found_and_measured_where_it_lives(t
     monitors_ = monitors()
     trainer(tmp_path, monitors_, steps=3).fit(BuiltLate())
     spectrum, entropy, rank = monitors_
-    assert len(spectrum.layers) == 2 and spectrum.latest_step == 2
+    assert len(spectrum.engine.layers) == 2 and spectrum.latest_step == 2
     assert all(torch.isfinite(heads).all() for heads in entropy.latest["entropy_norm"])
     assert all(torch.isfinite(heads).all() for heads in rank.latest["hidden_collapse"])
     assert str(entropy.engine._aggregator.device) == "cpu"  # where the statistics were
@@ -215,6 +215,6 @@ def test_an_interrupted_run_draws_its_last_completed_probe_as_a_finished_run_doe
     assert finished["qkmonitor/heatmap/kappa"] == [0, 4]
     assert any(tag.startswith("qkmonitor/attention/") for tag in finished)
     assert interrupted.keys() == finished.keys()
-    weights = {f"qkmonitor/heatmap/{name}" for name in QKSpectrumMonitor().metric_names}
+    weights = {f"qkmonitor/heatmap/{name}" for name in QKSpectrumMonitor().engine.metric_names}
     for tag, steps in interrupted.items():
         assert steps == ([0, fail_at] if tag in weights and fail_at == 6 else finished[tag]), tag

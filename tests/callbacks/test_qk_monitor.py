@@ -211,23 +211,16 @@ def test_bad_arguments_are_named(kwargs, message):
     assert message in str(info.value)
 
 
-def test_single_engine_attributes_say_where_to_read_them():
-    monitor = QKMonitor()
-    with pytest.raises(AttributeError, match="drives 3 engines"):
-        monitor.tracker  # noqa: B018
-
-
 @pytest.mark.parametrize("name", ["layers", "tracker", "prefix", "every_n_steps", "metric_names"])
-def test_the_engines_state_read_through_a_callback_warns_and_names_where_it_lives(name):
-    """The state is the engines'; a callback's own results are ``latest`` (no warning)."""
-    monitor = QKSpectrumMonitor(every_n_steps=7)
-    with pytest.warns(DeprecationWarning, match=rf"read `\.engine\.{name}`"):
-        value = getattr(monitor, name)
-    if name != "layers":  # the same object or value as the engine's
-        assert value == getattr(monitor.engine, name)
+def test_the_engines_state_is_read_on_the_engines_not_through_a_callback(name):
+    """The state is the engines' (``.engine``, ``.engines[i]``, ``QKMonitor``'s ``.spectrum``...);
+    a callback's own results are ``latest``."""
+    single, several = QKSpectrumMonitor(every_n_steps=7), QKMonitor()
+    assert not hasattr(single, name) and not hasattr(several, name)
+    assert hasattr(single.engine, name) and hasattr(several.spectrum, name)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert monitor.latest == {} and monitor.latest_step is None
+        assert single.latest == {} and single.latest_step is None
 
 
 def test_a_resumed_fit_goes_on_with_every_monitor_state(tmp_path, make_task, scalars_of):

@@ -125,7 +125,7 @@ def test_three_prefixes_in_one_trainer_chart_every_tag_and_resume_each_state(tmp
         enable_checkpointing=False,
     ).fit(task, datamodule=data, ckpt_path=tmp_path / "both.ckpt")
     assert [m.state_key for m in second] == keys
-    assert all(m.tracker.counts[m.tracker.rules[0].name] >= 7 for m in second)
+    assert all(m.engine.tracker.counts[m.engine.tracker.rules[0].name] >= 7 for m in second)
 
 
 def test_same_kind_same_prefix_is_refused_with_a_clear_message(tmp_path):
@@ -194,7 +194,7 @@ def test_two_trainers_in_one_process_do_not_interfere(tmp_path):
     a, b = runs[0][2], runs[1][2]
     a.engine.open(100)
     assert all(
-        not layer.module.probing for layer in b.layers
+        not layer.module.probing for layer in b.engine.layers
     )  # an open window of one touches no other
     a.engine.abort()
     assert a.latest_step == b.latest_step == 1

@@ -16,7 +16,7 @@ class CountingProbes(AttentionEntropyMonitor):
     def on_fit_start(self, trainer, pl_module):
         super().on_fit_start(trainer, pl_module)
         self.probed_forwards = []
-        self.layers[0].module.register_forward_hook(
+        self.engine.layers[0].module.register_forward_hook(
             lambda m, a, o: self.probed_forwards.append(trainer.validating) if m.probing else None
         )
 
@@ -168,8 +168,8 @@ def test_a_callback_reused_for_a_second_fit_starts_as_a_new_one(tmp_path, make_t
     ):  # each fit warns its alerts again: the first fit's state is gone
         fit(reused, 2)
     heads = 2 * 4
-    assert fresh.tracker.counts["any_kappa"] == heads
-    assert reused.tracker.counts["any_kappa"] == fresh.tracker.counts["any_kappa"]
+    assert fresh.engine.tracker.counts["any_kappa"] == heads
+    assert reused.engine.tracker.counts["any_kappa"] == fresh.engine.tracker.counts["any_kappa"]
     assert reused.latest_step == fresh.latest_step == 2
     assert reused.engine.every_n_steps == 2
 
