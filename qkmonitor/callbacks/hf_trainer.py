@@ -41,9 +41,9 @@ class QKMonitorCallback(TrainerCallback):
             :class:`~qkmonitor.engine.QKSpectrum`, :class:`~qkmonitor.engine.AttentionEntropy` and
             :class:`~qkmonitor.engine.EffectiveRank`, with their default arguments.
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (or any
-            :class:`~qkmonitor.engine.Sink`); default: a writer in ``$TENSORBOARD_LOGGING_DIR``
-            if set, else ``{output_dir}/runs/qkmonitor`` (beside the Trainer's own TensorBoard
-            runs), opened on the main process only.
+            :class:`~qkmonitor.output.sinks.Sink`); default: a writer in
+            ``$TENSORBOARD_LOGGING_DIR`` if set, else ``{output_dir}/runs/qkmonitor`` (beside the
+            Trainer's own TensorBoard runs), opened on the main process only.
         every_n_steps: the probe interval of engines that did not set one; default: the
             Trainer's ``logging_steps`` when it is a step count, else 50.
 

@@ -16,22 +16,18 @@ from qkmonitor.engine.options import MonitorOptions
 from qkmonitor.engine.rank import EffectiveRank
 from qkmonitor.engine.session import Monitoring, check_tag_collisions, write_run_header
 from qkmonitor.engine.spectrum import QKSpectrum
-from qkmonitor.output.sinks import MemorySink, Sink, SummaryWriterSink
 
 __all__ = [
     "ActivationEngine",
     "AttentionEntropy",
     "EffectiveRank",
     "Host",
-    "MemorySink",
     "MonitorEngine",
     "MonitorOptions",
     "Monitoring",
     "PlainHost",
     "QKClip",
     "QKSpectrum",
-    "Sink",
-    "SummaryWriterSink",
     "check_tag_collisions",
     "write_run_header",
 ]

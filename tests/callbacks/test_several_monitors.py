@@ -214,7 +214,8 @@ class SharedAttention(nn.Module):
 
 
 def test_every_call_of_a_shared_module_is_measured():
-    from qkmonitor.engine import AttentionEntropy, MemorySink, Monitoring
+    from qkmonitor.engine import AttentionEntropy, Monitoring
+    from qkmonitor.output.sinks import MemorySink
 
     torch.manual_seed(0)
     model = SharedAttention()

@@ -23,10 +23,11 @@ from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.callbacks.base import lost_writes
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, MemorySink, Monitoring, QKSpectrum
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 from qkmonitor.models import DecoderLM, TransformerConfig
 from qkmonitor.output.guard import GuardedSink
 from qkmonitor.output.publisher import PUBLISHER
+from qkmonitor.output.sinks import MemorySink
 
 EVERY, STEPS = 2, 12
 

@@ -12,9 +12,10 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, MemorySink, Monitoring, QKSpectrum
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 from qkmonitor.engine.entropy import MAX_SINK_TOKENS
 from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.output.sinks import MemorySink
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, MemorySink, Monitoring, QKSpectrum
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 from qkmonitor.models import DecoderLM, TransformerConfig
+from qkmonitor.output.sinks import MemorySink
 
 VOCAB, SEQ, STEPS = 16, 12, 10
 

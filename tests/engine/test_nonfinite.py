@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from qkmonitor.engine import MemorySink, Monitoring, QKSpectrum
+from qkmonitor.engine import Monitoring, QKSpectrum
+from qkmonitor.output.sinks import MemorySink
 
 
 class TwoLayers(nn.Module):

@@ -10,14 +10,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from qkmonitor.engine import (
-    AttentionEntropy,
-    EffectiveRank,
-    MemorySink,
-    Monitoring,
-    QKSpectrum,
-    SummaryWriterSink,
-)
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from qkmonitor.output.sinks import MemorySink, SummaryWriterSink
 
 
 class Block(nn.Module):
