@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import math
 import shlex
@@ -630,8 +631,11 @@ def _guarded_logger_class():
         def log_metrics(self, metrics, step=None):
             guarded_sink(self).write(super().log_metrics, metrics, step, step=step)
 
-        def log_hyperparams(self, params, metrics=None, step=None):
-            guarded_sink(self).write(super().log_hyperparams, params, metrics, step, step=step)
+        def log_hyperparams(self, params, *args, **kwargs):
+            # as Lightning's own signature has it: (params, metrics) in 2.4, (…, step) from 2.5
+            step = kwargs.get("step", args[1] if len(args) > 1 else None)
+            write = functools.partial(super().log_hyperparams, params, *args, **kwargs)
+            guarded_sink(self).write(write, step=step)
 
         def save(self):
             guard = guarded_sink(self)
