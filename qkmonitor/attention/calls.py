@@ -31,6 +31,7 @@ from qkmonitor.kernels import autocast_off
 
 __all__ = [
     "MASK_FLOOR",
+    "TENSOR_PARALLEL",
     "FailedCall",
     "MaskedCall",
     "ScoresCall",
@@ -80,6 +81,11 @@ class FailedCall:
         raise self.error
 
 
+#: the words every refusal under tensor parallelism names (:class:`UnreadCall` ``sharded``), by
+#: which the spectrum's warnings about such a layer are told apart (given on the logging rank)
+TENSOR_PARALLEL = "tensor parallelism"
+
+
 class UnreadCall:
     """A forward of a probed module in which no attention call could be read, or whose call is
     refused: what its softmax is over is not one head's attention over tokens (heads mixed before
@@ -90,11 +96,15 @@ class UnreadCall:
             (the attribute a probe looks for).
         no_layout: why the layer's weights have no W_QK to check either (attention over
             channels), or None: a layout check may still read them from the call's q and k.
+        sharded: the call is refused because its heads are split across ranks (tensor
+            parallelism): not a module qkmonitor cannot read, so training goes on and the layer's
+            values are NaN, with the reason named once (on the logging rank).
     """
 
-    def __init__(self, reason: str, no_layout: str | None = None) -> None:
+    def __init__(self, reason: str, no_layout: str | None = None, *, sharded: bool = False) -> None:
         self.unread_reason = reason
         self.no_layout = no_layout
+        self.sharded = sharded
 
 
 @dataclass

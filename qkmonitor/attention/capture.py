@@ -51,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from qkmonitor.attention.calls import (
     MASK_FLOOR,
+    TENSOR_PARALLEL,
     MaskedCall,
     ScoresCall,
     UnreadCall,
@@ -367,6 +368,9 @@ class _Call:
         self.masks = AdditiveMasks()
         self.in_kernel = False  # inside an observed kernel: its own ops are not the module's
         self.unread: list[str] = []  # attention-like calls seen but not read, and why
+        #: (ranks, weight shape) of the first projection whose weight, as the forward computes
+        #: with it, is sharded by output features across ranks (tensor parallelism), else None
+        self.sharded: tuple[int, tuple[int, ...]] | None = None
         self.mode = _Interceptor(self)
 
     def unread_reason(self) -> str:
@@ -391,6 +395,7 @@ class _Call:
         self._notify(
             lambda: _flex_call(query, key, flex.get("score_mod"), flex.get("block_mask"), scale),
             lambda: self._evidence(query, key, None, scale),
+            heads=query.shape[1],
         )
 
     def on_projection(self, func, args, kwargs) -> None:
@@ -405,6 +410,8 @@ class _Call:
         else:
             call = dict(zip(("input", "mat1", "mat2"), args)) | kwargs
             x, weight, bias = call.get("mat1"), call.get("mat2"), call.get("input")
+        if self.sharded is None:
+            self.sharded = _split_by_rows(weight, 0 if func is F.linear else 1)
         if not isinstance(x, Tensor):
             return
         product = self.product
@@ -480,6 +487,7 @@ class _Call:
                 q, k, sdpa.get("attn_mask"), bool(sdpa.get("is_causal", False)), sdpa.get("scale")
             ),
             lambda: self._evidence(_fold(q), _fold(k), None, sdpa.get("scale")),
+            heads=q.shape[-3] if isinstance(q, Tensor) and q.dim() >= 4 else None,
         )
 
     def on_softmax(self, args, kwargs) -> None:
@@ -538,9 +546,14 @@ class _Call:
                     None,
                     *product_scale(_fold(qk[0]), _fold(qk[1]), x, blocked),
                 ),
+                heads=x.shape[1],
             )
             return
-        self._notify(lambda: self._scores(x, blocked), lambda: self._evidence(None, None, x, None))
+        self._notify(
+            lambda: self._scores(x, blocked),
+            lambda: self._evidence(None, None, x, None),
+            heads=x.shape[1],
+        )
 
     def _over_channels(self, q: Tensor, k: Tensor) -> tuple[str, str] | None:
         """Why a q·kᵀ of (..., H, R, D) queries is over channels, not tokens, with what it means
@@ -583,8 +596,18 @@ class _Call:
             self.channel.note_unmasked(lowest)
         return call
 
-    def _notify(self, build: Callable, evidence: Callable | None) -> None:
+    def _notify(
+        self, build: Callable, evidence: Callable | None, *, heads: int | None = None
+    ) -> None:
+        """Hand one attention call on (its layout evidence with the forward's first); where the
+        forward's projections are sharded by output features across ranks (tensor parallelism),
+        the call is refused instead: ``heads``, the heads it holds, are this rank's part."""
         if not self.channel.observers:
+            return
+        if self.sharded is not None:
+            reason = _tensor_parallel_reason(*self.sharded, heads)
+            self.first = False
+            self.channel.observers.notify(UnreadCall(reason, reason, sharded=True))
             return
         first, self.first = self.first, False
 
@@ -619,6 +642,44 @@ class _Call:
             like.dtype,
             scale_unknown,
         )
+
+
+def _split_by_rows(weight: object, rows: int) -> tuple[int, tuple[int, ...]] | None:
+    """``(ranks, shape)`` where ``weight``, as a forward computes with it, is a DTensor sharded
+    along its output features (dim ``rows``: 0 for ``F.linear``'s ``(out, in)`` weight, 1 for
+    ``addmm``'s ``(in, out)``) over a mesh dim of more than one rank: tensor parallelism
+    (``ColwiseParallel``), where each rank computes part of the heads. Else None: a plain tensor
+    (one process, DDP, FSDP2, which hands the forward unsharded parameters of its own), or a
+    DTensor replicated or sharded along its inputs (``RowwiseParallel``, an output projection)."""
+    placements = getattr(weight, "placements", None)
+    mesh = getattr(weight, "device_mesh", None)
+    if placements is None or mesh is None or not isinstance(weight, Tensor):
+        return None
+    ndim = weight.dim()
+    ranks = 1
+    for mesh_dim, placement in enumerate(placements):
+        dim = getattr(placement, "dim", None)
+        is_shard = getattr(placement, "is_shard", None)
+        if dim is None or not callable(is_shard) or not is_shard():
+            continue
+        if dim % max(ndim, 1) == rows:
+            ranks *= mesh.size(mesh_dim)
+    return (ranks, tuple(weight.shape)) if ranks > 1 else None
+
+
+def _tensor_parallel_reason(ranks: int, shape: tuple[int, ...], heads: int | None) -> str:
+    """Why a call whose projections :func:`_split_by_rows` found sharded is refused; ``heads``:
+    the heads of this rank's call, where known."""
+    split = (
+        f"each rank computes {heads} of its {heads * ranks} heads"
+        if heads is not None
+        else "each rank computes part of its heads"
+    )
+    return (
+        f"its projections are sharded by rows across {ranks} ranks ({TENSOR_PARALLEL}: DTensor "
+        f"Shard(0) on the weight of shape {shape} its forward computes with); {split}; "
+        f"attention statistics are not measured under {TENSOR_PARALLEL} yet (issue 42)"
+    )
 
 
 def _mixed_reason(how: str) -> str:

@@ -132,6 +132,9 @@ class ProbeResult:
         calls: forwards observed.
         failures: reasons of the calls whose measurement failed (they are in no list above).
         unread: why a forward that ran gave no call to read (what it called, what is missing).
+        sharded: why a forward's attention is refused because its heads are split across ranks
+            (tensor parallelism, :attr:`~qkmonitor.attention.calls.UnreadCall.sharded`): each
+            rank holds part of them, so no per-head value of one rank is the model's.
     """
 
     stats: list[AttentionStats] = field(default_factory=list)
@@ -140,6 +143,7 @@ class ProbeResult:
     calls: int = 0
     failures: list[str] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
+    sharded: list[str] = field(default_factory=list)
 
 
 class Probe:
@@ -171,7 +175,10 @@ class Probe:
             return
         reason = getattr(call, "unread_reason", None)
         if reason is not None:  # a forward that ran with nothing to read (calls.UnreadCall)
-            self._result.unread.append(reason)
+            if getattr(call, "sharded", False):  # refused: its heads are split across ranks
+                self._result.sharded.append(reason)
+            else:
+                self._result.unread.append(reason)
             return
         self._result.calls += 1
         try:

@@ -616,13 +616,24 @@ class MonitorEngine:
         ``visuals_every_n_probes``-th (the pictures always show the final state)."""
         self.publishing.draw_final(host)
 
-    def warn_once(self, host: Host, key: str, message: str, *, shared: bool = False) -> None:
+    def warn_once(
+        self,
+        host: Host,
+        key: str,
+        message: str,
+        *,
+        shared: bool = False,
+        logging_rank_only: bool = False,
+    ) -> None:
         """Warn once per ``key`` per run (a new fit warns again); ``shared``: once for every engine
-        of the driver (:attr:`run_warnings`: a failure two engines meet on one layer)."""
+        of the driver (:attr:`run_warnings`: a failure two engines meet on one layer);
+        ``logging_rank_only``: on the logging rank alone (what every rank meets alike, as a
+        layer refused under tensor parallelism)."""
         given = self.run_warnings if shared else self._warned
         if key not in given:
             given.add(key)
-            host.warn(f"{type(self).__name__}: {message}", RuntimeWarning)
+            if not logging_rank_only or (host.is_logging_rank and _process_rank() == 0):
+                host.warn(f"{type(self).__name__}: {message}", RuntimeWarning)
 
     # -- metric problems (engine/failures.py) ---------------------------------------------------
 
@@ -869,7 +880,15 @@ class ActivationEngine(MonitorEngine):
                 "not one head's attention over tokens: leave this monitor out."
             )
         for layer, result, measurable in zip(self.layers, results, self._measurable):
-            if result.calls == 0 and measurable and result.unread:
+            if result.calls == 0 and measurable and result.sharded:  # tensor parallelism
+                self.warn_once(
+                    host,
+                    f"sharded:{layer.name}",
+                    f"layer {layer.name!r}: {result.sharded[0]}; its values are NaN. This "
+                    "warning is shown once per layer.",
+                    logging_rank_only=True,
+                )
+            elif result.calls == 0 and measurable and result.unread:
                 self.warn_once(
                     host,
                     f"unread:{layer.name}",
@@ -899,6 +918,14 @@ class ActivationEngine(MonitorEngine):
         """Values from the closed probes' results (one per layer, of the window at ``step``), plus
         extra ``record`` arguments; images only where ``visuals``."""
         raise NotImplementedError
+
+
+def _process_rank() -> int:
+    """This process's rank in torch.distributed's default group; 0 where none is initialised (a
+    plain loop's host says it logs on every rank)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _qk_norm(layer: AttentionLayer) -> bool:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.attention.adapters import AttentionLayer
+from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.attention.probes import Probe, ProbeRequest
 from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.failures import MeasuresNothingError
@@ -133,7 +134,12 @@ class QKSpectrum(MonitorEngine):
         for layer, probe in checks:
             message = layer.check_layout(probe.close())
             if message:
-                self.warn_once(host, f"layout:{layer.name}", message)
+                self.warn_once(
+                    host,
+                    f"layout:{layer.name}",
+                    message,
+                    logging_rank_only=TENSOR_PARALLEL in message,
+                )
 
     def abort(self) -> None:
         checks, self._checks = self._checks, []
@@ -211,6 +217,7 @@ class QKSpectrum(MonitorEngine):
                 f"updates:{name}",
                 f"the query/key update and gradient metrics of layer {name!r} are NaN {when}: "
                 f"{why}",
+                logging_rank_only=TENSOR_PARALLEL in why,
             )
 
     def _updates_after(self, host: Host, step: int) -> tuple[dict, dict]:

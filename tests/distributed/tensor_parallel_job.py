@@ -1,0 +1,144 @@
+"""A LLaMA-style attention under tensor parallelism, for the distributed test: `python
+tensor_parallel_job.py OUT_DIR`.
+
+Spawns two gloo ranks. For 4 key heads (MHA) and for 2 (GQA), each rank trains two steps (SGD) on
+the same 4 sequences with the spectrum and entropy monitors, per head, in a plain loop: first the
+plain model (every rank alike: one process's values), then the same weights with every attention
+``parallelize_module``d (``ColwiseParallel`` on q_proj, k_proj and v_proj, ``RowwiseParallel`` on
+o_proj), so that each rank computes H / 2 of the heads (the forward's ``view(b, t, -1,
+head_dim)``). Each rank saves its losses, latest values and warnings of both runs to
+``OUT_DIR/values_RANK.pt``.
+"""
+
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
+
+D, H, HEAD_DIM, T, VOCAB = 32, 4, 8, 8, 16
+
+
+class Attention(nn.Module):
+    def __init__(self, kv_heads: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(D, H * HEAD_DIM, bias=False)
+        self.k_proj = nn.Linear(D, kv_heads * HEAD_DIM, bias=False)
+        self.v_proj = nn.Linear(D, kv_heads * HEAD_DIM, bias=False)
+        self.o_proj = nn.Linear(H * HEAD_DIM, D, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Layer(nn.Module):
+    def __init__(self, kv_heads: int) -> None:
+        super().__init__()
+        self.attn = Attention(kv_heads)
+
+    def forward(self, x):
+        return x + self.attn(x)
+
+
+class Model(nn.Module):
+    def __init__(self, kv_heads: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList([Layer(kv_heads), Layer(kv_heads)])
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def train(model: Model, tokens, parallel: bool) -> dict:
+    """Two monitored SGD steps of ``model`` (its attention tensor-parallel where ``parallel``)."""
+    if parallel:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        plan = {
+            "q_proj": ColwiseParallel(),
+            "k_proj": ColwiseParallel(),
+            "v_proj": ColwiseParallel(),
+            "o_proj": RowwiseParallel(),
+        }
+        for layer in model.layers:
+            parallelize_module(layer.attn, mesh, plan)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    spectrum, entropy = QKSpectrum(per_head=True), AttentionEntropy(per_head=True)
+    monitoring = Monitoring(model, [spectrum, entropy], every_n_steps=1, optimizer=optimizer)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for step in range(2):
+                with monitoring.step(step):
+                    logits = model(tokens[:, :-1])
+                    loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                losses.append(loss.item())
+        finally:
+            monitoring.close()
+    return {
+        "losses": losses,
+        "stopped": monitoring.should_stop,
+        "entropy": {k: [t.clone() for t in v] for k, v in entropy.latest.items()},
+        "spectrum": {k: [t.clone() for t in v] for k, v in spectrum.latest.items()},
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def run(rank: int, world: int, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world
+    )
+    tokens = torch.randint(0, VOCAB, (4, T + 1), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for kv_heads in (H, 2):
+        for parallel in (False, True):
+            torch.manual_seed(0)
+            model = Model(kv_heads)
+            with torch.no_grad():  # sharper heads than at initialisation: entropies differ
+                for layer in model.layers:
+                    layer.attn.q_proj.weight.mul_(3.0)
+            runs[kv_heads, parallel] = train(model, tokens, parallel)
+    torch.save(runs, f"{out_dir}/values_{rank}.pt")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    """Rank 1 in a spawned process, rank 0 in this one (one import of torch and qkmonitor fewer
+    than ``mp.spawn``'s two children)."""
+    other = mp.get_context("spawn").Process(target=run, args=(1, 2, sys.argv[1]))
+    other.start()
+    try:
+        run(0, 2, sys.argv[1])
+    finally:
+        other.join(timeout=120)
+    if other.exitcode != 0:
+        raise SystemExit(f"rank 1 failed (exit code {other.exitcode})")
+
+
+if __name__ == "__main__":
+    main()
