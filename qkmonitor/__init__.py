@@ -6,9 +6,16 @@ calls, :mod:`qkmonitor.measures` holds the math, :mod:`qkmonitor.kernels` the at
 rules, :mod:`qkmonitor.output` the tags, sinks, dashboards and report, :mod:`qkmonitor.callbacks`
 the Lightning and Hugging Face Trainer callbacks, :mod:`qkmonitor.models` the bundled transformers
 and tasks; :mod:`qkmonitor.cli` is the ``qkmonitor`` command.
+
+What a user imports first is here: :class:`QKMonitor` (the Lightning callback), :class:`Monitoring`
+(a plain PyTorch loop) and :class:`AttentionSpec` (a module's attention layout). The first two are
+loaded on first use, so that ``import qkmonitor`` (and every ``import qkmonitor.<module>``, which
+runs this file first) loads neither Lightning nor the engines.
 """
 
+from importlib import import_module as _import_module
 from importlib import metadata as _metadata
+from typing import TYPE_CHECKING, Any
 
 # the adapter families register themselves on import (qkmonitor.attention.registry), before any
 # discovery
@@ -33,6 +40,30 @@ from qkmonitor.attention.latent import LatentNames
 from qkmonitor.attention.layouts import AttentionSpec
 from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
 
+if TYPE_CHECKING:
+    from qkmonitor.callbacks.qk_monitor import QKMonitor
+    from qkmonitor.engine.session import Monitoring
+
+#: the names loaded on first use -> the module that defines them
+_LAZY = {
+    "QKMonitor": "qkmonitor.callbacks.qk_monitor",
+    "Monitoring": "qkmonitor.engine.session",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_import_module(module), name)
+    globals()[name] = value  # once loaded, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 try:  # the one version is pyproject.toml's, read from the installed package's metadata
     __version__ = _metadata.version("qkmonitor")
 except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
@@ -49,10 +80,12 @@ __all__ = [
     "LatentNames",
     "LogitGrowthWarning",
     "MalignantCollapseWarning",
+    "Monitoring",
     "OverLocalizationWarning",
     "Probe",
     "ProbeRequest",
     "ProbeResult",
+    "QKMonitor",
     "QKMonitorWarning",
     "QKWeights",
     "RankCollapseWarning",
