@@ -12,7 +12,7 @@ that lands on one, as in Lightning), ``on_train_end`` closes it. Needs ``transfo
 ``transformers.Trainer`` gives callbacks no hook when a step raises. The next ``train()`` closes a
 window left open, and the callback is a context manager that closes it on the way out::
 
-    with QKMonitorCallback() as monitor:
+    with HFQKMonitorCallback() as monitor:
         Trainer(model, args, train_dataset=data, callbacks=[monitor]).train()
 """
 
@@ -30,10 +30,10 @@ from qkmonitor.output.sinks import check_writer
 from qkmonitor.output.tags import HF_HPARAMS_METRICS
 from qkmonitor.validation import check_optional_positive_int
 
-__all__ = ["QKMonitorCallback"]
+__all__ = ["HFQKMonitorCallback"]
 
 
-class QKMonitorCallback(TrainerCallback):
+class HFQKMonitorCallback(TrainerCallback):
     """Watch attention in a ``transformers.Trainer`` run.
 
     Args:
@@ -54,9 +54,9 @@ class QKMonitorCallback(TrainerCallback):
     Example::
 
         from transformers import Trainer
-        from qkmonitor.callbacks.hf_trainer import QKMonitorCallback
+        from qkmonitor.callbacks.hf_trainer import HFQKMonitorCallback
 
-        with QKMonitorCallback() as monitor:
+        with HFQKMonitorCallback() as monitor:
             Trainer(model, args, train_dataset=data, callbacks=[monitor]).train()
     """
 
@@ -83,7 +83,7 @@ class QKMonitorCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
         self.close()  # a window a failed train() left open
         if model is None:
-            raise ValueError("QKMonitorCallback: the Trainer passed no `model` to on_train_begin")
+            raise ValueError("HFQKMonitorCallback: the Trainer passed no `model` to on_train_begin")
         writer = None
         if state.is_world_process_zero:
             writer = self.writer if self.writer is not None else self._default_writer(args)
@@ -136,7 +136,7 @@ class QKMonitorCallback(TrainerCallback):
         if self.monitoring is not None:
             self.monitoring.close()
 
-    def __enter__(self) -> QKMonitorCallback:
+    def __enter__(self) -> HFQKMonitorCallback:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,4 +1,4 @@
-"""QKMonitorCallback in a real ``transformers.Trainer``: tags and numbers against independent
+"""HFQKMonitorCallback in a real ``transformers.Trainer``: tags and numbers against independent
 references, read back with TensorBoard's own reader; a failing step; a stop alert."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE
-from qkmonitor.callbacks.hf_trainer import QKMonitorCallback
+from qkmonitor.callbacks.hf_trainer import HFQKMonitorCallback
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
 from qkmonitor.measures.functional import qk_singular_values, spectral_concentration
 
@@ -86,7 +86,7 @@ def test_a_trainer_run_logs_the_tags_and_numbers_of_the_engines(tmp_path, leftov
         )
     ).mean()
     writer = SummaryWriter(str(tmp_path / "run"))
-    with QKMonitorCallback(writer=writer) as monitor:
+    with HFQKMonitorCallback(writer=writer) as monitor:
         trainer(tmp_path, model, monitor).train()
     writer.close()
     assert leftovers(model) == []
@@ -124,7 +124,7 @@ def test_a_step_that_raises_leaves_nothing_once_closed_and_a_clean_run_follows(t
     engines = [QKSpectrum(), AttentionEntropy(), EffectiveRank(max_probe_tokens=4)]
     with (
         pytest.raises(RuntimeError, match="the user's forward failed"),
-        QKMonitorCallback(
+        HFQKMonitorCallback(
             engines, writer=SummaryWriter(str(tmp_path / "a")), every_n_steps=1
         ) as monitor,
     ):
@@ -132,7 +132,7 @@ def test_a_step_that_raises_leaves_nothing_once_closed_and_a_clean_run_follows(t
     model.user_hook.remove()  # the test's own hook; anything else left would be the monitor's
     assert leftovers(model) == []
 
-    with QKMonitorCallback(
+    with HFQKMonitorCallback(
         engines, writer=SummaryWriter(str(tmp_path / "b")), every_n_steps=1
     ) as monitor:
         trainer(tmp_path, model, monitor, steps=2).train()
@@ -144,7 +144,7 @@ def test_a_step_that_raises_leaves_nothing_once_closed_and_a_clean_run_follows(t
 
 def test_a_stop_alert_stops_the_trainer(tmp_path):
     rule = ENTROPY_COLLAPSE_RULE.replace(threshold=1.0, also=())  # fires at the first probe
-    monitor = QKMonitorCallback(
+    monitor = HFQKMonitorCallback(
         [AttentionEntropy(alerts=[rule], alert_action="stop")],
         writer=SummaryWriter(str(tmp_path / "run")),
         every_n_steps=1,
@@ -156,9 +156,9 @@ def test_a_stop_alert_stops_the_trainer(tmp_path):
 
 def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="`engines`"):
-        QKMonitorCallback([])
+        HFQKMonitorCallback([])
     with pytest.raises(ValueError, match="`every_n_steps`"):
-        QKMonitorCallback(every_n_steps=0)
+        HFQKMonitorCallback(every_n_steps=0)
 
 
 def test_under_accumulation_the_first_micro_batch_of_a_step_is_measured_as_in_lightning(tmp_path):
@@ -187,7 +187,7 @@ def test_under_accumulation_the_first_micro_batch_of_a_step_is_measured_as_in_li
         use_cpu=True,
         disable_tqdm=True,
     )
-    with QKMonitorCallback(engines=[engine]) as monitor:
+    with HFQKMonitorCallback(engines=[engine]) as monitor:
         transformers.Trainer(
             model=model, args=args, train_dataset=Tokens(), callbacks=[monitor]
         ).train()
@@ -253,7 +253,7 @@ def test_a_keyboard_interrupt_in_a_probed_forward_leaves_nothing_without_a_conte
             raise KeyboardInterrupt
 
     handle = layers[0].register_forward_hook(interrupt)
-    monitor = QKMonitorCallback(writer=SummaryWriter(str(tmp_path / "a")), every_n_steps=1)
+    monitor = HFQKMonitorCallback(writer=SummaryWriter(str(tmp_path / "a")), every_n_steps=1)
     with pytest.raises(KeyboardInterrupt):  # bf16: accelerate wraps the model's forward itself
         trainer(tmp_path, model, monitor, **precision).train()
     handle.remove()

@@ -136,25 +136,25 @@ def test_what_is_accepted_still_is(model, tmp_path):
 
 
 def test_the_hf_callback_refuses_one_engine_a_class_and_a_path_at_construction():
-    """`QKMonitorCallback` answers as `Monitoring` does, when it is made (not when training
+    """`HFQKMonitorCallback` answers as `Monitoring` does, when it is made (not when training
     starts, where a path as the writer used to be refused)."""
     pytest.importorskip("transformers")
-    from qkmonitor.callbacks.hf_trainer import QKMonitorCallback
+    from qkmonitor.callbacks.hf_trainer import HFQKMonitorCallback
 
     with pytest.raises(
         ValueError, match=r"Expected `engines` to be a list of engines, got one QKSpectrum: pass"
     ):
-        QKMonitorCallback(engines=QKSpectrum())
+        HFQKMonitorCallback(engines=QKSpectrum())
     with pytest.raises(TypeError, match=r"got the class `QKSpectrum`: pass `\[QKSpectrum\(\)\]`"):
-        QKMonitorCallback(engines=QKSpectrum)
+        HFQKMonitorCallback(engines=QKSpectrum)
     with pytest.raises(TypeError, match=r"Expected engine instances in `engines`, got the class"):
-        QKMonitorCallback(engines=[QKSpectrum])
+        HFQKMonitorCallback(engines=[QKSpectrum])
     with pytest.raises(ValueError, match=r"Expected `engines` to be .* got int 5"):
-        QKMonitorCallback(engines=5)
+        HFQKMonitorCallback(engines=5)
     with pytest.raises(
         ValueError,
         match=r"Expected `writer` to be .*SummaryWriter.*got str 'runs/x'.*"
         r"SummaryWriter\('runs/x'\)",
     ):
-        QKMonitorCallback(writer="runs/x")
-    assert QKMonitorCallback(engines=[QKSpectrum()], writer=MemorySink()).engines
+        HFQKMonitorCallback(writer="runs/x")
+    assert HFQKMonitorCallback(engines=[QKSpectrum()], writer=MemorySink()).engines
