@@ -178,7 +178,6 @@ class AttentionLayer:
         if request.stats and not self.supports_stats:
             raise ValueError(f"{type(self).__name__} {self.name!r} gives no activation statistics")
         probe = Probe(self.name, request)
-        probe.observe = _guarded_observe(probe)  # what the install hands the calls to
         probe.record_undo(self.install_layout(probe) if request.layout else self.install(probe))
         return probe
 
@@ -192,21 +191,6 @@ class AttentionLayer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(index={self.index}, name={self.name!r})"
-
-
-def _guarded_observe(probe: Probe) -> Callable[[AttentionCall], None]:
-    """``probe.observe`` that never raises into the model's forward: an observer that fails is a
-    failed measurement of that call (``ProbeResult.failures``, warned once naming the layer), not
-    a failed training step."""
-    observe = probe.observe
-
-    def guarded(call: AttentionCall) -> None:
-        try:
-            observe(call)
-        except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-            probe._result.failures.append(f"{type(err).__name__}: {err}")
-
-    return guarded
 
 
 class NativeAttentionLayer(AttentionLayer):

@@ -169,8 +169,17 @@ class Probe:
         self._remove = remove
 
     def observe(self, call: AttentionCall) -> None:
-        """Measure one forward (called by what opening installed, under ``no_grad``); a checkpoint's
-        recomputation of a forward in the backward is not a new one and is left out."""
+        """Measure one forward (called by what opening installed, inside the model's forward); it
+        never raises there: a failure is a failed measurement of that call
+        (``ProbeResult.failures``, warned once naming the layer), not a failed training step."""
+        try:
+            self._observe(call)
+        except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+            self._result.failures.append(f"{type(err).__name__}: {err}")
+
+    def _observe(self, call: AttentionCall) -> None:
+        """One forward's measurement, under ``no_grad``; a checkpoint's recomputation of a forward
+        in the backward is not a new one and is left out."""
         if self.closed or recomputing():
             return
         reason = getattr(call, "unread_reason", None)
@@ -181,15 +190,11 @@ class Probe:
                 self._result.unread.append(reason)
             return
         self._result.calls += 1
-        try:
-            with torch.no_grad(), autocast_off(), side_computation():
-                request = self.request
-                stats = call.stats(request.sink_tokens) if request.stats else None
-                probs = call.probs(*request.probs_slice) if request.probs_slice else None
-                largest = call.max_logits() if request.max_logits else None
-        except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-            self._result.failures.append(f"{type(err).__name__}: {err}")
-            return
+        with torch.no_grad(), autocast_off(), side_computation():
+            request = self.request
+            stats = call.stats(request.sink_tokens) if request.stats else None
+            probs = call.probs(*request.probs_slice) if request.probs_slice else None
+            largest = call.max_logits() if request.max_logits else None
         if stats is not None:
             self._result.stats.append(stats)
         if probs is not None:

@@ -113,15 +113,15 @@ def _only_for(layer_name: str, original, error: Exception):
 def _break(stage: str, monkeypatch) -> tuple[list[str], str]:
     """Break ``stage``; returns the layer names the warning must name and a tag that must still be
     logged (a layer or engine that did not fail)."""
-    if stage == "observe":  # a probe's observer raises inside the model's forward
-        original = Probe.observe
+    if stage == "observe":  # a probe's measurement of a call raises inside the model's forward
+        original = Probe._observe
 
         def observe(self, call):
             if self.name == BROKEN:
                 raise RuntimeError("observer broke")
             return original(self, call)
 
-        monkeypatch.setattr(Probe, "observe", observe)
+        monkeypatch.setattr(Probe, "_observe", observe)
         return [BROKEN], "qkmonitor/entropy/layer_01"
     if stage == "aggregate":  # the aggregator refuses one layer's statistics (a 5-D SDPA's)
         original = AttentionStatistics.update
