@@ -46,7 +46,7 @@ def mean(values: list[float]) -> float:
                 "environment this healthy run's fast_updates fires at step 210 (max_logit 160, "
                 "q_update_ratio 0.084 against 0.08), on the code before and after issue 41; the "
                 "machine whose packages the rule was fitted on kept it silent; docs/alerts.md",
-                strict=False,
+                strict=True,  # it passing again says the environment changed: look again
             ),
         ),
     ],
