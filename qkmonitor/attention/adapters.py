@@ -27,6 +27,7 @@ from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRe
 from qkmonitor.attention.registry import families, register_family
 from qkmonitor.attention.route import Channel, Route, observed
 from qkmonitor.kernels import autocast_off
+from qkmonitor.measures.sharding import HeadPlacement
 
 __all__ = [
     "AttentionLayer",
@@ -149,6 +150,12 @@ class AttentionLayer:
     def num_heads_hint(self) -> int:
         """The number of query heads, as far as it is known without a forward (1 if not at all)."""
         return self.qk_weights().num_heads if self.layout_ready else 1
+
+    @property
+    def head_placement(self) -> HeadPlacement | None:
+        """Where the heads :meth:`qk_weights` and :meth:`qk_rows` give are among the layer's,
+        where they are this rank's part (tensor parallelism); None where they are all of them."""
+        return None
 
     @property
     def has_qk_norm(self) -> bool:

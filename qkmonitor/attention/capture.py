@@ -64,6 +64,7 @@ from qkmonitor.attention.layouts import HEADS_NAMES, attribute
 from qkmonitor.attention.masks import AdditiveMasks
 from qkmonitor.attention.probes import AttentionCall, Probe, in_side_computation
 from qkmonitor.attention.route import Channel, Route, observed
+from qkmonitor.measures.sharding import HeadPlacement, RowShard, row_shard
 
 #: the ways a softmax is called from Python (``F.softmax``, ``torch.softmax``, ``x.softmax``)
 _SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax)
@@ -368,9 +369,10 @@ class _Call:
         self.masks = AdditiveMasks()
         self.in_kernel = False  # inside an observed kernel: its own ops are not the module's
         self.unread: list[str] = []  # attention-like calls seen but not read, and why
-        #: (ranks, weight shape) of the first projection whose weight, as the forward computes
-        #: with it, is sharded by output features across ranks (tensor parallelism), else None
-        self.sharded: tuple[int, tuple[int, ...]] | None = None
+        #: id(weight) -> how the projections' weights, as the forward computes with them, are
+        #: split by output features across ranks (tensor parallelism: a ``RowShard``), or why
+        #: that split cannot be read by head
+        self.shards: dict[int, RowShard | str] = {}
         self.mode = _Interceptor(self)
 
     def unread_reason(self) -> str:
@@ -410,8 +412,9 @@ class _Call:
         else:
             call = dict(zip(("input", "mat1", "mat2"), args)) | kwargs
             x, weight, bias = call.get("mat1"), call.get("mat2"), call.get("input")
-        if self.sharded is None:
-            self.sharded = _split_by_rows(weight, 0 if func is F.linear else 1)
+        shard = row_shard(weight, 0 if func is F.linear else 1)
+        if shard is not None:
+            self.shards[id(weight)] = shard
         if not isinstance(x, Tensor):
             return
         product = self.product
@@ -427,7 +430,7 @@ class _Call:
             self.widths.add(x.shape[-1])
         watched = isinstance(weight, Tensor) and id(weight) in self.watch
         if watched and id(weight) not in self.inputs:
-            self.inputs[id(weight)] = x.detach()
+            self.inputs[id(weight)] = _replicated(x).detach()
             if isinstance(bias, Tensor) and bias.dim() == 1:
                 self.biases[id(weight)] = bias.detach()
 
@@ -599,20 +602,24 @@ class _Call:
     def _notify(
         self, build: Callable, evidence: Callable | None, *, heads: int | None = None
     ) -> None:
-        """Hand one attention call on (its layout evidence with the forward's first); where the
-        forward's projections are sharded by output features across ranks (tensor parallelism),
-        the call is refused instead: ``heads``, the heads it holds, are this rank's part."""
+        """Hand one attention call on (its layout evidence with the forward's first). Where the
+        forward's projections are split by output features across ranks (tensor parallelism),
+        ``heads``, the query heads of the call, are this rank's part: the call says where they
+        are among all (``placement``), or is refused where that cannot be told."""
         if not self.channel.observers:
             return
-        if self.sharded is not None:
-            reason = _tensor_parallel_reason(*self.sharded, heads)
-            self.first = False
-            self.channel.observers.notify(UnreadCall(reason, reason, sharded=True))
-            return
+        placement = None
+        if self.shards:
+            placement = _placement(self.shards, heads)
+            if isinstance(placement, str):
+                self.first = False
+                self.channel.observers.notify(UnreadCall(placement, placement, sharded=True))
+                return
         first, self.first = self.first, False
 
         def build_with_evidence() -> AttentionCall:
             call = build()
+            call.placement = placement
             if first and self.watch and evidence is not None:
                 call.evidence = evidence()
             return call
@@ -641,45 +648,36 @@ class _Call:
             m,
             like.dtype,
             scale_unknown,
+            {i: s for i, s in self.shards.items() if isinstance(s, RowShard)},
         )
 
 
-def _split_by_rows(weight: object, rows: int) -> tuple[int, tuple[int, ...]] | None:
-    """``(ranks, shape)`` where ``weight``, as a forward computes with it, is a DTensor sharded
-    along its output features (dim ``rows``: 0 for ``F.linear``'s ``(out, in)`` weight, 1 for
-    ``addmm``'s ``(in, out)``) over a mesh dim of more than one rank: tensor parallelism
-    (``ColwiseParallel``), where each rank computes part of the heads. Else None: a plain tensor
-    (one process, DDP, FSDP2, which hands the forward unsharded parameters of its own), or a
-    DTensor replicated or sharded along its inputs (``RowwiseParallel``, an output projection)."""
-    placements = getattr(weight, "placements", None)
-    mesh = getattr(weight, "device_mesh", None)
-    if placements is None or mesh is None or not isinstance(weight, Tensor):
-        return None
-    ndim = weight.dim()
-    ranks = 1
-    for mesh_dim, placement in enumerate(placements):
-        dim = getattr(placement, "dim", None)
-        is_shard = getattr(placement, "is_shard", None)
-        if dim is None or not callable(is_shard) or not is_shard():
-            continue
-        if dim % max(ndim, 1) == rows:
-            ranks *= mesh.size(mesh_dim)
-    return (ranks, tuple(weight.shape)) if ranks > 1 else None
+def _placement(shards: dict[int, RowShard | str], heads: int | None) -> HeadPlacement | str:
+    """Where this rank's ``heads`` query heads are among the layer's, from how the forward's
+    projections are split across ranks (every split projection in equal chunks, all alike: the
+    query heads of chunk c are ``c·heads ..``); else why they cannot be placed."""
+    refused = [s for s in shards.values() if isinstance(s, str)]
+    splits = {(s.index, s.ranks) for s in shards.values() if isinstance(s, RowShard)}
+    if not refused and heads is not None and len(splits) > 1:
+        refused = [f"its projections are split in different ways across ranks ({sorted(splits)})"]
+    if not refused and heads is None:
+        refused = ["its attention call's heads are not known"]
+    if refused:
+        return (
+            f"its projections are sharded by rows across ranks ({TENSOR_PARALLEL}), and "
+            f"{refused[0]}; its attention statistics are not measured"
+        )
+    (index, ranks), *_ = splits
+    return HeadPlacement(index * heads, heads, ranks * heads)
 
 
-def _tensor_parallel_reason(ranks: int, shape: tuple[int, ...], heads: int | None) -> str:
-    """Why a call whose projections :func:`_split_by_rows` found sharded is refused; ``heads``:
-    the heads of this rank's call, where known."""
-    split = (
-        f"each rank computes {heads} of its {heads * ranks} heads"
-        if heads is not None
-        else "each rank computes part of its heads"
-    )
-    return (
-        f"its projections are sharded by rows across {ranks} ranks ({TENSOR_PARALLEL}: DTensor "
-        f"Shard(0) on the weight of shape {shape} its forward computes with); {split}; "
-        f"attention statistics are not measured under {TENSOR_PARALLEL} yet (issue 42)"
-    )
+def _replicated(x: Tensor) -> Tensor:
+    """A projection's input as a plain tensor: a DTensor replicated on every mesh dim
+    (``ColwiseParallel``'s input) by its local copy, which is the whole input."""
+    placements = getattr(x, "placements", None)
+    if placements is not None and all(p.is_replicate() for p in placements):
+        return x.to_local()
+    return x
 
 
 def _mixed_reason(how: str) -> str:

@@ -25,7 +25,8 @@ normalized after the projections, so scaling W_Q and W_K does not change their l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -84,11 +85,15 @@ class ProjectionRows:
             ``Conv1D``'s weight), written through in place.
         bias: ``(out,)`` view on the bias, or None.
         rows: ``(heads, d_k)`` int64 row indices of each head.
+        gradient: where ``weight`` is not the parameter's own view (a tensor-parallel rank's
+            local rows), reads the gradient of the same rows; None: the parameter's ``.grad``
+            seen through ``weight``.
     """
 
     weight: Tensor
     bias: Tensor | None
     rows: Tensor
+    gradient: Callable[[], Tensor | None] | None = field(default=None, compare=False)
 
     def scale(self, factors: Tensor) -> None:
         """Multiply head h's rows (weight and bias) by ``factors[h]`` in place; heads with factor 1

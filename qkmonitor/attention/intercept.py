@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.attention.adapters import AttentionLayer, QKWeights
+from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.attention.capture import route_probe
 from qkmonitor.attention.clip import QKRows
 from qkmonitor.attention.latent import LatentLayout, find_latent
@@ -43,6 +44,7 @@ from qkmonitor.attention.recognition import (
     looks_like_attention,
 )
 from qkmonitor.attention.registry import register_family
+from qkmonitor.measures.sharding import HeadPlacement, whole
 
 __all__ = [
     "InterceptedAttentionLayer",
@@ -142,9 +144,17 @@ class LayoutChecked:
     @property
     def num_heads_hint(self) -> int:
         layout = self.layout or (self.layout_candidates[0] if self.layout_candidates else None)
+        shards = getattr(layout, "shards", None)  # (a latent layout is read whole)
+        if shards is not None:  # every rank's heads
+            return shards.placement.total
         return (
             layout.num_heads if layout is not None else (attribute(self.module, HEADS_NAMES) or 1)
         )
+
+    @property
+    def head_placement(self) -> HeadPlacement | None:
+        shards = getattr(self.layout, "shards", None) if self._checked else None
+        return None if shards is None else shards.placement
 
     @property
     def has_qk_norm(self) -> bool:
@@ -162,9 +172,9 @@ class LayoutChecked:
             if path is None:
                 continue
             weight, _ = projection(self.module, path)
-            to_full = getattr(weight, "full_tensor", None)  # FSDP2's shard: gathered (a collective
-            if callable(to_full):  # every rank makes, as each copies its layers at the same probe)
-                weight = to_full()
+            # a sharded weight is gathered (a collective every rank makes, as each copies its
+            # layers at the same probe)
+            weight = whole(weight)
             owner = copy
             *parents, leaf = path.split(".")
             for part in parents:
@@ -178,6 +188,11 @@ class LayoutChecked:
         if not all(id(w) in evidence.inputs for w in self._layout_sources()):
             return _UNSEEN_PROJECTIONS
         candidates = self.layout_candidates
+        sources = self._layout_sources()
+        q_shard, k_shard = (
+            evidence.shards.get(id(sources[0])),
+            evidence.shards.get(id(sources[-1])),
+        )
         if self._paths is not None:  # counts from the call: H from the queries, H_kv from the keys
             heads = (evidence.q if evidence.q is not None else evidence.logits).shape[1]
             kv = (
@@ -185,12 +200,21 @@ class LayoutChecked:
                 if evidence.k is not None and evidence.k.shape[1] < heads
                 else None
             )
+            local = heads
+            if q_shard is not None:  # this rank's heads of tensor parallelism: all of them
+                heads *= q_shard.ranks
+                kv = None if kv is None else kv * (1 if k_shard is None else k_shard.ranks)
             candidates = infer_layouts(self.module, heads=heads, kv_heads=kv, paths=self._paths)
             if not candidates:
                 return (
-                    f"its projections {self._paths} do not split into the {heads} heads of its "
+                    f"its projections {self._paths} do not split into the {local} heads of its "
                     "attention call"
                 )
+        if q_shard is not None:
+            localized = [c.localized(q_shard, k_shard) for c in candidates]
+            if all(isinstance(c, str) for c in localized):
+                return f"{localized[0]} ({TENSOR_PARALLEL})"
+            candidates = [c for c in localized if not isinstance(c, str)]
         return check_layout(self.module, candidates, evidence)
 
     def check_layout(self, result) -> str | None:

@@ -22,7 +22,7 @@ plus such a bias: soft-capping, heads mixed before the softmax), the layout is k
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from qkmonitor.attention.layouts import (
     modulo_index,
     qk_norm_modules,
 )
+from qkmonitor.measures.sharding import RowShard
 
 
 @dataclass
@@ -53,6 +54,9 @@ class LayoutEvidence:
         dtype: the dtype the module computed in.
         scale_unknown: why the factor on ``q·kᵀ`` cannot be told from the call (``scale`` is
             then not used); None where it can.
+        shards: ``id(weight) -> RowShard`` of the projections whose weights the forward computed
+            with split by rows across ranks (tensor parallelism): ``q`` and ``k`` hold this
+            rank's heads.
     """
 
     inputs: dict[int, Tensor]
@@ -66,6 +70,7 @@ class LayoutEvidence:
     keys: int
     dtype: torch.dtype
     scale_unknown: str | None = None
+    shards: dict[int, RowShard] = field(default_factory=dict)
 
 
 #: the first query rows of a softmax's logits compared with its ``q @ kᵀ`` (:func:`product_scale`)

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from qkmonitor.attention.adapters import QKWeights
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.latent import LatentLayout, LatentNames, find_latent
+from qkmonitor.measures.sharding import HeadPlacement, RowShard, whole
 from qkmonitor.validation import is_int, is_real
 
 __all__ = [
@@ -126,6 +127,8 @@ class QKLayout:
             ``q·kᵀ`` and the logits its softmax gets (set by the layout check,
             :mod:`.layout_check`); the weights are read, and ``qk_spectral_norm`` (σ₁ · scale) is
             NaN (:meth:`qk_weights` gives a NaN scale) rather than a guess.
+        shards: where the heads are split across ranks (tensor parallelism): the layout is then
+            this rank's, its counts and rows those of the heads it computes (:meth:`localized`).
     """
 
     q: str
@@ -138,6 +141,7 @@ class QKLayout:
     scale: float | None = None
     qk_norm: bool = False
     scale_unknown: str | None = None
+    shards: HeadShards | None = None
 
     @property
     def logit_scale(self) -> float:
@@ -150,16 +154,18 @@ class QKLayout:
     def read(self, module: nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
         """``(w_q, b_q, w_k, b_k)``: (H·d_k, d) and (H_kv·d_k, d') weights, ``nn.Linear`` layout."""
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.shards is not None:  # this rank's rows, as the forward computes with them
+            return self.shards.read(module, self.q, self.k)
         if self.k is not None:
-            w_q, b_q = map(_whole, projection(module, self.q))
-            w_k, b_k = map(_whole, projection(module, self.k))
+            w_q, b_q = map(whole, projection(module, self.q))
+            w_k, b_k = map(whole, projection(module, self.k))
             return (
                 w_q[: h * d],
                 _rows(b_q, slice(0, h * d)),
                 w_k[: kv * d],
                 _rows(b_k, slice(0, kv * d)),
             )
-        w, b = map(_whole, projection(module, self.q))
+        w, b = map(whole, projection(module, self.q))
         q_rows, k_rows = fused_rows(self.fused, h, kv, d, device=w.device)
         return w[q_rows], _rows(b, q_rows), w[k_rows], _rows(b, k_rows)
 
@@ -180,6 +186,9 @@ class QKLayout:
         """The projections by head, as views written through in place (QK-Clip)."""
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         index = self.kv_index if self.kv_index is not None else grouped_index(h, kv)
+        if self.shards is not None:
+            q, k = self.shards.rows(module, self.q, self.k, d)
+            return QKRows(q, k, tuple(index), self.qk_norm)
         if self.k is not None:
             (w_q, b_q), (w_k, b_k) = projection(module, self.q), projection(module, self.k)
             q_rows, k_rows = torch.arange(h * d), torch.arange(kv * d)
@@ -218,6 +227,95 @@ class QKLayout:
             f"{where}, {self.num_heads} heads, {self.num_kv_heads} kv heads, d_k "
             f"{self.head_dim}{pairing}"
         )
+
+    def localized(self, q: RowShard | None, k: RowShard | None) -> QKLayout | str:
+        """This layout (of all the heads) as one rank of tensor parallelism computes it: its query
+        projection split as ``q`` says, its key projection as ``k`` (None: whole on every rank),
+        each rank holding whole heads whose key heads it holds too; else why it cannot be."""
+        if q is None:
+            return self
+        if self.k is None:
+            return f"its fused projection {self.q!r} is sharded by rows across {q.ranks} ranks"
+        heads, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        k_ranks = 1 if k is None else k.ranks
+        if heads % q.ranks or kv % k_ranks or q.rows != heads * d:
+            return (
+                f"its {heads} query heads of {d} ({q.rows} rows) and {kv} key heads do not split "
+                f"into whole heads across {q.ranks} ranks"
+            )
+        local, local_kv = heads // q.ranks, kv // k_ranks
+        first, first_kv = q.index * local, (0 if k is None else k.index * local_kv)
+        pairing = self.kv_index or grouped_index(heads, kv)
+        index = tuple(pairing[first + h] - first_kv for h in range(local))
+        if not all(0 <= g < local_kv for g in index):
+            return "its query heads and the key heads they score against are on different ranks"
+        shards = HeadShards(q, k, HeadPlacement(first, local, heads))
+        grouped = index == grouped_index(local, local_kv)
+        return replace(
+            self,
+            num_heads=local,
+            num_kv_heads=local_kv,
+            kv_index=None if grouped else index,
+            shards=shards,
+        )
+
+
+@dataclass(frozen=True)
+class HeadShards:
+    """How a layer's query and key projections are split across ranks (tensor parallelism), and
+    where this rank's query heads are among all (``placement``); ``k`` None: the keys whole on
+    every rank."""
+
+    q: RowShard
+    k: RowShard | None
+    placement: HeadPlacement
+
+    def read(self, module: nn.Module, q: str, k: str) -> tuple:
+        """``(w_q, b_q, w_k, b_k)`` of this rank's heads."""
+        (w_q, b_q), (w_k, b_k) = projection(module, q), projection(module, k)
+        read_k = whole if self.k is None else self.k.local
+        return (
+            self.q.local(w_q),
+            None if b_q is None else self.q.local(b_q),
+            read_k(w_k),
+            None if b_k is None else read_k(b_k),
+        )
+
+    def rows(
+        self, module: nn.Module, q: str, k: str, head_dim: int
+    ) -> tuple[ProjectionRows, ProjectionRows]:
+        """This rank's query and key rows by head, written through in place.
+
+        Raises:
+            ValueError: where the weights are not laid out as the forward computes with them
+                (FSDP2 over tensor parallelism: their rows would be read from a gathered copy,
+                which writing would lose).
+        """
+        out = []
+        for path, shard in ((q, self.q), (k, self.k)):
+            weight, bias = projection(module, path)
+            if shard is not None and not shard.in_place(weight):
+                raise ValueError(
+                    f"the rows of {path!r} this rank computes with are not laid out as in its "
+                    "forward (FSDP2 over tensor parallelism), so they are not read in place"
+                )
+            local = shard.local if shard is not None else _replica
+            rows = torch.arange(local(weight).shape[0]).view(-1, head_dim)
+            out.append(
+                ProjectionRows(
+                    local(weight),
+                    None if bias is None else local(bias),
+                    rows,
+                    gradient=lambda w=weight, read=local: None if w.grad is None else read(w.grad),
+                )
+            )
+        return out[0], out[1]
+
+
+def _replica(tensor: Tensor) -> Tensor:
+    """A tensor whole on every rank: a replicated DTensor's local copy, else itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def grouped_index(heads: int, kv_heads: int) -> tuple[int, ...]:
@@ -288,14 +386,6 @@ def projection(module: nn.Module, path: str) -> tuple[Tensor, Tensor | None]:
     bias = getattr(obj, "bias", None)
     bias = bias if isinstance(bias, Tensor) else None
     return (weight.T, bias) if _is_conv1d(obj) else (weight, bias)
-
-
-def _whole(t: Tensor | None) -> Tensor | None:
-    """A sharded tensor (FSDP2's DTensor) gathered whole (a collective: every rank reads its
-    layers' weights at the same probe), any other as it is: its rows are picked by index, which a
-    row shard cannot serve."""
-    to_full = getattr(t, "full_tensor", None)
-    return to_full() if callable(to_full) else t
 
 
 def _weight_param(module: nn.Module, path: str) -> Tensor:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from qkmonitor.attention.compiled import NeverCompiled
 from qkmonitor.kernels import AttentionStats, attention_max_logits, attention_stats, autocast_off
+from qkmonitor.measures.sharding import HeadPlacement
 from qkmonitor.validation import check_bool, check_non_negative_int, is_int
 
 __all__ = [
@@ -135,6 +136,8 @@ class ProbeResult:
         sharded: why a forward's attention is refused because its heads are split across ranks
             (tensor parallelism, :attr:`~qkmonitor.attention.calls.UnreadCall.sharded`): each
             rank holds part of them, so no per-head value of one rank is the model's.
+        placement: where the heads of the calls measured are among the layer's, where they are
+            this rank's part (tensor parallelism, split by whole heads); None: all of them.
     """
 
     stats: list[AttentionStats] = field(default_factory=list)
@@ -144,6 +147,7 @@ class ProbeResult:
     failures: list[str] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
     sharded: list[str] = field(default_factory=list)
+    placement: HeadPlacement | None = None
 
 
 class Probe:
@@ -190,6 +194,9 @@ class Probe:
                 self._result.unread.append(reason)
             return
         self._result.calls += 1
+        placement = getattr(call, "placement", None)
+        if placement is not None:
+            self._result.placement = placement
         with torch.no_grad(), autocast_off(), side_computation():
             request = self.request
             stats = call.stats(request.sink_tokens) if request.stats else None

@@ -54,6 +54,7 @@ from qkmonitor.engine.schedule import ProbeSchedule
 from qkmonitor.engine.switches import CompileSwitches
 from qkmonitor.measures.catalogue import MetricSpec, metric, names_of
 from qkmonitor.measures.metrics import reduce_across_ranks
+from qkmonitor.measures.sharding import HeadPlacement
 
 __all__ = [
     "ActivationEngine",
@@ -918,6 +919,25 @@ class ActivationEngine(MonitorEngine):
         """Values from the closed probes' results (one per layer, of the window at ``step``), plus
         extra ``record`` arguments; images only where ``visuals``."""
         raise NotImplementedError
+
+
+def observed_heads(layer: AttentionLayer, result: ProbeResult, count: int) -> int:
+    """A layer's query heads as its probe saw them: all ranks' where its calls are this rank's part
+    (tensor parallelism), those of its calls where the layer did not know them before (read by
+    interception), else ``count``."""
+    if result.placement is not None:
+        return result.placement.total
+    return result.stats[0].entropy.shape[1] if result.stats and not layer.layout_ready else count
+
+
+def placed(slots: slice, placement: HeadPlacement | None) -> slice:
+    """The slots of a layer's heads (``slots``, all of them) that this rank's calls fill: where
+    they are this rank's part (tensor parallelism), those of its heads; the other ranks' stay
+    at the aggregator's neutral value (0, or -inf for a maximum), so the sum across ranks is
+    exact."""
+    if placement is None:
+        return slots
+    return slice(slots.start + placement.offset, slots.start + placement.offset + placement.count)
 
 
 def _process_rank() -> int:

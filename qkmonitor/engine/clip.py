@@ -137,9 +137,8 @@ class QKClip(ActivationEngine):
     def _measure(
         self, results: list[ProbeResult], step: int, *, visuals: bool
     ) -> tuple[Values, dict[str, Any]]:
-        heads = [self._num_heads(i, result) for i, result in enumerate(results)]
         s, disagree = _largest_over_ranks(
-            [head_max_logits(result.max_logits, h) for result, h in zip(results, heads)]
+            [self._largest(i, result) for i, result in enumerate(results)]
         )
         for i in disagree:
             name = self.layers[i].name
@@ -159,8 +158,9 @@ class QKClip(ActivationEngine):
             if rows is None:
                 gamma = torch.ones_like(gamma)
             else:
+                placement = self.layers[i].head_placement  # the rows are this rank's heads'
                 try:
-                    rows.scale_logits(gamma)
+                    rows.scale_logits(gamma if placement is None else gamma[placement.slots])
                 except Exception as err:  # noqa: BLE001 -- a cure that fails leaves training alone
                     name, why = self.layers[i].name, f"{type(err).__name__}: {err}"
                     self._skip(
@@ -179,10 +179,19 @@ class QKClip(ActivationEngine):
             undefined["clip_factor"].append(missing)
         return values, {"undefined": undefined}
 
-    def _num_heads(self, i: int, result: ProbeResult) -> int:
-        if result.max_logits:
-            return result.max_logits[0].shape[1]
-        return self.layers[i].num_heads_hint
+    def _largest(self, i: int, result: ProbeResult) -> Tensor:
+        """Layer i's largest logit of each of its heads (``(H,)`` float64) in this rank's calls;
+        where they hold this rank's part of the heads (tensor parallelism), the others' are
+        ``-inf`` (the maximum over the ranks fills them)."""
+        placement = result.placement
+        if placement is not None:
+            out = torch.full((placement.total,), -math.inf, dtype=torch.float64)
+            out[placement.slots] = head_max_logits(result.max_logits, placement.count)
+            return out
+        heads = (
+            result.max_logits[0].shape[1] if result.max_logits else self.layers[i].num_heads_hint
+        )
+        return head_max_logits(result.max_logits, heads)
 
     # -- resume ----------------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from qkmonitor.alerts import (
 )
 from qkmonitor.attention.compiled import add_forward_hooks
 from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
-from qkmonitor.engine.base import ActivationEngine, Values, Window
+from qkmonitor.engine.base import ActivationEngine, Values, Window, observed_heads, placed
 from qkmonitor.engine.host import Host
 from qkmonitor.measures.catalogue import ENTROPY, names_of
 from qkmonitor.measures.metrics import AttentionStatistics, OutputLogits, logit_sums
@@ -188,7 +188,7 @@ class AttentionEntropy(ActivationEngine):
     def _accumulate(self, results: list[ProbeResult], step: int, *, visuals: bool) -> None:
         heads = [h.stop - h.start for h in self._heads]
         observed = [
-            result.stats[0].entropy.shape[1] if result.stats and not layer.layout_ready else count
+            observed_heads(layer, result, count)
             for layer, result, count in zip(self.layers, results, heads)
         ]
         if observed != heads:  # layers read by interception: their calls tell their head counts
@@ -199,6 +199,7 @@ class AttentionEntropy(ActivationEngine):
         aggregator = self._aggregator
         self._failed = {}
         for i, (result, columns) in enumerate(zip(results, self._heads)):
+            columns = placed(columns, result.placement)
             try:
                 for stats in result.stats:
                     if aggregator.device != stats.entropy.device:

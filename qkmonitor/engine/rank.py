@@ -31,7 +31,7 @@ from torchmetrics import Metric
 from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
 from qkmonitor.attention.compiled import add_forward_hooks
 from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
-from qkmonitor.engine.base import ActivationEngine, Values
+from qkmonitor.engine.base import ActivationEngine, Values, placed
 from qkmonitor.engine.publishing import AttentionPattern, Images
 from qkmonitor.measures.catalogue import RANK
 from qkmonitor.measures.functional import (
@@ -142,6 +142,8 @@ class EffectiveRank(ActivationEngine):
         observed = []
         for layer, result, count in zip(self.layers, results, heads):
             seen = [t.shape[1] for t in result.probs] + [s.entropy.shape[1] for s in result.stats]
+            if result.placement is not None:  # this rank's part of the heads: all of them
+                seen = [result.placement.total]
             observed.append(seen[0] if seen and not layer.layout_ready else count)
         if observed != heads:
             self._fit(observed)
@@ -227,21 +229,25 @@ class EffectiveRank(ActivationEngine):
                 (slots[i]["hidden_collapse"], collapse[:, None], ~single),
             ]  # one token: undefined, left out
         for (i, probs), (rank,) in zip(patterns, pattern_ranks):
+            where = results[i].placement
             samples += [
-                (slots[i]["attn_erank"], rank, None),
-                (slots[i]["attn_erank_norm"], rank / min(probs.shape[-2:]), None),
+                (placed(slots[i]["attn_erank"], where), rank, None),
+                (placed(slots[i]["attn_erank_norm"], where), rank / min(probs.shape[-2:]), None),
             ]
         for i, result in enumerate(results):
+            first = 0 if result.placement is None else result.placement.offset
             for stats in result.stats:
                 s, r = self._probe_sequences, self.max_probe_tokens
                 n = stats.attended[:s, :, :r].double()
                 norm = normalized_entropy(stats.entropy[:s, :, :r].double(), n)
                 keep = (n > 1).any(-1)  # (S, H): a sequence slot with a row that has a value
-                samples.append((slots[i]["attn_entropy_norm"], _mean_rows(norm, n > 1), keep))
+                columns = placed(slots[i]["attn_entropy_norm"], result.placement)
+                samples.append((columns, _mean_rows(norm, n > 1), keep))
             if (
                 result.probs and result.probs[0].numel()
             ):  # drawn when published (visuals, or the run's end)
-                for h, probs in enumerate(result.probs[0][0, : self.pattern_heads].cpu()):
+                shown = result.probs[0][0, : max(self.pattern_heads - first, 0)].cpu()
+                for h, probs in enumerate(shown, start=first):  # h: the head's global index
                     images[image_tag(self.prefix, "attention", i, h)] = AttentionPattern(
                         probs, title=f"layer {i}, head {h}, step {step}, sequence 0"
                     )

@@ -34,6 +34,7 @@ from qkmonitor.measures.layer_spectra import (
     full_parameters,
     spectrum_of_layers,
 )
+from qkmonitor.measures.sharding import HeadPlacement, gather_heads
 
 __all__ = ["QKSpectrum"]
 
@@ -299,8 +300,16 @@ class QKSpectrum(MonitorEngine):
     def _log(
         self, host: Host, step: int, spectra: LayerSpectra, updates: tuple[dict, dict]
     ) -> None:
-        histograms = partial(self._histograms, spectra.singular_values)  # made when drawn
         values, undefined = updates
+        for i, kappa in enumerate(spectra.metrics["kappa"]):
+            # read before the layer's first forward told its head count: undefined, as many as
+            # the spectrum's
+            for name in UPDATE_METRICS:
+                if values[name][i].shape != kappa.shape and bool(undefined[name][i].all()):
+                    values[name][i] = torch.full(kappa.shape, float("nan"))
+                    undefined[name][i] = torch.ones(kappa.shape, dtype=torch.bool)
+        _gather_split_heads(self.layers, spectra, values, undefined)
+        histograms = partial(self._histograms, spectra.singular_values)  # made when drawn
         self.record(
             host,
             {**spectra.metrics, **{m: [v.float() for v in values[m]] for m in UPDATE_METRICS}},
@@ -347,6 +356,38 @@ def _merged(layers: list[AttentionLayer], *parts: dict[int, tuple]) -> LayerSpec
             out.undefined[name].append(undefined[name])
         out.singular_values.append(sv)
     return out
+
+
+def _gather_split_heads(
+    layers: list[AttentionLayer], spectra: LayerSpectra, values: dict, undefined: dict
+) -> None:
+    """Every head's values of the layers whose heads are split across ranks (tensor
+    parallelism), each measured on the rank that computes it, in place of this rank's part: one
+    collective for every such layer (:func:`~qkmonitor.measures.sharding.gather_heads`). Every
+    rank calls it at the same read."""
+    split = [(i, layer.head_placement) for i, layer in enumerate(layers)]
+    split = [(i, p) for i, p in split if p is not None]
+    if not split:
+        return
+    tables = [
+        *(spectra.metrics[m] for m in SPECTRUM_METRICS),
+        *(spectra.undefined[m] for m in SPECTRUM_METRICS),
+        spectra.singular_values,
+        *(values[m] for m in UPDATE_METRICS),
+        *(undefined[m] for m in UPDATE_METRICS),
+    ]
+    parts = [(p, [_own_heads(table[i], p) for table in tables]) for i, p in split]
+    for (i, _), merged in zip(split, gather_heads(parts)):
+        for table, tensor in zip(tables, merged):
+            table[i] = tensor
+
+
+def _own_heads(values: Tensor, placement: HeadPlacement) -> Tensor:
+    """This rank's heads of a layer's values: all of them where they are this rank's part (read
+    from its rows), else its slots of the whole layer's (NaN where nothing was read)."""
+    return (
+        values[placement.slots] if values.shape[0] == placement.total != placement.count else values
+    )
 
 
 def _blind_message(names: list[str]) -> str:

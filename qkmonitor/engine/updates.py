@@ -97,7 +97,7 @@ def take_snapshot(
         projections += [rows.q, rows.k]
     with torch.no_grad():
         views = [_head_rows(p.weight.detach(), p.rows) for p in projections]
-        grads = [gradient_of(p.weight) for p in projections]
+        grads = [gradient_of(p.weight) if p.gradient is None else p.gradient() for p in projections]
         grad_norms = [
             torch.full((p.rows.shape[0],), math.nan, dtype=torch.float64) for p in projections
         ]

@@ -2,11 +2,13 @@
 tensor_parallel_job.py OUT_DIR`.
 
 Spawns two gloo ranks. For 4 key heads (MHA) and for 2 (GQA), each rank trains two steps (SGD) on
-the same 4 sequences with the spectrum and entropy monitors, per head, in a plain loop: first the
-plain model (every rank alike: one process's values), then the same weights with every attention
-``parallelize_module``d (``ColwiseParallel`` on q_proj, k_proj and v_proj, ``RowwiseParallel`` on
-o_proj), so that each rank computes H / 2 of the heads (the forward's ``view(b, t, -1,
-head_dim)``). Each rank saves its losses, latest values and warnings of both runs to
+the same 4 sequences with the spectrum, entropy (sink mass too), rank and QK-Clip engines, per
+head, in a plain loop: first the plain model (every rank alike: one process's values), then the
+same weights with every attention ``parallelize_module``d (``ColwiseParallel`` on q_proj, k_proj
+and v_proj, ``RowwiseParallel`` on o_proj), so that each rank computes H / 2 of the heads (the
+forward's ``view(b, t, -1, head_dim)``). Each rank saves its losses, latest values, QK-Clip
+counts, warnings and (rank 0, the only one that writes) scalars and histograms of both runs,
+and the query weights after training, to
 ``OUT_DIR/values_RANK.pt``.
 """
 
@@ -19,9 +21,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClip, QKSpectrum
+from qkmonitor.output.sinks import MemorySink
 
 D, H, HEAD_DIM, T, VOCAB = 32, 4, 8, 8, 16
+#: QK-Clip's bound: below the sharpened heads' largest logits, so that some heads are clipped
+TAU = 2.0
 
 
 class Attention(nn.Module):
@@ -84,8 +89,16 @@ def train(model: Model, tokens, parallel: bool) -> dict:
         for layer in model.layers:
             parallelize_module(layer.attn, mesh, plan)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    spectrum, entropy = QKSpectrum(per_head=True), AttentionEntropy(per_head=True)
-    monitoring = Monitoring(model, [spectrum, entropy], every_n_steps=1, optimizer=optimizer)
+    engines = {
+        "spectrum": QKSpectrum(per_head=True),
+        "entropy": AttentionEntropy(per_head=True, sink_tokens=2),
+        "rank": EffectiveRank(per_head=True, max_probe_sequences=8),
+        "clip": QKClip(tau=TAU, per_head=True),
+    }
+    sink = MemorySink() if dist.get_rank() == 0 else None  # the user's choice: rank 0 writes
+    monitoring = Monitoring(
+        model, list(engines.values()), writer=sink, every_n_steps=1, optimizer=optimizer
+    )
     losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -100,12 +113,19 @@ def train(model: Model, tokens, parallel: bool) -> dict:
                 losses.append(loss.item())
         finally:
             monitoring.close()
+    q_weights = [layer.attn.q_proj.weight for layer in model.layers]
     return {
         "losses": losses,
         "stopped": monitoring.should_stop,
-        "entropy": {k: [t.clone() for t in v] for k, v in entropy.latest.items()},
-        "spectrum": {k: [t.clone() for t in v] for k, v in spectrum.latest.items()},
+        **{
+            name: {k: [t.clone() for t in v] for k, v in engine.latest.items()}
+            for name, engine in engines.items()
+        },
+        "clip_counts": [c.clone() for c in engines["clip"].clip_counts],
+        "q_weights": [getattr(w, "full_tensor", w.detach)().detach().clone() for w in q_weights],
         "warnings": [str(w.message) for w in caught],
+        "scalars": None if sink is None else {(tag, step): v for tag, v, step in sink.scalars},
+        "histograms": None if sink is None else [(t, v.clone(), s) for t, v, s in sink.histograms],
     }
 
 

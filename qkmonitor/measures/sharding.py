@@ -1,0 +1,200 @@
+r"""Sharded weights and heads split across ranks: the one place qkmonitor reads a DTensor.
+
+Two ways a weight reaches qkmonitor sharded (``torch.distributed.tensor.DTensor``):
+
+- **FSDP2** (``fully_shard``): each rank stores a slice of every parameter, and the forward computes
+  with the whole tensor, gathered. qkmonitor reads such a weight whole (:func:`whole`: a
+  collective, every rank reads its layers at the same probe), one layer at a time.
+- **Tensor parallelism** (``ColwiseParallel`` on the query and key projections): the forward itself
+  computes with a row shard, so each rank computes the heads of its rows only. The rows one rank
+  computes with are its :class:`RowShard`, seen on the weight the forward computes with (the
+  capture, :mod:`qkmonitor.attention.capture`); with an even split of R ranks, rank chunk c of
+  a layer with H query heads holds heads ``c·H/R .. (c+1)·H/R - 1`` (:class:`HeadPlacement`).
+  Every per-head value is measured on the rank that computes that head and placed at its global
+  index: the aggregators' sums by slot (:mod:`qkmonitor.measures.metrics`, reduced with the other
+  states in their one collective), the weights' values with :func:`gather_heads` (one collective
+  a probe for every layer).
+
+A split that does not fall on head boundaries, or is uneven, is refused by name where it is seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["HeadPlacement", "RowShard", "gather_heads", "is_dtensor", "row_shard", "whole"]
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a DTensor (or a view of one)."""
+    if callable(getattr(tensor, "full_tensor", None)):
+        return True
+    base = getattr(tensor, "_base", None)
+    return base is not None and callable(getattr(base, "full_tensor", None))
+
+
+def whole(tensor: Tensor | None) -> Tensor | None:
+    """The whole tensor behind a sharded one (a DTensor's ``full_tensor()``: a collective every
+    rank makes), any other as it is (None stays None)."""
+    to_full = getattr(tensor, "full_tensor", None)
+    return to_full() if callable(to_full) else tensor
+
+
+@dataclass(frozen=True)
+class HeadPlacement:
+    """Where one rank's heads of a layer are among all of them: heads ``offset .. offset + count
+    - 1`` of ``total``."""
+
+    offset: int
+    count: int
+    total: int
+
+    @property
+    def slots(self) -> slice:
+        return slice(self.offset, self.offset + self.count)
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """The rows of a projection weight this rank computes with under tensor parallelism: chunk
+    ``index`` of ``ranks`` equal chunks along the output features, as the forward's DTensor holds
+    them (``mesh``, ``placements``).
+
+    Attributes:
+        index: this rank's chunk, 0-based (the chunks of several mesh dims nested, the first
+            outermost, as DTensor splits them).
+        ranks: how many chunks the rows are split into.
+        rows: the weight's rows in all (its output features).
+        dim: the weight's dim of output features (0 for ``F.linear``'s ``(out, in)``).
+        mesh, placements: the forward's DTensor layout, for :meth:`local`'s free path.
+    """
+
+    index: int
+    ranks: int
+    rows: int
+    dim: int
+    mesh: object
+    placements: tuple
+
+    @property
+    def chunk(self) -> int:
+        """Rows per rank."""
+        return self.rows // self.ranks
+
+    def heads(self, local_heads: int) -> HeadPlacement:
+        """The placement of the ``local_heads`` heads this rank's rows hold."""
+        return HeadPlacement(self.index * local_heads, local_heads, self.ranks * local_heads)
+
+    def in_place(self, weight: Tensor) -> bool:
+        """Whether ``weight`` is laid out as in the forward: its local shard is this rank's rows."""
+        return (
+            callable(getattr(weight, "to_local", None))
+            and weight.device_mesh == self.mesh
+            and tuple(weight.placements) == self.placements
+        )
+
+    def local(self, weight: Tensor) -> Tensor:
+        """This rank's rows of ``weight`` (the parameter or its gradient as the module holds it
+        now), in ``nn.Linear`` order: the DTensor's local shard where it is laid out as in the
+        forward (tensor parallelism alone: no copy, written through in place), else the rows cut
+        from the whole tensor (FSDP2 over tensor parallelism: a collective, one layer at a time)."""
+        if self.in_place(weight):
+            return weight.to_local()
+        full = whole(weight)
+        start = self.index * self.chunk
+        return full.narrow(self.dim, start, self.chunk)
+
+
+def row_shard(weight: object, dim: int = 0) -> RowShard | str | None:
+    """How the forward's ``weight`` is split along its output features (``dim``) across ranks: a
+    :class:`RowShard`, None where it is not (a plain tensor: one process, DDP, FSDP2's unsharded
+    parameter; a DTensor replicated, or sharded along its inputs: ``RowwiseParallel``), or why the
+    split cannot be read by head (uneven chunks)."""
+    placements = getattr(weight, "placements", None)
+    mesh = getattr(weight, "device_mesh", None)
+    if placements is None or mesh is None or not isinstance(weight, Tensor):
+        return None
+    index, ranks = 0, 1
+    for mesh_dim, placement in enumerate(placements):
+        is_shard = getattr(placement, "is_shard", None)
+        if not callable(is_shard) or not is_shard() or placement.dim % weight.dim() != dim:
+            continue
+        size = mesh.size(mesh_dim)
+        index = index * size + mesh.get_local_rank(mesh_dim)
+        ranks *= size
+    if ranks == 1:
+        return None
+    rows = weight.shape[dim]
+    local = weight.to_local().shape[dim]
+    if rows % ranks or local != rows // ranks:
+        return (
+            f"its projection of {rows} output features is split unevenly across {ranks} ranks "
+            f"(this rank holds {local}), so its heads cannot be placed"
+        )
+    return RowShard(index, ranks, rows, dim, mesh, tuple(placements))
+
+
+def gather_heads(parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]]) -> list[list[Tensor]]:
+    """Every head's values of layers whose heads are split across ranks, from the rank that
+    computes each, in one ``all_gather`` for all of them.
+
+    Args:
+        parts: per layer, this rank's placement and its tensors, each ``(count, ...)`` (float,
+            bool); every rank passes the same layers with tensors of the same shapes.
+
+    Returns:
+        Per layer, its tensors ``(total, ...)`` in the given dtypes and on the CPU. A head no rank
+        holds (none, for a placement from an even split) is NaN (False for bool).
+    """
+    if not parts:
+        return []
+    flat = torch.cat(
+        [
+            torch.cat(
+                [torch.tensor([float(p.offset)], dtype=torch.float64)]
+                + [t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors]
+            )
+            for p, tensors in parts
+        ]
+    )
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = _collective_device()
+        gathered = [torch.empty_like(flat, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flat.to(device))
+        ranks = [g.cpu() for g in gathered]
+    else:
+        ranks = [flat]
+    out: list[list[Tensor]] = []
+    start = 0
+    for placement, tensors in parts:
+        layer = [_blank(t, placement.total) for t in tensors]
+        size = 1 + sum(t.numel() for t in tensors)
+        for values in ranks:
+            chunk = values[start : start + size]
+            offset = int(chunk[0])
+            at = 1
+            for whole_, t in zip(layer, tensors):
+                piece = chunk[at : at + t.numel()].reshape(t.shape)
+                whole_[offset : offset + t.shape[0]] = piece.to(whole_.dtype)
+                at += t.numel()
+        out.append(layer)
+        start += size
+    return out
+
+
+def _blank(t: Tensor, total: int) -> Tensor:
+    fill = False if t.dtype == torch.bool else float("nan")
+    return torch.full((total, *t.shape[1:]), fill, dtype=t.dtype)
+
+
+def _collective_device() -> torch.device:
+    """Where the default process group's collectives run: the CUDA device for NCCL, else the
+    CPU."""
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
