@@ -82,3 +82,70 @@ def test_torch_context_parallel_wrapper_is_recognised():
     assert F.scaled_dot_product_attention is TORCH_SDPA
     assert reason.startswith("its keys are split across 4 ranks (context parallelism: torch's")
     assert context_parallel_reason(q, k) is None
+
+
+def _families():
+    from qkmonitor.models import DecoderLM, TransformerConfig
+
+    class Intercepted(torch.nn.Module):  # the generic family: an SDPA call in its forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+            self.v_proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            q, k, v = (
+                p(x).view(2, 6, 2, 8).transpose(1, 2)
+                for p in (self.q_proj, self.k_proj, self.v_proj)
+            )
+            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 6, 16)
+
+    x = torch.randn(2, 6, 16)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    config = TransformerConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_seq_len=8)
+    return {
+        "nn.MultiheadAttention": (mha, lambda: mha(x, x, x, need_weights=False)),
+        "qkmonitor": (DecoderLM(config), None),
+        "intercepted": (Intercepted(), None),
+    }, x
+
+
+def test_every_family_refuses_its_calls_while_torch_context_parallel_is_in_place():
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+    except ImportError:
+        _attention = pytest.importorskip("torch.distributed.tensor.experimental._attention")
+    distribute = getattr(_attention, "_distribute_function", None)
+    if distribute is None:
+        pytest.skip("this torch's context_parallel has no _distribute_function")
+    from qkmonitor.attention.adapters import find_attention_layers
+    from qkmonitor.attention.probes import ProbeRequest
+
+    families, x = _families()
+    tokens = torch.randint(0, 16, (2, 6))
+    # torch's own wrapper, its conversions left out: what the families see of it is its presence
+    distribute(
+        F.scaled_dot_product_attention,
+        F,
+        _Mesh(2),
+        lambda m, a, k, mesh: (a, k),
+        lambda m, i, o, mesh: o,
+    )
+    try:
+        for name, (model, run) in families.items():
+            layer = find_attention_layers(model)[0]
+            probe = layer.open_probe(ProbeRequest())
+            with torch.no_grad():
+                if run is not None:
+                    run()
+                else:
+                    model(tokens if name == "qkmonitor" else x)
+            result = probe.close()
+            assert result.calls == 0 and result.failures == [], (name, result)
+            assert len(result.sharded) == 1, (name, result)
+            assert result.sharded[0].startswith(
+                "its keys are split across 2 ranks (context parallelism"
+            ), name
+    finally:
+        _attention._restore_function(F.scaled_dot_product_attention, F)
+    assert F.scaled_dot_product_attention is TORCH_SDPA
