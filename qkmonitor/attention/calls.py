@@ -97,8 +97,10 @@ class UnreadCall:
         no_layout: why the layer's weights have no W_QK to check either (attention over
             channels), or None: a layout check may still read them from the call's q and k.
         sharded: the call is refused because its heads are split across ranks (tensor
-            parallelism): not a module qkmonitor cannot read, so training goes on and the layer's
-            values are NaN, with the reason named once (on the logging rank).
+            parallelism), or its keys (context parallelism,
+            :mod:`~qkmonitor.attention.context_parallel`): not a module qkmonitor cannot read,
+            so training goes on and the layer's values are NaN, with the reason named once (on
+            the logging rank).
     """
 
     def __init__(self, reason: str, no_layout: str | None = None, *, sharded: bool = False) -> None:

@@ -59,6 +59,12 @@ from qkmonitor.attention.calls import (
     split_mask,
 )
 from qkmonitor.attention.compiled import add_forward_hooks, own_class
+from qkmonitor.attention.context_parallel import (
+    TORCH_SDPA,
+    context_parallel_reason,
+    first_chunk,
+    local,
+)
 from qkmonitor.attention.layout_check import LayoutEvidence, product_scale
 from qkmonitor.attention.layouts import HEADS_NAMES, attribute
 from qkmonitor.attention.masks import AdditiveMasks
@@ -82,7 +88,7 @@ class _Interceptor(TorchFunctionMode):
         call = self.call
         if in_side_computation() or call.in_kernel:  # qkmonitor's own computation, or the ops
             return func(*args, **kwargs)  # inside an attention kernel already observed (flex)
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention or func is TORCH_SDPA:  # the 2nd: under CP
             call.on_sdpa(args, kwargs)
         elif func in _SOFTMAX:
             call.on_softmax(args, kwargs)
@@ -390,6 +396,10 @@ class _Call:
         """``flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, ...)``:
         the scores as flex computes them (its score_mod and block mask applied)."""
         flex = dict(zip(_FLEX_ARGS, args)) | kwargs
+        refused = context_parallel_reason(query, key)
+        if refused is not None:
+            self._refuse_split(refused, query, key, flex.get("scale"))
+            return
         if not (isinstance(query, Tensor) and isinstance(key, Tensor) and query.dim() == 4):
             self.unread.append("a flex_attention call whose queries are not (B, H, N, D)")
             return
@@ -480,6 +490,10 @@ class _Call:
     def on_sdpa(self, args, kwargs) -> None:
         sdpa = dict(zip(_SDPA_ARGS, args)) | kwargs
         q, k = sdpa["query"], sdpa["key"]
+        refused = context_parallel_reason(q, k)
+        if refused is not None:
+            self._refuse_split(refused, q, k, sdpa.get("scale"))
+            return
         if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() >= 4:
             refused = self._over_channels(q, k)
             if refused is not None:
@@ -592,6 +606,18 @@ class _Call:
             else None
         )
         self._notify(lambda: UnreadCall(reason, no_layout), None if no_layout else evidence)
+
+    def _refuse_split(self, reason: str, q, k, scale) -> None:
+        """Refuse a call whose keys are split across ranks (context parallelism) as
+        :class:`UnreadCall` ``sharded``; its queries and keys, as the rank holding the sequence's
+        first chunk computed them, still check the weights' layout (kappa is read)."""
+        q_local, k_local = local(q), local(k)
+
+        def evidence() -> LayoutEvidence:
+            return first_chunk(self._evidence(_fold(q_local), _fold(k_local), None, scale), q)
+
+        readable = isinstance(q_local, Tensor) and isinstance(k_local, Tensor) and q.dim() >= 4
+        self._notify(lambda: UnreadCall(reason, sharded=True), evidence if readable else None)
 
     def _scores(self, x: Tensor, blocked: Tensor | None) -> ScoresCall:
         call, lowest = _scores_call(x, blocked)

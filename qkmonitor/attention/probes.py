@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from qkmonitor.attention.compiled import NeverCompiled
+from qkmonitor.attention.context_parallel import context_parallel_reason
 from qkmonitor.kernels import AttentionStats, attention_max_logits, attention_stats, autocast_off
 from qkmonitor.measures.sharding import HeadPlacement
 from qkmonitor.validation import check_bool, check_non_negative_int, is_int
@@ -135,7 +136,9 @@ class ProbeResult:
         unread: why a forward that ran gave no call to read (what it called, what is missing).
         sharded: why a forward's attention is refused because its heads are split across ranks
             (tensor parallelism, :attr:`~qkmonitor.attention.calls.UnreadCall.sharded`): each
-            rank holds part of them, so no per-head value of one rank is the model's.
+            rank holds part of them where they are not split by whole heads, so no per-head
+            value of one rank is the model's; or its keys (context parallelism): no row's
+            statistics of one rank are over all its keys.
         placement: where the heads of the calls measured are among the layer's, where they are
             this rank's part (tensor parallelism, split by whole heads); None: all of them.
     """
@@ -188,10 +191,16 @@ class Probe:
             return
         reason = getattr(call, "unread_reason", None)
         if reason is not None:  # a forward that ran with nothing to read (calls.UnreadCall)
-            if getattr(call, "sharded", False):  # refused: its heads are split across ranks
+            if getattr(call, "sharded", False):  # refused: its heads or keys are split
                 self._result.sharded.append(reason)
             else:
                 self._result.unread.append(reason)
+            return
+        # a call any family made under context parallelism (its q, k, or torch's context_parallel
+        # in place, say so) is over this rank's chunk of the keys: refused, never measured
+        split = context_parallel_reason(getattr(call, "q", None), getattr(call, "k", None))
+        if split is not None:
+            self._result.sharded.append(split)
             return
         self._result.calls += 1
         placement = getattr(call, "placement", None)
