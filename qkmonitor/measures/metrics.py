@@ -237,18 +237,57 @@ class OutputLogits(_PerHeadMetric):
 def logit_sums(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(Σ z_i², positions, max |x|)`` of logits (..., V), each a float64 (1,) tensor on their
     device: z_i the log-partition over the last dim, in float32 or better (no autograd). NaN or
-    Inf in the logits carry into the sums."""
+    Inf in the logits carry into the sums.
+
+    Logits that are a DTensor (a tensor-parallel model's output) are read by their local part: the
+    positions this rank holds (a split over the positions adds up across ranks, as under DDP), and
+    where the vocabulary is split across ranks (``ColwiseParallel`` on the vocabulary projection
+    with loss parallelism: ``Shard(-1)``), each position's log-partition combined from the ranks'
+    parts, ``z = log Σ_r exp(z_r)``, in one ``all_gather`` over that mesh dim (every rank of it
+    computes the same forward) — never the whole logits on one rank."""
     x = logits.detach()
+    vocab_group = None
+    if callable(getattr(x, "to_local", None)):
+        vocab_group = _vocab_split(x)
+        x = x.to_local()
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     if x.numel() == 0:
         zero = torch.zeros(1, dtype=torch.float64, device=x.device)
         return zero, zero.clone(), torch.full_like(zero, float("-inf"))
     lse = torch.logsumexp(x, dim=-1).double()
+    largest = x.abs().amax().double().reshape(1)
+    if vocab_group is not None:
+        lse, largest = _combine_vocabulary(lse, largest, vocab_group)
     return (
         lse.square().sum().reshape(1),
         torch.full((1,), float(lse.numel()), dtype=torch.float64, device=x.device),
-        x.abs().amax().double().reshape(1),
+        largest,
     )
+
+
+def _vocab_split(x: Tensor):
+    """The process group over which a DTensor's last dim is split, None where it is not.
+
+    Raises:
+        ValueError: where it is split over several mesh dims."""
+    dims = [
+        i
+        for i, p in enumerate(x.placements)
+        if p.is_shard() and p.dim % x.dim() == x.dim() - 1 and x.device_mesh.size(i) > 1
+    ]
+    if len(dims) > 1:
+        raise ValueError(f"logits split along the vocabulary over several mesh dims {dims}")
+    return x.device_mesh.get_group(dims[0]) if dims else None
+
+
+def _combine_vocabulary(lse: Tensor, largest: Tensor, group) -> tuple[Tensor, Tensor]:
+    """Each position's log-partition, and the largest |logit|, over the parts of the vocabulary
+    the ranks of ``group`` hold (their ``lse`` and ``largest``): one ``all_gather``."""
+    flat = torch.cat([lse.reshape(-1), largest])
+    parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, flat, group=group)
+    stacked = torch.stack(parts)  # (ranks, positions + 1)
+    return torch.logsumexp(stacked[:, :-1], dim=0), stacked[:, -1:].amax(0)
 
 
 def reduce_across_ranks(metrics: Sequence[_PerHeadMetric]) -> None:

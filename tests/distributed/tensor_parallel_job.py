@@ -2,18 +2,19 @@
 tensor_parallel_job.py OUT_DIR`.
 
 Spawns two gloo ranks. For 4 key heads (MHA) and for 2 (GQA), each rank trains two steps (SGD) on
-the same 4 sequences with the spectrum, entropy (sink mass too), rank and QK-Clip engines, per
-head, in a plain loop: first the plain model (every rank alike: one process's values), then the
-same weights with every attention ``parallelize_module``d (``ColwiseParallel`` on q_proj, k_proj
-and v_proj, ``RowwiseParallel`` on o_proj), so that each rank computes H / 2 of the heads (the
-forward's ``view(b, t, -1, head_dim)``). Each rank saves its losses, latest values, QK-Clip
-counts, warnings and (rank 0, the only one that writes) scalars and histograms of both runs,
-and the query weights after training, to
-``OUT_DIR/values_RANK.pt``.
+the same 4 sequences with the spectrum, entropy (sink mass too), rank and QK-Clip engines, per head,
+in a plain loop: first the plain model (every rank alike: one process's values), then the same
+weights with every attention ``parallelize_module``d (``ColwiseParallel`` on q_proj, k_proj and
+v_proj, ``RowwiseParallel`` on o_proj), and the vocabulary projection too (its logits a DTensor
+split along the vocabulary, the loss under ``loss_parallel``), so that each rank computes H / 2 of
+the heads (the forward's ``view(b, t, -1, head_dim)``). Each rank saves its losses, latest values,
+QK-Clip counts, warnings and (rank 0, the only one that writes) scalars and histograms of both runs,
+and the query weights after training, to ``OUT_DIR/values_RANK.pt``.
 """
 
 import sys
 import warnings
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -73,9 +74,11 @@ def train(model: Model, tokens, parallel: bool) -> dict:
     """Two monitored SGD steps of ``model`` (its attention tensor-parallel where ``parallel``)."""
     if parallel:
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             RowwiseParallel,
+            loss_parallel,
             parallelize_module,
         )
 
@@ -88,6 +91,9 @@ def train(model: Model, tokens, parallel: bool) -> dict:
         }
         for layer in model.layers:
             parallelize_module(layer.attn, mesh, plan)
+        # the vocabulary split too, the logits a DTensor (loss parallelism, as torchtitan's)
+        vocabulary = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        parallelize_module(model, mesh, {"head": vocabulary})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engines = {
         "spectrum": QKSpectrum(per_head=True),
@@ -104,7 +110,7 @@ def train(model: Model, tokens, parallel: bool) -> dict:
         warnings.simplefilter("always")
         try:
             for step in range(2):
-                with monitoring.step(step):
+                with monitoring.step(step), loss_parallel() if parallel else nullcontext():
                     logits = model(tokens[:, :-1])
                     loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
                     loss.backward()
@@ -117,6 +123,7 @@ def train(model: Model, tokens, parallel: bool) -> dict:
     return {
         "losses": losses,
         "stopped": monitoring.should_stop,
+        "run": dict(engines["entropy"].latest_run),
         **{
             name: {k: [t.clone() for t in v] for k, v in engine.latest.items()}
             for name, engine in engines.items()

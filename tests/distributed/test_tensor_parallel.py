@@ -1,10 +1,12 @@
 """Tensor parallelism (two gloo ranks that ``parallelize_module`` a LLaMA-style attention:
-``ColwiseParallel`` q/k/v, ``RowwiseParallel`` o) is measured exactly (issue 42): each rank
-computes half of the heads, measures those and places them at their global index, so that every
-per-head value of every engine (spectrum with its update and gradient metrics, entropy with sink
-mass, ranks, QK-Clip with the rows it scales) and every layer mean, min and max equal one unsharded
-process's on the same weights and data, MHA and GQA. The unsharded run is the reference: the same
-job with the model left whole (every rank alike)."""
+``ColwiseParallel`` q/k/v, ``RowwiseParallel`` o) is measured exactly (issue 42): each rank computes
+half of the heads, measures those and places them at their global index, so that every per-head
+value of every engine (spectrum with its update and gradient metrics, entropy with sink mass, ranks,
+QK-Clip with the rows it scales), every layer mean, min and max, and the output logits' channels
+(the vocabulary projection split across the ranks too, the logits a DTensor under loss parallelism)
+equal one unsharded process's on the same weights and data, MHA and GQA. The unsharded run is the
+reference: the same job with the model left whole (every rank alike).
+"""
 
 from __future__ import annotations
 
@@ -48,6 +50,17 @@ def test_every_head_equals_one_process(ranks, kv_heads):
             for name, layers in single[engine].items():
                 for layer, (want, got) in enumerate(zip(layers, sharded[engine][name])):
                     assert _close(want, got), (rank, engine, name, layer, want, got)
+        # the output logits, their vocabulary split across the ranks (a DTensor, loss parallel)
+        assert (
+            sharded["run"].keys()
+            == single["run"].keys()
+            == {
+                "output_lse_rms",
+                "output_logit_max",
+            }
+        )
+        for name, want in single["run"].items():
+            assert math.isclose(sharded["run"][name], want, rel_tol=1e-5), (name, want)
         # QK-Clip clipped some heads (the bound is below their logits), the same ones, and
         # scaled the rows each rank holds as one process scales the whole weight
         counts = [c.tolist() for c in single["clip_counts"]]
