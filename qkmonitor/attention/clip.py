@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from qkmonitor.measures.sharding import partitioned
 from qkmonitor.validation import check_real
 
 __all__ = [
@@ -124,6 +125,9 @@ def local_rows(tensor: Tensor) -> tuple[Tensor, int]:
     Raises:
         ValueError: another layout (sharded along the columns, several mesh dimensions).
     """
+    held = partitioned(tensor)
+    if held is not None:  # a copy gathered by its owner would be written in vain
+        raise ValueError(f"{held}: its rows are not written")
     if not callable(getattr(tensor, "to_local", None)):
         return tensor, 0
     placements = tuple(tensor.placements)

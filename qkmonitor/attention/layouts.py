@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from qkmonitor.attention.adapters import QKWeights
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.latent import LatentLayout, LatentNames, find_latent
-from qkmonitor.measures.sharding import HeadPlacement, RowShard, whole
+from qkmonitor.measures.sharding import HeadPlacement, RowShard, stated_shape, whole
 from qkmonitor.validation import is_int, is_real
 
 __all__ = [
@@ -396,12 +396,11 @@ def _weight_param(module: nn.Module, path: str) -> Tensor:
 def _out_features(module: nn.Module, path: str) -> int | None:
     obj = _get(module, path)
     weight = getattr(obj, "weight", None) if isinstance(obj, nn.Module) else None
-    if (
-        isinstance(weight, Tensor)
-        and weight.dim() == 2
-        and not isinstance(obj, (nn.Embedding, nn.MultiheadAttention))
-    ):
-        return weight.shape[1] if _is_conv1d(obj) else weight.shape[0]
+    if not isinstance(weight, Tensor) or isinstance(obj, (nn.Embedding, nn.MultiheadAttention)):
+        return None
+    shape = stated_shape(weight)  # a partitioned parameter's whole shape
+    if len(shape) == 2:
+        return shape[1] if _is_conv1d(obj) else shape[0]
     return None
 
 

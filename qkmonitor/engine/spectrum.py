@@ -13,6 +13,7 @@ Per head h, over the singular values :math:`\sigma_i` and eigenvalues :math:`\la
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.attention.adapters import AttentionLayer
+from qkmonitor.attention.adapters import AttentionLayer, QKWeights
 from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.attention.probes import Probe, ProbeRequest
 from qkmonitor.engine.base import MonitorEngine
@@ -34,7 +35,12 @@ from qkmonitor.measures.layer_spectra import (
     full_parameters,
     spectrum_of_layers,
 )
-from qkmonitor.measures.sharding import HeadPlacement, gather_heads
+from qkmonitor.measures.sharding import (
+    HeadPlacement,
+    PartitionedWeightError,
+    gather_heads,
+    gathered,
+)
 
 __all__ = ["QKSpectrum"]
 
@@ -174,7 +180,7 @@ class QKSpectrum(MonitorEngine):
         with torch.no_grad(), full_parameters(full_model):
             weights = self._read(host, step, ready)
             spectra = spectrum_of_layers(list(weights.values()))
-            copies = {i: layer.weights_copy() for i, layer in waiting.items()}
+            copies = self._copies(host, waiting)
         ready = weights
         spectra = {i: _layer_of(spectra, j) for j, i in enumerate(ready)}
         if copies:  # logged once the first forward has checked their layouts (finish)
@@ -278,6 +284,26 @@ class QKSpectrum(MonitorEngine):
                 out[i] = _layer_of(spectrum_of_layers([layer.layout.qk_weights(copy)]), 0)
         return out
 
+    def _copies(self, host: Host, layers: dict[int, AttentionLayer]) -> dict[int, Any]:
+        """A copy of the weights of each layer waiting for its layout check; a partitioned one
+        that cannot be gathered is left out (NaN), named once."""
+        out = {}
+        for i, layer in layers.items():
+            try:
+                with gathered(layer.module):
+                    out[i] = layer.weights_copy()
+            except PartitionedWeightError as err:
+                self._refuse_partitioned(host, layer, err)
+        return out
+
+    def _refuse_partitioned(self, host: Host, layer: AttentionLayer, err: Exception) -> None:
+        self.warn_once(
+            host,
+            f"partitioned:{layer.name}",
+            f"layer {layer.name!r}: {err}; its spectrum metrics are NaN",
+            logging_rank_only=True,
+        )
+
     def _warn_blind(self, host: Host) -> None:
         """One warning for every layer whose weights are not found (the others are measured)."""
         blind = [layer.name for layer in self.layers if not layer.supports_weights]
@@ -292,7 +318,11 @@ class QKSpectrum(MonitorEngine):
         out = {}
         for i, layer in layers.items():
             try:
-                out[i] = layer.qk_weights()
+                with gathered(layer.module) as copy:  # a partitioned layer: copied out whole
+                    weights = layer.qk_weights()
+                    out[i] = _copied(weights) if copy else weights
+            except PartitionedWeightError as err:  # refused by name: never a κ of a part
+                self._refuse_partitioned(host, layer, err)
             except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
                 self.warn_failure(host, "reading the query/key weights", step, err, [layer.name])
         return out
@@ -327,6 +357,13 @@ class QKSpectrum(MonitorEngine):
             if finite.numel():
                 out[f"{self.prefix}/qk_singular_values/layer_{i:02d}"] = finite
         return out
+
+
+def _copied(weights: QKWeights) -> QKWeights:
+    """The query and key weights copied out of parameters gathered for the read only."""
+    return dataclasses.replace(
+        weights, w_q=weights.w_q.detach().clone(), w_k=weights.w_k.detach().clone()
+    )
 
 
 def _layer_of(spectra: LayerSpectra, j: int) -> tuple[dict, dict, Tensor]:

@@ -33,6 +33,7 @@ from torch import Tensor
 from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.intercept import LayoutUnknownError
+from qkmonitor.measures.sharding import is_dtensor, partitioned
 
 __all__ = ["UPDATE_METRICS", "UpdateSnapshot", "take_snapshot", "update_metrics"]
 
@@ -86,10 +87,11 @@ def take_snapshot(
             mapped.append(None)
             skipped[layer.name] = (f"{type(err).__name__}: {err}", False)
             continue
-        if _sharded(rows.q.weight) or _sharded(rows.k.weight):
+        held = partitioned(rows.q.weight) or partitioned(rows.k.weight)
+        if held is not None or is_dtensor(rows.q.weight) or is_dtensor(rows.k.weight):
             mapped.append(None)
             skipped[layer.name] = (
-                "its query/key weights are sharded (DTensor): not read yet",
+                held or "its query/key weights are sharded (DTensor): not read yet",
                 True,
             )
             continue
@@ -186,9 +188,3 @@ def gradient_of(weight: Tensor) -> Tensor | None:
         return None
     offset = weight.storage_offset() - base.storage_offset() + grad.storage_offset()
     return grad.as_strided(weight.shape, weight.stride(), offset)
-
-
-def _sharded(weight: Tensor) -> bool:
-    return type(weight).__name__ == "DTensor" or (
-        weight._base is not None and type(weight._base).__name__ == "DTensor"
-    )

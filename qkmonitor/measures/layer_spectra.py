@@ -83,6 +83,7 @@ from qkmonitor.measures.functional import (
     spectral_concentration,
     split_heads,
 )
+from qkmonitor.measures.sharding import whole
 from qkmonitor.threads import on_threads
 
 __all__ = [
@@ -90,7 +91,6 @@ __all__ = [
     "HeadSpectra",
     "LayerSpectra",
     "full_parameters",
-    "full_tensor",
     "qk_head_spectra",
     "spectrum_of_layers",
 ]
@@ -292,17 +292,6 @@ def full_parameters(model: nn.Module | None) -> AbstractContextManager:
 _HOLDS_FSDP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def full_tensor(weight: Tensor) -> Tensor:
-    """The whole tensor behind a sharded parameter (FSDP2 / DTensor, a collective), else the tensor.
-
-    Returns:
-        A detached tensor.
-    """
-    weight = weight.detach()
-    to_full = getattr(weight, "full_tensor", None)  # torch.distributed.tensor.DTensor
-    return to_full() if callable(to_full) else weight
-
-
 # -- one layer ----------------------------------------------------------------------------------
 
 
@@ -383,9 +372,7 @@ def _run_metrics(
     index, layer = run[0]
     num_heads = layer.num_heads
     try:
-        spectra = qk_head_spectra(
-            full_tensor(layer.w_q), full_tensor(layer.w_k), num_heads, layer.num_kv_heads
-        )
+        spectra = qk_head_spectra(whole(layer.w_q), whole(layer.w_k), num_heads, layer.num_kv_heads)
     except torch.linalg.LinAlgError as err:  # an eigen-solver that did not converge
         warnings.warn(
             f"QK spectrum of layer {index}: {err}; the layer's metrics are NaN.",

@@ -16,18 +16,35 @@ Two ways a weight reaches qkmonitor sharded (``torch.distributed.tensor.DTensor`
   a probe for every layer).
 
 A split that does not fall on head boundaries, or is uneven, is refused by name where it is seen.
+
+A parameter partitioned by a library that is not torch's (DeepSpeed ZeRO-3: ``ds_numel`` entries,
+none of them on this rank between forwards) is gathered through that library's own API where it is
+installed (:func:`gathered`), and otherwise refused by name (:class:`PartitionedWeightError`): never
+a κ of an empty or partial tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["HeadPlacement", "RowShard", "gather_heads", "is_dtensor", "row_shard", "whole"]
+__all__ = [
+    "HeadPlacement",
+    "PartitionedWeightError",
+    "RowShard",
+    "gather_heads",
+    "gathered",
+    "is_dtensor",
+    "partitioned",
+    "row_shard",
+    "stated_shape",
+    "whole",
+]
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -38,11 +55,59 @@ def is_dtensor(tensor: object) -> bool:
     return base is not None and callable(getattr(base, "full_tensor", None))
 
 
+class PartitionedWeightError(ValueError):
+    """A weight whose data this rank does not hold and qkmonitor cannot gather."""
+
+
+def partitioned(tensor: object) -> str | None:
+    """Why ``tensor`` is not this rank's to read or write between forwards: a parameter its owner
+    partitions across ranks (DeepSpeed ZeRO-3's, marked ``ds_numel``: between forwards a rank holds
+    none or part of its entries, and what a forward gathers is released after it), else None."""
+    stated = getattr(tensor, "ds_numel", None)
+    if not isinstance(tensor, Tensor) or stated is None:
+        return None
+    return (
+        f"its weight of {stated} entries is partitioned across ranks (DeepSpeed ZeRO-3, which "
+        "gathers it for a forward and releases it after)"
+    )
+
+
+def stated_shape(tensor: Tensor) -> tuple[int, ...]:
+    """A tensor's shape, or a partitioned parameter's whole shape (``ds_shape``)."""
+    shape = getattr(tensor, "ds_shape", None) if partitioned(tensor) else None
+    return tuple(tensor.shape) if shape is None else tuple(shape)
+
+
 def whole(tensor: Tensor | None) -> Tensor | None:
     """The whole tensor behind a sharded one (a DTensor's ``full_tensor()``: a collective every
     rank makes), any other as it is (None stays None)."""
     to_full = getattr(tensor, "full_tensor", None)
     return to_full() if callable(to_full) else tensor
+
+
+@contextmanager
+def gathered(module: nn.Module) -> Iterator[bool]:
+    """Read ``module``'s parameters whole inside the block: those its owner partitions across
+    ranks (:func:`partitioned`) gathered by the owner's own API, DeepSpeed's
+    ``GatheredParameters`` (a collective every rank makes; read-only, and gone again after the
+    block: copy what is kept). Yields whether anything was gathered.
+
+    Raises:
+        PartitionedWeightError: a partitioned parameter and no DeepSpeed to gather it with.
+    """
+    held = [p for p in module.parameters() if partitioned(p) is not None]
+    if not held:
+        yield False
+        return
+    try:
+        from deepspeed.zero import GatheredParameters
+    except ImportError:
+        raise PartitionedWeightError(
+            f"{partitioned(held[0])}, and DeepSpeed, whose GatheredParameters would gather it, "
+            "is not importable"
+        ) from None
+    with GatheredParameters(held, modifier_rank=None):
+        yield True
 
 
 @dataclass(frozen=True)

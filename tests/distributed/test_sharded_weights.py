@@ -8,7 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 from qkmonitor.attention.adapters import QKWeights
-from qkmonitor.measures.layer_spectra import full_parameters, full_tensor, spectrum_of_layers
+from qkmonitor.measures.layer_spectra import full_parameters, spectrum_of_layers
+from qkmonitor.measures.sharding import whole
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def test_spectrum_of_dtensor_weights_equals_that_of_the_full_weights(one_process
         distribute_tensor(w_q, mesh, [Shard(0)]),
         distribute_tensor(w_k, mesh, [Shard(0)]),
     )
-    assert type(sharded_q).__name__ == "DTensor" and torch.equal(full_tensor(sharded_q), w_q)
+    assert type(sharded_q).__name__ == "DTensor" and torch.equal(whole(sharded_q), w_q)
 
     sharded = spectrum_of_layers(
         [QKWeights(sharded_q, sharded_k, 4, 2, 0.5), QKWeights(w_q, w_k, 4, 2, 0.5)]
