@@ -22,6 +22,8 @@ import textwrap
 import warnings
 from collections.abc import Sequence
 
+from qkmonitor.models.tasks.registry import TASKS as TASK_REGISTRY
+
 __all__ = ["build_parser", "main", "quiet_lightning"]
 
 
@@ -68,77 +70,7 @@ def _run_name(text: str) -> str:
     return text
 
 
-#: Per-task defaults of the shared options: each task learns with ``qkmonitor train --task X``
-#: on a 2-core CPU in about a minute or two. An option given on the command line wins.
-TASK_DEFAULTS: dict[str, dict[str, object]] = {
-    "recall": {
-        "steps": 1500,
-        "d_model": 64,
-        "layers": 2,
-        "heads": 4,
-        "batch_size": 64,
-        "lr": 3e-3,
-        "lr_decay": "constant",
-        "weight_decay": 0.1,
-        "positional": "rope",
-    },
-    "copy": {
-        "steps": 600,
-        "d_model": 64,
-        "layers": 2,
-        "heads": 4,
-        "batch_size": 64,
-        "lr": 3e-3,
-        "lr_decay": "cosine",
-        "weight_decay": 0.1,
-        "positional": "learned",
-    },
-    "reverse": {
-        "steps": 800,
-        "d_model": 64,
-        "layers": 2,
-        "heads": 4,
-        "batch_size": 64,
-        "lr": 3e-3,
-        "lr_decay": "cosine",
-        "weight_decay": 0.1,
-        "positional": "learned",
-    },
-    "modular": {
-        "steps": 2500,
-        "d_model": 64,
-        "layers": 1,
-        "heads": 4,
-        "batch_size": None,
-        "lr": 3e-3,
-        "lr_decay": "cosine",
-        "weight_decay": 1.0,
-        "positional": "rope",
-    },
-    "charlm": {
-        "steps": 400,
-        "d_model": 128,
-        "layers": 2,
-        "heads": 4,
-        "batch_size": 32,
-        "lr": 3e-3,
-        "lr_decay": "cosine",
-        "weight_decay": 0.1,
-        "positional": "rope",
-    },
-    "grid": {
-        "steps": 400,
-        "d_model": 64,
-        "layers": 2,
-        "heads": 4,
-        "batch_size": 64,
-        "lr": 3e-3,
-        "lr_decay": "cosine",
-        "weight_decay": 0.1,
-        "positional": "rope_2d",
-    },
-}
-TASKS = tuple(TASK_DEFAULTS)
+TASKS = tuple(TASK_REGISTRY)
 _PER_TASK = "default: per task, see below"
 
 
@@ -162,9 +94,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def _defaults_table() -> str:
-    names = list(TASK_DEFAULTS["recall"])
+    names = list(TASK_REGISTRY["recall"].defaults)
     rows = [["task", *names]] + [
-        [task, *(str(d[n]) for n in names)] for task, d in TASK_DEFAULTS.items()
+        [name, *(str(task.defaults[n]) for n in names)] for name, task in TASK_REGISTRY.items()
     ]
     widths = [max(len(r[c]) for r in rows) for c in range(len(names) + 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -191,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
         epilog=_defaults_table(),
     )
-    per_task = {"default": argparse.SUPPRESS}  # resolved from TASK_DEFAULTS once the task is known
+    per_task = {"default": argparse.SUPPRESS}  # resolved from the task's defaults once it is known
     train.add_argument("--task", choices=TASKS, default="recall", help="the task to learn")
     train.add_argument(
         "--steps", type=_positive_int, **per_task, help=f"optimizer steps ({_PER_TASK})"
@@ -338,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        for name, value in TASK_DEFAULTS[args.task].items():
+        for name, value in TASK_REGISTRY[args.task].defaults.items():
             if not hasattr(args, name):
                 setattr(args, name, value)
         return _train(args)
@@ -347,108 +279,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_report(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
-
-
-def _config(args: argparse.Namespace, **fields):
-    """The model config from the shared options; ``fields`` are the task's own (vocabulary, ...)."""
-    from qkmonitor.models import TransformerConfig
-
-    return TransformerConfig(
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        positional=args.positional,
-        **fields,
-    )
-
-
-def _optim(args: argparse.Namespace) -> dict:
-    return {
-        "lr": args.lr,
-        "weight_decay": args.weight_decay,
-        "warmup_steps": min(100, args.steps // 10),
-        "decay_steps": args.steps if args.lr_decay == "cosine" else None,
-    }
-
-
-def _build_recall(args: argparse.Namespace):
-    from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
-
-    data = AssociativeRecallDataModule(
-        num_pairs=args.pairs,
-        num_queries=args.pairs,
-        num_keys=4 * args.pairs,
-        num_values=4 * args.pairs,
-        batch_size=args.batch_size,
-        seed=args.seed,
-    )
-    config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
-    return data, CausalLMTask(config, **_optim(args))
-
-
-def _build_modular(args: argparse.Namespace):
-    from qkmonitor.models.tasks import CausalLMTask, ModularAdditionDataModule
-
-    data = ModularAdditionDataModule(
-        modulus=args.modulus,
-        train_fraction=args.train_fraction,
-        batch_size=args.batch_size,
-        seed=args.seed,
-    )
-    config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
-    return data, CausalLMTask(config, **_optim(args))
-
-
-def _build_seq2seq(args: argparse.Namespace):
-    from qkmonitor.models.tasks import CopyReverseDataModule, Seq2SeqTask
-
-    data = CopyReverseDataModule(
-        reverse=args.task == "reverse",
-        min_len=min(3, args.length),
-        max_len=args.length,
-        batch_size=args.batch_size,
-        seed=args.seed,
-    )
-    config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
-    return data, Seq2SeqTask(config, **_optim(args))
-
-
-def _build_grid(args: argparse.Namespace):
-    from qkmonitor.models.tasks import GridRelationDataModule, VisionClassificationTask
-
-    data = GridRelationDataModule(
-        height=args.grid_size, width=args.grid_size, batch_size=args.batch_size, seed=args.seed
-    )
-    config = _config(
-        args,
-        vocab_size=1,
-        max_seq_len=args.grid_size**2,
-        grid_size=data.grid_size,
-        patch_dim=data.patch_dim,
-        num_classes=data.num_classes,
-    )
-    return data, VisionClassificationTask(config, **_optim(args))
-
-
-def _build_charlm(args: argparse.Namespace):
-    from qkmonitor.models.tasks import CharLMTask, PythonSourceDataModule
-
-    data = PythonSourceDataModule(
-        max_chars=args.chars, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
-    )
-    config = _config(args, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
-    return data, CharLMTask(config, **_optim(args))
-
-
-_BUILDERS = {
-    "recall": _build_recall,
-    "copy": _build_seq2seq,
-    "reverse": _build_seq2seq,
-    "charlm": _build_charlm,
-    "modular": _build_modular,
-    "grid": _build_grid,
-}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -551,7 +381,7 @@ def _run_training(args: argparse.Namespace) -> int:
 
     pl.seed_everything(args.seed, verbose=False)
     try:
-        data, task = _BUILDERS[args.task](args)
+        data, task = TASK_REGISTRY[args.task].build(args)
     except ValueError as err:
         print(f"qkmonitor train: {err}", file=sys.stderr)
         return 2
@@ -682,30 +512,15 @@ def _checkpoint_io_class():
     return RunCheckpointIO
 
 
-#: What each task learns, in words, from the parsed options.
-_TASK_WORDS = {
-    "recall": lambda a: f"associative recall ({a.pairs} key-value pairs a sequence)",
-    "copy": lambda a: f"copying strings of up to {a.length} symbols",
-    "reverse": lambda a: f"reversing strings of up to {a.length} symbols",
-    "charlm": lambda a: (
-        f"next-character prediction on Python's own source ({a.chars:,} characters)"
-    ),
-    "modular": lambda a: (
-        f"addition mod {a.modulus} ({a.train_fraction:.0%} of the pairs trained on)"
-    ),
-    "grid": lambda a: f"a relation between cells of a {a.grid_size}x{a.grid_size} grid",
-}
-_MODEL_WORDS = {"copy": "encoder-decoder", "reverse": "encoder-decoder", "grid": "vision encoder"}
-
-
 def _what_trains(args: argparse.Namespace, task, trainer, log_dir: str, threads: str) -> str:
     """The line before the progress bar: the task, the model's size, where it runs and logs."""
     params = sum(p.numel() for p in task.parameters())
-    sides = " a side" if args.task in ("copy", "reverse") else ""
+    entry = TASK_REGISTRY[args.task]
+    sides = " a side" if entry.model == "encoder-decoder" else ""
     kv = f" ({args.kv_heads} key/value)" if args.kv_heads else ""
     return (
-        f"qkmonitor train: {_TASK_WORDS[args.task](args)}\n"
-        f"  model: {_MODEL_WORDS.get(args.task, 'decoder')}, {args.layers} "
+        f"qkmonitor train: {entry.learns(args)}\n"
+        f"  model: {entry.model}, {args.layers} "
         f"layer{'s' if args.layers != 1 else ''}{sides} x "
         f"{args.heads} heads{kv}, d_model {args.d_model}, {args.positional} positions, "
         f"{params / 1e6:.2f} M parameters\n"
