@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from qkmonitor.cli import main, summary_columns
+from qkmonitor.cli import main
+from qkmonitor.cli.summary import summary_columns
 from qkmonitor.models.tasks.registry import TASKS
 
 # The attention layers the summary must list, per task: every self- and cross-attention.

@@ -23,16 +23,12 @@ from torch.utils.tensorboard import SummaryWriter
 from qkmonitor import QKMonitorWarning
 from qkmonitor.alerts import DEFAULT_RULES, KAPPA_RULE
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.cli.report import add_report_parser, main_report, run_report
 from qkmonitor.measures.catalogue import metric as catalogue_metric
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
 from qkmonitor.output.plots import _heads_figure, _loss_figure, _metric_figure, _run_labels
-from qkmonitor.output.report import (
-    add_report_parser,
-    build_report,
-    main_report,
-    run_report,
-)
+from qkmonitor.output.report import build_report
 from qkmonitor.output.runs import read_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
