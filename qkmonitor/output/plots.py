@@ -175,17 +175,42 @@ def _draw_thresholds(ax, metric: str, low: float, high: float) -> None:
 
 
 def _metric_figure(runs: Sequence[RunData], metric: str, labels: Sequence[str]):
-    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
     figure = _new_figure(7.5, 4.5)
     ax = figure.add_subplot()
     num_layers = max(1 + max(run.layers[metric]) for run in runs if metric in run.layers)
     colors = _layer_colors(num_layers)
+    shown = _draw_layers(ax, runs, metric, colors)  # every value drawn, for the y range
+    has_heads = any(metric in run.bands or metric in run.heads for run in runs)
+    what = "mean over heads" if has_heads else "per layer"
+    shaded = (
+        ", shaded: lowest to highest head"
+        if len(runs) == 1 and any(metric in r.bands for r in runs)
+        else ""
+    )
+    ax.set_title(f"{metric} ({what}{shaded})")
+    finite = [v for v in shown if math.isfinite(v)]
+    span = _span(finite)
+    if span is not None and span != (min(finite), max(finite)):  # flat: no axis of float noise
+        ax.set_ylim(*span)
+    if span is not None:
+        _draw_thresholds(ax, metric, *span)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel(_axis_label(metric))
+    ax.grid(True, alpha=0.3)
+    _layers_legend(figure, ax, colors, labels if len(runs) > 1 else ())
+    return figure
+
+
+def _draw_layers(ax, runs: Sequence[RunData], metric: str, colors: list) -> list[float]:
+    """One line per layer of each run (a line style per run) and, for one run, the band from its
+    lowest to its highest head; returns every value drawn."""
     many_points = (
         max(len(s.steps) for run in runs for s in run.layers.get(metric, {}).values()) > 60
     )
-    shown: list[float] = []  # every value drawn, for the y range
+    shown: list[float] = []
     for index, run in enumerate(runs):
         style = _LINE_STYLES[index % len(_LINE_STYLES)]
         for layer, series in sorted(run.layers.get(metric, {}).items()):
@@ -215,24 +240,15 @@ def _metric_figure(runs: Sequence[RunData], metric: str, labels: Sequence[str]):
                     linewidth=0,
                 )
                 shown += band["min"].values + band["max"].values
-    has_heads = any(metric in run.bands or metric in run.heads for run in runs)
-    what = "mean over heads" if has_heads else "per layer"
-    shaded = (
-        ", shaded: lowest to highest head"
-        if len(runs) == 1 and any(metric in r.bands for r in runs)
-        else ""
-    )
-    ax.set_title(f"{metric} ({what}{shaded})")
-    finite = [v for v in shown if math.isfinite(v)]
-    span = _span(finite)
-    if span is not None and span != (min(finite), max(finite)):  # flat: no axis of float noise
-        ax.set_ylim(*span)
-    if span is not None:
-        _draw_thresholds(ax, metric, *span)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("step")
-    ax.set_ylabel(_axis_label(metric))
-    ax.grid(True, alpha=0.3)
+    return shown
+
+
+def _layers_legend(figure, ax, colors: list, run_labels: Sequence[str]) -> None:
+    """A legend of the layers' colours (a colour bar beyond 12 layers) and of the runs' line
+    styles (``run_labels``: none for one run)."""
+    from matplotlib.lines import Line2D
+
+    num_layers = len(colors)
     handles = []
     if num_layers <= 12:
         handles += [Line2D([], [], color=colors[i], label=f"layer {i}") for i in range(num_layers)]
@@ -243,14 +259,12 @@ def _metric_figure(runs: Sequence[RunData], metric: str, labels: Sequence[str]):
         figure.colorbar(
             ScalarMappable(Normalize(0, num_layers - 1), "viridis"), ax=ax, label="layer"
         )
-    if len(runs) > 1:
-        handles += [
-            Line2D([], [], color="0.3", linestyle=_LINE_STYLES[i % len(_LINE_STYLES)], label=label)
-            for i, label in enumerate(labels)
-        ]
+    handles += [
+        Line2D([], [], color="0.3", linestyle=_LINE_STYLES[i % len(_LINE_STYLES)], label=label)
+        for i, label in enumerate(run_labels)
+    ]
     if handles:
         ax.legend(handles=handles, fontsize="small", loc="best", ncol=2 if len(handles) > 8 else 1)
-    return figure
 
 
 def _loss_figure(runs: Sequence[RunData], labels: Sequence[str]):
