@@ -11,7 +11,7 @@ paths (MLflow's file store) can hold them all. The images follow the same gramma
 ``{prefix}/attention/layer_{LL}_head_{HH}`` is one head's attention pattern.
 
 This module builds every tag and parses them back (:func:`parse_layer_tag`,
-:func:`parse_alert_tag`, :func:`layer_tag_regex`): the dashboards and :mod:`qkmonitor.output.report`
+:func:`parse_alert_tag`, :func:`layer_tag_regex`): the dashboards and :mod:`qkmonitor.output.runs`
 read tags through it.
 """
 

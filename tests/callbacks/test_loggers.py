@@ -21,7 +21,7 @@ from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.measures.catalogue import metric
 from qkmonitor.output.dashboards import HeatmapScale, grid_of, heatmap_image
-from qkmonitor.output.report import read_run
+from qkmonitor.output.runs import read_run
 from qkmonitor.output.tags import head_tag
 
 

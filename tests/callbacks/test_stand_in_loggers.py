@@ -19,7 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
 from qkmonitor.engine.updates import UPDATE_METRICS
 from qkmonitor.output.logger_sinks import LoggerSink, TensorBoardSink, logger_sink
-from qkmonitor.output.report import read_run
+from qkmonitor.output.runs import read_run
 
 
 def monitors(every=2):

@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from qkmonitor.cli import TASK_DEFAULTS, main, summary_columns
+from qkmonitor.cli import main
+from qkmonitor.cli.summary import summary_columns
+from qkmonitor.models.tasks.registry import TASKS
 
 # The attention layers the summary must list, per task: every self- and cross-attention.
 LAYERS = {
@@ -77,5 +79,5 @@ def test_every_task_trains_end_to_end_and_prints_the_summary(task, tmp_path, cap
 
 
 def test_tasks_are_the_documented_ones_with_recall_the_default():
-    assert set(TASK_DEFAULTS) == set(LAYERS) and next(iter(TASK_DEFAULTS)) == "recall"
-    assert all(set(d) == set(TASK_DEFAULTS["recall"]) for d in TASK_DEFAULTS.values())
+    assert set(TASKS) == set(LAYERS) and next(iter(TASKS)) == "recall"
+    assert all(set(t.defaults) == set(TASKS["recall"].defaults) for t in TASKS.values())

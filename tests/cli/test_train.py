@@ -293,7 +293,7 @@ def test_the_terminal_shows_progress_summary_checkpoint_and_tensorboard_and_no_w
 
 def test_the_summary_legend_says_what_each_column_is_and_which_end_is_worse():
     """The legend under the table comes from the metric catalogue: one line per metric shown."""
-    from qkmonitor.cli import _legend, summary_columns
+    from qkmonitor.cli.summary import _legend, summary_columns
     from qkmonitor.measures.catalogue import metric
 
     lines = "\n".join(_legend(summary_columns()))

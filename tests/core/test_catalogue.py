@@ -18,7 +18,7 @@ from qkmonitor.measures.catalogue import (
     metrics_of,
     names_of,
 )
-from qkmonitor.output.report import KNOWN_METRICS
+from qkmonitor.output.runs import KNOWN_METRICS
 
 METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 

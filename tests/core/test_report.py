@@ -23,20 +23,13 @@ from torch.utils.tensorboard import SummaryWriter
 from qkmonitor import QKMonitorWarning
 from qkmonitor.alerts import DEFAULT_RULES, KAPPA_RULE
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
+from qkmonitor.cli.report import add_report_parser, main_report, run_report
 from qkmonitor.measures.catalogue import metric as catalogue_metric
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
-from qkmonitor.output.report import (
-    _heads_figure,
-    _loss_figure,
-    _metric_figure,
-    _run_labels,
-    add_report_parser,
-    build_report,
-    main_report,
-    read_run,
-    run_report,
-)
+from qkmonitor.output.plots import _heads_figure, _loss_figure, _metric_figure, _run_labels
+from qkmonitor.output.report import build_report
+from qkmonitor.output.runs import read_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LAYER_TAG = re.compile(r"^qkmonitor/(?P<metric>[^/]+)/layer_(?P<layer>\d\d)$")
@@ -663,3 +656,16 @@ def test_rules_at_one_threshold_share_one_label_that_names_them_all(tmp_path):
     assert {20.0, 30.0} <= set(at) and all(len(labels) == 1 for labels in at.values()), at
     assert at[30.0][0].startswith("alert logit_growth, fast_updates: ≥ 30"), at
     assert at[20.0][0].startswith("alert logit_jump: ≥ 20"), at
+
+
+def test_reading_and_writing_the_text_load_neither_matplotlib_nor_tensorboard_nor_lightning():
+    """Importing the report's modules is cheap: matplotlib and TensorBoard are imported when a
+    figure is drawn or a run read, Lightning never."""
+    code = (
+        "import sys\n"
+        "import qkmonitor.output.plots, qkmonitor.output.report, qkmonitor.output.report_text\n"
+        "import qkmonitor.output.runs\n"
+        "heavy = [m for m in ('matplotlib', 'tensorboard', 'lightning') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

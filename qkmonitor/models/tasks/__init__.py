@@ -10,15 +10,57 @@ local Python installation (nothing is downloaded).
   RoPE).
 - ``modular``: modular addition (grokking), :class:`ModularAdditionDataModule` +
   :class:`CausalLMTask`.
+
+:mod:`qkmonitor.models.tasks.registry` names them for ``qkmonitor train --task``. The names here
+are loaded on first use (the module's ``__getattr__``), so that reading the registry (``qkmonitor
+train --help``, ``qkmonitor report``) loads no Lightning.
 """
 
-from .base import TaskModule
-from .charlm import CharLMTask, PythonSourceDataModule, python_source_files
-from .copy_reverse import CopyReverseDataModule, Seq2SeqTask, make_copy_batch
-from .grid import GridRelationDataModule, VisionClassificationTask, make_grid_batch
-from .lm import CausalLMTask
-from .modular import ModularAdditionDataModule, make_modular_addition
-from .recall import AssociativeRecallDataModule, make_recall_batch, train_recall_miniature
+from importlib import import_module as _import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import TaskModule
+    from .charlm import CharLMTask, PythonSourceDataModule, python_source_files
+    from .copy_reverse import CopyReverseDataModule, Seq2SeqTask, make_copy_batch
+    from .grid import GridRelationDataModule, VisionClassificationTask, make_grid_batch
+    from .lm import CausalLMTask
+    from .modular import ModularAdditionDataModule, make_modular_addition
+    from .recall import AssociativeRecallDataModule, make_recall_batch, train_recall_miniature
+
+#: the names loaded on first use -> the module of this package that defines them
+_LAZY = {
+    "AssociativeRecallDataModule": "recall",
+    "CausalLMTask": "lm",
+    "CharLMTask": "charlm",
+    "CopyReverseDataModule": "copy_reverse",
+    "GridRelationDataModule": "grid",
+    "ModularAdditionDataModule": "modular",
+    "PythonSourceDataModule": "charlm",
+    "Seq2SeqTask": "copy_reverse",
+    "TaskModule": "base",
+    "VisionClassificationTask": "grid",
+    "make_copy_batch": "copy_reverse",
+    "make_grid_batch": "grid",
+    "make_modular_addition": "modular",
+    "make_recall_batch": "recall",
+    "python_source_files": "charlm",
+    "train_recall_miniature": "recall",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # once loaded, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "AssociativeRecallDataModule",

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from qkmonitor.validation import check_non_negative_int, check_positive_int
 
@@ -37,7 +39,8 @@ def lr_factor(step: int, warmup: int, decay: int | None = None, floor: float = 0
 class TaskModule(pl.LightningModule):
     """Base of the example tasks: checks and saves the hyper-parameters, builds the optimizer.
 
-    Subclasses build ``self.model`` from ``self.config`` and implement the steps. Hyper-parameters
+    Subclasses name their model's class in ``model_class`` (built from ``self.config`` as
+    ``self.model``; ``None``: the subclass builds it) and implement the steps. Hyper-parameters
     are saved as plain values (the config as a dict) so that checkpoints load with
     ``torch.load(weights_only=True)``.
 
@@ -51,6 +54,9 @@ class TaskModule(pl.LightningModule):
             low rate ends on a stable model rather than inside a loss spike.
         **extra: further hyper-parameters of the subclass, saved alongside.
     """
+
+    #: the model the task trains, built from the config (``None``: the subclass builds it)
+    model_class: ClassVar[Callable[[TransformerConfig], nn.Module] | None] = None
 
     def __init__(
         self,
@@ -82,6 +88,8 @@ class TaskModule(pl.LightningModule):
                 **extra,
             }
         )
+        if self.model_class is not None:
+            self.model = self.model_class(self.config)
 
     def token_loss(self, logits: torch.Tensor, targets: torch.Tensor, stage: str) -> torch.Tensor:
         """Cross-entropy over the positions whose target is not ``IGNORE_INDEX``; logs

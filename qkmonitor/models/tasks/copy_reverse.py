@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor.validation import check_positive_int
 
-from ..config import TransformerConfig
 from ..transformer import EncoderDecoder
 from .base import IGNORE_INDEX, TaskModule
 
@@ -144,22 +143,7 @@ class Seq2SeqTask(TaskModule):
     Args: see :class:`~qkmonitor.models.tasks.TaskModule`.
     """
 
-    def __init__(
-        self,
-        config: TransformerConfig | dict,
-        lr: float = 3e-3,
-        weight_decay: float = 0.1,
-        warmup_steps: int = 100,
-        decay_steps: int | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            lr=lr,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            decay_steps=decay_steps,
-        )
-        self.model = EncoderDecoder(self.config)
+    model_class = EncoderDecoder
 
     def forward(self, source: Tensor, decoder_input: Tensor) -> Tensor:
         """(B, M) source, (B, N) decoder input -> (B, N, V) logits."""

@@ -26,7 +26,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor.validation import check_positive_int
 
-from ..config import TransformerConfig
 from ..transformer import VisionEncoder
 from .base import TaskModule
 
@@ -159,22 +158,7 @@ class VisionClassificationTask(TaskModule):
     ``patch_dim`` and ``num_classes``.
     """
 
-    def __init__(
-        self,
-        config: TransformerConfig | dict,
-        lr: float = 3e-3,
-        weight_decay: float = 0.1,
-        warmup_steps: int = 100,
-        decay_steps: int | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            lr=lr,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            decay_steps=decay_steps,
-        )
-        self.model = VisionEncoder(self.config)
+    model_class = VisionEncoder
 
     def forward(self, patches: Tensor) -> Tensor:
         return self.model(patches)

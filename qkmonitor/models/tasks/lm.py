@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..config import TransformerConfig
 from ..transformer import DecoderLM
 from .base import TaskModule
 
@@ -27,22 +26,7 @@ class CausalLMTask(TaskModule):
             at that step (see :func:`~qkmonitor.models.tasks.base.lr_factor`).
     """
 
-    def __init__(
-        self,
-        config: TransformerConfig | dict,
-        lr: float = 3e-3,
-        weight_decay: float = 0.1,
-        warmup_steps: int = 100,
-        decay_steps: int | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            lr=lr,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            decay_steps=decay_steps,
-        )
-        self.model = DecoderLM(self.config)
+    model_class = DecoderLM
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)

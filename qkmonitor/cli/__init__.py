@@ -1,0 +1,92 @@
+"""The ``qkmonitor`` command line: ``qkmonitor train`` runs the main job.
+
+``qkmonitor train`` trains a bundled model on an example task (``--task``: associative recall, the
+default; copy / reverse with the encoder-decoder; character-level LM on the standard library's own
+source; modular addition; a 2-D grid relation with the vision encoder; generated from a seed or read
+from the local Python installation, nothing downloaded) with the monitors on, writes TensorBoard
+logs under ``runs/``, and ends with a per-layer summary and the task's validation scores. The CLI is
+the one place in the core that imports Lightning and the bundled models, and it does so only inside
+the command that needs them.
+
+Its modules: :mod:`~qkmonitor.cli.train` (``train``'s arguments and the run; the tasks are
+:mod:`qkmonitor.models.tasks.registry`'s), :mod:`~qkmonitor.cli.trainer` (the Lightning pieces the
+run is made of), :mod:`~qkmonitor.cli.summary` (the table printed at its end),
+:mod:`~qkmonitor.cli.report` (``report``'s arguments) and :mod:`~qkmonitor.cli.arguments` (the
+argument types and the help formatter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import warnings
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main", "quiet_lightning"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``qkmonitor`` parser: ``--version`` and the ``train`` and ``report`` commands."""
+    from qkmonitor import __version__
+    from qkmonitor.cli.arguments import HelpFormatter
+    from qkmonitor.cli.report import add_report_parser
+    from qkmonitor.cli.train import add_train_parser
+
+    parser = argparse.ArgumentParser(
+        prog="qkmonitor",
+        description=(
+            "Watch attention while a transformer trains: train a bundled model with the "
+            "monitors on (qkmonitor train), or read a run back (qkmonitor report)."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(commands, formatter_class=HelpFormatter)
+    add_report_parser(commands, formatter_class=HelpFormatter)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``qkmonitor``: parse ``argv`` (default: the process's) and run the command; its exit code."""
+    args = build_parser().parse_args(argv)
+    if args.command == "train":
+        from qkmonitor.cli.train import run_train
+
+        return run_train(args)
+    if args.command == "report":
+        from qkmonitor.cli.report import run_report
+
+        return run_report(args)
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+@contextlib.contextmanager
+def quiet_lightning():
+    """Turn Lightning's chatter down while the block runs: its info lines (tips, the device report,
+    why ``fit`` stopped) and one known deprecation warning from torch's pytree that Lightning
+    triggers (filtered by its message). Warnings (qkmonitor's alerts among them) and the progress
+    bar stay; qkmonitor's own info lines under Lightning (the layers it found) go through
+    Lightning's logger and are turned down too. ``qkmonitor train`` and the examples run in it.
+
+    Example::
+
+        with quiet_lightning():
+            trainer = pl.Trainer(max_steps=100, callbacks=[QKSpectrumMonitor()])
+            trainer.fit(model)
+    """
+    import lightning.pytorch  # noqa: F401 -- its import sets its loggers' levels: set ours after it
+
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*"
+            )
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -1,0 +1,97 @@
+"""The command line's argument types (each refuses a bad value in plain words, naming what it
+expected) and its help formatter."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+__all__ = [
+    "HelpFormatter",
+    "any_int",
+    "directory_argument",
+    "directory_problem",
+    "fraction",
+    "non_negative_float",
+    "positive_float",
+    "positive_int",
+    "run_name",
+]
+
+
+def _number(text: str, kind: type, what: str, ok) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, "a positive integer", lambda v: v >= 1)
+
+
+def positive_float(text: str) -> float:
+    return _number(text, float, "a positive number", lambda v: v > 0 and math.isfinite(v))
+
+
+def non_negative_float(text: str) -> float:
+    return _number(text, float, "a number >= 0", lambda v: v >= 0 and math.isfinite(v))
+
+
+def fraction(text: str) -> float:
+    return _number(text, float, "a number between 0 and 1", lambda v: 0 < v < 1)
+
+
+def any_int(text: str) -> int:
+    return _number(text, int, "an integer", lambda v: True)
+
+
+def run_name(text: str) -> str:
+    """A run's folder name under the log directory: one path part, never one that leaves it."""
+    separators = {"/", os.sep, *([os.altsep] if os.altsep else [])}
+    if not text or text in (".", "..") or any(sep in text for sep in separators):
+        raise argparse.ArgumentTypeError(
+            f"expected a run name without '/' that is not '.' or '..' (a folder under "
+            f"--log-dir), got {text!r}"
+        )
+    return text
+
+
+def directory_problem(path: str) -> str | None:
+    """Why ``path`` cannot be a directory to write into, in words, or None: it is a file, or a
+    part of it is (a directory that is missing is made; its permissions are found out at the
+    write)."""
+    if os.path.isdir(path):
+        return None
+    if os.path.exists(path):
+        return "it is a file"
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        return f"{parent!r} in it is a file"
+    return None
+
+
+def directory_argument(text: str) -> str:
+    """An argparse type (``report --out``, ``train --log-dir``): a directory to write into, one
+    that is or one to make (no part of it a file)."""
+    problem = directory_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}: {problem}")
+    return text
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default once: appended unless the help text already speaks of it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = (None, False, argparse.SUPPRESS)
+        if "default" in text or action.default in quiet or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
