@@ -3,17 +3,17 @@ model_parallel_job.py OUT_DIR KV_HEADS`.
 
 First a one-process fit (``Trainer(accelerator="cpu", devices=1)``) of tensor_parallel_job's
 LLaMA-style model, left whole; then the same model, weights and data fitted with
-``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)`` on two gloo ranks (Lightning's
-launcher re-runs this script for rank 1, which skips the one-process fit): ``configure_model``
-``parallelize_module``s every attention (``ColwiseParallel`` q/k/v, ``RowwiseParallel`` o) on the
-``tensor_parallel`` mesh and then ``fully_shard``s every layer and the model on the
-``data_parallel`` one, so that the projections' parameters are DTensors on the 1 x 2 mesh and the
-forward computes with their 1-D tensor-parallel DTensors. Every rank sees every batch (one
-data-parallel rank). Both fits train three SGD steps with the README's ``QKMonitor`` (per head,
-every step) and ``QKClip`` (its bound below the sharpened heads' logits) and log to a
-``TensorBoardLogger`` under ``OUT_DIR/single`` and ``OUT_DIR/parallel``; each rank saves its
-warnings and (rank 0) the query and key weights after the fit, whole, to
-``OUT_DIR/{single,parallel}_rank{R}.pt``.
+``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)`` on two gloo ranks
+(Lightning's launcher re-runs this script for rank 1, which skips the one-process fit):
+``configure_model`` ``parallelize_module``s every attention (``ColwiseParallel`` q/k/v,
+``RowwiseParallel`` o) on the ``tensor_parallel`` mesh and then ``fully_shard``s every layer and
+the model on the ``data_parallel`` one, so that the projections' parameters are DTensors on the
+1 x 2 mesh and the forward computes with their 1-D tensor-parallel DTensors. Every rank sees every
+batch, in order (one data-parallel rank; no distributed sampler: Lightning's shuffles a training
+set). Both fits train three SGD steps with the README's ``QKMonitor`` (per head, every step) and
+``QKClip`` (its bound below the sharpened heads' logits) and log to a ``TensorBoardLogger`` under
+``OUT_DIR/single`` and ``OUT_DIR/parallel``; each rank saves its warnings and (rank 0) the query and
+key weights after the fit, whole, to ``OUT_DIR/{single,parallel}_rank{R}.pt``.
 """
 
 import os
@@ -95,11 +95,18 @@ def fit(out_dir: str, kv_heads: int, parallel: bool) -> None:
         max_steps=3,
         default_root_dir=out_dir,
         logger=TensorBoardLogger(out_dir, name=name),
-        callbacks=[QKMonitor(every_n_steps=1, per_head=True), QKClip(tau=TAU, per_head=True)],
+        callbacks=[
+            # the rank engine deals `max_probe_sequences` over every rank as if each saw other
+            # data; tensor-parallel ranks see the same batch, so at 8 (2 ranks x the batch's 4)
+            # each measures the whole batch, as one process does
+            QKMonitor(every_n_steps=1, per_head=True, rank={"max_probe_sequences": 8}),
+            QKClip(tau=TAU, per_head=True),
+        ],
         log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
+        use_distributed_sampler=False,  # Lightning's would shuffle the training batches
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
