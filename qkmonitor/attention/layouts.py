@@ -287,17 +287,19 @@ class HeadShards:
         """This rank's query and key rows by head, written through in place.
 
         Raises:
-            ValueError: where the weights are not laid out as the forward computes with them
-                (FSDP2 over tensor parallelism: their rows would be read from a gathered copy,
-                which writing would lose).
+            ValueError: where this rank's local shard of a weight is not the rows it computes with
+                (:meth:`RowShard.in_place`; FSDP2 over tensor parallelism on several
+                data-parallel ranks: the rows would be a gathered copy, which a write would lose
+                and which an update would leave stale).
         """
         out = []
         for path, shard in ((q, self.q), (k, self.k)):
             weight, bias = projection(module, path)
             if shard is not None and not shard.in_place(weight):
                 raise ValueError(
-                    f"the rows of {path!r} this rank computes with are not laid out as in its "
-                    "forward (FSDP2 over tensor parallelism), so they are not read in place"
+                    f"this rank's shard of {path!r} is not the rows it computes with (FSDP2 over "
+                    "tensor parallelism on more than one data-parallel rank), so they are not "
+                    "read in place"
                 )
             local = shard.local if shard is not None else _replica
             rows = torch.arange(local(weight).shape[0]).view(-1, head_dim)

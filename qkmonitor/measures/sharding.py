@@ -15,6 +15,12 @@ Two ways a weight reaches qkmonitor sharded (``torch.distributed.tensor.DTensor`
   states in their one collective), the weights' values with :func:`gather_heads` (one collective
   a probe for every layer).
 
+- **FSDP2 over tensor parallelism** (Lightning's ``ModelParallelStrategy``): the parameters live
+  on the forward's mesh after FSDP2's data-parallel mesh dims. Where those split nothing on this
+  rank (one data-parallel rank, or replicated), the local shard is still this rank's rows, read
+  and written in place (:meth:`RowShard.in_place`); where they split them, the rows are read from
+  the whole weight, and nothing writes to them.
+
 A split that does not fall on head boundaries, or is uneven, is refused by name where it is seen.
 
 A parameter partitioned by a library that is not torch's (DeepSpeed ZeRO-3: ``ds_numel`` entries,
@@ -156,18 +162,40 @@ class RowShard:
         return HeadPlacement(self.index * local_heads, local_heads, self.ranks * local_heads)
 
     def in_place(self, weight: Tensor) -> bool:
-        """Whether ``weight`` is laid out as in the forward: its local shard is this rank's rows."""
-        return (
-            callable(getattr(weight, "to_local", None))
-            and weight.device_mesh == self.mesh
-            and tuple(weight.placements) == self.placements
+        """Whether ``weight``'s local shard is this rank's rows, in order, to read and write in
+        place: it is laid out as in the forward, or on the forward's mesh after data-parallel mesh
+        dims (FSDP2 over tensor parallelism) that split nothing on this rank (each of size 1, or
+        replicated)."""
+        extra = self._data_parallel_dims(weight)
+        return extra is not None and all(
+            weight.device_mesh.size(d) == 1 or weight.placements[d].is_replicate() for d in extra
         )
+
+    def _data_parallel_dims(self, weight: Tensor) -> range | None:
+        """The mesh dims of ``weight`` before the forward's: those FSDP2 adds over tensor
+        parallelism (none where it is laid out as in the forward); None where its mesh does not
+        end with the forward's mesh, laid out alike, around this rank."""
+        if not callable(getattr(weight, "to_local", None)):
+            return None
+        mesh, placements = weight.device_mesh, tuple(weight.placements)
+        if mesh == self.mesh and placements == self.placements:
+            return range(0)
+        extra = mesh.ndim - self.mesh.ndim
+        if extra < 0 or placements[extra:] != self.placements:
+            return None
+        coordinate = mesh.get_coordinate()
+        if coordinate is None or mesh.device_type != self.mesh.device_type:
+            return None
+        ranks = mesh.mesh[tuple(coordinate[:extra])]  # the forward's dims, around this rank
+        return range(extra) if torch.equal(ranks, self.mesh.mesh) else None
 
     def local(self, weight: Tensor) -> Tensor:
         """This rank's rows of ``weight`` (the parameter or its gradient as the module holds it
-        now), in ``nn.Linear`` order: the DTensor's local shard where it is laid out as in the
-        forward (tensor parallelism alone: no copy, written through in place), else the rows cut
-        from the whole tensor (FSDP2 over tensor parallelism: a collective, one layer at a time)."""
+        now), in ``nn.Linear`` order: the DTensor's local shard where that is them
+        (:meth:`in_place`: tensor parallelism alone, or FSDP2 over it with one data-parallel
+        rank; no copy, written through in place), else the rows cut from the whole tensor (FSDP2
+        over tensor parallelism on several data-parallel ranks: a copy, a collective, one layer at
+        a time)."""
         if self.in_place(weight):
             return weight.to_local()
         full = whole(weight)

@@ -1,0 +1,129 @@
+"""Which row shards are read and written in place (qkmonitor.measures.sharding.RowShard): the
+forward's tensor-parallel layout, and FSDP2 over it, whose parameters live on the forward's mesh
+after data-parallel mesh dims. Only the layouts are checked here, on torch's fake process group
+(one process posing as rank 0 of 2 or 4: no collective runs); the values, through Lightning and two
+gloo ranks, are tests/distributed/test_model_parallel.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qkmonitor.attention.layouts import HeadShards
+from qkmonitor.measures.sharding import HeadPlacement, RowShard
+
+ROWS, IN = 16, 3  # 4 heads of 4 rows, split over 2 tensor-parallel ranks: 8 rows a rank
+
+
+@pytest.fixture
+def mesh(request):
+    """A ``(data_parallel, tensor_parallel)`` mesh of ``request.param`` data-parallel ranks times
+    2 tensor-parallel ones, seen from rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dp = request.param
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * 2)
+    try:
+        yield init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _forward_shard(mesh) -> RowShard:
+    from torch.distributed.tensor import Shard
+
+    return RowShard(0, 2, ROWS, 0, mesh["tp"], (Shard(0),))
+
+
+def _dtensor(local: torch.Tensor, mesh, placements) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    shape = (ROWS, IN)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=(IN, 1))
+
+
+@pytest.mark.parametrize("mesh", [1], indirect=True)
+def test_the_forwards_layout_is_read_in_place(mesh):
+    from torch.distributed.tensor import Shard
+
+    shard = _forward_shard(mesh)
+    local = torch.arange(8 * IN, dtype=torch.float32).view(8, IN)
+    weight = _dtensor(local, mesh["tp"], (Shard(0),))
+    assert shard.in_place(weight)
+    assert shard.local(weight).data_ptr() == local.data_ptr()
+
+
+@pytest.mark.parametrize("mesh", [1], indirect=True)
+def test_fsdp2_over_tensor_parallelism_on_one_data_parallel_rank_is_read_in_place(mesh):
+    """FSDP2's parameter on the 1 x 2 mesh: its local shard is the rows the forward computes
+    with, so they are read, and written, in place (no gathered copy)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    shard = _forward_shard(mesh)
+    local = torch.arange(8 * IN, dtype=torch.float32).view(8, IN)
+    for dp_placement in (Shard(0), _StridedShard(0, split_factor=2)):
+        weight = _dtensor(local, mesh, (dp_placement, Shard(0)))
+        assert shard.in_place(weight), dp_placement
+        assert shard.local(weight).data_ptr() == local.data_ptr()
+
+
+@pytest.mark.parametrize("mesh", [2], indirect=True)
+def test_a_data_parallel_dim_that_splits_the_rows_is_not_in_place(mesh):
+    from torch.distributed.tensor import Replicate, Shard
+
+    shard = _forward_shard(mesh)
+    split = _dtensor(torch.zeros(4, IN), mesh, (Shard(0), Shard(0)))
+    assert not shard.in_place(split)  # rank 0 holds 4 of its 8 rows
+    replicated = _dtensor(torch.zeros(8, IN), mesh, (Replicate(), Shard(0)))
+    assert shard.in_place(replicated)  # HSDP's replicated dim: all 8 rows here
+
+
+@pytest.mark.parametrize("mesh", [1], indirect=True)
+def test_another_layout_is_not_in_place(mesh):
+    from torch.distributed.tensor import Replicate, Shard
+
+    shard = _forward_shard(mesh)
+    assert not shard.in_place(torch.zeros(ROWS, IN))  # a plain tensor
+    assert not shard.in_place(_dtensor(torch.zeros(ROWS, IN), mesh["tp"], (Replicate(),)))
+    assert not shard.in_place(_dtensor(torch.zeros(8, IN), mesh, (Shard(0), Replicate())))
+    # the forward's mesh dims, but the other way round (tensor-parallel dim first)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    swapped = init_device_mesh("cpu", (2, 1), mesh_dim_names=("tp", "dp"))
+    assert not shard.in_place(_dtensor(torch.zeros(8, IN), swapped, (Shard(0), Shard(0))))
+
+
+class _Attention(nn.Module):
+    def __init__(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(IN, ROWS, bias=False), nn.Linear(IN, ROWS, bias=False)
+        self.q_proj.weight, self.k_proj.weight = nn.Parameter(q), nn.Parameter(k)
+
+
+def _head_shards(mesh) -> HeadShards:
+    return HeadShards(_forward_shard(mesh), _forward_shard(mesh), HeadPlacement(0, 2, 4))
+
+
+@pytest.mark.parametrize("mesh", [1], indirect=True)
+def test_qk_clip_scales_the_local_rows_of_fsdp2_over_tensor_parallelism(mesh):
+    from torch.distributed.tensor import Shard
+
+    q_local, k_local = torch.ones(8, IN), torch.ones(8, IN)
+    module = _Attention(*(_dtensor(t, mesh, (Shard(0), Shard(0))) for t in (q_local, k_local)))
+    q, k = _head_shards(mesh).rows(module, "q_proj", "k_proj", head_dim=4)
+    q.scale(torch.tensor([1.0, 0.5], dtype=torch.float64))  # this rank's second head
+    assert q_local[:4].eq(1).all() and q_local[4:].eq(0.5).all()  # written through
+    assert k.weight.data_ptr() == k_local.data_ptr()
+
+
+@pytest.mark.parametrize("mesh", [2], indirect=True)
+def test_rows_split_over_data_parallel_ranks_are_refused_by_name(mesh):
+    from torch.distributed.tensor import Shard
+
+    halves = [_dtensor(torch.ones(4, IN), mesh, (Shard(0), Shard(0))) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"shard of 'q_proj' is not the rows it computes with"):
+        _head_shards(mesh).rows(_Attention(*halves), "q_proj", "k_proj", head_dim=4)
