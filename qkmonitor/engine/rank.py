@@ -41,6 +41,7 @@ from qkmonitor.measures.functional import (
     normalized_entropy,
 )
 from qkmonitor.measures.metrics import HeadMean
+from qkmonitor.measures.sharding import tensor_parallel_ranks
 from qkmonitor.output.tags import image_tag
 from qkmonitor.validation import check_non_negative_int, check_positive_int
 
@@ -118,7 +119,9 @@ class EffectiveRank(ActivationEngine):
 
     def _prepare(self, model: nn.Module) -> None:
         super()._prepare(model)
-        self._probe_sequences = _share_of_this_rank(self.max_probe_sequences)
+        self._probe_sequences = _share_of_this_rank(
+            self.max_probe_sequences, tensor_parallel_ranks(model)
+        )
         self.blocks = self._find_blocks(model)
         self._batch_first = [getattr(layer.module, "batch_first", True) for layer in self.layers]
         self._fit([layer.num_heads_hint for layer in self.layers])
@@ -317,13 +320,17 @@ class EffectiveRank(ActivationEngine):
             aggregate.update(block, kept)
 
 
-def _share_of_this_rank(total: int) -> int:
-    """This process's part of ``total`` probe sequences: ``total // W``, one more on the first
-    ``total % W`` ranks (all of it without a process group)."""
+def _share_of_this_rank(total: int, tensor_parallel: int = 1) -> int:
+    """This process's part of ``total`` probe sequences: ``total // R``, one more on the first
+    ``total % R`` replicas, over the R = W / ``tensor_parallel`` data-parallel replicas (the ranks
+    of one tensor-parallel group compute the same sequences, each for its heads: each measures
+    its replica's share); all of it without a process group."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return total
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return total // world + int(rank < total % world)
+    replicas = max(world // tensor_parallel, 1)
+    replica = rank * replicas // world  # the tensor-parallel groups are runs of ranks
+    return total // replicas + int(replica < total % replicas)
 
 
 def _attention_erank(probs: Tensor) -> tuple[Tensor]:

@@ -49,6 +49,7 @@ __all__ = [
     "partitioned",
     "row_shard",
     "stated_shape",
+    "tensor_parallel_ranks",
     "whole",
 ]
 
@@ -230,6 +231,35 @@ def row_shard(weight: object, dim: int = 0) -> RowShard | str | None:
             f"(this rank holds {local}), so its heads cannot be placed"
         )
     return RowShard(index, ranks, rows, dim, mesh, tuple(placements))
+
+
+def tensor_parallel_ranks(model: nn.Module) -> int:
+    """How many ranks compute the same sequences, each for part of the heads: the largest row
+    split over the mesh dims of tensor parallelism among the model's DTensor weights; 1 without
+    any. A module under FSDP2 (``fully_shard``) has its first mesh dim for the data-parallel
+    shards, which are not tensor parallelism. Read before a forward (the forward shows the split
+    itself: :func:`row_shard`)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before FSDP2's public name
+        FSDPModule = ()
+    largest = 1
+    for module in model.modules():
+        fsdp = isinstance(module, FSDPModule)
+        for weight in module.parameters(recurse=False):
+            placements = getattr(weight, "placements", None)
+            if placements is None or weight.dim() != 2:
+                continue
+            split = 1
+            for mesh_dim, placement in enumerate(placements):
+                if fsdp and mesh_dim == 0 and weight.device_mesh.ndim > 1:
+                    continue  # FSDP2's shards over tensor parallelism
+                if type(placement).__name__ == "Shard" and placement.dim == 0:
+                    split *= weight.device_mesh.size(mesh_dim)
+            if fsdp and weight.device_mesh.ndim == 1:
+                split = 1  # FSDP2 alone: data-parallel shards
+            largest = max(largest, split)
+    return largest
 
 
 def gather_heads(parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]]) -> list[list[Tensor]]:

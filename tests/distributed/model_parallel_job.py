@@ -25,10 +25,14 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from tensor_parallel_job import TAU, VOCAB, Model
 from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor import QKMonitor
+
+try:  # imported by the test run's module collection
+    from .tensor_parallel_job import TAU, VOCAB, Model
+except ImportError:  # run as the job script
+    from tensor_parallel_job import TAU, VOCAB, Model
 from qkmonitor.callbacks import QKClip
 
 T = 8
@@ -96,10 +100,9 @@ def fit(out_dir: str, kv_heads: int, parallel: bool) -> None:
         default_root_dir=out_dir,
         logger=TensorBoardLogger(out_dir, name=name),
         callbacks=[
-            # the rank engine deals `max_probe_sequences` over every rank as if each saw other
-            # data; tensor-parallel ranks see the same batch, so at 8 (2 ranks x the batch's 4)
-            # each measures the whole batch, as one process does
-            QKMonitor(every_n_steps=1, per_head=True, rank={"max_probe_sequences": 8}),
+            # the rank engine's default 4 probe sequences: the whole batch, on each of the
+            # tensor-parallel ranks (one data-parallel replica), as in one process
+            QKMonitor(every_n_steps=1, per_head=True),
             QKClip(tau=TAU, per_head=True),
         ],
         log_every_n_steps=1,

@@ -98,7 +98,10 @@ def train(model: Model, tokens, parallel: bool) -> dict:
     engines = {
         "spectrum": QKSpectrum(per_head=True),
         "entropy": AttentionEntropy(per_head=True, sink_tokens=2),
-        "rank": EffectiveRank(per_head=True, max_probe_sequences=8),
+        # 4 probe sequences (the batch) measured as one process measures them: the unsharded run
+        # is in the 2-rank group too, where the engine deals 8 as 4 + 4 over two data-parallel
+        # ranks; the tensor-parallel ranks are one replica, and each measures the 4
+        "rank": EffectiveRank(per_head=True, max_probe_sequences=4 if parallel else 8),
         "clip": QKClip(tau=TAU, per_head=True),
     }
     sink = MemorySink() if dist.get_rank() == 0 else None  # the user's choice: rank 0 writes
