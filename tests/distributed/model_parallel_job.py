@@ -28,12 +28,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor import QKMonitor
+from qkmonitor.callbacks import QKClip
 
 try:  # imported by the test run's module collection
     from .tensor_parallel_job import TAU, VOCAB, Model
 except ImportError:  # run as the job script
     from tensor_parallel_job import TAU, VOCAB, Model
-from qkmonitor.callbacks import QKClip
 
 T = 8
 
