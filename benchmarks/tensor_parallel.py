@@ -1,0 +1,480 @@
+"""What a probe costs each rank under tensor parallelism, against one process's probe of the same
+heads, side by side (issue 42, item 5).
+
+Two gloo ranks on the CPU (one torch thread each) train a LLaMA-style decoder (RMSNorm, rotary
+embeddings, causal SDPA, SwiGLU MLP; 4 layers, d = 256, 8 heads of 32, 128 tokens a sequence,
+batch 4 by default) in a plain loop. Four arms, two at a time, step for step:
+
+- **TP phase** (a process group over the two ranks): two copies of the model, parallelized
+  (``ColwiseParallel`` on q_proj, k_proj, v_proj and the MLP's gate and up projections,
+  ``RowwiseParallel`` on o_proj and down), so that each rank computes H / 2 of the heads: (a) no
+  monitor, (b) QKSpectrum, AttentionEntropy and EffectiveRank at their defaults with
+  ``per_head=True``, through :class:`~qkmonitor.engine.Monitoring` at ``every_n_steps=1`` (every
+  step is a probe: the activation engines measure its forward, the spectrum reads the weights
+  after its update).
+- **local phase** (no process group: ``torch.distributed`` is not initialized): the reference,
+  one process's probe of the same local heads. Two copies of the model one rank computes (H / 2
+  heads of the same width, half the MLP), unparallelized: (c) the same monitors, (d) none. Both
+  ranks run it at the same time, each on its own, so that the machine is as loaded as in the TP
+  phase.
+
+The arms of a phase step alternately (which one first alternates too), on the same batches, and
+each step of one is paired with the same step of the other. A round is one TP phase and one local
+phase (their order alternates over rounds); models and ``Monitoring`` are built anew in each
+phase, and its first ``--warmup`` steps (discovery, layout checks, first calls) are left out.
+There is no writer (``writer=None``): a probe is the measuring, the reduction across ranks and the
+alert rules, not the logging, which under TP only rank 0 would do.
+
+EffectiveRank's ``max_probe_sequences`` is a total over the ranks (rank r of W measures its share
+of its first sequences: distinct sequences under DDP). Under TP every rank holds the same batch,
+so at the default of 4 each rank measures 2 of the batch's 4 sequences, where one process measures
+4: half the work, and values that differ from one process's. ``--max-probe-sequences 8`` (the
+distributed test's setting) gives every rank the whole batch of 4 and one process the same 4: the
+same work and values, the like-for-like comparison.
+
+Printed per rank, medians over rounds of each phase's median paired difference: the probe's cost
+per step under TP, (b) − (a), and one process's, (c) − (d), in wall time and in the process's CPU
+time (``time.process_time``: all its threads, gloo's and qkmonitor's included), and their ratio.
+Then the collectives a step makes under TP, counted on ``--count-steps`` extra steps of each arm
+at the dispatcher (a ``TorchDispatchMode`` that sees every ``c10d`` and ``_c10d_functional`` op:
+``torch.distributed``'s calls and DTensor's): per step, in the unmonitored arm (TP's own, in the
+forward and backward), in the monitored arm, and of those the ones made with qkmonitor on the
+Python stack (its own; the difference of the two arms should be the same).
+
+Usage::
+
+    python benchmarks/tensor_parallel.py                  # 3 rounds x 12 steps an arm
+    python benchmarks/tensor_parallel.py --max-probe-sequences 8   # the same work per head
+    python benchmarks/tensor_parallel.py --rounds 5 --steps 20 --json tp.json
+    python benchmarks/tensor_parallel.py --profile DIR    # cProfile (CPU time), monitored arms
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+
+WORLD = 2
+VOCAB = 512
+
+
+@dataclass(frozen=True)
+class Size:
+    """The model and batch (``heads`` and ``hidden`` over all ranks)."""
+
+    layers: int
+    d_model: int
+    heads: int
+    head_dim: int
+    hidden: int
+    seq_len: int
+    batch: int
+
+
+# -- the model: LLaMA-style, its head count read from the projections' output (as under TP) -----
+
+
+def rope(x: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half) of ``(B, H, N, D)`` heads at positions 0..N-1."""
+    half = x.shape[-1] // 2
+    positions = torch.arange(x.shape[-2], dtype=torch.float32)
+    angle = positions[:, None] * 10000.0 ** (-torch.arange(half) / half)  # (N, D/2)
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(d_model, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1: the heads this rank computes (all of them in one process)
+        q = rope(self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))  # (B, H, N, D)
+        k = rope(self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, size: Size, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(size.d_model)
+        self.attn = Attention(size.d_model, heads, size.head_dim)
+        self.mlp_norm = nn.RMSNorm(size.d_model)
+        self.mlp = MLP(size.d_model, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self, size: Size, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, size.d_model)
+        self.layers = nn.ModuleList([Block(size, heads, hidden) for _ in range(size.layers)])
+        self.norm = nn.RMSNorm(size.d_model)
+        self.head = nn.Linear(size.d_model, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def parallelize(model: Model) -> None:
+    """Tensor parallelism over every rank: attention and MLP split by output features, then
+    input features."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = {
+        **{f"attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+        "attn.o_proj": RowwiseParallel(),
+        **{f"mlp.{p}": ColwiseParallel() for p in ("gate", "up")},
+        "mlp.down": RowwiseParallel(),
+    }
+    for layer in model.layers:
+        parallelize_module(layer, mesh, plan)
+
+
+# -- counting the collectives -------------------------------------------------------------------
+
+#: dispatcher ops of those namespaces that move no data
+_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collective ops dispatched while it is entered (``torch.distributed``'s
+    ``c10d.*`` and DTensor's ``_c10d_functional.*``), by op and by the innermost Python frame
+    outside torch that led to it (``file:function``): qkmonitor's own calls, or the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[tuple[str, str]] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional") and func._opname not in _NOT_COLLECTIVES:
+            torch_dir = os.path.dirname(torch.__file__)
+            stack = traceback.extract_stack()[:-1]  # without this frame
+            caller = next(f for f in reversed(stack) if not f.filename.startswith(torch_dir))
+            parts = Path(caller.filename).parts
+            path = "/".join(
+                parts[parts.index("qkmonitor") :] if "qkmonitor" in parts else parts[-1:]
+            )
+            place = f"{path}:{caller.name}"
+            self.calls[func._opname, place] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# -- one phase ----------------------------------------------------------------------------------
+
+
+def engines(max_probe_sequences: int | None) -> list:
+    """The three engines at their defaults, per head (EffectiveRank's ``max_probe_sequences``
+    given where it is not None)."""
+    rank = {} if max_probe_sequences is None else {"max_probe_sequences": max_probe_sequences}
+    return [
+        QKSpectrum(per_head=True),
+        AttentionEntropy(per_head=True),
+        EffectiveRank(per_head=True, **rank),
+    ]
+
+
+class Arm:
+    """One copy of the model, its optimizer and (the monitored arm) its ``Monitoring``."""
+
+    def __init__(self, model: Model, monitored: bool, max_probe_sequences: int | None) -> None:
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.monitoring = (
+            Monitoring(
+                model, engines(max_probe_sequences), every_n_steps=1, optimizer=self.optimizer
+            )
+            if monitored
+            else None
+        )
+        self.steps = 0
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def step(self, tokens: torch.Tensor, timed: bool = True) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        probe = self.monitoring.step(self.steps) if self.monitoring else nullcontext()
+        with probe:
+            logits = self.model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        if timed:
+            self.cpu.append(time.process_time() - cpu)
+            self.wall.append(time.perf_counter() - wall)
+        self.steps += 1
+
+    def close(self) -> None:
+        if self.monitoring is not None:
+            self.monitoring.close()
+
+
+def run_phase(args, size: Size, parallel: bool, count: bool, profile: Path | None) -> dict:
+    """Trains the plain and the monitored copy step for step; returns the per-step excess of the
+    monitored one (its time less the plain one's, step by step, after the warm-up) and each arm's
+    median step, in wall and CPU seconds, and with ``count`` the collectives a step of each arm
+    makes."""
+    # TP: the whole model, split by parallelize; local: the part one rank computes
+    split = 1 if parallel else WORLD
+    heads, hidden = size.heads // split, size.hidden // split
+    arms = []
+    for monitored in (False, True):
+        torch.manual_seed(0)
+        model = Model(size, heads, hidden)
+        if parallel:
+            parallelize(model)
+        arms.append(Arm(model, monitored, args.max_probe_sequences))
+    plain, probed = arms
+    batches = torch.randint(
+        0, VOCAB, (4, size.batch, size.seq_len + 1), generator=torch.Generator().manual_seed(1)
+    )
+    profiler = cProfile.Profile(time.process_time) if profile else None  # CPU time
+    try:
+        for i in range(args.warmup + args.steps):
+            tokens = batches[i % len(batches)]
+            for arm in (plain, probed) if i % 2 == 0 else (probed, plain):
+                timed = i >= args.warmup
+                if profiler and arm is probed and timed:
+                    profiler.enable()
+                arm.step(tokens, timed)
+                if profiler and arm is probed and timed:
+                    profiler.disable()
+        counts = {}
+        if count:
+            for name, arm in (("plain", plain), ("monitored", probed)):
+                counter = CollectiveCounter()
+                with counter:
+                    for i in range(args.count_steps):
+                        arm.step(batches[i % len(batches)], timed=False)
+                counts[name] = [
+                    [op, place, n / args.count_steps] for (op, place), n in counter.calls.items()
+                ]
+    finally:
+        for arm in arms:
+            arm.close()
+    if profiler:
+        profiler.dump_stats(profile)
+    return {
+        "cost_wall": statistics.median(b - a for a, b in zip(plain.wall, probed.wall)),
+        "cost_cpu": statistics.median(b - a for a, b in zip(plain.cpu, probed.cpu)),
+        "plain_wall": statistics.median(plain.wall),
+        "plain_cpu": statistics.median(plain.cpu),
+        "counts": counts,
+    }
+
+
+def rank_main(rank: int, args, store_dir: str) -> None:
+    """One rank: ``--rounds`` rounds of a TP phase and a local phase; saves its figures to
+    ``store_dir/rank_RANK.json``."""
+    torch.set_num_threads(1)
+    size = Size(args.layers, args.d_model, args.heads, args.head_dim, args.hidden, args.seq_len,
+                args.batch)  # fmt: skip
+    phases: dict[str, list[dict]] = {"tp": [], "local": []}
+    for r in range(args.rounds):
+        for name in ("tp", "local") if r % 2 == 0 else ("local", "tp"):
+            profile = (
+                Path(args.profile) / f"{name}_rank{rank}_round{r}.prof" if args.profile else None
+            )
+            if name == "tp":
+                dist.init_process_group("gloo", init_method=f"file://{store_dir}/store_{r}",
+                                        rank=rank, world_size=WORLD)  # fmt: skip
+                try:
+                    phases[name].append(run_phase(args, size, True, r == 0, profile))
+                finally:
+                    dist.destroy_process_group()
+            else:
+                phases[name].append(run_phase(args, size, False, r == 0, profile))
+    Path(store_dir, f"rank_{rank}.json").write_text(json.dumps(phases))
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def figures(phases: dict[str, list[dict]]) -> dict[str, float | list[float]]:
+    """Medians over rounds, and the ratios of TP's probe cost to one process's (of the medians,
+    and round by round)."""
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(p[key] for p in phases[name])
+
+    out: dict[str, float | list[float]] = {
+        f"{n}_{k}": med(n, k)
+        for n in ("tp", "local")
+        for k in ("cost_wall", "cost_cpu", "plain_wall", "plain_cpu")
+    }
+    for clock in ("wall", "cpu"):
+        out[f"ratio_{clock}"] = out[f"tp_cost_{clock}"] / out[f"local_cost_{clock}"]
+        out[f"ratio_{clock}_rounds"] = [
+            t[f"cost_{clock}"] / lo[f"cost_{clock}"] for t, lo in zip(phases["tp"], phases["local"])
+        ]
+    return out
+
+
+def report(args, size: Size, ranks: list[dict], seconds: float) -> dict:
+    """Prints the machine, the model, the table of figures per rank and the collectives."""
+    rank_option = (
+        ""
+        if args.max_probe_sequences is None
+        else f", max_probe_sequences={args.max_probe_sequences}"
+    )
+    print(
+        f"\n{datetime.date.today()}, {platform.node() or 'host'}: {os.cpu_count()} CPUs "
+        f"(nproc {len(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.1f}), "
+        f"torch {torch.__version__}, gloo, {WORLD} ranks x 1 thread; {args.rounds} rounds x "
+        f"{args.steps} steps an arm (+{args.warmup} warm-up); {seconds:.0f} s in all"
+    )
+    print(
+        f"model: {size.layers} layers, d {size.d_model}, {size.heads} heads of {size.head_dim} "
+        f"({size.heads // WORLD} a rank), MLP {size.hidden}, sequence {size.seq_len}, "
+        f"batch {size.batch}; QKSpectrum, AttentionEntropy, EffectiveRank (per_head{rank_option}), "
+        "every_n_steps=1, no writer; medians over rounds\n"
+    )
+    rows = [figures(phases) for phases in ranks]
+    print("| rank | plain step, TP / local | probe, TP (b − a) | probe, local heads (c − d) | "
+          "ratio, wall | ratio, CPU | by round, wall / CPU |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for rank, f in enumerate(rows):
+        by_round = ", ".join(
+            f"{w:.2f} / {c:.2f}" for w, c in zip(f["ratio_wall_rounds"], f["ratio_cpu_rounds"])
+        )
+        print(
+            f"| {rank} | {f['tp_plain_wall'] * 1e3:.0f} / {f['local_plain_wall'] * 1e3:.0f} ms "
+            f"(CPU {f['tp_plain_cpu'] * 1e3:.0f} / {f['local_plain_cpu'] * 1e3:.0f}) "
+            f"| {f['tp_cost_wall'] * 1e3:.1f} ms (CPU {f['tp_cost_cpu'] * 1e3:.1f}) "
+            f"| {f['local_cost_wall'] * 1e3:.1f} ms (CPU {f['local_cost_cpu'] * 1e3:.1f}) "
+            f"| **{f['ratio_wall']:.2f}** | **{f['ratio_cpu']:.2f}** | {by_round} |"
+        )
+    print_counts(ranks[0]["tp"][0]["counts"], ranks[0]["local"][0]["counts"])
+    return {"size": asdict(size), "ranks": rows, "raw": ranks}
+
+
+def print_counts(tp: dict[str, list], local: dict[str, list]) -> None:
+    """The collectives a step makes under TP, by op, in each arm; the difference; and those whose
+    innermost caller outside torch is qkmonitor's code."""
+
+    def by_op(rows: list) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for op, _, n in rows:
+            out[op] += n
+        return out
+
+    plain, monitored = by_op(tp["plain"]), by_op(tp["monitored"])
+    added = {
+        op: monitored[op] - plain[op] for op in monitored | plain if monitored[op] != plain[op]
+    }
+    print("\ncollectives a step under TP (rank 0, counted at the dispatcher):")
+    print(f"  no monitor: {sum(plain.values()):g} {dict(plain)}")
+    print(f"  monitored:  {sum(monitored.values()):g} {dict(monitored)}")
+    print(f"  added by the monitors: {sum(added.values()):g} a probe step {added}")
+    for op, place, n in sorted(tp["monitored"], key=lambda row: row[1]):
+        if place.startswith("qkmonitor/"):
+            passed = " (the model's own call, passed through)" if op in plain else ""
+            print(f"    {n:g} {op} called from {place}{passed}")
+    print(
+        f"  one process (no process group), monitored: {sum(by_op(local['monitored']).values()):g}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps an arm in a phase")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--count-steps", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=512, help="the MLP's width, all ranks")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument(
+        "--max-probe-sequences",
+        type=int,
+        help="EffectiveRank's (a total over the ranks; its default where not given)",
+    )
+    parser.add_argument("--profile", help="a folder for cProfile stats of the monitored steps")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    if args.heads % WORLD or args.hidden % WORLD:
+        parser.error(f"`--heads` and `--hidden` must be multiples of {WORLD}")
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    size = Size(args.layers, args.d_model, args.heads, args.head_dim, args.hidden, args.seq_len,
+                args.batch)  # fmt: skip
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as store_dir:
+        # rank 1 in a spawned process, rank 0 in this one
+        other = mp.get_context("spawn").Process(target=rank_main, args=(1, args, store_dir))
+        other.start()
+        try:
+            rank_main(0, args, store_dir)
+        finally:
+            other.join(timeout=600)
+        if other.exitcode != 0:
+            raise SystemExit(f"rank 1 failed (exit code {other.exitcode})")
+        ranks = [json.loads(Path(store_dir, f"rank_{r}.json").read_text()) for r in range(WORLD)]
+    result = report(args, size, ranks, time.perf_counter() - start)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
