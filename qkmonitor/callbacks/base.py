@@ -336,20 +336,22 @@ class AttentionMonitor(Callback):
     ) -> None:
         # a failed step or Ctrl+C (Lightning calls this for both): the window of the failed step
         # is closed unlogged, and the last completed probe is drawn, as at a normal end
-        self._end_run(trainer)
+        self._end_run(trainer, completed=False)
 
-    def _end_run(self, trainer: pl.Trainer) -> None:
+    def _end_run(self, trainer: pl.Trainer, *, completed: bool) -> None:
         """Close a window left open (unlogged), write the scalars held, draw the last probe's
-        visuals if it drew none, take out the switches and wait for the visuals to be written."""
+        visuals if it drew none, take out the switches and wait for the visuals to be written;
+        ``completed``: the fit ended on every rank (what waits to cross the ranks is logged)."""
         host = self._host(trainer)
-        self._group.end(host)
+        self._group.end(host, completed=completed)
         monitors = _monitors(trainer)
         if trainer.is_global_zero and monitors[-1] is self:  # after every monitor's last write
             report_write_faults(host, host.sinks())  # how many writes were lost, once per logger
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._end_run(trainer)  # a probed batch that never ended (e.g. skipped) is closed too
+        # a probed batch that never ended (e.g. skipped) is closed too
+        self._end_run(trainer, completed=True)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -99,15 +99,29 @@ def finish_windows(
         for step in [engine.window_step]
     ]
     closed = [(engine, window) for engine, window in windows if window is not None]
+    # the reads whose heads are split across ranks cross them in the same collective
+    reads = [(engine, step, parts) for engine in beside for step, parts in engine.exchange_parts()]
     try:
-        reduce_across_ranks([m for engine, _ in closed for m in engine.aggregators()])
+        merged = reduce_across_ranks(
+            [m for engine, _ in closed for m in engine.aggregators()],
+            [part for _, _, parts in reads for part in parts],
+        )
     except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
         for engine, window in closed:
             engine.discard()
             engine.warn_failure(host, "reducing across processes", window.step, err)
+        for engine, step, _ in reads:
+            engine.drop_exchanges()
+            engine.warn_failure(host, "exchanging the heads across processes", step, err)
         return
+    completions = []
+    for engine, step, parts in reads:  # a step's weights before its activations
+        mine, merged = merged[: len(parts)], merged[len(parts) :]
+        completions.append((step, 0, engine, partial(engine.complete_exchange, host, step, mine)))
     for engine, window in closed:
-        guarded(host, engine, "computing", window.step, partial(engine.complete, host, window))
+        completions.append((window.step, 1, engine, partial(engine.complete, host, window)))
+    for step, _, engine, complete in sorted(completions, key=lambda c: c[:2]):
+        guarded(host, engine, "computing", step, complete)
 
 
 class MonitorEngine:
@@ -479,6 +493,18 @@ class MonitorEngine:
 
     def finish(self, host: Host) -> None:
         """Close the open probes and log what they measured."""
+
+    def exchange_parts(self) -> list[tuple[int, list]]:
+        """Values that wait to cross the ranks before they are logged, ``(step, parts)`` each
+        (:func:`~qkmonitor.measures.sharding.gather_heads`' parts): the weights' values of heads
+        split across ranks (:meth:`QKSpectrum.exchange_parts`); none by default."""
+        return []
+
+    def complete_exchange(self, host: Host, step: int, merged: list) -> None:
+        """Log the values of ``step`` that waited for the exchange, every rank's merged in."""
+
+    def drop_exchanges(self) -> None:
+        """Forget the values waiting for the exchange (the ranks may not meet again)."""
 
     def close_window(self, host: Host) -> Window | None:
         """Close the open window and hold what it measured until the aggregators of every engine

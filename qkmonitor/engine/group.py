@@ -200,12 +200,18 @@ class EngineGroup:
         for engine in self.engines:
             guarded(host or Host(), engine, "closing the probes", None, engine.abort)
 
-    def end(self, host: Host) -> None:
-        """A run's end, on success or failure: close a window left open (unlogged), write the
-        scalars held, draw the last probe's visuals where it drew none, take out the switches and
-        wait for the visuals to be written."""
+    def end(self, host: Host, *, completed: bool = False) -> None:
+        """A run's end, on success or failure: close a window left open (unlogged), log the
+        weights' values still waiting to cross the ranks where the run ``completed`` (every rank
+        is here; after a failure they are dropped), write the scalars held, draw the last probe's
+        visuals where it drew none, take out the switches and wait for the visuals to be
+        written."""
         try:
             self.abort(host)
+            if completed:
+                finish_windows(host, [], self.engines)
+            for engine in self.engines:
+                engine.drop_exchanges()
             self.scalars.flush(host)
             for engine in self.engines:
                 guarded(

@@ -14,6 +14,7 @@ Per head h, over the singular values :math:`\sigma_i` and eigenvalues :math:`\la
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -38,6 +39,7 @@ from qkmonitor.measures.layer_spectra import (
 from qkmonitor.measures.sharding import (
     HeadPlacement,
     PartitionedWeightError,
+    distributed,
     gather_heads,
     gathered,
 )
@@ -80,10 +82,11 @@ class QKSpectrum(MonitorEngine):
         self._snapshot: UpdateSnapshot | None = None  # the heads before the update of a probe
         self._updates_seen = False  # whether a driver has announced an update this run
         self._told_no_updates = False  # whether the run was told the update metrics are off
+        self._exchanges: list[_Read] = []  # reads waiting for the heads of the other ranks
 
     def _prepare(self, model: nn.Module) -> None:
         self.abort()
-        self._pending = None
+        self._pending, self._exchanges = None, []
         self._layouts_waiting = True
         self._snapshot, self._updates_seen, self._told_no_updates = None, False, False
         blind = [layer.name for layer in self.layers if not layer.supports_weights]
@@ -338,15 +341,43 @@ class QKSpectrum(MonitorEngine):
                 if values[name][i].shape != kappa.shape and bool(undefined[name][i].all()):
                     values[name][i] = torch.full(kappa.shape, float("nan"))
                     undefined[name][i] = torch.ones(kappa.shape, dtype=torch.bool)
-        _gather_split_heads(self.layers, spectra, values, undefined)
+        read = _Read(step, spectra, values, undefined, _split_layers(self.layers))
+        if read.split and distributed():  # every head's values wait for the ranks' exchange
+            self._exchanges.append(read)
+            return
+        self._record(host, read, gather_heads(read.parts()))
+
+    def _record(self, host: Host, read: _Read, merged: list[list[Tensor]]) -> None:
+        read.merge(merged)
+        spectra, values = read.spectra, read.values
         histograms = partial(self._histograms, spectra.singular_values)  # made when drawn
         self.record(
             host,
             {**spectra.metrics, **{m: [v.float() for v in values[m]] for m in UPDATE_METRICS}},
-            step,
-            undefined={**spectra.undefined, **undefined},
+            read.step,
+            undefined={**spectra.undefined, **read.undefined},
             histograms=histograms,
         )
+
+    # -- heads split across ranks ----------------------------------------------------------------
+
+    def exchange_parts(self) -> list[tuple[int, list]]:
+        """The reads whose layers' heads are split across ranks (tensor parallelism), waiting for
+        every head's values from the rank that computes it: ``(step, this rank's parts)`` each, in
+        the order read. The driver exchanges them in the collective that reduces the activation
+        monitors' sums (:func:`~qkmonitor.engine.base.finish_windows`): one a probe for all."""
+        return [(read.step, read.parts()) for read in self._exchanges]
+
+    def complete_exchange(self, host: Host, step: int, merged: list[list[Tensor]]) -> None:
+        """Log the read of ``step`` with every head's values (``merged``, as
+        :func:`~qkmonitor.measures.sharding.gather_heads` gives them)."""
+        index = next(i for i, read in enumerate(self._exchanges) if read.step == step)
+        self._record(host, self._exchanges.pop(index), merged)
+
+    def drop_exchanges(self) -> None:
+        """Forget the reads waiting for the exchange (a run that ends in a failure: the ranks
+        may not meet again)."""
+        self._exchanges = []
 
     def _histograms(self, singular_values: list[Tensor]) -> dict[str, Tensor]:
         out = {}
@@ -395,28 +426,44 @@ def _merged(layers: list[AttentionLayer], *parts: dict[int, tuple]) -> LayerSpec
     return out
 
 
-def _gather_split_heads(
-    layers: list[AttentionLayer], spectra: LayerSpectra, values: dict, undefined: dict
-) -> None:
-    """Every head's values of the layers whose heads are split across ranks (tensor
-    parallelism), each measured on the rank that computes it, in place of this rank's part: one
-    collective for every such layer (:func:`~qkmonitor.measures.sharding.gather_heads`). Every
-    rank calls it at the same read."""
+def _split_layers(layers: list[AttentionLayer]) -> list[tuple[int, HeadPlacement]]:
+    """``(index, placement)`` of the layers whose heads are split across ranks."""
     split = [(i, layer.head_placement) for i, layer in enumerate(layers)]
-    split = [(i, p) for i, p in split if p is not None]
-    if not split:
-        return
-    tables = [
-        *(spectra.metrics[m] for m in SPECTRUM_METRICS),
-        *(spectra.undefined[m] for m in SPECTRUM_METRICS),
-        spectra.singular_values,
-        *(values[m] for m in UPDATE_METRICS),
-        *(undefined[m] for m in UPDATE_METRICS),
-    ]
-    parts = [(p, [_own_heads(table[i], p) for table in tables]) for i, p in split]
-    for (i, _), merged in zip(split, gather_heads(parts)):
-        for table, tensor in zip(tables, merged):
-            table[i] = tensor
+    return [(i, p) for i, p in split if p is not None]
+
+
+@dataclass
+class _Read:
+    """One read of the weights: its values by layer, this rank's part of the layers whose heads
+    are split across ranks (``split``) until every head's are merged in (:meth:`merge`)."""
+
+    step: int
+    spectra: LayerSpectra
+    values: dict
+    undefined: dict
+    split: list[tuple[int, HeadPlacement]]
+
+    def _tables(self) -> list[list[Tensor]]:
+        spectra = self.spectra
+        return [
+            *(spectra.metrics[m] for m in SPECTRUM_METRICS),
+            *(spectra.undefined[m] for m in SPECTRUM_METRICS),
+            spectra.singular_values,
+            *(self.values[m] for m in UPDATE_METRICS),
+            *(self.undefined[m] for m in UPDATE_METRICS),
+        ]
+
+    def parts(self) -> list[tuple[HeadPlacement, list[Tensor]]]:
+        """This rank's heads of each split layer, for the exchange."""
+        tables = self._tables()
+        return [(p, [_own_heads(table[i], p) for table in tables]) for i, p in self.split]
+
+    def merge(self, merged: list[list[Tensor]]) -> None:
+        """Every head's values of each split layer in place of this rank's part."""
+        tables = self._tables()
+        for (i, _), layer in zip(self.split, merged):
+            for table, tensor in zip(tables, layer):
+                table[i] = tensor
 
 
 def _own_heads(values: Tensor, placement: HeadPlacement) -> Tensor:

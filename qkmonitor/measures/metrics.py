@@ -30,6 +30,13 @@ from torchmetrics import Metric
 
 from qkmonitor.kernels import AttentionStats
 from qkmonitor.measures.functional import normalized_entropy
+from qkmonitor.measures.sharding import (
+    HeadPlacement,
+    collective_device,
+    distributed,
+    pack_heads,
+    unpack_heads,
+)
 from qkmonitor.validation import check_positive_int
 
 __all__ = ["AttentionStatistics", "HeadMean", "OutputLogits", "logit_sums", "reduce_across_ranks"]
@@ -290,25 +297,36 @@ def _combine_vocabulary(lse: Tensor, largest: Tensor, group) -> tuple[Tensor, Te
     return torch.logsumexp(stacked[:, :-1], dim=0), stacked[:, -1:].amax(0)
 
 
-def reduce_across_ranks(metrics: Sequence[_PerHeadMetric]) -> None:
+def reduce_across_ranks(
+    metrics: Sequence[_PerHeadMetric],
+    heads: Sequence[tuple[HeadPlacement, Sequence[Tensor]]] = (),
+) -> list[list[Tensor]]:
     """Reduce the states of ``metrics`` over the processes in place, all of them in one
     collective: each process's states side by side in one float64 vector, one ``all_gather``, then
     per state the sum over processes (the max for :attr:`~_PerHeadMetric.max_states`). Build such
     metrics with ``sync_on_compute=False``: ``compute()`` then reads the reduced states, where
     torchmetrics' own sync would gather each state apart (two collectives a state). Nothing is done
     without an initialised process group of more than one process. Every process must call it
-    with the same metrics, of the same sizes."""
-    if not metrics or not (dist.is_available() and dist.is_initialized()):
-        return
+    with the same metrics, of the same sizes.
+
+    ``heads``: the per-head values of layers whose heads are split across ranks (tensor
+    parallelism), in the same collective (:func:`~qkmonitor.measures.sharding.gather_heads`).
+
+    Returns:
+        ``heads`` merged: per layer, its tensors of every head.
+    """
+    if not distributed() or not (metrics or heads):
+        return unpack_heads(heads, pack_heads(heads)[None])
     world = dist.get_world_size()
-    if world == 1:
-        return
     states = [(m, name) for m in metrics for name in m._defaults]
-    device = getattr(metrics[0], states[0][1]).device
-    flat = torch.cat([getattr(m, name).reshape(-1).to(device, torch.float64) for m, name in states])
+    device = getattr(metrics[0], states[0][1]).device if states else collective_device()
+    packed = pack_heads(heads).to(device)
+    flat = torch.cat(
+        [*(getattr(m, name).reshape(-1).to(device, torch.float64) for m, name in states), packed]
+    )
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
-    stacked = torch.stack(gathered)  # (world, every state's slots)
+    stacked = torch.stack(gathered)  # (world, every state's slots, then the heads)
     start = 0
     for m, name in states:
         state = getattr(m, name)
@@ -316,3 +334,4 @@ def reduce_across_ranks(metrics: Sequence[_PerHeadMetric]) -> None:
         start += state.numel()
         reduced = part.amax(0) if name in m.max_states else part.sum(0)
         setattr(m, name, reduced.reshape(state.shape).to(state.device, state.dtype))
+    return unpack_heads(heads, stacked[:, start:].cpu())

@@ -43,13 +43,17 @@ __all__ = [
     "HeadPlacement",
     "PartitionedWeightError",
     "RowShard",
+    "collective_device",
+    "distributed",
     "gather_heads",
     "gathered",
     "is_dtensor",
+    "pack_heads",
     "partitioned",
     "row_shard",
     "stated_shape",
     "tensor_parallel_ranks",
+    "unpack_heads",
     "whole",
 ]
 
@@ -264,34 +268,51 @@ def tensor_parallel_ranks(model: nn.Module) -> int:
 
 def gather_heads(parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]]) -> list[list[Tensor]]:
     """Every head's values of layers whose heads are split across ranks, from the rank that
-    computes each, in one ``all_gather`` for all of them.
+    computes each, in one ``all_gather`` for all of them (none without a process group of more
+    than one process: this rank's heads placed, the others NaN).
 
     Args:
         parts: per layer, this rank's placement and its tensors, each ``(count, ...)`` (float,
             bool); every rank passes the same layers with tensors of the same shapes.
 
     Returns:
-        Per layer, its tensors ``(total, ...)`` in the given dtypes and on the CPU. A head no rank
-        holds (none, for a placement from an even split) is NaN (False for bool).
+        Per layer, its tensors ``(total, ...)`` in the given dtypes and on the CPU.
     """
     if not parts:
         return []
-    flat = torch.cat(
-        [
-            torch.cat(
-                [torch.tensor([float(p.offset)], dtype=torch.float64)]
-                + [t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors]
-            )
-            for p, tensors in parts
-        ]
-    )
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device = _collective_device()
+    flat = pack_heads(parts)
+    if distributed():
+        device = collective_device()
         gathered = [torch.empty_like(flat, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, flat.to(device))
-        ranks = [g.cpu() for g in gathered]
-    else:
-        ranks = [flat]
+        return unpack_heads(parts, torch.stack(gathered).cpu())
+    return unpack_heads(parts, flat[None])
+
+
+def pack_heads(parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]]) -> Tensor:
+    """This rank's part of :func:`gather_heads` as one float64 CPU vector: per layer its offset,
+    then its tensors (one ``cat`` a layer; to ride in another collective, as
+    :func:`~qkmonitor.measures.metrics.reduce_across_ranks` does)."""
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat(
+        [
+            piece
+            for p, tensors in parts
+            for piece in (
+                torch.tensor([float(p.offset)], dtype=torch.float64),
+                *(t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors),
+            )
+        ]
+    )
+
+
+def unpack_heads(
+    parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]], ranks: Tensor
+) -> list[list[Tensor]]:
+    """The layers' tensors of every head from every rank's :func:`pack_heads` (``ranks``:
+    ``(world, size)``, on the CPU): each rank's heads at its offset; a head no rank holds is NaN
+    (False for bool)."""
     out: list[list[Tensor]] = []
     start = 0
     for placement, tensors in parts:
@@ -299,8 +320,7 @@ def gather_heads(parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]]) -> lis
         size = 1 + sum(t.numel() for t in tensors)
         for values in ranks:
             chunk = values[start : start + size]
-            offset = int(chunk[0])
-            at = 1
+            offset, at = int(chunk[0]), 1
             for whole_, t in zip(layer, tensors):
                 piece = chunk[at : at + t.numel()].reshape(t.shape)
                 whole_[offset : offset + t.shape[0]] = piece.to(whole_.dtype)
@@ -315,7 +335,12 @@ def _blank(t: Tensor, total: int) -> Tensor:
     return torch.full((total, *t.shape[1:]), fill, dtype=t.dtype)
 
 
-def _collective_device() -> torch.device:
+def distributed() -> bool:
+    """Whether a process group of more than one process is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def collective_device() -> torch.device:
     """Where the default process group's collectives run: the CUDA device for NCCL, else the
     CPU."""
     if dist.get_backend() == "nccl" and torch.cuda.is_available():

@@ -14,7 +14,8 @@ and the query weights after training, to ``OUT_DIR/values_RANK.pt``.
 
 import sys
 import warnings
-from contextlib import nullcontext
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,34 @@ class Model(nn.Module):
         return self.head(x)
 
 
+#: the collectives of torch.distributed's own API (qkmonitor's; DTensor's go through the
+#: functional collectives, not counted)
+COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "all_gather_object", "reduce", "gather")
+
+
+@contextmanager
+def counted_collectives():
+    """Count the calls of :data:`COLLECTIVES` into the last Counter of the list yielded."""
+    steps: list[Counter] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counter(name):
+        def call(*args, **kwargs):
+            if steps:
+                steps[-1][name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counter(name))
+    try:
+        yield steps
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
 def train(model: Model, tokens, parallel: bool) -> dict:
     """Two monitored SGD steps of ``model`` (its attention tensor-parallel where ``parallel``)."""
     if parallel:
@@ -109,10 +138,11 @@ def train(model: Model, tokens, parallel: bool) -> dict:
         model, list(engines.values()), writer=sink, every_n_steps=1, optimizer=optimizer
     )
     losses = []
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, counted_collectives() as collectives:
         warnings.simplefilter("always")
         try:
             for step in range(2):
+                collectives.append(Counter())
                 with monitoring.step(step), loss_parallel() if parallel else nullcontext():
                     logits = model(tokens[:, :-1])
                     loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
@@ -126,6 +156,7 @@ def train(model: Model, tokens, parallel: bool) -> dict:
     return {
         "losses": losses,
         "stopped": monitoring.should_stop,
+        "collectives": [dict(c) for c in collectives],
         "run": dict(engines["entropy"].latest_run),
         **{
             name: {k: [t.clone() for t in v] for k, v in engine.latest.items()}

@@ -68,6 +68,12 @@ def test_every_head_equals_one_process(ranks, kv_heads):
         assert [c.tolist() for c in sharded["clip_counts"]] == counts
         for want, got in zip(single["q_weights"], sharded["q_weights"]):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        # what crosses the ranks at a probe step after the first (the first also picks where
+        # the output logits come from): every engine's values in one all_gather (the spectrum's
+        # split heads with the activation monitors' sums), one more for the output logits'
+        # split vocabulary, and QK-Clip's two all_reduces, as without tensor parallelism
+        assert single["collectives"][1] == {"all_gather": 1, "all_reduce": 2}
+        assert sharded["collectives"][1] == {"all_gather": 2, "all_reduce": 2}
         said = [w for w in sharded["warnings"] if "tensor parallel" in w or "non-finite" in w]
         assert said == [], said
 
