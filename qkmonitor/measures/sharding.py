@@ -43,6 +43,7 @@ __all__ = [
     "HeadPlacement",
     "PartitionedWeightError",
     "RowShard",
+    "SplitHeadsError",
     "gather_heads",
     "gathered",
     "is_dtensor",
@@ -64,6 +65,11 @@ def is_dtensor(tensor: object) -> bool:
 
 class PartitionedWeightError(ValueError):
     """A weight whose data this rank does not hold and qkmonitor cannot gather."""
+
+
+class SplitHeadsError(ValueError):
+    """A layer whose heads are split across ranks (tensor parallelism) in a way qkmonitor cannot
+    read head by head: refused by name, for the whole run."""
 
 
 def partitioned(tensor: object) -> str | None:
