@@ -20,14 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkmonitor.attention.calls import MASK_FLOOR, ScoresCall
+from qkmonitor.attention.calls import MASK_FLOOR, TENSOR_PARALLEL, ScoresCall, UnreadCall
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.compiled import add_forward_hooks
 from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
 from qkmonitor.attention.registry import families, register_family
 from qkmonitor.attention.route import Channel, Route, observed
 from qkmonitor.kernels import autocast_off
-from qkmonitor.measures.sharding import HeadPlacement
+from qkmonitor.measures.sharding import HeadPlacement, SplitHeadsError, row_shard
 
 __all__ = [
     "AttentionLayer",
@@ -148,8 +148,12 @@ class AttentionLayer:
 
     @property
     def num_heads_hint(self) -> int:
-        """The number of query heads, as far as it is known without a forward (1 if not at all)."""
-        return self.qk_weights().num_heads if self.layout_ready else 1
+        """The number of query heads, as far as it is known without a forward (1 if not at all:
+        heads split across ranks in a way that is refused, too)."""
+        try:
+            return self.qk_weights().num_heads if self.layout_ready else 1
+        except SplitHeadsError:
+            return 1
 
     @property
     def head_placement(self) -> HeadPlacement | None:
@@ -227,8 +231,13 @@ class NativeAttentionLayer(AttentionLayer):
         module = self.module
         request = probe.request
         skip_stats = {"stats": False} if not request.stats and _takes_stats(module) else {}
+
+        def observe(call: AttentionCall) -> None:
+            refused = _split_heads(module)  # as the forward computes, FSDP2's weights unsharded
+            probe.observe(call if refused is None else UnreadCall(refused, sharded=True))
+
         remove_observer = module.register_probe(
-            probe.observe, sink_tokens=request.sink_tokens, **skip_stats
+            observe, sink_tokens=request.sink_tokens, **skip_stats
         )
         remove_switch = add_forward_hooks(self.module)  # under compile: run eagerly while probed
 
@@ -237,6 +246,25 @@ class NativeAttentionLayer(AttentionLayer):
             remove_observer()
 
         return remove
+
+
+def _split_heads(module: nn.Module) -> str | None:
+    """Why a :class:`SupportsQKMonitor` module's call is refused: its query or key weights, as its
+    forward computes with them, are split by rows across ranks (tensor parallelism), and the
+    protocol does not say which heads this rank holds; None where they are whole."""
+    try:
+        weights = module.qk_weights()
+    except SplitHeadsError as err:
+        return str(err)
+    except Exception:  # noqa: BLE001 -- the weights' own read warns
+        return None
+    if all(row_shard(w) is None for w in (weights.w_q, weights.w_k)):
+        return None
+    return (
+        f"its query/key projections are sharded by rows across ranks ({TENSOR_PARALLEL}), and "
+        f"{type(module).__name__}.qk_weights() does not say which heads this rank holds; its "
+        "attention statistics are not measured"
+    )
 
 
 class MultiheadAttentionLayer(AttentionLayer):

@@ -50,23 +50,25 @@ import copy
 import sys
 import warnings
 from collections.abc import Callable
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor, nn
 
 from qkmonitor.attention import _hf_compat
 from qkmonitor.attention.adapters import AttentionLayer, QKWeights
-from qkmonitor.attention.calls import MaskedCall
+from qkmonitor.attention.calls import TENSOR_PARALLEL, MaskedCall, UnreadCall
 from qkmonitor.attention.clip import ProjectionRows, QKRows, linear_rows
 from qkmonitor.attention.compiled import own_class
 from qkmonitor.attention.installs import set_attribute
 from qkmonitor.attention.intercept import LayoutChecked
 from qkmonitor.attention.latent import LatentLayout, find_latent
-from qkmonitor.attention.layouts import infer_layouts
+from qkmonitor.attention.layouts import QKLayout, infer_layouts
 from qkmonitor.attention.probes import Probe
 from qkmonitor.attention.recognition import forward_computes_attention
 from qkmonitor.attention.registry import register_family
 from qkmonitor.attention.route import Channel, Route, observed
+from qkmonitor.measures.sharding import HeadPlacement, RowShard, SplitHeadsError, row_shard
 from qkmonitor.validation import is_int, is_real
 
 __all__ = [
@@ -84,15 +86,27 @@ __all__ = [
 PROBE_IMPLEMENTATION = "qkmonitor_probe"
 _ORIGINAL_KEY = "_qkmonitor_original_attn_implementation"
 
+#: module -> how its query and key projections' weights were split by rows across ranks (tensor
+#: parallelism: a ``RowShard`` each, or why the split cannot be read by head) in the last probed
+#: forward that had them split: the weights as the forward computes with them (FSDP2 hands it
+#: unsharded ones), shared by the layers each engine holds of one module
+_FORWARD_SHARDS: WeakKeyDictionary = WeakKeyDictionary()
+
 
 class _DispatchChannel(Channel):
     """A module's attention calls routed through qkmonitor's registered attention function:
     ``restore`` puts the module's own implementation back."""
 
-    def __init__(self, restore: Callable[[], None], default_scale: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        restore: Callable[[], None],
+        default_scale: Callable[[], float],
+        placement: Callable[[int], HeadPlacement | str | None],
+    ) -> None:
         super().__init__()
         self.restore = restore
         self.default_scale = default_scale
+        self.placement = placement  # a call's query heads -> where they are among the layer's
 
     def uninstall(self) -> None:
         self.restore()
@@ -102,7 +116,15 @@ class HFAttentionLayer(AttentionLayer):
     """A ``transformers`` attention module; subclasses read its query/key weights.
 
     Its :attr:`kind` is ``transformers.`` and the module's class (``transformers.BartAttention``):
-    the subclass says only how the weights are read, which several model families share."""
+    the subclass says only how the weights are read, which several model families share.
+
+    Tensor parallelism: where a forward computes with the query and key projections split by rows
+    across ranks (``ColwiseParallel``, as a user's ``parallelize_module`` plan or transformers'
+    ``tp_plan`` shard them), each call holds this rank's heads; a family whose heads are the rows
+    of separate ``nn.Linear`` projections in order (:meth:`_whole_layout`) places them at their
+    global index (the call's ``placement``) and reads this rank's rows (:meth:`qk_weights`,
+    :meth:`qk_rows`, :attr:`head_placement`), as the generic family does; the others' calls are
+    refused by name."""
 
     @property
     def kind(self) -> str:  # type: ignore[override]
@@ -110,6 +132,71 @@ class HFAttentionLayer(AttentionLayer):
 
     def _default_scale(self) -> float:
         return self.qk_weights().scale
+
+    def _whole_layout(self) -> QKLayout | None:
+        """Every head's layout, where the heads are the rows of separate query and key
+        ``nn.Linear`` projections in order (what tensor parallelism splits by whole heads)."""
+        return None
+
+    def _forward_shards(self) -> tuple[RowShard | str | None, ...]:
+        """How the weights the forward computes with now are split by rows across ranks: the
+        query and key projections' (:meth:`_whole_layout`), else any parameter's."""
+        layout = self._whole_layout()
+        if layout is None:
+            split = (row_shard(p) for p in self.module.parameters())
+            return (next((s for s in split if s is not None), None), None)
+        return tuple(row_shard(w) for w in layout.sources(self.module))
+
+    def _local_layout(self) -> QKLayout | str | None:
+        """This rank's layout where the module's probed forwards computed with its heads split
+        across ranks (its heads, its rows), why they cannot be read by head, or None: whole."""
+        q, k = _FORWARD_SHARDS.get(self.module, (None, None))
+        if q is None and k is None:
+            return None
+        layout = self._whole_layout()
+        why = next((s for s in (q, k) if isinstance(s, str)), None)
+        if why is None and layout is None:
+            why = f"{self.kind}'s projections are not read head by head under it"
+        elif why is None and q is None:
+            why = "its key projection is split by rows and its query projection is not"
+        return why if why is not None else layout.localized(q, k)
+
+    def _call_placement(self, heads: int) -> HeadPlacement | str | None:
+        """Where a call's ``heads`` query heads are among the layer's, from the weights its
+        forward computes with (None: all of them), or why the call is refused."""
+        shards = self._forward_shards()
+        if all(s is None for s in shards):
+            _FORWARD_SHARDS.pop(self.module, None)
+            return None
+        _FORWARD_SHARDS[self.module] = shards
+        local = self._local_layout()
+        if isinstance(local, QKLayout) and local.num_heads != heads:
+            local = f"its attention call holds {heads} heads where its rows hold {local.num_heads}"
+        if isinstance(local, str):
+            return (
+                f"its projections are sharded by rows across ranks ({TENSOR_PARALLEL}), and "
+                f"{local}; its attention statistics are not measured"
+            )
+        return local.shards.placement
+
+    def _local(self) -> QKLayout | None:
+        """:meth:`_local_layout`, a refusal raised (:class:`SplitHeadsError`)."""
+        local = self._local_layout()
+        if isinstance(local, str):
+            raise SplitHeadsError(
+                f"its projections are sharded by rows across ranks ({TENSOR_PARALLEL}), and {local}"
+            )
+        return local
+
+    @property
+    def head_placement(self) -> HeadPlacement | None:
+        local = self._local_layout()
+        return local.shards.placement if isinstance(local, QKLayout) else None
+
+    @property
+    def num_heads_hint(self) -> int:
+        placement = self.head_placement  # every rank's heads
+        return placement.total if placement is not None else super().num_heads_hint
 
     @property
     def supports_stats(self) -> bool:
@@ -129,7 +216,9 @@ class HFAttentionLayer(AttentionLayer):
         def make() -> _DispatchChannel | None:
             restore = _route_module(self)
             # None: warned; the probe sees no call, and the monitor says so
-            return None if restore is None else _DispatchChannel(restore, self._default_scale)
+            if restore is None:
+                return None
+            return _DispatchChannel(restore, self._default_scale, self._call_placement)
 
         attached = Route.attach(
             self.module, _DispatchChannel, probe.observe, probe.request.sink_tokens, make
@@ -140,21 +229,37 @@ class HFAttentionLayer(AttentionLayer):
 class LlamaAttentionLayer(HFAttentionLayer):
     """LLaMA-family attention: ``q_proj``/``k_proj`` ``nn.Linear``, GQA from the config."""
 
-    def qk_weights(self) -> QKWeights:
+    def _whole_layout(self) -> QKLayout:
         m = self.module
         heads, kv_heads, head_dim = _llama_shape(m)
         scale = m.scaling if is_real(getattr(m, "scaling", None)) else head_dim**-0.5
         qk_norm = isinstance(getattr(m, "q_norm", None), nn.Module) and isinstance(
             getattr(m, "k_norm", None), nn.Module
         )
+        return QKLayout("q_proj", "k_proj", "", heads, kv_heads, head_dim, None, scale, qk_norm)
+
+    def qk_weights(self) -> QKWeights:
+        local = self._local()  # tensor parallelism: this rank's heads
+        if local is not None:
+            return local.qk_weights(self.module)
+        m, layout = self.module, self._whole_layout()
         return QKWeights(
-            m.q_proj.weight, m.k_proj.weight, heads, kv_heads, float(scale), qk_norm=qk_norm
+            m.q_proj.weight,
+            m.k_proj.weight,
+            layout.num_heads,
+            layout.num_kv_heads,
+            float(layout.logit_scale),
+            qk_norm=layout.qk_norm,
         )
 
     def qk_rows(self) -> QKRows:
-        m = self.module
-        heads, kv_heads, _ = _llama_shape(m)
-        return linear_rows(m.q_proj, m.k_proj, heads, kv_heads, self.qk_weights().qk_norm)
+        local = self._local()
+        if local is not None:
+            return local.qk_rows(self.module)
+        m, layout = self.module, self._whole_layout()
+        return linear_rows(
+            m.q_proj, m.k_proj, layout.num_heads, layout.num_kv_heads, layout.qk_norm
+        )
 
 
 class GPT2AttentionLayer(HFAttentionLayer):
@@ -187,16 +292,26 @@ class GPT2AttentionLayer(HFAttentionLayer):
 class BertAttentionLayer(HFAttentionLayer):
     """BERT-style attention: ``query``/``key`` ``nn.Linear``, ``attention_head_size``."""
 
-    def qk_weights(self) -> QKWeights:
+    def _whole_layout(self) -> QKLayout:
         m = self.module
         heads, head_dim = m.num_attention_heads, m.attention_head_size
         scale = m.scaling if is_real(getattr(m, "scaling", None)) else head_dim**-0.5
-        return QKWeights(m.query.weight, m.key.weight, heads, heads, float(scale))
+        return QKLayout("query", "key", "", heads, heads, head_dim, None, float(scale))
+
+    def qk_weights(self) -> QKWeights:
+        local = self._local()  # tensor parallelism: this rank's heads
+        if local is not None:
+            return local.qk_weights(self.module)
+        m, layout = self.module, self._whole_layout()
+        heads = layout.num_heads
+        return QKWeights(m.query.weight, m.key.weight, heads, heads, layout.logit_scale)
 
     def qk_rows(self) -> QKRows:
-        m = self.module
-        heads = m.num_attention_heads
-        return linear_rows(m.query, m.key, heads, heads)
+        local = self._local()
+        if local is not None:
+            return local.qk_rows(self.module)
+        heads = self.module.num_attention_heads
+        return linear_rows(self.module.query, self.module.key, heads, heads)
 
 
 class HFLayoutAttentionLayer(LayoutChecked, HFAttentionLayer):
@@ -456,19 +571,24 @@ def _capture(
     if channel is None or not channel.observers:
         return
     scale = kwargs.get("scaling")
-    channel.observers.notify(
-        observed(
-            lambda: MaskedCall.of(
-                module,
-                query,
-                key,
-                attention_mask,
-                kwargs,
-                original,
-                scale=channel.default_scale() if scale is None else float(scale),
-            )
+
+    def build() -> MaskedCall | UnreadCall:
+        placement = channel.placement(query.shape[1])  # tensor parallelism: this rank's heads
+        if isinstance(placement, str):
+            return UnreadCall(placement, placement, sharded=True)
+        call = MaskedCall.of(
+            module,
+            query,
+            key,
+            attention_mask,
+            kwargs,
+            original,
+            scale=channel.default_scale() if scale is None else float(scale),
         )
-    )
+        call.placement = placement
+        return call
+
+    channel.observers.notify(observed(build))
 
 
 def _warn(name: str, why: str) -> None:

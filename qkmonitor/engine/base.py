@@ -37,6 +37,7 @@ from qkmonitor.attention.adapters import (
     find_attention_layers,
     parameters_without_data,
 )
+from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.attention.intercept import unmeasured_attention_like
 from qkmonitor.attention.probes import Probe, ProbeRequest, ProbeResult
 from qkmonitor.engine.alerting import AlertPolicy, check_loss
@@ -846,7 +847,7 @@ class ActivationEngine(MonitorEngine):
         if self._window is None:
             return None
         step, validation = self._window
-        results = self.close_probes()
+        results = [refuse_split_heads(lay, r) for lay, r in zip(self.layers, self.close_probes())]
         self._report_missing(host, results)
         with torch.no_grad():
             carried = self._accumulate(
@@ -954,6 +955,30 @@ def observed_heads(layer: AttentionLayer, result: ProbeResult, count: int) -> in
     if result.placement is not None:
         return result.placement.total
     return result.stats[0].entropy.shape[1] if result.stats and not layer.layout_ready else count
+
+
+def refuse_split_heads(layer: AttentionLayer, result: ProbeResult) -> ProbeResult:
+    """``result``, or a refusal where the layer's calls hold a part of the query heads its
+    weights give (a divisor of H) and do not say which: its heads split across ranks (tensor
+    parallelism) by a family that gives no placement of them, so no per-head value of this rank's
+    calls is the layer's. A refused result is NaN, with one warning naming the layer on the
+    logging rank (:meth:`ActivationEngine._report_missing`)."""
+    if result.placement is not None or not result.calls or not layer.layout_ready:
+        return result
+    measured = (*(s.entropy for s in result.stats), *result.probs, *result.max_logits)
+    seen = {t.shape[1] for t in measured if t.dim() > 1}
+    try:
+        heads = layer.num_heads_hint
+    except Exception:  # noqa: BLE001 -- the weights' own read warns
+        return result
+    if not seen or not all(0 < s < heads and heads % s == 0 for s in seen):
+        return result
+    reason = (
+        f"its attention calls hold {min(seen)} of the {heads} query heads its weights give: "
+        f"its heads are split across ranks ({TENSOR_PARALLEL}), and {layer.kind} does not "
+        "say which of them this rank holds; its attention statistics are not measured"
+    )
+    return ProbeResult(sharded=[reason])
 
 
 def placed(slots: slice, placement: HeadPlacement | None) -> slice:

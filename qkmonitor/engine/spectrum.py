@@ -39,6 +39,7 @@ from qkmonitor.measures.layer_spectra import (
 from qkmonitor.measures.sharding import (
     HeadPlacement,
     PartitionedWeightError,
+    SplitHeadsError,
     distributed,
     gather_heads,
     gathered,
@@ -324,7 +325,7 @@ class QKSpectrum(MonitorEngine):
                 with gathered(layer.module) as copy:  # a partitioned layer: copied out whole
                     weights = layer.qk_weights()
                     out[i] = _copied(weights) if copy else weights
-            except PartitionedWeightError as err:  # refused by name: never a κ of a part
+            except (PartitionedWeightError, SplitHeadsError) as err:  # refused by name
                 self._refuse_partitioned(host, layer, err)
             except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
                 self.warn_failure(host, "reading the query/key weights", step, err, [layer.name])

@@ -33,7 +33,7 @@ from torch import Tensor
 from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.intercept import LayoutUnknownError
-from qkmonitor.measures.sharding import is_dtensor, partitioned
+from qkmonitor.measures.sharding import SplitHeadsError, is_dtensor, partitioned
 
 __all__ = ["UPDATE_METRICS", "UpdateSnapshot", "take_snapshot", "update_metrics"]
 
@@ -79,7 +79,7 @@ def take_snapshot(
     for layer in layers:
         try:
             rows: QKRows = layer.qk_rows()
-        except (NotImplementedError, LayoutUnknownError) as err:  # no rows for the whole run
+        except (NotImplementedError, LayoutUnknownError, SplitHeadsError) as err:  # whole run
             mapped.append(None)
             skipped[layer.name] = (str(err), True)
             continue

@@ -43,6 +43,7 @@ __all__ = [
     "HeadPlacement",
     "PartitionedWeightError",
     "RowShard",
+    "SplitHeadsError",
     "collective_device",
     "distributed",
     "gather_heads",
@@ -68,6 +69,11 @@ def is_dtensor(tensor: object) -> bool:
 
 class PartitionedWeightError(ValueError):
     """A weight whose data this rank does not hold and qkmonitor cannot gather."""
+
+
+class SplitHeadsError(ValueError):
+    """A layer whose heads are split across ranks (tensor parallelism) in a way qkmonitor cannot
+    read head by head: refused by name, for the whole run."""
 
 
 def partitioned(tensor: object) -> str | None:
@@ -240,16 +246,19 @@ def row_shard(weight: object, dim: int = 0) -> RowShard | str | None:
 def tensor_parallel_ranks(model: nn.Module) -> int:
     """How many ranks compute the same sequences, each for part of the heads: the largest row
     split over the mesh dims of tensor parallelism among the model's DTensor weights; 1 without
-    any. A module under FSDP2 (``fully_shard``) has its first mesh dim for the data-parallel
-    shards, which are not tensor parallelism. Read before a forward (the forward shows the split
-    itself: :func:`row_shard`)."""
+    any. A module under FSDP2 (``fully_shard`` on it or a module around it) has its first mesh
+    dim for the data-parallel shards, which are not tensor parallelism. Read before a forward
+    (the forward shows the split itself: :func:`row_shard`)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch before FSDP2's public name
         FSDPModule = ()
     largest = 1
+    under_fsdp = {
+        id(m) for root in model.modules() if isinstance(root, FSDPModule) for m in root.modules()
+    }
     for module in model.modules():
-        fsdp = isinstance(module, FSDPModule)
+        fsdp = id(module) in under_fsdp  # its parameters are FSDP2's, sharded by a parent's call
         for weight in module.parameters(recurse=False):
             placements = getattr(weight, "placements", None)
             if placements is None or weight.dim() != 2:

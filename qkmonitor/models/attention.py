@@ -8,9 +8,11 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.attention.adapters import QKWeights
+from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.attention.clip import QKRows, linear_rows
 from qkmonitor.attention.probes import AttentionCall, KernelCall, ObserverSet
 from qkmonitor.kernels import attended_keys, attention
+from qkmonitor.measures.sharding import SplitHeadsError
 
 from .config import TransformerConfig
 from .norms import make_norm
@@ -188,7 +190,13 @@ class MultiHeadAttention(nn.Module):
         With RoPE this is the position-0 bilinear form ``W_Q W_K^T``; with QK-norm the per-head
         normalization sits between the projections and the product and is not included (the
         result says ``qk_norm=True``).
+
+        Raises:
+            SplitHeadsError: the projections hold other than ``n_heads`` (``n_kv_heads``) heads
+                of ``head_dim`` rows: the heads split across ranks (tensor parallelism, the
+                counts set to this rank's part), which qkmonitor does not read head by head.
         """
+        self._check_whole_heads()
         scale = float(self.scale_policy(torch.tensor(float(self.train_len)))) * self.logit_factor
         return QKWeights(
             self.q_proj.weight,
@@ -201,9 +209,20 @@ class MultiHeadAttention(nn.Module):
 
     def qk_rows(self) -> QKRows:
         """The query and key projections by head, for QK-Clip (:mod:`qkmonitor.attention.clip`)."""
+        self._check_whole_heads()
         return linear_rows(
             self.q_proj, self.k_proj, self.n_heads, self.n_kv_heads, self.q_norm is not None
         )
+
+    def _check_whole_heads(self) -> None:
+        rows = (self.q_proj.weight.shape[0], self.k_proj.weight.shape[0])  # a DTensor's: all
+        if rows != (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim):
+            raise SplitHeadsError(
+                f"its query and key projections hold {rows[0]} and {rows[1]} rows, not "
+                f"{self.n_heads} and {self.n_kv_heads} heads of {self.head_dim}: its heads are "
+                f"split across ranks ({TENSOR_PARALLEL}), which qkmonitor does not measure for "
+                "qkmonitor's own attention"
+            )
 
 
 def _make_rope(config: TransformerConfig) -> nn.Module | None:

@@ -127,3 +127,45 @@ def test_rows_split_over_data_parallel_ranks_are_refused_by_name(mesh):
     halves = [_dtensor(torch.ones(4, IN), mesh, (Shard(0), Shard(0))) for _ in range(2)]
     with pytest.raises(ValueError, match=r"shard of 'q_proj' is not the rows it computes with"):
         _head_shards(mesh).rows(_Attention(*halves), "q_proj", "k_proj", head_dim=4)
+
+
+def _fake_group(world: int):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+@pytest.mark.parametrize("how", ["tensor_parallel", "fsdp2_around", "fsdp2_on_it", "none"])
+def test_tensor_parallel_ranks_tells_tensor_parallelism_from_fsdp2(how):
+    """The ranks that compute the same sequences (EffectiveRank deals its probe sequences over the
+    others): 2 under tensor parallelism over 2 ranks; 1 under FSDP2 over 2 ranks, whether
+    ``fully_shard`` is applied to the module that holds the weight or only around it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qkmonitor.measures.sharding import tensor_parallel_ranks
+
+    _fake_group(2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        block = nn.Sequential(nn.Linear(IN, ROWS), nn.Linear(ROWS, IN))
+        model = nn.Sequential(block)
+        if how == "tensor_parallel":
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            parallelize_module(block, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        elif how == "fsdp2_around":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(block, mesh=mesh)
+        elif how == "fsdp2_on_it":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(block[0], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        assert tensor_parallel_ranks(model) == (2 if how == "tensor_parallel" else 1)
+    finally:
+        dist.destroy_process_group()
