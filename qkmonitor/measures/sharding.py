@@ -337,16 +337,14 @@ def unpack_heads(
     start = 0
     for placement, tensors in parts:
         layer = [_blank(t, placement.total) for t in tensors]
-        size = 1 + sum(t.numel() for t in tensors)
+        sizes = [t.numel() for t in tensors]
         for values in ranks:
-            chunk = values[start : start + size]
-            offset, at = int(chunk[0]), 1
-            for whole_, t in zip(layer, tensors):
-                piece = chunk[at : at + t.numel()].reshape(t.shape)
-                whole_[offset : offset + t.shape[0]] = piece.to(whole_.dtype)
-                at += t.numel()
+            chunk = values[start : start + 1 + sum(sizes)]
+            offset = int(chunk[0])
+            for whole_, t, piece in zip(layer, tensors, chunk[1:].split(sizes)):
+                whole_[offset : offset + t.shape[0]] = piece.view(t.shape)  # cast by the copy
         out.append(layer)
-        start += size
+        start += 1 + sum(sizes)
     return out
 
 
