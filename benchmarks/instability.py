@@ -47,7 +47,7 @@ Usage::
     # one calibration run's evidence, probe by probe (for fitting rules)
     python benchmarks/instability.py --trajectory charlm-lr0.03-qk0-s0-w0-n250
     python benchmarks/instability.py --qk-norm  # every run also with QK-norm
-    # QK-Clip's proof: AdamW and Muon, each without and with QKClip (docs/qk_clip.md)
+    # QK-Clip's proof: AdamW and Muon, each without and with QK-Clip (docs/qk_clip.md)
     python benchmarks/instability.py --arms
     python benchmarks/instability.py --arms --clip-tau 30
     # an earlier round's defaults on the same runs
@@ -98,7 +98,7 @@ from qkmonitor.alerts import (
     Alert,
     AlertRule,
 )
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClip, QKSpectrum
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClipEngine, QKSpectrum
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY = 10  # probe interval (steps) of every monitor
@@ -194,7 +194,7 @@ class RunSpec:
     warmup: int
     steps: int
     optimizer: str = "adamw"  # or "muon" (the --arms sweep)
-    clip_tau: float | None = None  # QKClip(tau) at every step (the --arms sweep)
+    clip_tau: float | None = None  # QK-Clip (tau) at every step (the --arms sweep)
 
     @property
     def key(self) -> str:
@@ -234,7 +234,7 @@ class RunRecord:
     live_alerts: list[dict[str, Any]]
     seconds: float
     alerts: list[dict[str, Any]] = field(default_factory=list)  # from the replay (the scored ones)
-    clips: int = 0  # (step, head) pairs QKClip scaled (clip arms)
+    clips: int = 0  # (step, head) pairs QK-Clip scaled (clip arms)
 
     @property
     def final_loss(self) -> float:
@@ -312,7 +312,7 @@ def train_run(spec: RunSpec) -> RunRecord:
     ]
     fired: list[Alert] = []
     engines = _engines(on_alert=lambda owner, alert: fired.append(alert))
-    clip = None if spec.clip_tau is None else QKClip(tau=spec.clip_tau, every_n_steps=1)
+    clip = None if spec.clip_tau is None else QKClipEngine(tau=spec.clip_tau, every_n_steps=1)
     monitoring = Monitoring(
         model, engines + ([clip] if clip else []), optimizer=optimizers[0], every_n_steps=EVERY
     )
@@ -1029,10 +1029,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--arms",
         action="store_true",
-        help="QK-Clip's proof: every run with AdamW and Muon, each without and with QKClip "
+        help="QK-Clip's proof: every run with AdamW and Muon, each without and with QK-Clip "
         "(seed 2 and warmup 50 unless given); figure and JSON docs/qk_clip_sweep.*",
     )
-    parser.add_argument("--clip-tau", type=float, default=100.0, help="--arms: QKClip's tau")
+    parser.add_argument("--clip-tau", type=float, default=100.0, help="--arms: QK-Clip's tau")
     parser.add_argument("--qk-norm", action="store_true", help="every run also with QK-norm")
     parser.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel"

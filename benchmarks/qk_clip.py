@@ -3,11 +3,11 @@
 The instability miniature (``benchmarks/miniature.py``, also run by
 ``tests/core/test_instability.py``): the bundled decoder (d_model 32, 2 layers, 4 heads, d_k 8) on
 associative recall, AdamW at peak lr 0.1 after a 20-step warmup, 150 steps. Each seed trains five
-runs from the same initialization and batches: without a cure, with ``QKClip(tau)`` for tau in 100,
-30 and 10, and with QK-norm. It prints, per run, the mean training loss of the last 20 steps and the
-largest attention logit AttentionEntropy saw at its probes (every 10 steps, in the step's forward,
-before that step's clip), and how many (step, head) clips QKClip made. Then the same at a healthy
-rate (3e-3): what the clip costs a run that needs none.
+runs from the same initialization and batches: without a cure, with QK-Clip (``QKClipEngine(tau)``)
+for tau in 100, 30 and 10, and with QK-norm. It prints, per run, the mean training loss of the last
+20 steps and the largest attention logit AttentionEntropy saw at its probes (every 10 steps, in the
+step's forward, before that step's clip), and how many (step, head) clips QK-Clip made. Then the
+same at a healthy rate (3e-3): what the clip costs a run that needs none.
 
 Usage::
 
@@ -15,6 +15,8 @@ Usage::
     python benchmarks/qk_clip.py --seeds 0 1 2
     # Muon on the blocks' 2-D weights, AdamW on the rest
     python benchmarks/qk_clip.py --optimizer muon --lr 0.1 --healthy-lr 0.01
+
+
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import warnings
 import torch
 from miniature import train_recall_miniature
 
-from qkmonitor.engine import AttentionEntropy, QKClip
+from qkmonitor.engine import AttentionEntropy, QKClipEngine
 
 LR = 0.1  # the miniature's peak rate, at which its logits run away
 TAUS = (100.0, 30.0, 10.0)
@@ -42,7 +44,7 @@ def run(
     optimizer: str = "adamw",
 ) -> dict[str, float]:
     entropy = AttentionEntropy(every_n_steps=10, alerts=[])
-    clip = QKClip(tau=tau) if tau is not None else None
+    clip = QKClipEngine(tau=tau) if tau is not None else None
     largest = [0.0]
 
     def read(step: int) -> None:
@@ -72,7 +74,7 @@ def main() -> None:
     print("| seed | run | final loss | / QK-norm twin | largest logit seen | clips |")
     print("|---|---|---|---|---|---|")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the discovery lines and QKClip's notes are not the point
+        warnings.simplefilter("ignore")  # the discovery lines and QK-Clip's notes are not the point
         for seed in args.seeds:
             twin = run(seed, qk_norm=True, lr=args.lr, **opt)
             rows = [("no cure", run(seed, lr=args.lr, **opt))]

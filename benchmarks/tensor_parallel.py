@@ -25,12 +25,9 @@ phase, and its first ``--warmup`` steps (discovery, layout checks, first calls) 
 There is no writer (``writer=None``): a probe is the measuring, the reduction across ranks and the
 alert rules, not the logging, which under TP only rank 0 would do.
 
-EffectiveRank's ``max_probe_sequences`` is a total over the ranks (rank r of W measures its share
-of its first sequences: distinct sequences under DDP). Under TP every rank holds the same batch,
-so at the default of 4 each rank measures 2 of the batch's 4 sequences, where one process measures
-4: half the work, and values that differ from one process's. ``--max-probe-sequences 8`` (the
-distributed test's setting) gives every rank the whole batch of 4 and one process the same 4: the
-same work and values, the like-for-like comparison.
+EffectiveRank's ``max_probe_sequences`` is dealt over the data-parallel replicas (one here: both
+ranks compute the same sequences), so each rank measures as many sequences as the reference;
+``--max-probe-sequences`` sets it for both.
 
 Printed per rank, medians over rounds of each phase's median paired difference: the probe's cost
 per step under TP, (b) − (a), and one process's, (c) − (d), in wall time and in the process's CPU
@@ -44,7 +41,7 @@ Python stack (its own; the difference of the two arms should be the same).
 Usage::
 
     python benchmarks/tensor_parallel.py                  # 3 rounds x 12 steps an arm
-    python benchmarks/tensor_parallel.py --max-probe-sequences 8   # the same work per head
+    python benchmarks/tensor_parallel.py --max-probe-sequences 2   # fewer probe sequences
     python benchmarks/tensor_parallel.py --rounds 5 --steps 20 --json tp.json
     python benchmarks/tensor_parallel.py --profile DIR    # cProfile (CPU time), monitored arms
 """

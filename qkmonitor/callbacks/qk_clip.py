@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from qkmonitor.attention.adapters import LayerSpec
-from qkmonitor.engine import MonitorOptions
-from qkmonitor.engine import QKClip as QKClipEngine
+from qkmonitor.engine import MonitorOptions, QKClipEngine
 from qkmonitor.engine.clip import DEFAULT_TAU
 from qkmonitor.engine.options import keyword_only
 

@@ -9,7 +9,7 @@ these engines; a plain PyTorch loop drives them through :class:`Monitoring`. See
 """
 
 from qkmonitor.engine.base import ActivationEngine, MonitorEngine
-from qkmonitor.engine.clip import QKClip
+from qkmonitor.engine.clip import QKClipEngine
 from qkmonitor.engine.entropy import AttentionEntropy
 from qkmonitor.engine.host import Host, PlainHost
 from qkmonitor.engine.options import MonitorOptions
@@ -26,7 +26,7 @@ __all__ = [
     "MonitorOptions",
     "Monitoring",
     "PlainHost",
-    "QKClip",
+    "QKClipEngine",
     "QKSpectrum",
     "check_tag_collisions",
     "write_run_header",

@@ -85,7 +85,7 @@ def finish_windows(
     """Close the open windows of ``engines`` and log them, their aggregators reduced across
     processes together: one collective for all of them under DDP
     (:func:`~qkmonitor.measures.metrics.reduce_across_ranks`). An engine alone may have its own
-    :meth:`~MonitorEngine.finish` (QKClip's); several must split theirs
+    :meth:`~MonitorEngine.finish` (QKClipEngine's); several must split theirs
     (:meth:`ActivationEngine.close_window`, :meth:`ActivationEngine.complete`). ``beside``: every
     engine of the driver (an engine that reads none of its layers beside others that do is turned
     off, not an error: :func:`~qkmonitor.engine.failures.guarded`)."""

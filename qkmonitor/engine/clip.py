@@ -1,4 +1,4 @@
-r"""QKClip: after each optimizer step, bound every head's attention logits by ``tau``.
+r"""QKClipEngine: after each optimizer step, bound every head's attention logits by ``tau``.
 
 At every ``every_n_steps``-th step (default: every step, as in Kimi Team 2025) the training forward
 is probed like :class:`~qkmonitor.engine.AttentionEntropy`'s; once the step's optimizer update is
@@ -36,13 +36,13 @@ from qkmonitor.engine.host import Host
 from qkmonitor.measures.catalogue import CLIP
 from qkmonitor.validation import check_real
 
-__all__ = ["QKClip"]
+__all__ = ["QKClipEngine"]
 
 #: Kimi Team 2025's bound on the scaled attention logits.
 DEFAULT_TAU = 100.0
 
 
-class QKClip(ActivationEngine):
+class QKClipEngine(ActivationEngine):
     """Scales the query and key projections of every head whose largest logit exceeded ``tau``.
 
     Args:

@@ -38,7 +38,8 @@ _ONE_KEY = (
 )
 
 SPECTRUM, ENTROPY, RANK = "QKSpectrumMonitor", "AttentionEntropyMonitor", "EffectiveRankMonitor"
-#: QK-Clip (:class:`qkmonitor.engine.QKClip`): a cure that logs what it did.
+#: QK-Clip (the callback :class:`qkmonitor.callbacks.QKClip`, its engine
+#: :class:`qkmonitor.engine.QKClipEngine`): a cure that logs what it did.
 CLIP = "QKClip"
 #: The monitors, in the order of the docs.
 MONITORS = (SPECTRUM, ENTROPY, RANK, CLIP)

@@ -31,6 +31,7 @@ a κ of an empty or partial tensor.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -218,11 +219,26 @@ def row_shard(weight: object, dim: int = 0) -> RowShard | str | None:
     """How the forward's ``weight`` is split along its output features (``dim``) across ranks: a
     :class:`RowShard`, None where it is not (a plain tensor: one process, DDP, FSDP2's unsharded
     parameter; a DTensor replicated, or sharded along its inputs: ``RowwiseParallel``), or why the
-    split cannot be read by head (uneven chunks)."""
+    split cannot be read by head (uneven chunks). A DTensor's answer is kept with it (its layout
+    never changes): the capture asks at every projection call of a probed forward."""
     placements = getattr(weight, "placements", None)
     mesh = getattr(weight, "device_mesh", None)
     if placements is None or mesh is None or not isinstance(weight, Tensor):
         return None
+    key = (id(weight), dim)
+    known = _ROW_SHARDS.get(key)
+    if known is None or known[0]() is not weight:
+        ref = weakref.ref(weight, lambda _, key=key: _ROW_SHARDS.pop(key, None))
+        known = _ROW_SHARDS[key] = (ref, _row_shard(weight, dim, placements, mesh))
+    return known[1]
+
+
+#: (id(DTensor), dim) -> (a weak reference to it, its row_shard), gone with the tensor (a
+#: tensor's == is elementwise, so no WeakKeyDictionary)
+_ROW_SHARDS: dict[tuple[int, int], tuple[weakref.ref, RowShard | str | None]] = {}
+
+
+def _row_shard(weight: Tensor, dim: int, placements, mesh) -> RowShard | str | None:
     index, ranks = 0, 1
     for mesh_dim, placement in enumerate(placements):
         is_shard = getattr(placement, "is_shard", None)
@@ -304,16 +320,11 @@ def pack_heads(parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]]) -> Tenso
     :func:`~qkmonitor.measures.metrics.reduce_across_ranks` does)."""
     if not parts:
         return torch.zeros(0, dtype=torch.float64)
-    return torch.cat(
-        [
-            piece
-            for p, tensors in parts
-            for piece in (
-                torch.tensor([float(p.offset)], dtype=torch.float64),
-                *(t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors),
-            )
-        ]
-    )
+    pieces = []
+    for p, tensors in parts:  # one cat: float32 and bool promoted to float64 exactly
+        pieces.append(torch.tensor([float(p.offset)], dtype=torch.float64))
+        pieces += [t.detach().reshape(-1).cpu() for t in tensors]
+    return torch.cat(pieces)
 
 
 def unpack_heads(
@@ -326,16 +337,14 @@ def unpack_heads(
     start = 0
     for placement, tensors in parts:
         layer = [_blank(t, placement.total) for t in tensors]
-        size = 1 + sum(t.numel() for t in tensors)
+        sizes = [t.numel() for t in tensors]
         for values in ranks:
-            chunk = values[start : start + size]
-            offset, at = int(chunk[0]), 1
-            for whole_, t in zip(layer, tensors):
-                piece = chunk[at : at + t.numel()].reshape(t.shape)
-                whole_[offset : offset + t.shape[0]] = piece.to(whole_.dtype)
-                at += t.numel()
+            chunk = values[start : start + 1 + sum(sizes)]
+            offset = int(chunk[0])
+            for whole_, t, piece in zip(layer, tensors, chunk[1:].split(sizes)):
+                whole_[offset : offset + t.shape[0]] = piece.view(t.shape)  # cast by the copy
         out.append(layer)
-        start += size
+        start += 1 + sum(sizes)
     return out
 
 

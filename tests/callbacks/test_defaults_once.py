@@ -20,9 +20,9 @@ from qkmonitor.engine import (
     AttentionEntropy,
     EffectiveRank,
     MonitorOptions,
+    QKClipEngine,
     QKSpectrum,
 )
-from qkmonitor.engine import QKClip as QKClipEngine
 
 OPTIONS = {f.name: f.default for f in dataclasses.fields(MonitorOptions)}
 

@@ -3,9 +3,9 @@
 
 WORLD 1 trains the plain model; WORLD 2 spawns two gloo ranks that ``fully_shard`` every block and
 the model (their query and key weights are DTensors sharded along the rows). Both train 3 AdamW
-steps on the same 8 sequences a step (each of two ranks on 4 of them; FSDP2 averages the
-gradients as one process's mean loss does) with ``QKClip(tau=0.5)`` (below every head's logits) in
-a plain loop, then rank 0 saves the full query and key weights and the clip counts to
+steps on the same 8 sequences a step (each of two ranks on 4 of them; FSDP2 averages the gradients
+as one process's mean loss does) with ``QKClipEngine(tau=0.5)`` (below every head's logits) in a
+plain loop, then rank 0 saves the full query and key weights and the clip counts to
 ``OUT_DIR/qk.pt``.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from qkmonitor.engine import Monitoring, QKClip
+from qkmonitor.engine import Monitoring, QKClipEngine
 from qkmonitor.models import DecoderLM, TransformerConfig
 from qkmonitor.models.tasks import make_recall_batch
 
@@ -38,7 +38,7 @@ def train(rank: int, world: int, out_dir: str) -> None:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    clip = QKClip(tau=0.5)
+    clip = QKClipEngine(tau=0.5)
     monitoring = Monitoring(model, [clip], optimizer=optimizer)
     tokens, targets = make_recall_batch(8, 3, 3, 8, 8, torch.Generator().manual_seed(0))
     mine = slice(rank * 8 // world, (rank + 1) * 8 // world)

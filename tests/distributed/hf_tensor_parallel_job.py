@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import transformers
 
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClip, QKSpectrum
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClipEngine, QKSpectrum
 from qkmonitor.models.config import TransformerConfig
 from qkmonitor.models.transformer import DecoderLM
 from qkmonitor.output.sinks import MemorySink
@@ -99,7 +99,7 @@ def train(model, tokens, *, tensor_parallel: bool) -> dict:
         # the one-process runs are dealt 8 sequences over the two data-parallel ranks (4 each),
         # the tensor-parallel ranks are one replica and each measures the 4
         "rank": EffectiveRank(per_head=True, max_probe_sequences=4 if tensor_parallel else 8),
-        "clip": QKClip(tau=TAU, per_head=True),
+        "clip": QKClipEngine(tau=TAU, per_head=True),
     }
     sink = MemorySink() if dist.get_rank() == 0 else None  # the user's choice: rank 0 writes
     monitoring = Monitoring(

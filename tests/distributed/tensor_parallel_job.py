@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClip, QKSpectrum
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClipEngine, QKSpectrum
 from qkmonitor.output.sinks import MemorySink
 
 D, H, HEAD_DIM, T, VOCAB = 32, 4, 8, 8, 16
@@ -131,7 +131,7 @@ def train(model: Model, tokens, parallel: bool) -> dict:
         # is in the 2-rank group too, where the engine deals 8 as 4 + 4 over two data-parallel
         # ranks; the tensor-parallel ranks are one replica, and each measures the 4
         "rank": EffectiveRank(per_head=True, max_probe_sequences=4 if parallel else 8),
-        "clip": QKClip(tau=TAU, per_head=True),
+        "clip": QKClipEngine(tau=TAU, per_head=True),
     }
     sink = MemorySink() if dist.get_rank() == 0 else None  # the user's choice: rank 0 writes
     monitoring = Monitoring(

@@ -109,7 +109,13 @@ def test_bundled_attention_split_is_refused_by_name(ranks):
                 # one a layer for each engine, and the spectrum's update metrics' one
                 engines = sorted(w.split(":")[0] for w in mine)
                 assert engines == sorted(
-                    ["AttentionEntropy", "EffectiveRank", "QKClip", "QKSpectrum", "QKSpectrum"]
+                    [
+                        "AttentionEntropy",
+                        "EffectiveRank",
+                        "QKClipEngine",
+                        "QKSpectrum",
+                        "QKSpectrum",
+                    ]
                 ), mine
                 assert all("split across ranks" in w for w in mine)
         else:

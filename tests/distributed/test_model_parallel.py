@@ -20,7 +20,7 @@ from .jobs import run_script
 
 JOB = Path(__file__).with_name("model_parallel_job.py")
 #: the warnings qkmonitor's engines give (the others are torch's and Lightning's)
-OURS = re.compile(r"(QKSpectrum|AttentionEntropy|EffectiveRank|QKClip)\b")
+OURS = re.compile(r"(QKSpectrum|AttentionEntropy|EffectiveRank|QKClipEngine)\b")
 
 
 def scalars(run_dir: Path) -> dict[tuple[str, int], float]:

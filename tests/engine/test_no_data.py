@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClip, QKSpectrum
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClipEngine, QKSpectrum
 from qkmonitor.engine.updates import UPDATE_METRICS
 
 from ..callbacks.zoo import MODELS, SEQ, VOCAB
@@ -116,7 +116,7 @@ def test_a_lazy_model_not_materialised_is_not_measured_and_trains_with_one_warni
     torch.manual_seed(0)
     model = LazyModel()
     x = torch.randn(2, 8, 16)
-    monitored = [*engines(), QKClip(tau=100.0)]
+    monitored = [*engines(), QKClipEngine(tau=100.0)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         with Monitoring(model, monitored, every_n_steps=1) as monitoring:

@@ -1,6 +1,7 @@
-"""QKClip in a plain loop: what it measures, what it scales, what it leaves alone, and a run it
-rescues. The reference for S_h is AttentionEntropy's max_logit of the same forward (itself checked
-against float64 elsewhere); for γ, its definition min(1, τ / S_h) in Python floats."""
+"""QK-Clip (QKClipEngine) in a plain loop: what it measures, what it scales, what it leaves alone,
+and a run it rescues. The reference for S_h is AttentionEntropy's max_logit of the same forward
+(itself checked against float64 elsewhere); for γ, its definition min(1, τ / S_h) in Python
+floats."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch.testing import assert_close
 from qkmonitor.attention.adapters import find_attention_layers
 from qkmonitor.attention.clip import QKRows, head_max_logits
 from qkmonitor.attention.probes import ProbeRequest
-from qkmonitor.engine import AttentionEntropy, Monitoring, QKClip
+from qkmonitor.engine import AttentionEntropy, Monitoring, QKClipEngine
 from qkmonitor.models import DecoderLM, TransformerConfig
 from qkmonitor.output.sinks import MemorySink
 
@@ -67,7 +68,7 @@ def test_clipped_heads_end_at_tau_and_the_others_are_untouched_bit_for_bit(confi
     before = measured(model)
     tau = float(torch.cat(before).median())
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    entropy, clip = AttentionEntropy(every_n_steps=1, alerts=[]), QKClip(tau=tau)
+    entropy, clip = AttentionEntropy(every_n_steps=1, alerts=[]), QKClipEngine(tau=tau)
     frozen_step(model, [entropy, clip])
     after = measured(model)
     for layer, (s, s_after) in enumerate(zip(before, after)):
@@ -89,13 +90,13 @@ def test_clipped_heads_end_at_tau_and_the_others_are_untouched_bit_for_bit(confi
 def test_every_n_steps_and_the_counts_survive_a_resume():
     model = sharp_model()
     tau = float(torch.cat(measured(model)).median())
-    clip = QKClip(tau=tau, every_n_steps=2)
+    clip = QKClipEngine(tau=tau, every_n_steps=2)
     frozen_step(model, [clip], steps=3)  # probes at steps 0 and 2
     assert clip.latest_step == 2
     counts = [c.tolist() for c in clip.clip_counts]
     assert sum(map(sum, counts)) > 0
     state = clip.state_dict()
-    again = QKClip(tau=tau, every_n_steps=2)
+    again = QKClipEngine(tau=tau, every_n_steps=2)
     again.load_state_dict(state)
     Monitoring(model, [again], writer=MemorySink()).close()
     assert [c.tolist() for c in again.clip_counts] == counts
@@ -104,7 +105,7 @@ def test_every_n_steps_and_the_counts_survive_a_resume():
 def test_layers_with_qk_norm_are_left_alone_with_one_warning():
     model = sharp_model(qk_norm=True)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    clip = QKClip(tau=1e-3)  # every head above it
+    clip = QKClipEngine(tau=1e-3)  # every head above it
     with pytest.warns(RuntimeWarning, match="has QK-norm and is not clipped") as record:
         frozen_step(model, [clip], steps=2)
     assert sum("QK-norm" in str(w.message) for w in record) == 2  # once per layer, not per step
@@ -116,7 +117,7 @@ def test_a_nan_weight_gives_a_nan_value_and_a_warning_and_is_not_scaled():
     model = sharp_model()
     with torch.no_grad():
         model.blocks[0].attn.q_proj.weight[0, 0] = math.nan
-    clip = QKClip(tau=1e-3)
+    clip = QKClipEngine(tau=1e-3)
     with pytest.warns(RuntimeWarning, match="clip_max_logit"):
         frozen_step(model, [clip])
     s, gamma = clip.latest["clip_max_logit"][0], clip.latest["clip_factor"][0]
@@ -136,7 +137,7 @@ def test_a_nan_weight_gives_a_nan_value_and_a_warning_and_is_not_scaled():
 )
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
-        QKClip(**kwargs)
+        QKClipEngine(**kwargs)
 
 
 def recall_run(
@@ -147,7 +148,7 @@ def recall_run(
     """The instability miniature (``train_recall_miniature``, the fixture; peak lr 0.1): (final
     loss, largest logit AttentionEntropy saw at its probes)."""
     entropy = AttentionEntropy(every_n_steps=10, alerts=[])
-    engines = [entropy] + ([QKClip(tau=clip_tau)] if clip_tau else [])
+    engines = [entropy] + ([QKClipEngine(tau=clip_tau)] if clip_tau else [])
     largest = []
 
     def read(step: int) -> None:
@@ -163,7 +164,8 @@ def recall_run(
 @pytest.mark.slow
 def test_qk_clip_rescues_a_run_whose_logits_run_away(train_recall_miniature):
     """Without the clip the logits run away (hundreds) and the loss ends >= 1.2 x the QK-norm
-    twin's; with QKClip(tau=10) they stay near tau and the loss ends within 10 % of the twin's."""
+    twin's; with QKClipEngine(tau=10) they stay near tau and the loss ends within 10 % of the
+    twin's."""
     failing, failing_logit = recall_run(train_recall_miniature, None)
     twin, _ = recall_run(train_recall_miniature, None, qk_norm=True)
     clipped, clipped_logit = recall_run(train_recall_miniature, 10.0)
@@ -179,7 +181,7 @@ def test_a_scaling_that_fails_is_warned_once_and_training_goes_on(monkeypatch):
     monkeypatch.setattr(QKRows, "scale_logits", broken)
     model = sharp_model()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    clip = QKClip(tau=1e-3)
+    clip = QKClipEngine(tau=1e-3)
     with pytest.warns(
         RuntimeWarning, match=r"failed \(RuntimeError: boom\); not clipped"
     ) as record:
@@ -193,7 +195,7 @@ def test_a_scaling_that_fails_is_warned_once_and_training_goes_on(monkeypatch):
 def test_a_step_that_raises_leaves_nothing_on_the_model_and_clips_nothing(leftovers):
     model = sharp_model()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    monitoring = Monitoring(model, [QKClip(tau=1e-3)], writer=MemorySink(), every_n_steps=1)
+    monitoring = Monitoring(model, [QKClipEngine(tau=1e-3)], writer=MemorySink(), every_n_steps=1)
     with pytest.raises(RuntimeError, match="the step fails"), monitoring.step(0):
         model(TOKENS)
         raise RuntimeError("the step fails")
@@ -204,15 +206,15 @@ def test_a_step_that_raises_leaves_nothing_on_the_model_and_clips_nothing(leftov
 
 def clipped_run(
     compiled_with=None, autocast: bool = False, every: int = 1, steps: int = 3
-) -> tuple[QKClip, dict]:
-    """Frozen steps of QKClip (every ``every`` steps) on ``sharp_model``, the loop calling a
+) -> tuple[QKClipEngine, dict]:
+    """Frozen steps of QKClipEngine (every ``every`` steps) on ``sharp_model``, the loop calling a
     ``torch.compile``'d model (``compiled_with``: its backend) or the model, the forward under bf16
     autocast or not: (the engine, the weights after)."""
     model = sharp_model(bias=True, n_kv_heads=2)
     tau = float(torch.cat(measured(model)).median())
     run = torch.compile(model, backend=compiled_with) if compiled_with else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    clip = QKClip(tau=tau, every_n_steps=every)
+    clip = QKClipEngine(tau=tau, every_n_steps=every)
     monitoring = Monitoring(model, [clip], writer=MemorySink(), every_n_steps=every)
     for step in range(steps):
         with monitoring.step(step):
