@@ -1,13 +1,13 @@
 """Does QK-Clip rescue a run whose attention logits run away? A small side-by-side measurement.
 
-The instability miniature of ``tests/core/test_instability.py``: the bundled decoder (d_model 32, 2
-layers, 4 heads, d_k 8) on associative recall, AdamW at peak lr 0.1 after a 20-step warmup, 150
-steps. Each seed trains five runs from the same initialization and batches: without a cure, with
-QK-Clip (``QKClipEngine(tau)``) for tau in 100, 30 and 10, and with QK-norm. It prints, per run, the
-mean training loss of the last 20 steps and the largest attention logit AttentionEntropy saw at its
-probes (every 10 steps, in the step's forward, before that step's clip), and how many (step, head)
-clips QK-Clip made. Then the same at a healthy rate (3e-3): what the clip costs a run that needs
-none.
+The instability miniature (``benchmarks/miniature.py``, also run by
+``tests/core/test_instability.py``): the bundled decoder (d_model 32, 2 layers, 4 heads, d_k 8) on
+associative recall, AdamW at peak lr 0.1 after a 20-step warmup, 150 steps. Each seed trains five
+runs from the same initialization and batches: without a cure, with QK-Clip (``QKClipEngine(tau)``)
+for tau in 100, 30 and 10, and with QK-norm. It prints, per run, the mean training loss of the last
+20 steps and the largest attention logit AttentionEntropy saw at its probes (every 10 steps, in the
+step's forward, before that step's clip), and how many (step, head) clips QK-Clip made. Then the
+same at a healthy rate (3e-3): what the clip costs a run that needs none.
 
 Usage::
 
@@ -15,6 +15,7 @@ Usage::
     python benchmarks/qk_clip.py --seeds 0 1 2
     # Muon on the blocks' 2-D weights, AdamW on the rest
     python benchmarks/qk_clip.py --optimizer muon --lr 0.1 --healthy-lr 0.01
+
 
 """
 
@@ -26,9 +27,9 @@ import time
 import warnings
 
 import torch
+from miniature import train_recall_miniature
 
 from qkmonitor.engine import AttentionEntropy, QKClipEngine
-from qkmonitor.models.tasks import train_recall_miniature
 
 LR = 0.1  # the miniature's peak rate, at which its logits run away
 TAUS = (100.0, 30.0, 10.0)

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 import torch
 
-from qkmonitor.attention.adapters import QKWeights
 from qkmonitor.measures.functional import (
     effective_rank,
     qk_eigenvalues,
@@ -47,7 +46,7 @@ from qkmonitor.measures.functional import (
     qk_spectrum_metrics,
     spectral_concentration,
 )
-from qkmonitor.measures.layer_spectra import spectrum_of_layers
+from qkmonitor.measures.layer_spectra import QKWeights, spectrum_of_layers
 
 
 @dataclass

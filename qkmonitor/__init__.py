@@ -29,16 +29,12 @@ from qkmonitor.alerts import (
     RankCollapseWarning,
 )
 from qkmonitor.attention import hf as _hf  # noqa: F401  (needs transformers only when a model holds its modules)
-from qkmonitor.attention.adapters import (
-    AttentionLayer,
-    QKWeights,
-    SupportsQKMonitor,
-    find_attention_layers,
-)
+from qkmonitor.attention.adapters import AttentionLayer, SupportsQKMonitor, find_attention_layers
 from qkmonitor.attention.intercept import InterceptedAttentionLayer, register_attention
 from qkmonitor.attention.latent import LatentNames
 from qkmonitor.attention.layouts import AttentionSpec
 from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
+from qkmonitor.measures.layer_spectra import QKWeights
 
 if TYPE_CHECKING:
     from qkmonitor.callbacks.qk_monitor import QKMonitor

@@ -1,5 +1,6 @@
-"""Shared by every test folder: the float64 attention reference, the ``gpu`` marker's skip, and
-``leftovers``: what a probe could have left on a model.
+"""Shared by every test folder: the float64 attention reference, the ``gpu`` marker's skip,
+``leftovers``: what a probe could have left on a model, and ``train_recall_miniature``: the
+instability miniature of ``benchmarks/miniature.py``.
 
 ``reference_attention`` is what the kernel tests (``tests/kernels``, and ``tests/gpu`` on CUDA)
 trust. Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is visible; run
@@ -8,8 +9,10 @@ them with ``pytest -m gpu`` on a GPU machine (``scripts/gpu_check.sh``).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,6 +158,18 @@ class CountingBackend:
             return graph_module.forward(*args)
 
         return run
+
+
+@pytest.fixture(scope="session")
+def train_recall_miniature():
+    """``benchmarks/miniature.py``'s ``train_recall_miniature``: a run that drives the monitors, so
+    it lives beside the scripts that run it, not in ``qkmonitor.models`` (docs/architecture.md,
+    "Layers")."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "miniature.py"
+    spec = importlib.util.spec_from_file_location("miniature", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.train_recall_miniature
 
 
 @pytest.fixture

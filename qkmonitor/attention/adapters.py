@@ -13,7 +13,6 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -27,13 +26,13 @@ from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRe
 from qkmonitor.attention.registry import families, register_family
 from qkmonitor.attention.route import Channel, Route, observed
 from qkmonitor.kernels import autocast_off
+from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.measures.sharding import HeadPlacement, SplitHeadsError, row_shard
 
 __all__ = [
     "AttentionLayer",
     "MultiheadAttentionLayer",
     "NativeAttentionLayer",
-    "QKWeights",
     "SupportsQKMonitor",
     "find_attention_layers",
     "parameters_without_data",
@@ -50,34 +49,13 @@ def parameters_without_data(module: nn.Module) -> list[str]:
     ]
 
 
-@dataclass(frozen=True)
-class QKWeights:
-    """A layer's query and key projections (``nn.Linear`` layout) and how they split into heads.
-
-    Attributes:
-        w_q: (num_heads * d_k, d) query weight, biases left out.
-        w_k: (num_kv_heads * d_k, d') key weight.
-        num_heads: query heads H.
-        num_kv_heads: key/value heads; divides H (GQA/MQA when smaller).
-        scale: the factor the layer multiplies ``q·k`` by before the softmax.
-        qk_norm: the layer normalizes q and k per head after the projections (QK-norm), so
-            ``W_QK`` does not bound its logits; alert rules with ``skip_qk_norm`` leave it out.
-    """
-
-    w_q: Tensor
-    w_k: Tensor
-    num_heads: int
-    num_kv_heads: int
-    scale: float
-    qk_norm: bool = False
-
-
 @runtime_checkable
 class SupportsQKMonitor(Protocol):
     """An attention module that describes itself to qkmonitor (qkmonitor's own modules do).
 
-    ``qk_weights()`` returns the :class:`QKWeights` of the module's current parameters. A module
-    may also offer activation statistics by defining ``register_probe(observer, sink_tokens=0)``:
+    ``qk_weights()`` returns the :class:`~qkmonitor.measures.layer_spectra.QKWeights` of the
+    module's current parameters. A module may also offer activation statistics by defining
+    ``register_probe(observer, sink_tokens=0)``:
     it hands every following forward to ``observer`` as an
     :class:`~qkmonitor.attention.probes.AttentionCall` (e.g. a
     :class:`~qkmonitor.attention.probes.KernelCall` holding the kernel's statistics), and returns a

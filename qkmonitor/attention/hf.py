@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.attention import _hf_compat
-from qkmonitor.attention.adapters import AttentionLayer, QKWeights
+from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.calls import TENSOR_PARALLEL, MaskedCall, UnreadCall
 from qkmonitor.attention.clip import ProjectionRows, QKRows, linear_rows
 from qkmonitor.attention.compiled import own_class
@@ -68,6 +68,7 @@ from qkmonitor.attention.probes import Probe
 from qkmonitor.attention.recognition import forward_computes_attention
 from qkmonitor.attention.registry import register_family
 from qkmonitor.attention.route import Channel, Route, observed
+from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.measures.sharding import HeadPlacement, RowShard, SplitHeadsError, row_shard
 from qkmonitor.validation import is_int, is_real
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.attention.adapters import AttentionLayer, QKWeights
+from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.attention.capture import route_probe
 from qkmonitor.attention.clip import QKRows
@@ -44,6 +44,7 @@ from qkmonitor.attention.recognition import (
     looks_like_attention,
 )
 from qkmonitor.attention.registry import register_family
+from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.measures.sharding import HeadPlacement, whole
 
 __all__ = [

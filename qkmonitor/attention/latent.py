@@ -35,8 +35,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.attention.adapters import QKWeights
 from qkmonitor.attention.clip import LatentQKRows, ProjectionRows
+from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.validation import is_int, is_real
 
 __all__ = ["DEEPSEEK_NAMES", "HF_NAMES", "LatentLayout", "LatentNames", "find_latent"]

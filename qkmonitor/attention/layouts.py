@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.attention.adapters import QKWeights
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.latent import LatentLayout, LatentNames, find_latent
+from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.measures.sharding import HeadPlacement, RowShard, stated_shape, whole
 from qkmonitor.validation import is_int, is_real
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.alerts import KAPPA_RULE
-from qkmonitor.attention.adapters import AttentionLayer, QKWeights
+from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.attention.probes import Probe, ProbeRequest
 from qkmonitor.engine.base import MonitorEngine
@@ -33,6 +33,7 @@ from qkmonitor.measures.catalogue import SPECTRUM
 from qkmonitor.measures.layer_spectra import (
     SPECTRUM_METRICS,
     LayerSpectra,
+    QKWeights,
     full_parameters,
     spectrum_of_layers,
 )

@@ -75,7 +75,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.attention.adapters import QKWeights
 from qkmonitor.measures.functional import (
     compute_dtype,
     effective_rank,
@@ -90,6 +89,7 @@ __all__ = [
     "SPECTRUM_METRICS",
     "HeadSpectra",
     "LayerSpectra",
+    "QKWeights",
     "full_parameters",
     "qk_head_spectra",
     "spectrum_of_layers",
@@ -99,6 +99,28 @@ __all__ = [
 SPECTRUM_METRICS = ("kappa", "kappa_eig", "eig_mean", "eig_var", "qk_erank", "qk_spectral_norm")
 _EIGEN_METRICS = ("kappa_eig", "eig_mean", "eig_var")
 _RATIOS_OF_SIGMA = ("kappa", "kappa_eig", "qk_erank")  # 0/0 when W_QK^h = 0
+
+
+@dataclass(frozen=True)
+class QKWeights:
+    """A layer's query and key projections (``nn.Linear`` layout) and how they split into heads.
+
+    Attributes:
+        w_q: (num_heads * d_k, d) query weight, biases left out.
+        w_k: (num_kv_heads * d_k, d') key weight.
+        num_heads: query heads H.
+        num_kv_heads: key/value heads; divides H (GQA/MQA when smaller).
+        scale: the factor the layer multiplies ``q·k`` by before the softmax.
+        qk_norm: the layer normalizes q and k per head after the projections (QK-norm), so
+            ``W_QK`` does not bound its logits; alert rules with ``skip_qk_norm`` leave it out.
+    """
+
+    w_q: Tensor
+    w_k: Tensor
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    qk_norm: bool = False
 
 
 class HeadSpectra(NamedTuple):
@@ -240,9 +262,8 @@ def spectrum_of_layers(weights: Sequence[QKWeights]) -> LayerSpectra:
     layers, and neither raises.
 
     Args:
-        weights: per layer, its :class:`~qkmonitor.attention.adapters.QKWeights` (any float dtype,
-        any
-            device, plain tensors or DTensors).
+        weights: per layer, its :class:`QKWeights` (any float dtype, any device, plain tensors or
+            DTensors).
 
     Returns:
         :class:`LayerSpectra`, float32 tensors on CPU.

@@ -7,11 +7,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.attention.adapters import QKWeights
 from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.attention.clip import QKRows, linear_rows
 from qkmonitor.attention.probes import AttentionCall, KernelCall, ObserverSet
 from qkmonitor.kernels import attended_keys, attention
+from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.measures.sharding import SplitHeadsError
 
 from .config import TransformerConfig

@@ -35,16 +35,21 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import Tensor
 
 from qkmonitor.output.sinks import Sink
 
-if TYPE_CHECKING:
-    from qkmonitor.engine.host import Host
+__all__ = ["GuardedSink", "Warns", "confirm_writes", "report_write_faults", "warn_write_faults"]
 
-__all__ = ["GuardedSink", "confirm_writes", "report_write_faults", "warn_write_faults"]
+
+class Warns(Protocol):
+    """What the guards give their messages to: an engine's host
+    (:class:`qkmonitor.engine.host.Host`), named here by what it does, as output sits below the
+    engine (docs/architecture.md, "Layers")."""
+
+    def warn(self, message: str, category: type[Warning] = UserWarning) -> None: ...
 
 
 class GuardedSink:
@@ -269,7 +274,7 @@ def confirm_writes(sinks: Sequence[Any]) -> None:
             confirm()
 
 
-def warn_write_faults(host: Host, sinks: Sequence[Any]) -> None:
+def warn_write_faults(host: Warns, sinks: Sequence[Any]) -> None:
     """Give the guards' pending messages (a first failure, a resumption) through ``host``."""
     for sink in sinks:
         take = getattr(sink, "take_messages", None)
@@ -277,7 +282,7 @@ def warn_write_faults(host: Host, sinks: Sequence[Any]) -> None:
             host.warn(message, RuntimeWarning)
 
 
-def report_write_faults(host: Host, sinks: Sequence[Any]) -> None:
+def report_write_faults(host: Warns, sinks: Sequence[Any]) -> None:
     """At a run's end: what is pending confirmed, the messages given, then how many writes each
     destination lost."""
     for sink in sinks:  # a layout held until the run's tags were known (output.sinks)

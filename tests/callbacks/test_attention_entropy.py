@@ -248,7 +248,8 @@ def test_entropy_collapse_needs_sharp_heads_whose_logits_keep_growing(
 
 
 def test_layers_without_statistics_are_an_error_that_says_so(tmp_path, make_task):
-    from qkmonitor.attention.adapters import AttentionLayer, QKWeights
+    from qkmonitor.attention.adapters import AttentionLayer
+    from qkmonitor.measures.layer_spectra import QKWeights
 
     class WeightsOnly(AttentionLayer):
         def qk_weights(self):

@@ -13,9 +13,9 @@ from qkmonitor.attention.adapters import (
     AttentionLayer,
     MultiheadAttentionLayer,
     NativeAttentionLayer,
-    QKWeights,
     find_attention_layers,
 )
+from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.models import DecoderLM, TransformerConfig
 
 

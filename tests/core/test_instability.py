@@ -9,21 +9,24 @@ say nothing about the second. ``benchmarks/instability.py`` is the full sweep th
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 
 from qkmonitor.alerts import Alert
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
-from qkmonitor.models.tasks import train_recall_miniature
 
 EVERY = 10
 
 
 def train(
-    qk_norm: bool, seed: int = 0, observe_loss: bool = True
+    train_recall_miniature: Callable[..., list[float]],
+    qk_norm: bool,
+    seed: int = 0,
+    observe_loss: bool = True,
 ) -> tuple[list[float], list[Alert]]:
-    """The miniature's 150 steps with all three monitors and their default rules, the loss handed to
-    them or not: (losses, alerts)."""
+    """The miniature's 150 steps (``train_recall_miniature``, the fixture) with all three monitors
+    and their default rules, the loss handed to them or not: (losses, alerts)."""
     fired: list[Alert] = []
     engines = [
         QKSpectrum(on_alert=lambda owner, alert: fired.append(alert)),
@@ -58,13 +61,19 @@ def separation_step(losses: list[float], reference: list[float], ratio: float = 
 
 @pytest.mark.slow  # two 150-step runs with all three monitors, each way
 @pytest.mark.parametrize("observe_loss", [False, True], ids=["without-loss", "with-loss"])
-def test_the_unstable_run_is_flagged_in_time_and_its_qk_norm_twin_is_not(observe_loss):
+def test_the_unstable_run_is_flagged_in_time_and_its_qk_norm_twin_is_not(
+    train_recall_miniature, observe_loss
+):
     """Without the loss the rules test their metric alone and flag the run before its loss
     separates. With it, the gated rules wait while the loss still falls, and the flag must be in
     time as ``benchmarks/instability.py`` defines it: >= 10 steps ahead of a separation after step
     30, else by the first probe at or after the separation."""
-    unstable_losses, unstable_alerts = train(qk_norm=False, observe_loss=observe_loss)
-    stable_losses, stable_alerts = train(qk_norm=True, observe_loss=observe_loss)
+    unstable_losses, unstable_alerts = train(
+        train_recall_miniature, qk_norm=False, observe_loss=observe_loss
+    )
+    stable_losses, stable_alerts = train(
+        train_recall_miniature, qk_norm=True, observe_loss=observe_loss
+    )
 
     # the instability is real: the run without QK-norm ends far behind its twin
     final = lambda losses: sum(losses[-20:]) / 20

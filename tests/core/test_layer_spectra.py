@@ -18,9 +18,13 @@ import torch
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qkmonitor.attention.adapters import QKWeights
 from qkmonitor.measures import layer_spectra
-from qkmonitor.measures.layer_spectra import SPECTRUM_METRICS, qk_head_spectra, spectrum_of_layers
+from qkmonitor.measures.layer_spectra import (
+    SPECTRUM_METRICS,
+    QKWeights,
+    qk_head_spectra,
+    spectrum_of_layers,
+)
 
 FLOAT32_U = 2.0**-24
 FLOAT64_U = 2.0**-53

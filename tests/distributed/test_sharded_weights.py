@@ -7,8 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qkmonitor.attention.adapters import QKWeights
-from qkmonitor.measures.layer_spectra import full_parameters, spectrum_of_layers
+from qkmonitor.measures.layer_spectra import QKWeights, full_parameters, spectrum_of_layers
 from qkmonitor.measures.sharding import whole
 
 

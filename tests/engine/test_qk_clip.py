@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from qkmonitor.attention.clip import QKRows, head_max_logits
 from qkmonitor.attention.probes import ProbeRequest
 from qkmonitor.engine import AttentionEntropy, Monitoring, QKClipEngine
 from qkmonitor.models import DecoderLM, TransformerConfig
-from qkmonitor.models.tasks import train_recall_miniature
 from qkmonitor.output.sinks import MemorySink
 
 
@@ -140,9 +140,13 @@ def test_bad_arguments_are_named(kwargs, name):
         QKClipEngine(**kwargs)
 
 
-def recall_run(clip_tau: float | None, qk_norm: bool = False) -> tuple[float, float]:
-    """The instability miniature (``train_recall_miniature``, peak lr 0.1): (final loss, largest
-    logit AttentionEntropy saw at its probes)."""
+def recall_run(
+    train_recall_miniature: Callable[..., list[float]],
+    clip_tau: float | None,
+    qk_norm: bool = False,
+) -> tuple[float, float]:
+    """The instability miniature (``train_recall_miniature``, the fixture; peak lr 0.1): (final
+    loss, largest logit AttentionEntropy saw at its probes)."""
     entropy = AttentionEntropy(every_n_steps=10, alerts=[])
     engines = [entropy] + ([QKClipEngine(tau=clip_tau)] if clip_tau else [])
     largest = []
@@ -158,13 +162,13 @@ def recall_run(clip_tau: float | None, qk_norm: bool = False) -> tuple[float, fl
 
 
 @pytest.mark.slow
-def test_qk_clip_rescues_a_run_whose_logits_run_away():
+def test_qk_clip_rescues_a_run_whose_logits_run_away(train_recall_miniature):
     """Without the clip the logits run away (hundreds) and the loss ends >= 1.2 x the QK-norm
     twin's; with QKClipEngine(tau=10) they stay near tau and the loss ends within 10 % of the
     twin's."""
-    failing, failing_logit = recall_run(None)
-    twin, _ = recall_run(None, qk_norm=True)
-    clipped, clipped_logit = recall_run(10.0)
+    failing, failing_logit = recall_run(train_recall_miniature, None)
+    twin, _ = recall_run(train_recall_miniature, None, qk_norm=True)
+    clipped, clipped_logit = recall_run(train_recall_miniature, 10.0)
     assert failing >= 1.2 * twin and failing_logit > 100
     assert clipped <= 1.1 * twin
     assert clipped_logit < 2 * 10.0  # measured before the step's clip: the step's growth on top

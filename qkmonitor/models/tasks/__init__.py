@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .grid import GridRelationDataModule, VisionClassificationTask, make_grid_batch
     from .lm import CausalLMTask
     from .modular import ModularAdditionDataModule, make_modular_addition
-    from .recall import AssociativeRecallDataModule, make_recall_batch, train_recall_miniature
+    from .recall import AssociativeRecallDataModule, make_recall_batch
 
 #: the names loaded on first use -> the module of this package that defines them
 _LAZY = {
@@ -45,7 +45,6 @@ _LAZY = {
     "make_modular_addition": "modular",
     "make_recall_batch": "recall",
     "python_source_files": "charlm",
-    "train_recall_miniature": "recall",
 }
 
 
@@ -78,5 +77,4 @@ __all__ = [
     "make_modular_addition",
     "make_recall_batch",
     "python_source_files",
-    "train_recall_miniature",
 ]
