@@ -82,9 +82,11 @@ class TensorSource:
         if name in self._state:
             return self._state[name]
         path = self._files[name]
+        from safetensors import SafetensorError
+
         try:
             return self._handle(path).get_tensor(name)
-        except Exception as err:  # safetensors raises its own error type for a corrupt file
+        except (SafetensorError, OSError) as err:  # a file cut or changed since it was opened
             raise ScanError(path, f"cannot read tensor {name!r}: {err}") from None
 
     def _handle(self, path: Path) -> Any:
@@ -210,11 +212,11 @@ def _indexed(folder: Path, index: Path) -> dict[str, Path]:
 
 
 def _safe_open(path: Path) -> Any:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         return safe_open(str(path), framework="pt")
-    except Exception as err:  # SafetensorError: a truncated or corrupt file
+    except (SafetensorError, OSError) as err:  # a truncated or corrupt file
         raise ScanError(
             path, f"not a readable safetensors file (truncated or corrupt?): {err}"
         ) from None

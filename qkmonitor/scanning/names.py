@@ -149,7 +149,9 @@ def _split(model: ModelFiles, prefix: str, q_rows: int, k_rows: int) -> tuple[in
     """(heads, key heads, head width) of a layer from its rows and the config's head count."""
     heads = _heads(model)
     if q_rows % heads:
-        raise ScanError(model.path, f"{prefix}: {q_rows} query rows do not split into {heads} heads")
+        raise ScanError(
+            model.path, f"{prefix}: {q_rows} query rows do not split into {heads} heads"
+        )
     head_dim = q_rows // heads
     if k_rows % head_dim or heads % (k_rows // head_dim or 1) or not k_rows:
         raise ScanError(
@@ -179,9 +181,7 @@ def _separate_layers(model: ModelFiles, names: set[str]) -> list[LayerPlan]:
     return plans
 
 
-def _separate_plan(
-    model: ModelFiles, names: set[str], prefix: str, q: str, k: str
-) -> LayerPlan:
+def _separate_plan(model: ModelFiles, names: set[str], prefix: str, q: str, k: str) -> LayerPlan:
     q_shape, k_shape = model.tensors.shape(q), model.tensors.shape(k)
     heads, kv_heads, head_dim = _split(model, prefix, q_shape[0], k_shape[0])
     scale = _scale(model.config, head_dim, _layer_index(prefix))
