@@ -78,14 +78,16 @@ class TensorSource:
         return tuple(self._handle(self._files[name]).get_slice(name).get_shape())
 
     def get(self, name: str) -> Tensor:
-        """The tensor ``name`` (read from its file now: the only read)."""
+        """The tensor ``name``, read from its file now (the only read of its data; the handles
+        kept open serve the names and shapes, read from the header alone)."""
         if name in self._state:
             return self._state[name]
         path = self._files[name]
         from safetensors import SafetensorError
 
-        try:
-            return self._handle(path).get_tensor(name)
+        try:  # a mapping of its own, unmapped once read: pages a handle kept mapped would stay
+            with _safe_open(path) as handle:  # resident (counted in the process's memory)
+                return handle.get_tensor(name)
         except (SafetensorError, OSError) as err:  # a file cut or changed since it was opened
             raise ScanError(path, f"cannot read tensor {name!r}: {err}") from None
 
