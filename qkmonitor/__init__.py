@@ -39,11 +39,13 @@ from qkmonitor.measures.layer_spectra import QKWeights
 if TYPE_CHECKING:
     from qkmonitor.callbacks.qk_monitor import QKMonitor
     from qkmonitor.engine.session import Monitoring
+    from qkmonitor.scanning.run import scan
 
 #: the names loaded on first use -> the module that defines them
 _LAZY = {
     "QKMonitor": "qkmonitor.callbacks.qk_monitor",
     "Monitoring": "qkmonitor.engine.session",
+    "scan": "qkmonitor.scanning.run",
 }
 
 
@@ -89,4 +91,5 @@ __all__ = [
     "__version__",
     "find_attention_layers",
     "register_attention",
+    "scan",
 ]
