@@ -104,9 +104,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(x, memory if self.cross else x)
         q, k = self._position(q, k, coords)
         scale = self._row_scale(b, n, k.shape[2], key_padding_mask, q.device)
-        if isinstance(
-            scale, Tensor
-        ):  # a temperature per row: folded into q, the kernel scales by 1
+        if isinstance(scale, Tensor):  # a temperature per row: in q, the kernel scales by 1
             q, scale = q * scale.to(q.dtype), 1.0
         out = self._attend(q, k, v, key_padding_mask, scale)  # (B, H, N, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
