@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qkmonitor.kernels._torch import exp_shifted_
+from qkmonitor.kernels._blocks import exp_shifted_
 
 __all__ = ["attention_probs", "masked_softmax", "masked_softmax_"]
 
