@@ -1,7 +1,7 @@
 """The spectrum of W_QK three ways: dense d x d SVD, Householder QR, and the Gram route.
 
 - dense: form each head's ``W_QK^h = W_Q^h (W_K^g)^T`` (d x d) and take its full SVD, O(H·d³);
-- QR (:func:`qkmonitor.measures.functional.qk_singular_values`): ``W_Q^h = Q_1 R_1``, ``W_K^g = Q_2
+- QR (:func:`qkmonitor.measures.spectra.qk_singular_values`): ``W_Q^h = Q_1 R_1``, ``W_K^g = Q_2
   R_2``, ``svdvals(R_1 R_2^T)``, all layers stacked into one batched call;
 - Gram (:func:`qkmonitor.measures.layer_spectra.spectrum_of_layers`): per layer, batched ``W_Q^T
   W_Q``, ``W_K^T W_K``, ``W_K^T W_Q`` products, then one d_k x d_k eigenproblem per head for σ and
@@ -20,7 +20,7 @@ new path is ``spectrum_of_layers`` (runs of heads on torch's threads, see its mo
 Both are timed on ``--layers`` layers and scaled to 80 (layers are independent and equally sized;
 the old path's stacking only grows with them). Accuracy is
 measured on one layer against float64: the QR route run in float64 for σ and ``W_K^T W_Q``'s
-eigenvalues in float64 (both checked against dense float64 in tests/core/test_functional.py).
+eigenvalues in float64 (both checked against dense float64 in tests/core/test_measures_math.py).
 
 Part 3 (issue 44, ``--scan``) is ``qkmonitor scan`` of a 70B-shaped model from its file: a
 synthetic bf16 safetensors file holding only the 80 layers' ``q_proj``/``k_proj`` (about 12 GB,
@@ -51,14 +51,14 @@ from pathlib import Path
 
 import torch
 
-from qkmonitor.measures.functional import (
-    effective_rank,
+from qkmonitor.measures.layer_spectra import QKWeights, spectrum_of_layers
+from qkmonitor.measures.ranks import effective_rank
+from qkmonitor.measures.spectra import (
     qk_eigenvalues,
     qk_singular_values,
     qk_spectrum_metrics,
     spectral_concentration,
 )
-from qkmonitor.measures.layer_spectra import QKWeights, spectrum_of_layers
 
 
 @dataclass

@@ -34,13 +34,9 @@ from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
 from qkmonitor.engine.base import ActivationEngine, Values, placed
 from qkmonitor.engine.publishing import AttentionPattern, Images
 from qkmonitor.measures.catalogue import RANK
-from qkmonitor.measures.functional import (
-    effective_rank,
-    gram_singular_values,
-    hidden_state_metrics,
-    normalized_entropy,
-)
+from qkmonitor.measures.entropies import normalized_entropy
 from qkmonitor.measures.metrics import HeadMean
+from qkmonitor.measures.ranks import effective_rank, gram_singular_values, hidden_state_metrics
 from qkmonitor.measures.sharding import tensor_parallel_ranks
 from qkmonitor.output.tags import image_tag
 from qkmonitor.validation import check_non_negative_int, check_positive_int

@@ -14,7 +14,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.measures.functional import attention_entropy
+from qkmonitor.measures.entropies import attention_entropy
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import CopyReverseDataModule, Seq2SeqTask
 

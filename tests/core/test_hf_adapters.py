@@ -27,7 +27,7 @@ from qkmonitor.attention.adapters import find_attention_layers
 from qkmonitor.attention.probes import ProbeRequest
 from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
 from qkmonitor.engine import Monitoring, QKSpectrum
-from qkmonitor.measures.functional import qk_singular_values, spectral_concentration
+from qkmonitor.measures.spectra import qk_singular_values, spectral_concentration
 from qkmonitor.output.sinks import MemorySink
 
 transformers = pytest.importorskip("transformers")

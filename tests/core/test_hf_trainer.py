@@ -19,7 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE
 from qkmonitor.callbacks.hf_trainer import HFQKMonitorCallback
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
-from qkmonitor.measures.functional import qk_singular_values, spectral_concentration
+from qkmonitor.measures.spectra import qk_singular_values, spectral_concentration
 
 VOCAB, SEQ = 32, 8
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
-from qkmonitor.measures.functional import spectral_concentration
+from qkmonitor.measures.spectra import spectral_concentration
 
 D, H, HEAD_DIM, T = 16, 2, 8, 6
 
