@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+import operator
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -144,7 +145,7 @@ def test_unprobed_steps_reach_no_engine(tmp_path, make_task, monkeypatch):
     engine is asked anything; on the others, each engine whose rules read the loss gets it once."""
     calls: Counter = Counter()
     for cls in (QKSpectrum, AttentionEntropy, EffectiveRank):
-        for name in ("open", "observe_loss", "plan", "observe_weights", "is_probe_step"):
+        for name in ("open", "observe_loss", "plan", "observe_weights"):
             original = getattr(cls, name)
 
             def counted(self, *args, _original=original, _name=name, **kwargs):
@@ -211,13 +212,24 @@ def test_bad_arguments_are_named(kwargs, message):
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["layers", "tracker", "prefix", "every_n_steps", "metric_names"])
-def test_the_engines_state_is_read_on_the_engines_not_through_a_callback(name):
-    """The state is the engines' (``.engine``, ``.engines[i]``, ``QKMonitor``'s ``.spectrum``...);
-    a callback's own results are ``latest``."""
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [
+        ("layers", "layers"),
+        ("tracker", "alerting.tracker"),
+        ("prefix", "prefix"),
+        ("every_n_steps", "schedule.every_n_steps"),
+        ("metric_names", "metric_names"),
+    ],
+)
+def test_the_engines_state_is_read_on_the_engines_not_through_a_callback(name, path):
+    """The state is the engines' (``.engine``, ``.engines[i]``, ``QKMonitor``'s ``.spectrum``...),
+    the schedule's and the alert policy's on their parts; a callback's own results are
+    ``latest``."""
     single, several = QKSpectrumMonitor(every_n_steps=7), QKMonitor()
     assert not hasattr(single, name) and not hasattr(several, name)
-    assert hasattr(single.engine, name) and hasattr(several.spectrum, name)
+    read = operator.attrgetter(path)
+    read(single.engine), read(several.spectrum)  # no AttributeError
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert single.latest == {} and single.latest_step is None
