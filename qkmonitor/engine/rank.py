@@ -31,8 +31,8 @@ from torchmetrics import Metric
 from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
 from qkmonitor.attention.compiled import add_forward_hooks
 from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
-from qkmonitor.engine.base import ActivationEngine, Values, placed
-from qkmonitor.engine.publishing import AttentionPattern, Images
+from qkmonitor.engine.activation import ActivationEngine, placed
+from qkmonitor.engine.publishing import AttentionPattern, Images, Values
 from qkmonitor.measures.catalogue import RANK
 from qkmonitor.measures.entropies import normalized_entropy
 from qkmonitor.measures.metrics import HeadMean
