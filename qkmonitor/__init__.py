@@ -32,8 +32,8 @@ from qkmonitor.attention import hf as _hf  # noqa: F401  (needs transformers onl
 from qkmonitor.attention.adapters import AttentionLayer, SupportsQKMonitor, find_attention_layers
 from qkmonitor.attention.intercept import InterceptedAttentionLayer, register_attention
 from qkmonitor.attention.latent import LatentNames
-from qkmonitor.attention.layouts import AttentionSpec
 from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
+from qkmonitor.attention.spec import AttentionSpec
 from qkmonitor.measures.layer_spectra import QKWeights
 
 if TYPE_CHECKING:

@@ -53,7 +53,7 @@ from qkmonitor.attention.calls import MASK_FLOOR, UnreadCall
 from qkmonitor.attention.capture_call import ForwardCapture
 from qkmonitor.attention.capture_mode import FLEX, forget_call, open_calls
 from qkmonitor.attention.compiled import add_forward_hooks
-from qkmonitor.attention.layouts import HEADS_NAMES, attribute
+from qkmonitor.attention.layout_names import HEADS_NAMES, attribute
 from qkmonitor.attention.probes import Probe
 from qkmonitor.attention.route import Channel, Route
 

@@ -63,7 +63,8 @@ from qkmonitor.attention.compiled import own_class
 from qkmonitor.attention.installs import set_attribute
 from qkmonitor.attention.intercept import LayoutChecked
 from qkmonitor.attention.latent import LatentLayout, find_latent
-from qkmonitor.attention.layouts import QKLayout, infer_layouts
+from qkmonitor.attention.layout_names import infer_layouts
+from qkmonitor.attention.layouts import QKLayout
 from qkmonitor.attention.probes import Probe
 from qkmonitor.attention.recognition import forward_computes_attention
 from qkmonitor.attention.registry import register_family
@@ -318,7 +319,7 @@ class BertAttentionLayer(HFAttentionLayer):
 class HFLayoutAttentionLayer(LayoutChecked, HFAttentionLayer):
     """Any other ``transformers`` module that dispatches through the attention registry (GPT-NeoX,
     Phi-3, T5, ModernBERT, DistilBERT, GPT-BigCode, ...): statistics through the registry as
-    above, W_Q/W_K read by name (:func:`qkmonitor.attention.layouts.infer_layouts`) and checked
+    above, W_Q/W_K read by name (:func:`qkmonitor.attention.layout_names.infer_layouts`) and checked
     against the first probed forward (:mod:`qkmonitor.attention.intercept`)."""
 
     def __init__(self, name: str, module: nn.Module, index: int, candidates: list) -> None:

@@ -9,7 +9,7 @@ projections by name and intercepts the attention call.
 
 Each family registers itself in its own module (:mod:`qkmonitor.attention.adapters`,
 :mod:`qkmonitor.attention.hf`, :mod:`qkmonitor.attention.intercept`), which ``import qkmonitor``
-imports; a user's :class:`AttentionSpec` (:mod:`qkmonitor.attention.layouts`) registers with
+imports; a user's :class:`AttentionSpec` (:mod:`qkmonitor.attention.spec`) registers with
 :func:`register_attention`. Registering is idempotent by name: the same name replaces its earlier
 entry.
 """
