@@ -29,6 +29,8 @@ from qkmonitor.alerts import (
     RankCollapseWarning,
 )
 from qkmonitor.attention import hf as _hf  # noqa: F401  (needs transformers only when a model holds its modules)
+from qkmonitor.attention import multihead as _multihead  # noqa: F401
+from qkmonitor.attention import native as _native  # noqa: F401
 from qkmonitor.attention.adapters import AttentionLayer, SupportsQKMonitor, find_attention_layers
 from qkmonitor.attention.intercept import InterceptedAttentionLayer, register_attention
 from qkmonitor.attention.latent import LatentNames
