@@ -29,11 +29,13 @@ from qkmonitor.alerts import (
     RankCollapseWarning,
 )
 from qkmonitor.attention import hf as _hf  # noqa: F401  (needs transformers only when a model holds its modules)
+from qkmonitor.attention import multihead as _multihead  # noqa: F401
+from qkmonitor.attention import native as _native  # noqa: F401
 from qkmonitor.attention.adapters import AttentionLayer, SupportsQKMonitor, find_attention_layers
 from qkmonitor.attention.intercept import InterceptedAttentionLayer, register_attention
 from qkmonitor.attention.latent import LatentNames
-from qkmonitor.attention.layouts import AttentionSpec
 from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
+from qkmonitor.attention.spec import AttentionSpec
 from qkmonitor.measures.layer_spectra import QKWeights
 
 if TYPE_CHECKING:
