@@ -20,7 +20,7 @@ from importlib import import_module as _import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .base import TaskModule
+    from .base import TaskDataModule, TaskModule
     from .charlm import CharLMTask, PythonSourceDataModule, python_source_files
     from .copy_reverse import CopyReverseDataModule, Seq2SeqTask, make_copy_batch
     from .grid import GridRelationDataModule, VisionClassificationTask, make_grid_batch
@@ -38,6 +38,7 @@ _LAZY = {
     "ModularAdditionDataModule": "modular",
     "PythonSourceDataModule": "charlm",
     "Seq2SeqTask": "copy_reverse",
+    "TaskDataModule": "base",
     "TaskModule": "base",
     "VisionClassificationTask": "grid",
     "make_copy_batch": "copy_reverse",
@@ -70,6 +71,7 @@ __all__ = [
     "ModularAdditionDataModule",
     "PythonSourceDataModule",
     "Seq2SeqTask",
+    "TaskDataModule",
     "TaskModule",
     "VisionClassificationTask",
     "make_copy_batch",
