@@ -340,7 +340,7 @@ def train_run(spec: RunSpec) -> RunRecord:
                 held = family.held_out(model, spec.seed)
             scored.append(losses[-1] if held is None else held)
             for engine in engines:
-                if engine.latest_step == step:
+                if engine.schedule.latest_step == step:
                     probe = probes.setdefault(step, {})
                     probe.update(
                         {

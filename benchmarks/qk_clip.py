@@ -48,7 +48,7 @@ def run(
     largest = [0.0]
 
     def read(step: int) -> None:
-        if entropy.latest_step == step:
+        if entropy.schedule.latest_step == step:
             largest.append(max(float(x.max()) for x in entropy.latest["max_logit"]))
 
     engines = [entropy] + ([clip] if clip else [])

@@ -1,7 +1,7 @@
 """The spectrum of W_QK three ways: dense d x d SVD, Householder QR, and the Gram route.
 
 - dense: form each head's ``W_QK^h = W_Q^h (W_K^g)^T`` (d x d) and take its full SVD, O(H·d³);
-- QR (:func:`qkmonitor.measures.functional.qk_singular_values`): ``W_Q^h = Q_1 R_1``, ``W_K^g = Q_2
+- QR (:func:`qkmonitor.measures.spectra.qk_singular_values`): ``W_Q^h = Q_1 R_1``, ``W_K^g = Q_2
   R_2``, ``svdvals(R_1 R_2^T)``, all layers stacked into one batched call;
 - Gram (:func:`qkmonitor.measures.layer_spectra.spectrum_of_layers`): per layer, batched ``W_Q^T
   W_Q``, ``W_K^T W_K``, ``W_K^T W_Q`` products, then one d_k x d_k eigenproblem per head for σ and
@@ -20,33 +20,45 @@ new path is ``spectrum_of_layers`` (runs of heads on torch's threads, see its mo
 Both are timed on ``--layers`` layers and scaled to 80 (layers are independent and equally sized;
 the old path's stacking only grows with them). Accuracy is
 measured on one layer against float64: the QR route run in float64 for σ and ``W_K^T W_Q``'s
-eigenvalues in float64 (both checked against dense float64 in tests/core/test_functional.py).
+eigenvalues in float64 (both checked against dense float64 in tests/core/test_measures_math.py).
+
+Part 3 (issue 44, ``--scan``) is ``qkmonitor scan`` of a 70B-shaped model from its file: a
+synthetic bf16 safetensors file holding only the 80 layers' ``q_proj``/``k_proj`` (about 12 GB,
+written once under ``--scan-dir`` with its ``config.json``; :func:`write_qk_safetensors`), scanned
+in a fresh subprocess (``qkmonitor.scan``, and ``write_scan`` as the command line writes it), its
+wall time and peak resident memory (``ru_maxrss``) reported. The file is read one layer's query and
+key tensors at a time.
 
 Usage::
 
-    python benchmarks/spectral.py             # both parts
+    python benchmarks/spectral.py             # parts 1 and 2
     python benchmarks/spectral.py --quick     # smaller shapes, a few seconds
     python benchmarks/spectral.py --part 2    # the 70B probe only
+    python benchmarks/spectral.py --scan --scan-dir /tmp/qk70b   # part 3: the 70B scan
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from qkmonitor.measures.functional import (
-    effective_rank,
+from qkmonitor.measures.layer_spectra import QKWeights, spectrum_of_layers
+from qkmonitor.measures.ranks import effective_rank
+from qkmonitor.measures.spectra import (
     qk_eigenvalues,
     qk_singular_values,
     qk_spectrum_metrics,
     spectral_concentration,
 )
-from qkmonitor.measures.layer_spectra import QKWeights, spectrum_of_layers
 
 
 @dataclass
@@ -279,6 +291,91 @@ def accuracy(case: Case, w_q: torch.Tensor, w_k: torch.Tensor) -> None:
         )
 
 
+def write_qk_safetensors(folder: Path, case: Case, seed: int = 0) -> Path:
+    """A Hugging Face LLaMA folder holding only the query and key projections of ``case``, in
+    bf16, written one tensor at a time (the safetensors layout: an 8-byte header length, the JSON
+    header, the data). Each layer's weights are one random matrix scaled per layer (writing
+    12 GB of fresh random numbers would take longer than the scan). Returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    q_shape, k_shape = (case.heads * case.d_k, case.d), (case.kv_heads * case.d_k, case.d)
+    header, offset, order = {}, 0, []
+    for layer in range(case.layers):
+        for name, shape in (("q_proj", q_shape), ("k_proj", k_shape)):
+            key = f"model.layers.{layer}.self_attn.{name}.weight"
+            size = shape[0] * shape[1] * 2
+            header[key] = {
+                "dtype": "BF16",
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
+            order.append((layer, name))
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    gen = torch.Generator().manual_seed(seed)
+    base = {
+        "q_proj": torch.randn(q_shape, generator=gen) * case.d**-0.5,
+        "k_proj": torch.randn(k_shape, generator=gen) * case.d**-0.5,
+    }
+    with open(folder / "model.safetensors", "wb") as out:
+        out.write(len(encoded).to_bytes(8, "little") + encoded)
+        for layer, name in order:
+            weight = (base[name] * (1 + layer / case.layers)).to(torch.bfloat16)
+            out.write(weight.view(torch.int16).numpy().tobytes())
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": case.d,
+        "num_attention_heads": case.heads,
+        "num_key_value_heads": case.kv_heads,
+        "head_dim": case.d_k,
+        "num_hidden_layers": case.layers,
+        "torch_dtype": "bfloat16",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+_SCAN_CHILD = """
+import resource, sys, time
+start = time.perf_counter()
+from qkmonitor.scanning import scan, write_scan
+imported = time.perf_counter()
+if sys.argv[2] == "api":
+    layers = scan(sys.argv[1])
+else:
+    layers = write_scan([sys.argv[1]], sys.argv[3])[0].layers
+done = time.perf_counter()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+kappa = sum(float(layer.metrics["kappa"].mean()) for layer in layers) / len(layers)
+print(f"{len(layers)} {imported - start:.2f} {done - imported:.2f} {peak:.0f} {kappa:.6f}")
+"""
+
+
+def part_three(case: Case, folder: Path) -> None:
+    """``qkmonitor scan`` of a 70B-shaped bf16 file, timed in fresh subprocesses."""
+    if not (folder / "model.safetensors").is_file():
+        start = time.perf_counter()
+        write_qk_safetensors(folder, case)
+        print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
+    size = (folder / "model.safetensors").stat().st_size / 2**30
+    print(f"\n## scan of {case.name} from {size:.1f} GiB of bf16 q/k projections")
+    for how in ("api", "write"):
+        run_dir = folder.parent / f"{folder.name}-run-{time.time_ns()}"
+        out = subprocess.run(
+            [sys.executable, "-c", _SCAN_CHILD, str(folder), how, str(run_dir)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        layers, imports, seconds, peak, kappa = out[-5:]
+        what = "qkmonitor.scan(path)" if how == "api" else "write_scan (qkmonitor scan)"
+        print(
+            f"{what}: {layers} layers in {seconds} s (imports {imports} s), peak RSS {peak} MiB, "
+            f"mean kappa {kappa}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
@@ -296,7 +393,19 @@ def main() -> None:
         "--repeats", type=int, default=2, help="repeats per timing (best time kept)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument(
+        "--scan", action="store_true", help="part 3 only: qkmonitor scan of a 70B-shaped file"
+    )
+    parser.add_argument(
+        "--scan-dir",
+        type=Path,
+        default=Path("/tmp/qkmonitor-70b-qk"),
+        help="part 3: the synthetic model folder (written if missing, about 12 GB)",
+    )
     args = parser.parse_args()
+    if args.scan:
+        part_three(LLAMA_70B_QUICK if args.quick else LLAMA_70B, args.scan_dir)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 weights, CPU")

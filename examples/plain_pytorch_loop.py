@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> Monitoring:
     monitoring = train(model, tokens, targets, args.steps, writer)
     writer.close()
     print(
-        f"entropy_norm per layer at step {monitoring.engines[1].latest_step}:",
+        f"entropy_norm per layer at step {monitoring.engines[1].schedule.latest_step}:",
         [round(v.mean().item(), 3) for v in monitoring.engines[1].latest["entropy_norm"]],
     )
     print(f"tensorboard --logdir {args.log_dir}")

@@ -28,22 +28,26 @@ from qkmonitor.alerts import (
     RankCollapseWarning,
 )
 from qkmonitor.attention import hf as _hf  # noqa: F401  (needs transformers only when a model holds its modules)
+from qkmonitor.attention import multihead as _multihead  # noqa: F401
+from qkmonitor.attention import native as _native  # noqa: F401
 from qkmonitor.attention.adapters import AttentionLayer, SupportsQKMonitor, find_attention_layers
 from qkmonitor.attention.intercept import InterceptedAttentionLayer, register_attention
 from qkmonitor.attention.latent import LatentNames
-from qkmonitor.attention.layouts import AttentionSpec
 from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
+from qkmonitor.attention.spec import AttentionSpec
 from qkmonitor.lazy import lazy_exports as _lazy_exports
 from qkmonitor.measures.layer_spectra import QKWeights
 
 if TYPE_CHECKING:
     from qkmonitor.callbacks.qk_monitor import QKMonitor
     from qkmonitor.engine.session import Monitoring
+    from qkmonitor.scanning.run import scan
 
 #: the names loaded on first use -> the module that defines them
 _LAZY = {
     "QKMonitor": "qkmonitor.callbacks.qk_monitor",
     "Monitoring": "qkmonitor.engine.session",
+    "scan": "qkmonitor.scanning.run",
 }
 __getattr__, __dir__ = _lazy_exports(globals(), _LAZY)
 
@@ -77,4 +81,5 @@ __all__ = [
     "__version__",
     "find_attention_layers",
     "register_attention",
+    "scan",
 ]

@@ -2,8 +2,8 @@
 
 torch solves a batch of small LAPACK problems (``eigvalsh``, ``eigvals``) one after another on one
 core, whatever its intra-op thread count; split into chunks on Python threads of their own (torch
-releases the GIL), they keep every core busy. Used by :mod:`qkmonitor.measures.layer_spectra` (the
-W_QK spectra) and :func:`qkmonitor.measures.functional.gram_singular_values` (the effective ranks).
+releases the GIL), they keep every core busy. Used by :mod:`qkmonitor.measures.gram_spectra` (the
+W_QK spectra) and :func:`qkmonitor.measures.ranks.gram_singular_values` (the effective ranks).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What differs between ``transformers`` releases (4.48 and later) in how attention is dispatched.
 
-:mod:`qkmonitor.attention.hf` measures a Hugging Face attention module by routing its attention call
+:mod:`qkmonitor.attention.hf_dispatch` measures a Hugging Face attention module by routing its call
 through a function registered under a name of its own, then handing the call to the implementation
 the model was using. The registry and the lookup changed over the releases (read from each release's
 source):

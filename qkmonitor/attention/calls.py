@@ -51,12 +51,12 @@ class ScoresCall:
         self.scores = scores
 
     def stats(self, sink_tokens: int = 0):
-        from qkmonitor.measures.functional import attention_stats_from_scores
+        from qkmonitor.measures.entropies import attention_stats_from_scores
 
         return attention_stats_from_scores(self.scores, sink_tokens=sink_tokens)
 
     def probs(self, sequences: int, rows: int) -> Tensor:
-        from qkmonitor.measures.functional import masked_softmax
+        from qkmonitor.measures.probabilities import masked_softmax
 
         return masked_softmax(self.scores[:sequences, :, :rows])
 
@@ -194,7 +194,7 @@ class MaskedCall:
 
     def _stats(self, sink_tokens: int):
         from qkmonitor.kernels import attention_stats
-        from qkmonitor.measures.functional import attention_stats_from_scores
+        from qkmonitor.measures.entropies import attention_stats_from_scores
 
         if self._kernel_case():
             try:
@@ -280,7 +280,7 @@ class MaskedCall:
 
         Under a causal mask the keys past the last row's diagonal are 0 without being computed
         (half the scores of the first 128 rows of 256). The softmax runs in the scores' memory."""
-        from qkmonitor.measures.functional import masked_softmax_
+        from qkmonitor.measures.probabilities import masked_softmax_
 
         n, m = self.q.shape[2], self.k.shape[2]
         keys = m

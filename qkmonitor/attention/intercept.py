@@ -4,8 +4,8 @@ interception, weights by layout.
 A module no specific family knows is recognised by its name and its class's code
 (:mod:`.recognition`); while a probe is open on it, its attention calls are captured from inside
 its forward (:mod:`.capture`); its query/key weights are read by name as candidate layouts
-(:func:`qkmonitor.attention.layouts.infer_layouts`), or as an :class:`AttentionSpec` states them,
-and the first probe keeps the candidate that reproduces what the module computed
+(:func:`qkmonitor.attention.layout_names.infer_layouts`), or as an :class:`AttentionSpec` states
+them, and the first probe keeps the candidate that reproduces what the module computed
 (:mod:`.layout_check`). This module holds the layer (:class:`InterceptedAttentionLayer`), its
 registration as a family, and :func:`register_attention` for a user's spec.
 """
@@ -24,16 +24,14 @@ from qkmonitor.attention.capture import route_probe
 from qkmonitor.attention.clip import QKRows
 from qkmonitor.attention.latent import LatentLayout, find_latent
 from qkmonitor.attention.layout_check import LayoutEvidence, check_layout
-from qkmonitor.attention.layouts import (
+from qkmonitor.attention.layout_names import (
     HEADS_NAMES,
-    AttentionSpec,
-    QKLayout,
     attribute,
     infer_layouts,
-    projection,
     projections_of,
     qk_norm_modules,
 )
+from qkmonitor.attention.layouts import QKLayout, projection
 from qkmonitor.attention.probes import Probe, side_computation
 from qkmonitor.attention.recognition import (
     ATTENTION_NAME,
@@ -44,6 +42,7 @@ from qkmonitor.attention.recognition import (
     looks_like_attention,
 )
 from qkmonitor.attention.registry import register_family
+from qkmonitor.attention.spec import AttentionSpec
 from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.measures.sharding import HeadPlacement, whole
 
@@ -265,7 +264,7 @@ class InterceptedAttentionLayer(LayoutChecked, AttentionLayer):
     Args:
         name, module, index: as :class:`~qkmonitor.attention.adapters.AttentionLayer`.
         candidates: layouts its weights may have
-        (:func:`qkmonitor.attention.layouts.infer_layouts`);
+        (:func:`qkmonitor.attention.layout_names.infer_layouts`);
             empty for a module whose projections are not recognised (statistics only).
         kind: the family, shown at discovery.
         trusted: the candidate was stated by the user (an :class:`AttentionSpec`): used until a

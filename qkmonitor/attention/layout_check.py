@@ -1,6 +1,6 @@
 """The layout check: does a candidate layout reproduce what the module computed?
 
-A layer read by name (:func:`qkmonitor.attention.layouts.infer_layouts`) has candidate layouts,
+A layer read by name (:func:`qkmonitor.attention.layout_names.infer_layouts`) has candidate layouts,
 not a layout. At its first probe the capture (:mod:`.capture`) keeps the inputs of the
 projections' ``F.linear``/``addmm`` calls and the first attention call's queries and keys (or
 logits) as a :class:`LayoutEvidence`; :func:`check_layout` predicts, in float64, the queries and
@@ -29,12 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkmonitor.attention.calls import MASK_FLOOR
-from qkmonitor.attention.layouts import (
-    QKLayout,
-    grouped_index,
-    modulo_index,
-    qk_norm_modules,
-)
+from qkmonitor.attention.layout_names import qk_norm_modules
+from qkmonitor.attention.layouts import QKLayout, grouped_index, modulo_index
 from qkmonitor.measures.sharding import RowShard
 
 

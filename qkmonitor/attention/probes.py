@@ -370,7 +370,7 @@ class KernelCall:
         )
 
     def probs(self, sequences: int, rows: int) -> Tensor:
-        from qkmonitor.measures.functional import attention_probs
+        from qkmonitor.measures.probabilities import attention_probs
 
         q = self.q[:sequences, :, :rows]
         n, m = self.q.shape[2], self.k.shape[2]

@@ -7,11 +7,11 @@ module of its kind and wraps it. Discovery
 modules, ``nn.MultiheadAttention``, Hugging Face) is asked before the generic one that reads
 projections by name and intercepts the attention call.
 
-Each family registers itself in its own module (:mod:`qkmonitor.attention.adapters`,
-:mod:`qkmonitor.attention.hf`, :mod:`qkmonitor.attention.intercept`), which ``import qkmonitor``
-imports; a user's :class:`AttentionSpec` (:mod:`qkmonitor.attention.layouts`) registers with
-:func:`register_attention`. Registering is idempotent by name: the same name replaces its earlier
-entry.
+Each family registers itself in its own module (:mod:`qkmonitor.attention.native`,
+:mod:`qkmonitor.attention.multihead`, :mod:`qkmonitor.attention.hf`,
+:mod:`qkmonitor.attention.intercept`), which ``import qkmonitor`` imports; a user's
+:class:`AttentionSpec` (:mod:`qkmonitor.attention.spec`) registers with :func:`register_attention`.
+Registering is idempotent by name: the same name replaces its earlier entry.
 """
 
 from __future__ import annotations

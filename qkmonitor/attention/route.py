@@ -2,7 +2,7 @@
 
 A family that sees a module's calls from outside the module's own code (the pre-hook on
 ``nn.MultiheadAttention``, :mod:`~qkmonitor.attention.adapters`; the Hugging Face dispatch,
-:mod:`~qkmonitor.attention.hf`; the interception of SDPA and softmax calls,
+:mod:`~qkmonitor.attention.hf_dispatch`; the interception of SDPA and softmax calls,
 :mod:`~qkmonitor.attention.capture`) says only *how* it sees them: a :class:`Channel` subclass,
 which installs its hooks or patched attribute when made and takes them off in
 :meth:`Channel.uninstall`, and hands each call to its observers.

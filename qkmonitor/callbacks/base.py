@@ -27,9 +27,10 @@ from qkmonitor.engine import (
     check_tag_collisions,
     write_run_header,
 )
-from qkmonitor.engine.base import ActivationEngine, Values
+from qkmonitor.engine.activation import ActivationEngine
 from qkmonitor.engine.group import EngineGroup
 from qkmonitor.engine.host import ScalarBatch
+from qkmonitor.engine.publishing import Values
 from qkmonitor.output.guard import GuardedSink, report_write_faults
 from qkmonitor.output.logger_sinks import LoggerSink, guarded_sink
 from qkmonitor.validation import check_bool
@@ -152,7 +153,8 @@ class AttentionMonitor(Callback):
     @property
     def latest_step(self) -> int | None:
         """The step of the latest probe (of any engine)."""
-        steps = [e.latest_step for e in self.engines if e.latest_step is not None]
+        steps = [e.schedule.latest_step for e in self.engines]
+        steps = [step for step in steps if step is not None]
         return max(steps) if steps else None
 
     state_key = _StateKey()

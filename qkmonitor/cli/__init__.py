@@ -11,7 +11,8 @@ the command that needs them.
 Its modules: :mod:`~qkmonitor.cli.train` (``train``'s arguments and the run; the tasks are
 :mod:`qkmonitor.models.tasks.registry`'s), :mod:`~qkmonitor.cli.trainer` (the Lightning pieces the
 run is made of), :mod:`~qkmonitor.cli.summary` (the table printed at its end),
-:mod:`~qkmonitor.cli.report` (``report``'s arguments) and :mod:`~qkmonitor.cli.arguments` (the
+:mod:`~qkmonitor.cli.report` (``report``'s arguments), :mod:`~qkmonitor.cli.scan` (``scan``:
+the QK spectrum of saved models) and :mod:`~qkmonitor.cli.arguments` (the
 argument types and the help formatter).
 """
 
@@ -27,23 +28,27 @@ __all__ = ["build_parser", "main", "quiet_lightning"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``qkmonitor`` parser: ``--version`` and the ``train`` and ``report`` commands."""
+    """The ``qkmonitor`` parser: ``--version`` and the ``train``, ``report`` and ``scan``
+    commands."""
     from qkmonitor import __version__
     from qkmonitor.cli.arguments import HelpFormatter
     from qkmonitor.cli.report import add_report_parser
+    from qkmonitor.cli.scan import add_scan_parser
     from qkmonitor.cli.train import add_train_parser
 
     parser = argparse.ArgumentParser(
         prog="qkmonitor",
         description=(
             "Watch attention while a transformer trains: train a bundled model with the "
-            "monitors on (qkmonitor train), or read a run back (qkmonitor report)."
+            "monitors on (qkmonitor train), read a run back (qkmonitor report), or the QK "
+            "spectrum of saved models (qkmonitor scan)."
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_train_parser(commands, formatter_class=HelpFormatter)
     add_report_parser(commands, formatter_class=HelpFormatter)
+    add_scan_parser(commands, formatter_class=HelpFormatter)
     return parser
 
 
@@ -58,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from qkmonitor.cli.report import run_report
 
         return run_report(args)
+    if args.command == "scan":
+        from qkmonitor.cli.scan import run_scan
+
+        return run_scan(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -47,7 +47,7 @@ def format_summary(
         rows.append(cells)
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
-    counts = {name: n for e in engines for name, n in e.tracker.counts.items()}
+    counts = {name: n for e in engines for name, n in e.alerting.tracker.counts.items()}
     fired = ", ".join(f"{name}: {n}" for name, n in counts.items() if n)
     alerts = fired or f"none (rules watched: {', '.join(counts) or 'none'})"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
@@ -80,12 +80,12 @@ def _sources(engines: list, columns: list[tuple[str, str, str]]) -> list[str]:
         names = list(
             dict.fromkeys(metric for monitor, metric, _ in columns if monitor == e.monitor)
         )
-        if not names or e.latest_step is None:
+        if not names or e.schedule.latest_step is None:
             continue
         source = (
-            f"the weights after step {e.latest_step}"
+            f"the weights after step {e.schedule.latest_step}"
             if e.monitor == SPECTRUM
-            else f"the last probed batch, at step {e.latest_step}"
+            else f"the last probed batch, at step {e.schedule.latest_step}"
         )
         groups.setdefault(source, []).extend(names)
     return [f"  {', '.join(names)}: {source}" for source, names in groups.items()]

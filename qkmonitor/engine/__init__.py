@@ -8,7 +8,8 @@ these engines; a plain PyTorch loop drives them through :class:`Monitoring`. See
 ``docs/architecture.md``.
 """
 
-from qkmonitor.engine.base import ActivationEngine, MonitorEngine
+from qkmonitor.engine.activation import ActivationEngine
+from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.clip import QKClipEngine
 from qkmonitor.engine.entropy import AttentionEntropy
 from qkmonitor.engine.host import Host, PlainHost

@@ -4,11 +4,14 @@
 training losses the rules with a loss gate read, and the layers already warned about for
 non-finite values. :meth:`AlertPolicy.update` feeds one probe to the tracker;
 :meth:`AlertPolicy.act` carries out the action of an alert that fired: warn (and write its text),
-call ``on_alert``, ask the loop to stop, or raise.
+call ``on_alert``, ask the loop to stop, or raise. :meth:`AlertPolicy.evidence` gathers what the
+rules read from the engines beside this one at the same step (:class:`Beside`): their metrics and
+their measured run signals.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -32,7 +35,7 @@ from qkmonitor.validation import is_real
 if TYPE_CHECKING:
     from qkmonitor.engine.host import Host
 
-__all__ = ["AlertPolicy", "LossHistory", "check_loss"]
+__all__ = ["AlertPolicy", "Beside", "LossHistory", "check_loss"]
 
 
 def check_loss(loss: object) -> None:
@@ -109,6 +112,25 @@ class LossHistory:
         self._first = [] if first is None else [float(first)] * LOSS_SMOOTHING
 
 
+@dataclasses.dataclass(frozen=True)
+class Beside:
+    """What an engine beside this one (a sibling: the same group, or the Lightning callbacks of
+    one Trainer) measured at the step of a probe, for the rules that read it.
+
+    Attributes:
+        metric_names: every metric the engine logs.
+        layer_names: the names of its layers, in its order.
+        values: its values of that step, metric -> one tensor per layer (empty where its last
+            probe was at another step).
+        run_values: its run values of that step (the output logits'), empty where none.
+    """
+
+    metric_names: tuple[str, ...]
+    layer_names: list[str]
+    values: dict[str, list[Tensor]]
+    run_values: dict[str, float]
+
+
 class AlertPolicy:
     """The rules of one engine, their state, and the action taken when one fires.
 
@@ -123,6 +145,9 @@ class AlertPolicy:
             conditions may also read another monitor's metric (:attr:`borrowed`: the engine
             hands the values of a monitor beside it, ``evidence``) or a run signal
             (:data:`~qkmonitor.alerts.RUN_SIGNALS`, from the training loss).
+        defaults: the engine's default rules (a default rule whose evidence is missing is one
+            INFO line, a rule the user gave one warning).
+        prefix: the engine's ``log_key_prefix``, which names it in those lines.
 
     Raises:
         ValueError: if a rule watches a metric no monitor logs, or its own metric is not the
@@ -138,6 +163,8 @@ class AlertPolicy:
         owner: str,
         monitor: str,
         metric_names: Sequence[str],
+        defaults: Sequence[AlertRule] = (),
+        prefix: str = "",
     ) -> None:
         logged_anywhere = {spec.name: spec.monitor for spec in CATALOGUE}
         #: metrics of other monitors the rules' conditions read -> the monitor that logs them
@@ -158,7 +185,10 @@ class AlertPolicy:
         self.action = action
         self.on_alert = on_alert
         self.owner = owner
+        self.defaults = tuple(defaults)
+        self.prefix = prefix
         self._nonfinite: set[int] = set()
+        self._missing: set[str] = set()  # the borrowed metrics said missing in this run
         #: the run signals the rules read: from the loss (computed here) or measured by a
         #: monitor (handed to :meth:`update`)
         self.signals = sorted({m for rule in rules for m in rule.metrics if m in RUN_SIGNALS})
@@ -185,6 +215,7 @@ class AlertPolicy:
         about."""
         self.tracker = AlertTracker(self.tracker.rules)
         self._nonfinite = set()
+        self._missing = set()
         self._best_loss = None
         self.losses.clear()
 
@@ -277,6 +308,55 @@ class AlertPolicy:
             losses=losses,
             first_loss=self.first_loss() if self.reads_loss else None,
         )
+
+    def evidence(
+        self,
+        host: Host,
+        rows: dict[str, list[list[float]]],
+        step: int,
+        layer_names: list[str],
+        beside: Sequence[Beside],
+    ) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
+        """What the rules read from the engines ``beside`` this one at ``step``, as the
+        ``evidence`` and measured ``run_values`` of :meth:`update`: the :attr:`borrowed` metrics,
+        laid out as ``rows`` (a layer they do not measure, or whose heads differ, is NaN), and
+        their run signals. A metric no engine beside it logs is left out, and its rules skipped,
+        said once a run (:meth:`_say_missing`)."""
+        signals = {
+            name: value
+            for other in beside
+            for name, value in other.run_values.items()
+            if name in self.signals
+        }
+        if not self.borrowed or not rows:
+            return {}, signals
+        heads = [len(h) for h in next(iter(rows.values()))]
+        out: dict[str, list[list[float]]] = {}
+        for name, monitor in self.borrowed.items():
+            source = next((other for other in beside if name in other.metric_names), None)
+            if source is None:
+                self._say_missing(host, name, monitor)
+            else:
+                out[name] = _grid(source, name, layer_names, heads)
+        return out, signals
+
+    def _say_missing(self, host: Host, name: str, monitor: str) -> None:
+        """Say once that the rules reading ``name`` are skipped: a warning if the user chose one of
+        them, a line if they are all defaults (running one monitor alone is a choice, not a
+        fault)."""
+        if name in self._missing:
+            return
+        self._missing.add(name)
+        readers = [rule for rule in self.tracker.rules if name in rule.metrics]
+        text = (
+            f"{', '.join(rule.name for rule in readers)} read(s) {name}, which {monitor} logs, but "
+            f"no {monitor} runs beside this monitor (QKMonitor runs the three together; or give "
+            "both engines to one Monitoring): the rules that read it are skipped"
+        )
+        if all(rule in self.defaults for rule in readers):
+            host.info(f"qkmonitor: {self.owner} ({self.prefix}): {text}")
+        else:
+            host.warn(f"{self.owner}: {text}", RuntimeWarning)
 
     def counts(self) -> dict[str, float]:
         """How many alerts each rule has fired, in rule order."""
@@ -376,6 +456,18 @@ class AlertPolicy:
         if self.reads_loss and "losses" in state:
             self.losses.restore(state["losses"], state.get("first_loss"))
         self._best_loss = state.get("best_loss")
+
+
+def _grid(source: Beside, name: str, layer_names: list[str], heads: list[int]) -> list[list[float]]:
+    """``source``'s values of ``name`` for the layers ``layer_names`` (``heads`` values each), by
+    layer name; NaN for a layer it does not measure or whose heads differ."""
+    index = {layer: i for i, layer in enumerate(source.layer_names)}
+    grid = []
+    for layer, count in zip(layer_names, heads):
+        j = index.get(layer)
+        values = source.values[name][j].tolist() if name in source.values and j is not None else []
+        grid.append(values if len(values) == count else [math.nan] * count)
+    return grid
 
 
 def _as_floats(values: list[Tensor | float]) -> list[float]:

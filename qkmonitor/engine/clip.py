@@ -31,8 +31,9 @@ from torch import Tensor, nn
 
 from qkmonitor.attention.clip import QKRows, clip_factors, head_max_logits
 from qkmonitor.attention.probes import Probe, ProbeRequest, ProbeResult
-from qkmonitor.engine.base import ActivationEngine, Values, Window
+from qkmonitor.engine.activation import ActivationEngine, Window
 from qkmonitor.engine.host import Host
+from qkmonitor.engine.publishing import Values
 from qkmonitor.measures.catalogue import CLIP
 from qkmonitor.validation import check_real
 

@@ -45,8 +45,9 @@ from qkmonitor.alerts import (
 )
 from qkmonitor.attention.compiled import add_forward_hooks
 from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
-from qkmonitor.engine.base import ActivationEngine, Values, Window, observed_heads, placed
+from qkmonitor.engine.activation import ActivationEngine, Window, observed_heads, placed
 from qkmonitor.engine.host import Host
+from qkmonitor.engine.publishing import Values
 from qkmonitor.measures.catalogue import ENTROPY, names_of
 from qkmonitor.measures.metrics import AttentionStatistics, OutputLogits, logit_sums
 from qkmonitor.validation import check_int_between

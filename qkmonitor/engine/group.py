@@ -16,8 +16,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from qkmonitor.engine.activation import finish_windows
 from qkmonitor.engine.alerting import LossHistory, check_loss
-from qkmonitor.engine.base import MonitorEngine, finish_windows
+from qkmonitor.engine.base import MonitorEngine
+from qkmonitor.engine.discovery import report_discovery
 from qkmonitor.engine.failures import MeasuresNothingError, guarded
 from qkmonitor.engine.host import Host, ScalarBatch
 from qkmonitor.engine.schedule import NO_STEPS
@@ -84,7 +86,7 @@ class EngineGroup:
                 engine,
                 "reporting the layers found",
                 None,
-                partial(engine.report_discovery, host),
+                partial(report_discovery, engine, host),
             )
         self.bound()
 
@@ -97,7 +99,7 @@ class EngineGroup:
         history for the engines whose rules read the loss (what the longest-kept of them held)."""
         for engine in self.engines:
             engine.siblings = [e for e in self.engines if e is not engine]
-        self.loss_readers = [e for e in self.engines if e.reads_loss]
+        self.loss_readers = [e for e in self.engines if e.alerting.reads_loss]
         self.between, self.quiet = NO_STEPS, NO_STEPS
         if len(self.loss_readers) > 1:
             histories = [e.alerting.losses for e in self.loss_readers]
@@ -111,7 +113,7 @@ class EngineGroup:
     def open(self, host: Host, step: int, *, validation: bool = False) -> None:
         """Open the windows of ``step`` (the engines that may probe it)."""
         for engine in self.engines:
-            if validation or step not in engine.between_probes:
+            if validation or step not in engine.schedule.between_probes:
                 guarded(
                     host,
                     engine,
@@ -182,8 +184,8 @@ class EngineGroup:
             self.observe_weights(host, after, **kwargs)
         for engine in self.engines:
             engine.plan(after if after is not None and engine.reads_weights else step)
-        self.between = _common([e.between_probes for e in self.engines])
-        self.quiet = _common([e.quiet for e in self.engines])
+        self.between = _common([e.schedule.between_probes for e in self.engines])
+        self.quiet = _common([e.schedule.quiet for e in self.engines])
         self.scalars.flush(host, up_to=step)
 
     def finish_validation(self, host: Host, step: int | None = None) -> None:
@@ -215,7 +217,11 @@ class EngineGroup:
             self.scalars.flush(host)
             for engine in self.engines:
                 guarded(
-                    host, engine, "drawing the last probe", None, partial(engine.draw_final, host)
+                    host,
+                    engine,
+                    "drawing the last probe",
+                    None,
+                    partial(engine.publishing.draw_final, host),
                 )
         finally:
             self.release()

@@ -31,16 +31,12 @@ from torchmetrics import Metric
 from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
 from qkmonitor.attention.compiled import add_forward_hooks
 from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
-from qkmonitor.engine.base import ActivationEngine, Values, placed
-from qkmonitor.engine.publishing import AttentionPattern, Images
+from qkmonitor.engine.activation import ActivationEngine, placed
+from qkmonitor.engine.publishing import AttentionPattern, Images, Values
 from qkmonitor.measures.catalogue import RANK
-from qkmonitor.measures.functional import (
-    effective_rank,
-    gram_singular_values,
-    hidden_state_metrics,
-    normalized_entropy,
-)
+from qkmonitor.measures.entropies import normalized_entropy
 from qkmonitor.measures.metrics import HeadMean
+from qkmonitor.measures.ranks import effective_rank, gram_singular_values, hidden_state_metrics
 from qkmonitor.measures.sharding import tensor_parallel_ranks
 from qkmonitor.output.tags import image_tag
 from qkmonitor.validation import check_non_negative_int, check_positive_int

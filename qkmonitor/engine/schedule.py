@@ -20,10 +20,12 @@ class ProbeSchedule:
 
     Args:
         every_n_steps: the interval given (None: the host's default, set at bind).
+        visuals_every_n_probes: the probes that draw the visuals (:meth:`draws_visuals`); 0: none.
     """
 
-    def __init__(self, every_n_steps: int | None) -> None:
+    def __init__(self, every_n_steps: int | None, visuals_every_n_probes: int = 0) -> None:
         self.every_n_steps = every_n_steps
+        self.visuals_every_n_probes = visuals_every_n_probes
         #: the step of the last training probe
         self.latest_step: int | None = None
         #: steps at which a host skips all but the loss, and all (:meth:`steps_after`)
@@ -72,8 +74,8 @@ class ProbeSchedule:
         quiet = range(quiet_from, max(quiet_from, first + every - loss_lead))
         return range(step + 1, first + every), quiet
 
-    def draws_visuals(self, step: int, visuals_every_n_probes: int) -> bool:
+    def draws_visuals(self, step: int) -> bool:
         """Whether the probe at ``step`` draws the visuals: every ``visuals_every_n_probes``-th
         probe, counting the one at step 0."""
-        every = self.every_n_steps or 1
-        return visuals_every_n_probes > 0 and (step // every) % visuals_every_n_probes == 0
+        every, visuals = self.every_n_steps or 1, self.visuals_every_n_probes
+        return visuals > 0 and (step // every) % visuals == 0

@@ -76,7 +76,7 @@ def write_run_header(
                 tag_prefix + e.prefix,
                 e.metric_names,
                 len(e.layers),
-                tuple(r.name for r in e.tracker.rules),
+                tuple(r.name for r in e.alerting.tracker.rules),
             )
             for e in engines
         ]
@@ -88,7 +88,7 @@ def write_run_header(
                 **{
                     alert_tag(tag_prefix + e.prefix, r.name): 0.0
                     for e in engines
-                    for r in e.tracker.rules
+                    for r in e.alerting.tracker.rules
                 },
             },
         )

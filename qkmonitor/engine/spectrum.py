@@ -172,7 +172,7 @@ class QKSpectrum(MonitorEngine):
         Args:
             full_model: the wrapped model under FSDP (v1), whose shards are gathered for the read.
         """
-        if not self.layers or not self.is_probe_step(step) or self.without_data():
+        if not self.layers or not self.schedule.is_probe_step(step) or self.without_data():
             return
         self._warn_blind(host)
         ready = {
@@ -189,7 +189,7 @@ class QKSpectrum(MonitorEngine):
         ready = weights
         spectra = {i: _layer_of(spectra, j) for j, i in enumerate(ready)}
         if copies:  # logged once the first forward has checked their layouts (finish)
-            self.latest_step = step
+            self.schedule.latest_step = step
             self._pending = (step, spectra, copies, updates)
             return
         self._log(host, step, _merged(self.layers, spectra, {}), updates)
@@ -202,7 +202,7 @@ class QKSpectrum(MonitorEngine):
         every head's query/key rows and read their gradients. Once per step, however many
         optimizers step in it; a failure warns and leaves the update metrics NaN."""
         self._updates_seen = True
-        if not self.layers or not self.is_probe_step(step + 1) or self.without_data():
+        if not self.layers or not self.schedule.is_probe_step(step + 1) or self.without_data():
             return
         self._check_layouts(host)  # the first forward has run: the rows of its layout are known
         if self._snapshot is not None and self._snapshot.step == step:

@@ -16,6 +16,20 @@ Under autocast (``torch.autocast`` for the tensors' device, as Lightning's ``"bf
 them, to the autocast dtype, and the kernels then run with autocast off: the output comes back in
 the autocast dtype, and the statistics are still accumulated and returned in float32.
 
+Non-finite scores on allowed keys (docs/architecture.md, "Precision and non-finite values";
+``attended`` always counts the allowed keys):
+
+- a NaN score makes every other statistic of its row NaN (zeros stay reserved for fully masked
+  rows);
+- otherwise a +inf score gives ``lse = max_logit = +inf`` (exact: the max and the log-sum-exp of a
+  set holding +inf) and NaN ``entropy``, ``max_prob``, ``sink_mass`` (the probabilities
+  ``e^{s − lse}`` are ∞/∞, as softmax's are);
+- a −inf score is probability 0, as in softmax; on the triton backend the row's entropy may then
+  read NaN (see ``_triton``), never a wrong number.
+
+``out`` of a NaN or +inf row is non-finite, as softmax makes it; other rows' outputs are
+unaffected.
+
 Triton is imported only when the triton backend runs, so this package imports without it. CUDA
 builds of torch bring triton; a CPU-only install gets the interpreter with ``qkmonitor[triton]``.
 """
@@ -32,8 +46,9 @@ import warnings
 
 import torch
 
+from qkmonitor.kernels._autocast import autocast_off
 from qkmonitor.kernels._stats import AttentionStats, attended_keys
-from qkmonitor.kernels._torch import autocast_off, max_logits, torch_attention
+from qkmonitor.kernels._torch import max_logits, torch_attention
 from qkmonitor.validation import check_bool, is_int, is_real
 
 __all__ = [
@@ -99,20 +114,8 @@ def attention(
         ``lse = log Σ_j exp(s_ij)``, ``entropy = −Σ_j p_ij log p_ij`` (nats),
         ``max_prob = max_j p_ij``, ``max_logit = max_j s_ij``, ``attended = |A_i|`` and
         ``sink_mass = Σ_{j<sink_tokens} p_ij``. A fully masked row has ``lse = max_logit = −inf``
-        and ``entropy = max_prob = attended = sink_mass = 0``. Non-finite scores on allowed keys
-        (docs/architecture.md, "Precision and non-finite values"; ``attended`` always counts the
-        allowed keys):
-
-        - a NaN score makes every other statistic of its row NaN (zeros stay reserved for
-          fully masked rows);
-        - otherwise a +inf score gives ``lse = max_logit = +inf`` (exact: the max and the
-          log-sum-exp of a set holding +inf) and NaN ``entropy``, ``max_prob``, ``sink_mass``
-          (the probabilities ``e^{s − lse}`` are ∞/∞, as softmax's are);
-        - a −inf score is probability 0, as in softmax; on the triton backend the row's entropy
-          may then read NaN (see ``_triton``), never a wrong number.
-
-        ``out`` of a NaN or +inf row is non-finite, as softmax makes it; other rows' outputs
-        are unaffected.
+        and ``entropy = max_prob = attended = sink_mass = 0``. Non-finite scores on allowed keys:
+        the module docstring.
 
     Raises:
         ValueError: if a shape, dtype, device or option is not supported (the message names the
@@ -125,17 +128,7 @@ def attention(
         out, stats = attention(q, k, v, causal=True, return_stats=True)
         stats.entropy  # (B, H, N) nats per query row
     """
-    return _attention(
-        q,
-        k,
-        v,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        scale=scale,
-        return_stats=return_stats,
-        sink_tokens=sink_tokens,
-        backend=backend,
-    )
+    return _attention(q, k, v, causal, key_padding_mask, scale, return_stats, sink_tokens, backend)
 
 
 def attention_stats(
@@ -155,18 +148,10 @@ def attention_stats(
     ``v = k`` and drops it). Arguments as :func:`attention`.
     """
     with torch.no_grad():
-        return _attention(
-            q,
-            k,
-            k,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            scale=scale,
-            return_stats=True,
-            sink_tokens=sink_tokens,
-            backend=backend,
-            output=False,
-        )[1]
+        out_and_stats = _attention(
+            q, k, k, causal, key_padding_mask, scale, True, sink_tokens, backend, output=False
+        )
+        return out_and_stats[1]
 
 
 def attention_max_logits(
@@ -196,7 +181,7 @@ def attention_max_logits(
 
 
 def _attention(
-    q, k, v, *, causal, key_padding_mask, scale, return_stats, sink_tokens, backend, output=True
+    q, k, v, causal, key_padding_mask, scale, return_stats, sink_tokens, backend, output=True
 ):
     q, k, v = _autocast_inputs(q, k, v)
     _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_tokens)

@@ -3,8 +3,8 @@
 Tags (:mod:`qkmonitor.output.tags`), the TensorBoard layout and heatmaps
 (:mod:`qkmonitor.output.dashboards`), ``qkmonitor report``, the CLI summary and the table in
 docs/metrics.md are all derived from :data:`CATALOGUE`; a metric is added here once and appears
-everywhere. The definitions themselves are in :mod:`qkmonitor.measures.functional` and
-``docs/architecture.md``.
+everywhere. The definitions themselves are in :mod:`qkmonitor.measures.spectra`,
+:mod:`qkmonitor.measures.ranks`, :mod:`qkmonitor.measures.entropies` and ``docs/architecture.md``.
 
 Example::
 

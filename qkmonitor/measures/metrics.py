@@ -29,7 +29,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from qkmonitor.kernels import AttentionStats
-from qkmonitor.measures.functional import normalized_entropy
+from qkmonitor.measures.entropies import normalized_entropy
 from qkmonitor.measures.sharding import (
     HeadPlacement,
     collective_device,

@@ -7,20 +7,13 @@ cases. The names of the source document (``MultiHeadAttention``, ``PositionalEnc
 ``DecoderLayer``, ``stable_softmax``) are the building blocks the models use, corrected.
 """
 
+from .additive_positions import LearnedPositionalEmbedding, PositionalEncoding, sinusoidal_encoding
 from .attention import MultiHeadAttention
+from .axial_rope import NDimensionalRoPE, grid_coords
 from .config import TransformerConfig
 from .layers import MLP, DecoderLayer, EncoderLayer, SwiGLU
 from .norms import RMSNorm
-from .positional import (
-    LearnedPositionalEmbedding,
-    NDimensionalRoPE,
-    PositionalEncoding,
-    RopeScaling,
-    RotaryEmbedding,
-    apply_rotary_pos_emb,
-    grid_coords,
-    sinusoidal_encoding,
-)
+from .rope import RopeScaling, RotaryEmbedding, apply_rotary_pos_emb
 from .scaling import (
     CriticalAttentionScaling,
     PolylogScale,

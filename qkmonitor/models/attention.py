@@ -14,9 +14,10 @@ from qkmonitor.kernels import attended_keys, attention
 from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.measures.sharding import SplitHeadsError
 
+from .axial_rope import NDimensionalRoPE
 from .config import TransformerConfig
 from .norms import make_norm
-from .positional import NDimensionalRoPE, RopeScaling, RotaryEmbedding
+from .rope import RopeScaling, RotaryEmbedding
 from .scaling import make_attention_scale
 
 __all__ = ["MultiHeadAttention"]
@@ -99,7 +100,17 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 "Cross-attention needs `memory`, the encoder output of shape (B, M, d)"
             )
-        source = memory if self.cross else x
+        b, n, _ = x.shape
+        q, k, v = self._project(x, memory if self.cross else x)
+        q, k = self._position(q, k, coords)
+        scale = self._row_scale(b, n, k.shape[2], key_padding_mask, q.device)
+        if isinstance(scale, Tensor):  # a temperature per row: in q, the kernel scales by 1
+            q, scale = q * scale.to(q.dtype), 1.0
+        out = self._attend(q, k, v, key_padding_mask, scale)  # (B, H, N, D)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    def _project(self, x: Tensor, source: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, N, D) from ``x``, k and v (B, H_kv, M, D) from ``source``; QK-norm applied."""
         b, n, _ = x.shape
         m = source.shape[1]
         q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, D)
@@ -109,42 +120,47 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(source).view(b, m, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def _position(self, q: Tensor, k: Tensor, coords: Tensor | None) -> tuple[Tensor, Tensor]:
+        """q and k rotated by RoPE (1-D, or axial by the tokens' grid ``coords``), if any."""
         if isinstance(self.rope, NDimensionalRoPE):
             if coords is None:
                 raise ValueError(
                     "Axial RoPE needs `coords`, the (N, axes) grid coordinates of the tokens"
                 )
-            q, k = self.rope(q, k, coords)
-        elif self.rope is not None:
-            q, k = self.rope(q, k)
-        scale = self._row_scale(b, n, m, key_padding_mask, q.device)
-        if isinstance(
-            scale, Tensor
-        ):  # a temperature per row: fold it into q, the kernel scales by 1
-            q, scale = q * scale.to(q.dtype), 1.0
+            return self.rope(q, k, coords)
+        if self.rope is not None:
+            return self.rope(q, k)
+        return q, k
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float
+    ) -> Tensor:
+        """The kernel's output; while probed, with the statistics the observers read, handed to
+        them as a :class:`~qkmonitor.attention.probes.KernelCall`."""
         kwargs = dict(
             causal=self.causal, key_padding_mask=key_padding_mask, scale=scale, backend=self.backend
         )
-        if self._observers:
-            sink = self._observers.sink_tokens()
-            if self._observers.wants_stats() or self._fused(q):
-                out, stats = attention(q, k, v, return_stats=True, sink_tokens=sink, **kwargs)
-            else:  # the largest logits alone: read from q and k, not from a statistics pass
-                out, stats = attention(q, k, v, **kwargs), None
-            self._observers.notify(
-                KernelCall(
-                    q,
-                    k,
-                    scale=scale,
-                    causal=self.causal,
-                    key_padding_mask=key_padding_mask,
-                    stats=stats,
-                    stats_sink=sink,
-                )
+        if not self._observers:
+            return attention(q, k, v, **kwargs)
+        sink = self._observers.sink_tokens()
+        if self._observers.wants_stats() or self._fused(q):
+            out, stats = attention(q, k, v, return_stats=True, sink_tokens=sink, **kwargs)
+        else:  # the largest logits alone: read from q and k, not from a statistics pass
+            out, stats = attention(q, k, v, **kwargs), None
+        self._observers.notify(
+            KernelCall(
+                q,
+                k,
+                scale=scale,
+                causal=self.causal,
+                key_padding_mask=key_padding_mask,
+                stats=stats,
+                stats_sink=sink,
             )
-        else:
-            out = attention(q, k, v, **kwargs)  # (B, H, N, D)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        )
+        return out
 
     def _row_scale(
         self, b: int, n: int, m: int, key_padding_mask: Tensor | None, device

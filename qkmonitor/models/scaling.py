@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from qkmonitor.measures.functional import masked_softmax
+from qkmonitor.measures.probabilities import masked_softmax
 from qkmonitor.validation import check_int_at_least, check_real
 
 __all__ = [

@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .additive_positions import LearnedPositionalEmbedding, PositionalEncoding
+from .axial_rope import grid_coords
 from .config import TransformerConfig
 from .layers import DecoderLayer, EncoderLayer
 from .norms import make_norm
-from .positional import LearnedPositionalEmbedding, PositionalEncoding, grid_coords
 
 __all__ = ["DecoderLM", "EncoderClassifier", "EncoderDecoder", "VisionEncoder"]
 

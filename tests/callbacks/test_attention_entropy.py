@@ -16,7 +16,7 @@ from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE, EntropyCollapseWarning
 from qkmonitor.attention.adapters import find_attention_layers
 from qkmonitor.attention.probes import ProbeRequest
 from qkmonitor.callbacks import AttentionEntropyMonitor
-from qkmonitor.models.positional import apply_rotary_pos_emb
+from qkmonitor.models.rope import apply_rotary_pos_emb
 
 
 def explicit_probs(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,7 +100,11 @@ trainer:
     cli = LightningCLI(TinyLM, args=["fit", "--config", str(config)], save_config_callback=None)
     (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AttentionEntropyMonitor)]
     engine = monitor.engine
-    assert (engine.every_n_steps, engine.options.per_head, engine.prefix) == (2, True, "attn")
+    assert (engine.schedule.every_n_steps, engine.options.per_head, engine.prefix) == (
+        2,
+        True,
+        "attn",
+    )
     assert monitor.latest_step == 2 and monitor.latest["entropy_norm"][0].shape == (2,)
 
 
@@ -277,4 +281,4 @@ def test_a_positional_argument_says_the_parameters_are_keyword_only(cls):
     ):
         cls(50)
     assert inspect.signature(cls).parameters["every_n_steps"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert cls(every_n_steps=50).engines[0].every_n_steps == 50
+    assert cls(every_n_steps=50).engines[0].schedule.every_n_steps == 50

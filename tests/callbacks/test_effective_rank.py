@@ -16,7 +16,7 @@ from torch import nn
 
 from qkmonitor.alerts import MalignantCollapseWarning, RankCollapseWarning
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor
-from qkmonitor.models.positional import apply_rotary_pos_emb
+from qkmonitor.models.rope import apply_rotary_pos_emb
 
 
 def np_erank(s: np.ndarray) -> float:

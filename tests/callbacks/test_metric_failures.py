@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 from torch import nn
 
-from qkmonitor.attention.adapters import NativeAttentionLayer
+from qkmonitor.attention.native import NativeAttentionLayer
 from qkmonitor.attention.probes import Probe
 from qkmonitor.callbacks import QKMonitor
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+import operator
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -144,7 +145,7 @@ def test_unprobed_steps_reach_no_engine(tmp_path, make_task, monkeypatch):
     engine is asked anything; on the others, each engine whose rules read the loss gets it once."""
     calls: Counter = Counter()
     for cls in (QKSpectrum, AttentionEntropy, EffectiveRank):
-        for name in ("open", "observe_loss", "plan", "observe_weights", "is_probe_step"):
+        for name in ("open", "observe_loss", "plan", "observe_weights"):
             original = getattr(cls, name)
 
             def counted(self, *args, _original=original, _name=name, **kwargs):
@@ -158,13 +159,13 @@ def test_unprobed_steps_reach_no_engine(tmp_path, make_task, monkeypatch):
     fit(tmp_path, make_task, [monitor], steps=2 * every)
     entropy = monitor.entropy
     lead = entropy.alerting.loss_lead  # the steps before a probe whose loss the rules read
-    losses = entropy.loss_history()
+    losses = entropy.alerting.loss_history()
     # the entropy's rules read the loss: the run's first steps and `lead` steps before each probe
     kept = [s for s, _ in losses]
     assert kept == sorted(set(kept)) and kept[-1] == 2 * every - 1
     # one history for the three engines, each kept loss read once: a step's loss is kept once
     histories = {id(e.alerting.losses) for e in monitor.engines}
-    assert len(histories) == 1 and len(monitor.spectrum.loss_history()) == len(kept)
+    assert len(histories) == 1 and len(monitor.spectrum.alerting.loss_history()) == len(kept)
     assert calls[("AttentionEntropy", "observe_loss")] == 0  # the group keeps it, once
     # quiet steps: between a probe's batch and the loss window before the next, nothing is asked
     quiet = every - 1 - lead - 10  # 10: the run's first losses (LOSS_SMOOTHING) at most
@@ -175,16 +176,16 @@ def test_unprobed_steps_reach_no_engine(tmp_path, make_task, monkeypatch):
 
 def test_alerts_go_to_the_monitor_that_logs_their_metrics():
     monitor = QKMonitor(alerts=[KAPPA_RULE, LOGIT_BURST_RULE])
-    assert [r.name for r in monitor.spectrum.tracker.rules] == ["kappa"]
-    assert [r.name for r in monitor.entropy.tracker.rules] == ["logit_burst"]
-    assert monitor.rank.tracker.rules == []
+    assert [r.name for r in monitor.spectrum.alerting.tracker.rules] == ["kappa"]
+    assert [r.name for r in monitor.entropy.alerting.tracker.rules] == ["logit_burst"]
+    assert monitor.rank.alerting.tracker.rules == []
     defaults = QKMonitor()
-    assert [r.name for r in defaults.rank.tracker.rules] == [
-        r.name for r in EffectiveRank().tracker.rules
+    assert [r.name for r in defaults.rank.alerting.tracker.rules] == [
+        r.name for r in EffectiveRank().alerting.tracker.rules
     ]
     own = QKMonitor(alerts=[], rank={"alerts": [RANK_COLLAPSE_RULE]})
-    assert [r.name for r in own.rank.tracker.rules] == ["rank_collapse"]
-    assert own.entropy.tracker.rules == []
+    assert [r.name for r in own.rank.alerting.tracker.rules] == ["rank_collapse"]
+    assert own.entropy.alerting.tracker.rules == []
 
 
 @pytest.mark.parametrize(
@@ -211,13 +212,24 @@ def test_bad_arguments_are_named(kwargs, message):
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["layers", "tracker", "prefix", "every_n_steps", "metric_names"])
-def test_the_engines_state_is_read_on_the_engines_not_through_a_callback(name):
-    """The state is the engines' (``.engine``, ``.engines[i]``, ``QKMonitor``'s ``.spectrum``...);
-    a callback's own results are ``latest``."""
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [
+        ("layers", "layers"),
+        ("tracker", "alerting.tracker"),
+        ("prefix", "prefix"),
+        ("every_n_steps", "schedule.every_n_steps"),
+        ("metric_names", "metric_names"),
+    ],
+)
+def test_the_engines_state_is_read_on_the_engines_not_through_a_callback(name, path):
+    """The state is the engines' (``.engine``, ``.engines[i]``, ``QKMonitor``'s ``.spectrum``...),
+    the schedule's and the alert policy's on their parts; a callback's own results are
+    ``latest``."""
     single, several = QKSpectrumMonitor(every_n_steps=7), QKMonitor()
     assert not hasattr(single, name) and not hasattr(several, name)
-    assert hasattr(single.engine, name) and hasattr(several.spectrum, name)
+    read = operator.attrgetter(path)
+    read(single.engine), read(several.spectrum)  # no AttributeError
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert single.latest == {} and single.latest_step is None
@@ -238,8 +250,8 @@ def test_a_resumed_fit_goes_on_with_every_monitor_state(tmp_path, make_task, sca
         ckpt_path=tmp_path / "ckpt" / "last.ckpt",
     )
     for engine, before in zip(second.engines, first.engines):
-        assert engine.latest_step == (8 if engine.reads_weights else 6)
-        assert before.latest_step == (4 if engine.reads_weights else 2)
+        assert engine.schedule.latest_step == (8 if engine.reads_weights else 6)
+        assert before.schedule.latest_step == (4 if engine.reads_weights else 2)
     scalars = scalars_of(tmp_path / "resumed" / "version_0")
     # the spectrum of step 4 was read before the checkpoint: not again
     assert [s for s, _ in scalars["qkmonitor/kappa/layer_00"]] == [6, 8]
@@ -303,8 +315,8 @@ def test_the_losses_kept_are_those_the_three_callbacks_keep(tmp_path, make_task)
     fit(tmp_path / "three", make_task, three, steps=2 * every)
     one = QKMonitor(every_n_steps=every)
     fit(tmp_path / "one", make_task, [one], steps=2 * every)
-    wanted = sorted({s for cb in three for s, _ in cb.engine.loss_history() if s >= every})
-    kept = [s for s, _ in one.entropy.loss_history() if s >= every]
+    wanted = sorted({s for cb in three for s, _ in cb.engine.alerting.loss_history() if s >= every})
+    kept = [s for s, _ in one.entropy.alerting.loss_history() if s >= every]
     assert kept == wanted and len(kept) > 10
-    losses = dict(three[1].engine.loss_history())
-    assert all(v == losses[s] for s, v in one.entropy.loss_history() if s in losses)
+    losses = dict(three[1].engine.alerting.loss_history())
+    assert all(v == losses[s] for s, v in one.entropy.alerting.loss_history() if s in losses)

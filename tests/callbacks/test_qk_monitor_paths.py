@@ -167,9 +167,9 @@ def test_a_callback_reused_for_a_second_fit_behaves_as_a_new_one(tmp_path):
     fit(second_model, [fresh], tmp_path / "fresh", steps=2)
     assert_same(reused.latest, fresh.latest)
     for engine, new in zip(reused.engines, fresh.engines):
-        assert engine.latest_step == new.latest_step
-        assert engine.loss_history() == new.loss_history()
-        assert engine.tracker.counts == new.tracker.counts
+        assert engine.schedule.latest_step == new.schedule.latest_step
+        assert engine.alerting.loss_history() == new.alerting.loss_history()
+        assert engine.alerting.tracker.counts == new.alerting.tracker.counts
 
 
 def test_beside_other_monitors(tmp_path):
@@ -187,4 +187,4 @@ def test_beside_other_monitors(tmp_path):
     ]
     fit(NanoGPT(), together, tmp_path / "together")
     assert_same(together[2].latest, alone.latest)
-    assert together[0].entropy.latest_step == 2
+    assert together[0].entropy.schedule.latest_step == 2

@@ -289,7 +289,7 @@ def test_every_n_steps_defaults_to_log_every_n_steps_and_counts_optimizer_steps(
         limit_val_batches=0,
     )
     trainer.fit(task, datamodule=data)
-    assert monitor.engine.every_n_steps == 3
+    assert monitor.engine.schedule.every_n_steps == 3
     steps = [s for s, _ in scalars_of(tmp_path / "run" / "version_0")["qkmonitor/kappa/layer_00"]]
     assert steps == [0, 3, 6]  # optimizer steps, each once although two batches end on each
 
@@ -313,7 +313,7 @@ def test_resume_keeps_alert_state_and_does_not_repeat_alerts_or_steps(
     )
     with pytest.warns(OverLocalizationWarning):
         trainer.fit(task, datamodule=data)
-    assert first.engine.tracker.counts["kappa"] == 8
+    assert first.engine.alerting.tracker.counts["kappa"] == 8
 
     second = QKSpectrumMonitor(every_n_steps=1, alerts=[LEVEL_KAPPA])
     resumed = pl.Trainer(
@@ -330,7 +330,7 @@ def test_resume_keeps_alert_state_and_does_not_repeat_alerts_or_steps(
         warnings.simplefilter("always")
         resumed.fit(task, datamodule=data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert not [w for w in caught if issubclass(w.category, OverLocalizationWarning)]
-    assert second.engine.tracker.counts["kappa"] == 8  # restored, not refired
+    assert second.engine.alerting.tracker.counts["kappa"] == 8  # restored, not refired
     steps = [s for s, _ in scalars_of(tmp_path / "run" / "version_1")["qkmonitor/kappa/layer_00"]]
     assert steps == [4, 5, 6]  # no second probe of step 3, no step 0
 

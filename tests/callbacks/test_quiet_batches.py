@@ -71,6 +71,9 @@ def test_a_lightning_run_logs_the_same_as_one_that_never_skips(
         )
     assert [s for s, _ in ours["qkmonitor/entropy/layer_00"]] == [0, 25, 50, 75]
     for mine, reference in zip(skipping, always):
-        kept, expected = mine.engine.loss_history(), reference.engine.loss_history()
+        kept, expected = (
+            mine.engine.alerting.loss_history(),
+            reference.engine.alerting.loss_history(),
+        )
         assert [step for step, _ in kept] == [step for step, _ in expected]
         assert [loss for _, loss in kept] == pytest.approx([loss for _, loss in expected])

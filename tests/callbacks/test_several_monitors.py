@@ -14,7 +14,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
 from qkmonitor.callbacks import AttentionEntropyMonitor, EffectiveRankMonitor, QKSpectrumMonitor
-from qkmonitor.measures.functional import attention_entropy
+from qkmonitor.measures.entropies import attention_entropy
 from qkmonitor.models import TransformerConfig
 from qkmonitor.models.tasks import CopyReverseDataModule, Seq2SeqTask
 
@@ -107,7 +107,7 @@ def test_three_prefixes_in_one_trainer_chart_every_tag_and_resume_each_state(tmp
 
     # resume: each monitor gets its own state back (the tracker counts and the last step)
     for monitor in first:
-        monitor.engine.tracker.counts[monitor.engine.tracker.rules[0].name] = 7
+        monitor.engine.alerting.tracker.counts[monitor.engine.alerting.tracker.rules[0].name] = 7
     trainer.save_checkpoint(tmp_path / "both.ckpt")
     saved = torch.load(tmp_path / "both.ckpt", weights_only=True)["callbacks"]
     assert all(
@@ -125,7 +125,10 @@ def test_three_prefixes_in_one_trainer_chart_every_tag_and_resume_each_state(tmp
         enable_checkpointing=False,
     ).fit(task, datamodule=data, ckpt_path=tmp_path / "both.ckpt")
     assert [m.state_key for m in second] == keys
-    assert all(m.engine.tracker.counts[m.engine.tracker.rules[0].name] >= 7 for m in second)
+    assert all(
+        m.engine.alerting.tracker.counts[m.engine.alerting.tracker.rules[0].name] >= 7
+        for m in second
+    )
 
 
 def test_same_kind_same_prefix_is_refused_with_a_clear_message(tmp_path):

@@ -168,10 +168,13 @@ def test_a_callback_reused_for_a_second_fit_starts_as_a_new_one(tmp_path, make_t
     ):  # each fit warns its alerts again: the first fit's state is gone
         fit(reused, 2)
     heads = 2 * 4
-    assert fresh.engine.tracker.counts["any_kappa"] == heads
-    assert reused.engine.tracker.counts["any_kappa"] == fresh.engine.tracker.counts["any_kappa"]
+    assert fresh.engine.alerting.tracker.counts["any_kappa"] == heads
+    assert (
+        reused.engine.alerting.tracker.counts["any_kappa"]
+        == fresh.engine.alerting.tracker.counts["any_kappa"]
+    )
     assert reused.latest_step == fresh.latest_step == 2
-    assert reused.engine.every_n_steps == 2
+    assert reused.engine.schedule.every_n_steps == 2
 
 
 def test_two_optimizers_probe_at_the_first_step_at_or_after_each_multiple(

@@ -87,7 +87,7 @@ def plain_loop(writer, on_step=lambda step: None):
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-            latest.append(engines[1].latest_step)
+            latest.append(engines[1].schedule.latest_step)
             monitoring.flush()  # what was drawn in the background is written before on_step
             on_step(step)
         monitoring.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -142,7 +144,19 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "--steps" in result.stdout
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+
+@functools.cache
+def block_script():
+    """``scripts/readme_train_block.py``, which writes the README's train-output block: its
+    normaliser and structure are what these tests compare with."""
+    path = ROOT / "scripts" / "readme_train_block.py"
+    spec = importlib.util.spec_from_file_location("readme_train_block", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def summary_figures(text: str) -> dict:
@@ -164,47 +178,21 @@ def summary_figures(text: str) -> dict:
     }
 
 
-def block_shape(text: str, log_dir: str) -> list[str]:
-    """A ``qkmonitor train`` output's lines with what moves from run to run taken out: its log
-    directory read as the default's, every number as ``#``, runs of spaces as one, the reason for
-    the thread count (the test's workers set ``OMP_NUM_THREADS``) as ``why``; the progress bar
-    left out."""
-    lines = []
-    for line in text.replace(log_dir, "runs").splitlines():
-        line = re.sub(r"[-+]?\d[\d.e+-]*|\bnan\b", "#", line)
-        line = re.sub(r"\s+", " ", line).strip()
-        line = re.sub(r"^threads: # \(.*\)$", "threads: # (why)", line)  # the test's workers: 1
-        if line and not line.startswith("step:"):
-            lines.append(line)
-    return lines
-
-
 def readme_block() -> str:
-    block = re.search(
-        r"<!-- train-output:start -->\n```\n(.*?)```\n<!-- train-output:end -->",
-        README.read_text(),
-        re.DOTALL,
-    )
-    assert block, "README.md lost its train-output markers"
-    return block.group(1)
+    return block_script().read_block(README.read_text())
 
 
 def readme_quick_start() -> tuple[dict, dict]:
     """The README's quick-start output block, and the ranges the README says a fresh run keeps."""
-    text = README.read_text()
-    block = re.search(
-        r"<!-- train-output:start -->\n```\n(.*?)```\n<!-- train-output:end -->", text, re.DOTALL
-    )
-    assert block, "README.md lost its train-output markers"
     ranges = re.search(
-        r"val_acc ≥ ([0-9.]+), val_loss ≤ ([0-9.]+), the same alerts, and every\s+per-layer figure "
+        r"val_acc ≥ ([0-9.]+), val_loss ≤ ([0-9.]+), the same alerts, and every per-layer figure "
         r"within (\d+) %",
-        text,
+        " ".join(README.read_text().split()),
     )
     assert ranges, "README.md no longer states the ranges this test checks"
     acc, loss, percent = ranges.groups()
     limits = {"val_acc": float(acc), "val_loss": float(loss), "tolerance": int(percent) / 100}
-    return summary_figures(block.group(1)), limits
+    return summary_figures(readme_block()), limits
 
 
 def test_the_readme_quick_start_block_keeps_its_own_ranges():
@@ -213,17 +201,104 @@ def test_the_readme_quick_start_block_keeps_its_own_ranges():
     assert shown["scores"]["val_loss"] <= limits["val_loss"]
 
 
+def raw_run(block: str, log_root: str = "/tmp/qs3", version: int = 2) -> str:
+    """``block`` as a terminal's run prints it: the bar's states joined by carriage returns, with
+    times and rates, and the log directory elsewhere (a ``--log-dir``, a later version)."""
+    states = [
+        "step: |          | 0/? [00:00<?, ?it/s]",
+        "step:   0%|          | 0/1500 [00:00<?, ?it/s]",
+        "step:  50%|█████     | 750/1500 [00:31<00:31, 24.0it/s, loss=0.912, acc=0.600]",
+        "step: 100%|██████████| 1500/1500 [01:02<00:00, 24.1it/s, loss=0.0312, acc=0.994]",
+    ]
+    run_dir = f"{log_root}/recall/version_{version}"
+    text = block.replace("step: 100%|██████████| 1500/1500 [...]", "\r" + "\r".join(states))
+    text = text.replace("runs/recall/version_0", run_dir)
+    text = text.replace("tensorboard --logdir runs ", f"tensorboard --logdir {log_root} ")
+    width = len(f"qkmonitor report {run_dir}")
+    realign = lambda m: f"  {m.group(1).ljust(width)}  # "
+    return re.sub(r"^  (\S.*?)\s+# ", realign, text, flags=re.MULTILINE)
+
+
+def test_the_block_script_reads_a_raw_run_as_the_readme_shows_it():
+    """The script's normaliser on a captured output: the README's block is its own normal form,
+    and the same run printed with its bar's updates, elsewhere and as a later version (with the
+    bar's carriage returns kept, or read as new lines by a text-mode pipe) reads as the block."""
+    script, block = block_script(), readme_block()
+    assert script.normalise(block) == block
+    raw = raw_run(block)
+    assert "/tmp/qs3/recall/version_2/checkpoints" in raw and "\r" in raw
+    assert script.normalise(raw) == block
+    assert script.normalise(raw.replace("\r", "\n")) == block
+    assert script.normalise(raw_run(block, log_root="runs", version=0)) == block
+
+
+def test_the_block_script_replaces_the_block_and_nothing_else():
+    script, readme = block_script(), README.read_text()
+    assert script.replace_block(readme, readme_block()) == readme
+    other = "qkmonitor train: another run\n"
+    replaced = script.replace_block(readme, other)
+    assert script.read_block(replaced) == other
+    before, after = readme.split(script.START)[0], readme.split(script.END)[1]
+    assert replaced.startswith(before) and replaced.endswith(after)
+    with pytest.raises(ValueError, match="expected a fenced code block between"):
+        script.replace_block(readme.replace(script.END, ""), other)
+
+
+def test_the_block_structure_is_every_line_but_its_numbers():
+    """What ``--check`` and the slow test call a structural difference: any word of any line
+    (the rules watched, which alerts fired, a legend line, a column), not a number or the bar."""
+    script, block = block_script(), readme_block()
+    assert not script.differences(re.sub(r"\d", "7", block), block)
+    assert not script.differences(block.replace("1500/1500", "20/20"), block)
+    watched = "(rules watched: kappa, logit_growth, "
+    assert watched in block
+    changes = {
+        "a rule watched": block.replace(watched, "(rules watched: logit_growth, "),
+        "an alert fired": block.replace("alerts fired: none", "alerts fired: kappa: 2"),
+        "a legend line": block.replace("it falls as heads specialise", "it falls"),
+        "a column": block.replace("qk_erank  entropy_norm", "qk_rank  entropy_norm"),
+        "a layer": block.replace("model.blocks.1.attn", "model.blocks.1.mixer"),
+        "a validation field": block.replace("val_loss", "val_ppl"),
+        "Next:": block.replace("Next:", "Then:"),
+    }
+    for what, changed in changes.items():
+        assert script.differences(changed, block), what
+
+
+def test_the_block_script_checks_and_rewrites_from_a_run(tmp_path, monkeypatch, capsys):
+    """``--check`` exits 1 on a structural difference and writes nothing; without it, the block
+    is rewritten from the run (the run itself replaced by a captured output here)."""
+    script, block = block_script(), readme_block()
+    readme = tmp_path / "README.md"
+    readme.write_text(README.read_text())
+    printed = {"run": raw_run(block)}
+    monkeypatch.setattr(script, "run_train", lambda args: printed["run"])
+    assert script.main(["--check", "--readme", str(readme)]) == 0
+    printed["run"] = raw_run(block.replace("logit_jump, ", ""))
+    assert script.main(["--check", "--readme", str(readme)]) == 1
+    assert "-alerts fired: none (rules watched: kappa, logit_growth, logit_burst, logit_jump" in (
+        capsys.readouterr().out
+    )
+    assert readme.read_text() == README.read_text()
+    assert script.main(["--readme", str(readme)]) == 0
+    assert "logit_jump" not in script.read_block(readme.read_text())
+
+
 @pytest.mark.slow
-def test_default_run_learns_associative_recall(tmp_path, capsys):
-    """The README's quick start: the default job prints what the README shows, within the ranges
-    the README states (val_acc and val_loss bounds, the same alerts, per-layer figures within a
-    relative tolerance); it also reaches >= 99% recall accuracy."""
-    assert main(["train", "--log-dir", str(tmp_path), "--no-progress-bar"]) == 0
-    out = capsys.readouterr().out
-    printed = summary_figures(out)
+def test_default_run_learns_associative_recall(tmp_path):
+    """The README's quick start: the default job, run as ``scripts/readme_train_block.py`` runs
+    it (a subprocess in the environment the README states), prints what the README shows: the
+    whole block's structure line by line (header, columns, rows, legend, the alerts fired and the
+    rules watched, the validation line's fields, ``Next:``), within the ranges the README states
+    (val_acc and val_loss bounds, per-layer figures within a relative tolerance); it also reaches
+    >= 99% recall accuracy."""
+    script = block_script()
+    fresh = script.normalise(script.run_train(["--log-dir", str(tmp_path)]))
+    printed = summary_figures(fresh)
     shown, limits = readme_quick_start()
-    # the whole block, line by line, as a run prints it: header, table, legend, the rules watched
-    assert block_shape(out, str(tmp_path)) == block_shape(readme_block(), "runs")
+    assert not script.differences(fresh, readme_block()), "\n".join(
+        script.differences(fresh, readme_block())
+    )
     assert printed["watched"] == shown["watched"]
     assert printed["scores"]["val_acc"] >= max(limits["val_acc"], 0.99), printed["scores"]
     assert printed["scores"]["val_loss"] <= limits["val_loss"], printed["scores"]

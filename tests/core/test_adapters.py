@@ -9,12 +9,9 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from qkmonitor.attention.adapters import (
-    AttentionLayer,
-    MultiheadAttentionLayer,
-    NativeAttentionLayer,
-    find_attention_layers,
-)
+from qkmonitor.attention.adapters import AttentionLayer, find_attention_layers
+from qkmonitor.attention.multihead import MultiheadAttentionLayer
+from qkmonitor.attention.native import NativeAttentionLayer
 from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.models import DecoderLM, TransformerConfig
 

@@ -101,8 +101,11 @@ def test_the_default_trend_rules_read_the_loss_and_the_burst_rule_does_not():
 
     gated = [KAPPA_RULE, LOGIT_GROWTH_RULE, LOGIT_JUMP_RULE, MALIGNANT_COLLAPSE_RULE]
     assert all(rule.learning_drop for rule in gated) and LOGIT_BURST_RULE.learning_drop is None
-    assert LOGIT_JUMP_RULE in DEFAULT_RULES and LOGIT_JUMP_RULE in AttentionEntropy().tracker.rules
-    assert AttentionEntropy().reads_loss
+    assert (
+        LOGIT_JUMP_RULE in DEFAULT_RULES
+        and LOGIT_JUMP_RULE in AttentionEntropy().alerting.tracker.rules
+    )
+    assert AttentionEntropy().alerting.reads_loss
 
 
 def test_the_description_says_the_rule_reads_the_loss():
@@ -149,7 +152,7 @@ def test_a_plain_loop_hands_the_loss_to_the_rules(trend, expected):
                 )
     # probes at 30 and 40 decide (grace before); a flat loss fires at 30 (then the alert is active)
     assert sorted({a.step for a in fired}) == expected
-    assert [s for s, _ in engine.loss_history()][-1] == 40
+    assert [s for s, _ in engine.alerting.loss_history()][-1] == 40
 
 
 def test_observe_loss_outside_a_window_needs_the_step():
@@ -157,13 +160,13 @@ def test_observe_loss_outside_a_window_needs_the_step():
     with pytest.raises(ValueError, match="step"):
         monitoring.observe_loss(1.0)
     monitoring.observe_loss(1.0, step=3)
-    assert monitoring.engines[0].loss_history() == [(3, 1.0)]
+    assert monitoring.engines[0].alerting.loss_history() == [(3, 1.0)]
 
 
 def test_engines_without_such_rules_keep_no_loss():
     engine = AttentionEntropy(alerts=[])
     engine.observe_loss(0, torch.tensor(1.0))
-    assert not engine.reads_loss and engine.loss_history() == []
+    assert not engine.alerting.reads_loss and engine.alerting.loss_history() == []
 
 
 class _Task(pl.LightningModule):
@@ -196,7 +199,7 @@ def test_lightning_hands_training_step_loss_to_the_rules(tmp_path):
     )
     with pytest.warns(LogitGrowthWarning):
         trainer.fit(task, loader)
-    history = monitor.engine.loss_history()
+    history = monitor.engine.alerting.loss_history()
     assert [s for s, _ in history] == list(range(6))  # the step each batch started on
     with torch.no_grad():
         expected = [
@@ -212,21 +215,23 @@ def test_only_the_losses_a_probe_can_read_are_kept():
     for step in range(101):
         engine.observe_loss(step, float(step))
         if step % 50 == 0:
-            engine.latest_step = step  # the probe of the step, which records after the loss
-    kept = [s for s, _ in engine.loss_history()]
+            engine.schedule.latest_step = (
+                step  # the probe of the step, which records after the loss
+            )
+    kept = [s for s, _ in engine.alerting.loss_history()]
     assert kept == [*range(10), *range(30, 51), *range(80, 101)]
-    assert engine.first_loss() == pytest.approx(4.5)  # mean of steps 0..9
+    assert engine.alerting.first_loss() == pytest.approx(4.5)  # mean of steps 0..9
 
 
 def test_the_losses_before_a_probe_that_lands_after_its_multiple_are_kept():
     # two optimizers step over 50: the probe lands at 51, and its window reads the loss up to it
     engine = AttentionEntropy(every_n_steps=50)
-    engine.latest_step = 0
+    engine.schedule.latest_step = 0
     for step in range(21, 61, 2):
         engine.observe_loss(step, float(step))
         if step == 51:
-            engine.latest_step = step
-    kept = [s for s, _ in engine.loss_history()]
+            engine.schedule.latest_step = step
+    kept = [s for s, _ in engine.alerting.loss_history()]
     assert kept == [*range(31, 52, 2)]
 
 
@@ -239,17 +244,17 @@ def test_the_loss_history_survives_a_resume_and_a_fresh_engine_then_decides_as_t
     state = engine.state_dict()
     again = AttentionEntropy(every_n_steps=10)
     again.load_state_dict(state)
-    kept, expected = again.loss_history(), engine.loss_history()
+    kept, expected = again.alerting.loss_history(), engine.alerting.loss_history()
     assert [step for step, _ in kept] == [step for step, _ in expected]
     assert [loss for _, loss in kept] == pytest.approx([loss for _, loss in expected])
-    assert again.first_loss() == pytest.approx(engine.first_loss())
-    rule = again.tracker.rules[0]
+    assert again.alerting.first_loss() == pytest.approx(engine.alerting.first_loss())
+    rule = again.alerting.tracker.rules[0]
     assert (
-        rule.learning(again.loss_history(), 39, again.first_loss())
-        == rule.learning(engine.loss_history(), 39, engine.first_loss())
+        rule.learning(again.alerting.loss_history(), 39, again.alerting.first_loss())
+        == rule.learning(engine.alerting.loss_history(), 39, engine.alerting.first_loss())
         is True
     )
     fresh = AttentionEntropy(every_n_steps=10)
     assert not rule.learning(
-        fresh.loss_history(), 39, fresh.first_loss()
+        fresh.alerting.loss_history(), 39, fresh.alerting.first_loss()
     )  # without it: no evidence

@@ -59,7 +59,7 @@ def train(model, batches, loss_fn, *, lr: float, warmup: int, steps: int, extra_
                 optimizer.zero_grad(set_to_none=True)
             schedule.step()
             losses.append(loss.item())
-            if engines[1].latest_step == step:
+            if engines[1].schedule.latest_step == step:
                 logits.append(max(float(t.max()) for t in engines[1].latest["max_logit"]))
     return losses, fired, logits
 

@@ -13,7 +13,7 @@ import qkmonitor
 
 def test_the_first_names_import_from_the_package_as_the_objects_of_their_modules():
     from qkmonitor import AttentionSpec, Monitoring, QKMonitor
-    from qkmonitor.attention.layouts import AttentionSpec as spec
+    from qkmonitor.attention.spec import AttentionSpec as spec
     from qkmonitor.callbacks import QKMonitor as callback
     from qkmonitor.engine import Monitoring as session
 

@@ -22,12 +22,12 @@ from packaging.version import Version
 from torch import nn
 from torch.testing import assert_close
 
-from qkmonitor.attention import calls, hf
+from qkmonitor.attention import calls, hf, hf_layers
 from qkmonitor.attention.adapters import find_attention_layers
 from qkmonitor.attention.probes import ProbeRequest
 from qkmonitor.callbacks import AttentionEntropyMonitor, QKSpectrumMonitor
 from qkmonitor.engine import Monitoring, QKSpectrum
-from qkmonitor.measures.functional import qk_singular_values, spectral_concentration
+from qkmonitor.measures.spectra import qk_singular_values, spectral_concentration
 from qkmonitor.output.sinks import MemorySink
 
 transformers = pytest.importorskip("transformers")
@@ -180,7 +180,7 @@ def test_llama_family_is_recognised_by_structure(config, cls):
     assert [f.kind for f in found] == [
         f"transformers.{cls.replace('ForCausalLM', 'Attention')}"
     ] * 2
-    assert all(isinstance(f, hf.LlamaAttentionLayer) for f in found)
+    assert all(isinstance(f, hf_layers.LlamaAttentionLayer) for f in found)
     w = found[1].qk_weights()
     assert (w.num_heads, w.num_kv_heads, tuple(w.w_k.shape)) == (4, 1, (8, 32))
 

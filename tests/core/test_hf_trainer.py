@@ -19,7 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 from qkmonitor.alerts import ENTROPY_COLLAPSE_RULE
 from qkmonitor.callbacks.hf_trainer import HFQKMonitorCallback
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, QKSpectrum
-from qkmonitor.measures.functional import qk_singular_values, spectral_concentration
+from qkmonitor.measures.spectra import qk_singular_values, spectral_concentration
 
 VOCAB, SEQ = 32, 8
 
@@ -137,7 +137,7 @@ def test_a_step_that_raises_leaves_nothing_once_closed_and_a_clean_run_follows(t
     ) as monitor:
         trainer(tmp_path, model, monitor, steps=2).train()
     assert leftovers(model) == []
-    assert engines[1].latest_step == 1 and all(
+    assert engines[1].schedule.latest_step == 1 and all(
         torch.isfinite(h).all() for h in engines[1].latest["entropy_norm"]
     )
 
@@ -193,7 +193,7 @@ def test_under_accumulation_the_first_micro_batch_of_a_step_is_measured_as_in_li
         ).train()
     probed = [calls for calls in forwards if any(calls)]
     assert probed == [[1, 1], [1, 1]]  # steps 0 and 2, one micro-batch each
-    assert engine.latest_step == 2
+    assert engine.schedule.latest_step == 2
 
 
 class SelfAttention(torch.nn.Module):
@@ -264,5 +264,5 @@ def test_a_keyboard_interrupt_in_a_probed_forward_leaves_nothing_without_a_conte
     trainer(tmp_path, model, monitor, steps=2, **precision).train()
     assert leftovers(model) == []
     entropy = monitor.engines[1]
-    assert entropy.latest_step == 1
+    assert entropy.schedule.latest_step == 1
     assert all(torch.isfinite(h).all() for h in entropy.latest["entropy_norm"])

@@ -566,7 +566,7 @@ def test_heads_from_the_call_and_the_step0_spectrum_from_the_weights_before_the_
     with monitoring.step(0):  # the update inside the window changes the weights before the check
         F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
         optimizer.step()
-    assert spectrum.latest_step == 0
+    assert spectrum.schedule.latest_step == 0
     for i, block in enumerate(initial.blocks):
         w = block.c_attn.weight
         assert spectrum.latest["kappa"][i].shape == (H,)

@@ -1,7 +1,7 @@
-"""qkmonitor.measures.layer_spectra against dense float64 linear algebra on the explicit d x d W_QK
-of each head.
+"""qkmonitor.measures.gram_spectra and layer_spectra against dense float64 linear algebra on the
+explicit d x d W_QK of each head.
 
-The tolerances are the bounds stated in the module docstring, evaluated for each head: with
+The tolerances are the bounds stated in gram_spectra's docstring, evaluated for each head: with
 ``u`` the unit roundoff of the Gram products, ``ε = u·sqrt(d)``, ``S = ||W_Q^h|| ||W_K^g||``:
 ``|Δσ_i| <= min(sqrt(3ε)·S, 3ε S²/σ_i)`` where σ̂_i > 0, ``σ_i <= sqrt(6ε)·S`` where σ̂_i was
 reported as 0, and ``|Δλ| <= cond(V)·(ε S + d_k u ||C||)``.
@@ -18,13 +18,9 @@ import torch
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qkmonitor.measures import layer_spectra
-from qkmonitor.measures.layer_spectra import (
-    SPECTRUM_METRICS,
-    QKWeights,
-    qk_head_spectra,
-    spectrum_of_layers,
-)
+from qkmonitor.measures import gram_spectra, layer_spectra
+from qkmonitor.measures.gram_spectra import qk_head_spectra
+from qkmonitor.measures.layer_spectra import SPECTRUM_METRICS, QKWeights, spectrum_of_layers
 
 FLOAT32_U = 2.0**-24
 FLOAT64_U = 2.0**-53
@@ -498,15 +494,15 @@ def test_threaded_runs_of_heads_give_the_single_threaded_result(
     monkeypatch, heads, kv_heads, threads, square
 ):
     # thread even these small layers
-    monkeypatch.setattr("qkmonitor.measures.layer_spectra._THREADED_WORK", 0)
+    monkeypatch.setattr("qkmonitor.measures.gram_spectra._THREADED_WORK", 0)
     w_q, w_k = (w.float() for w in make_weights("random", heads, kv_heads, 32, 4, seed=11))
     if not square:
         w_k = w_k[:, :24].contiguous()
     w_q[4 * (heads - 1) :] = float("nan")  # a broken head in the last run
     spy = []
     monkeypatch.setattr(
-        "qkmonitor.measures.layer_spectra._spectra_of_heads",
-        lambda q, *rest, real=layer_spectra._spectra_of_heads: (
+        "qkmonitor.measures.gram_spectra._spectra_of_heads",
+        lambda q, *rest, real=gram_spectra._spectra_of_heads: (
             spy.append(q.shape[0]) or real(q, *rest)
         ),
     )
@@ -535,7 +531,7 @@ def test_threaded_runs_of_heads_give_the_single_threaded_result(
 
 def test_a_failing_run_of_heads_restores_the_thread_count(monkeypatch):
     """A solver raising on one worker thread propagates, and torch's thread count is restored."""
-    monkeypatch.setattr("qkmonitor.measures.layer_spectra._THREADED_WORK", 0)
+    monkeypatch.setattr("qkmonitor.measures.gram_spectra._THREADED_WORK", 0)
     calls = []
 
     def eigvals(batch, real=torch.linalg.eigvals):

@@ -70,7 +70,7 @@ def test_observe_loss_refuses_what_is_not_one_loss_at_the_call(model, loss, got)
     with Monitoring(model, [engine]) as monitoring:
         with monitoring.step(0):
             model(torch.zeros(1, 8, dtype=torch.long))
-        assert engine.latest_step == 0 and not engine.wants_loss(15)
+        assert engine.schedule.latest_step == 0 and not engine.wants_loss(15)
         expected = (
             "Expected `loss` to be a number or a tensor of one element (the step's mean loss), "
             f"got {got}"
@@ -90,7 +90,7 @@ def test_observe_loss_takes_numbers_and_one_element_tensors_nan_included(model):
             [2.5, 3, torch.tensor(1.5), torch.tensor([[0.5]]), float("nan")]
         ):
             monitoring.observe_loss(loss, step=step)
-        history = engine.loss_history()
+        history = engine.alerting.loss_history()
     assert [s for s, _ in history] == [0, 1, 2, 3, 4]
     assert [v for _, v in history][:4] == [2.5, 3.0, 1.5, 0.5] and math.isnan(history[4][1])
 

@@ -216,7 +216,7 @@ def train(
                     NanoAttention.fail = False
                 losses.append(loss.item())
                 for engine in watched:
-                    if engine.latest_step == step:
+                    if engine.schedule.latest_step == step:
                         for metric, layers in engine.latest.items():
                             values[(step, metric)] = [t.clone() for t in layers]
     after_warm = backend.graphs - warm_graphs if counting else None

@@ -68,11 +68,13 @@ def test_an_empty_batch_is_skipped_with_one_warning_and_trains_on():
     )  # once per activation engine, not per step
     assert not any("NaN" in m and "empty" not in m for m in messages)  # undefined, not "broken"
     entropy = monitored[1]
-    assert entropy.latest_step == 2 and all(
+    assert entropy.schedule.latest_step == 2 and all(
         torch.isfinite(v).all() for v in entropy.latest["entropy"]
     )
     assert not any(
-        engine.tracker.counts[rule] for engine in monitored for rule in engine.tracker.counts
+        engine.alerting.tracker.counts[rule]
+        for engine in monitored
+        for rule in engine.alerting.tracker.counts
     )
     assert not model.attn._forward_pre_hooks  # nothing left on the model
 
@@ -105,7 +107,9 @@ def test_one_token_sequences_give_undefined_values_said_once_and_no_alert():
     )  # one key: entropy 0
     assert all(math.isnan(v) for layer in rank.latest["hidden_collapse"] for v in layer.tolist())
     assert not any(
-        engine.tracker.counts[rule] for engine in monitored for rule in engine.tracker.counts
+        engine.alerting.tracker.counts[rule]
+        for engine in monitored
+        for rule in engine.alerting.tracker.counts
     )
 
 

@@ -85,7 +85,7 @@ def test_logit_plateau_fires_when_the_loss_stops_improving_not_while_it_falls():
 
 def test_the_new_rules_are_defaults_of_the_entropy_engine():
     assert {FAST_UPDATES_RULE, LOGIT_PLATEAU_RULE} <= set(DEFAULT_RULES)
-    assert {FAST_UPDATES_RULE, LOGIT_PLATEAU_RULE} <= set(AttentionEntropy().tracker.rules)
+    assert {FAST_UPDATES_RULE, LOGIT_PLATEAU_RULE} <= set(AttentionEntropy().alerting.tracker.rules)
 
 
 def test_a_combined_alert_names_the_channels_that_agreed():

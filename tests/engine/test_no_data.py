@@ -52,7 +52,9 @@ def test_a_meta_model_is_not_measured_with_one_warning_then_measured_once_materi
             with monitoring.step(step):
                 out = model(tokens.to("meta"))
                 assert getattr(out, "logits", out).is_meta
-        assert all(engine.latest == {} and engine.latest_step is None for engine in monitored)
+        assert all(
+            engine.latest == {} and engine.schedule.latest_step is None for engine in monitored
+        )
         (message,) = no_data_warnings(caught)
         assert (
             "hold no data" in message and "meta device" in message and "training goes on" in message
@@ -70,7 +72,7 @@ def test_a_meta_model_is_not_measured_with_one_warning_then_measured_once_materi
         monitoring.close()
     assert len(no_data_warnings(caught)) == 1
     for engine in monitored:
-        assert engine.latest_step == 3
+        assert engine.schedule.latest_step == 3
         values = [  # (the update metrics: no optimizer in this loop, undefined)
             v
             for name, layers in engine.latest.items()
@@ -140,7 +142,7 @@ def test_a_lazy_model_not_materialised_is_not_measured_and_trains_with_one_warni
         fresh(x)
         with Monitoring(fresh, monitored, every_n_steps=1) as monitoring, monitoring.step(0):
             fresh(x)
-    assert all(len(engine.layers) == 2 and engine.latest_step == 0 for engine in monitored)
+    assert all(len(engine.layers) == 2 and engine.schedule.latest_step == 0 for engine in monitored)
 
 
 class LazyTask(pl.LightningModule):

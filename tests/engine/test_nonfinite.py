@@ -90,7 +90,7 @@ def test_nan_never_fires_an_alert():
     (engine,) = monitoring.engines
     assert math.isnan(engine.latest["kappa"][0][0].item())
     assert (
-        engine.tracker.counts["kappa"] == 2
+        engine.alerting.tracker.counts["kappa"] == 2
     )  # the second layer's two heads (kappa >= 0), not the NaN ones
 
 

@@ -45,7 +45,7 @@ def test_the_models_output_logits_in_a_plain_loop():
                 logits.logsumexp(-1).mean().backward()
                 optimizer.step()
                 optimizer.zero_grad()
-    assert engine.latest_step == 2
+    assert engine.schedule.latest_step == 2
     assert engine.latest_run == pytest.approx(seen[2], rel=1e-6)
     written = {(tag, step): value for tag, value, step in sink.scalars}
     for name, value in seen[0].items():
@@ -84,7 +84,7 @@ def test_a_lightning_modules_child_gives_the_logits(tmp_path):
             max_steps=3, logger=False, callbacks=[monitor], enable_progress_bar=False,
             enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
         ).fit(task)  # fmt: skip
-    assert monitor.engine.latest_step == 2
+    assert monitor.engine.schedule.latest_step == 2
     assert monitor.engine.latest_run == pytest.approx(task.seen[2], rel=1e-6)
 
 
@@ -172,7 +172,7 @@ def test_a_failing_step_leaves_no_output_hook_and_the_next_probe_reads_the_logit
         assert leftovers(model) == []  # the hooks on the model and its children are gone
         with m.step(1):
             logits = model(TOKENS)
-    assert engine.latest_step == 1
+    assert engine.schedule.latest_step == 1
     assert engine.latest_run == pytest.approx(expected(logits), rel=1e-6)  # nothing of step 0
     assert leftovers(model) == []
 
@@ -197,7 +197,7 @@ def test_logits_that_cannot_be_read_warn_once_and_training_goes_on(monkeypatch):
         sum("output logits could not be read (RuntimeError: unreadable)" in x for x in messages)
         == 1
     )
-    assert engine.latest_step == 2 and torch.isfinite(engine.latest["entropy"][0]).all()
+    assert engine.schedule.latest_step == 2 and torch.isfinite(engine.latest["entropy"][0]).all()
 
 
 def test_bf16_autocast_logits_are_read_in_float32():

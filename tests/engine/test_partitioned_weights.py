@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
-from qkmonitor.measures.functional import spectral_concentration
+from qkmonitor.measures.spectra import spectral_concentration
 
 D, H, HEAD_DIM, T = 16, 2, 8, 6
 
@@ -153,7 +153,7 @@ def test_partitioned_weights_are_read_through_their_gather_api(monkeypatch):
     model = _model()
     zero = ZeroThree(model)
     spectrum, _, _ = _train(model, steps=1, zero=zero)
-    assert spectrum.latest_step == 0
+    assert spectrum.schedule.latest_step == 0
     for layer, got in zip(_model().layers, spectrum.latest["kappa"]):
         w_q = layer.q_proj.weight.detach().double().view(H, HEAD_DIM, D)
         w_k = layer.k_proj.weight.detach().double().view(H, HEAD_DIM, D)

@@ -92,7 +92,7 @@ def test_every_n_steps_and_the_counts_survive_a_resume():
     tau = float(torch.cat(measured(model)).median())
     clip = QKClipEngine(tau=tau, every_n_steps=2)
     frozen_step(model, [clip], steps=3)  # probes at steps 0 and 2
-    assert clip.latest_step == 2
+    assert clip.schedule.latest_step == 2
     counts = [c.tolist() for c in clip.clip_counts]
     assert sum(map(sum, counts)) > 0
     state = clip.state_dict()
@@ -152,7 +152,7 @@ def recall_run(
     largest = []
 
     def read(step: int) -> None:
-        if entropy.latest_step == step:
+        if entropy.schedule.latest_step == step:
             largest.extend(float(x.max()) for x in entropy.latest["max_logit"])
 
     with warnings.catch_warnings():

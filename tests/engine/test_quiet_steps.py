@@ -38,18 +38,18 @@ def activation_host(engine: MonitorEngine, steps: list[int], skip: bool) -> list
     checks every batch it skips work in against the engine's predicates."""
     probes = []
     for step in steps:
-        if skip and step in engine.between_probes:
-            assert not engine.is_probe_step(step), step
-            if step in engine.quiet:
+        if skip and step in engine.schedule.between_probes:
+            assert not engine.schedule.is_probe_step(step), step
+            if step in engine.schedule.quiet:
                 assert not engine.wants_loss(step), step
             else:
                 assert engine.wants_loss(step), step
                 engine.observe_loss(step, float(step))
             continue
-        probed = engine.is_probe_step(step)  # `open`
+        probed = engine.schedule.is_probe_step(step)  # `open`
         engine.observe_loss(step, float(step))
         if probed:  # `finish` records the probe after the batch's loss
-            engine.latest_step = step
+            engine.schedule.latest_step = step
             probes.append(step)
         engine.plan(step)
     return probes
@@ -60,16 +60,20 @@ def spectrum_host(engine: QKSpectrum, steps: list[int], skip: bool) -> list[int]
     its optimizer step (the next batch's step)."""
     probes = []
     for step, after in itertools.pairwise(steps):
-        if skip and step in engine.between_probes and after in engine.between_probes:
-            assert not engine.is_probe_step(after), after
-            if step in engine.quiet:
+        if (
+            skip
+            and step in engine.schedule.between_probes
+            and after in engine.schedule.between_probes
+        ):
+            assert not engine.schedule.is_probe_step(after), after
+            if step in engine.schedule.quiet:
                 assert not engine.wants_loss(step), step
             else:
                 engine.observe_loss(step, float(step))
             continue
         engine.observe_loss(step, float(step))
-        if after > 0 and engine.is_probe_step(after):
-            engine.latest_step = after
+        if after > 0 and engine.schedule.is_probe_step(after):
+            engine.schedule.latest_step = after
             probes.append(after)
         engine.plan(after)
     return probes
@@ -79,7 +83,7 @@ def bound_spectrum(every: int, alerts) -> QKSpectrum:
     engine = QKSpectrum(every_n_steps=every, alerts=alerts)
     engine.bind(DecoderLM(TransformerConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2)))
     engine.open(0)  # the first batch: the bundled layers wait for no layout check
-    engine.latest_step = 0  # the spectrum at initialization
+    engine.schedule.latest_step = 0  # the spectrum at initialization
     return engine
 
 
@@ -96,8 +100,8 @@ def test_a_skipped_batch_is_one_where_nothing_would_happen(every, reads_loss, se
         skipping, always = make(), make()
         assert skipping.alerting.reads_loss is reads_loss
         assert host(skipping, steps, skip=True) == host(always, steps, skip=False)
-        assert skipping.loss_history() == always.loss_history()
-        assert skipping.first_loss() == always.first_loss()
+        assert skipping.alerting.loss_history() == always.alerting.loss_history()
+        assert skipping.alerting.first_loss() == always.alerting.first_loss()
 
 
 def test_every_50_steps_49_batches_of_50_open_nothing_and_29_keep_nothing():
@@ -106,14 +110,14 @@ def test_every_50_steps_49_batches_of_50_open_nothing_and_29_keep_nothing():
     engine = AttentionEntropy(every_n_steps=50)
     between, quiet = [], []
     for step in range(200):
-        if step in engine.between_probes:
+        if step in engine.schedule.between_probes:
             between.append(step)
-            quiet += [step] if step in engine.quiet else []
+            quiet += [step] if step in engine.schedule.quiet else []
             continue
-        probed = engine.is_probe_step(step)
+        probed = engine.schedule.is_probe_step(step)
         engine.observe_loss(step, 1.0)
         if probed:
-            engine.latest_step = step
+            engine.schedule.latest_step = step
         engine.plan(step)
     assert between == [s for s in range(200) if s % 50]
     assert quiet == [s for s in range(200) if (10 if s < 50 else 1) <= s % 50 < 30]
@@ -122,12 +126,12 @@ def test_every_50_steps_49_batches_of_50_open_nothing_and_29_keep_nothing():
 
 def test_a_resumed_or_new_run_is_not_quiet_on_the_old_runs_steps():
     engine = AttentionEntropy(every_n_steps=50)
-    engine.latest_step = 100
+    engine.schedule.latest_step = 100
     engine.plan(100)
-    assert 110 in engine.quiet and 140 in engine.between_probes
+    assert 110 in engine.schedule.quiet and 140 in engine.schedule.between_probes
     engine.load_state_dict({"latest_step": 0})  # resuming an earlier checkpoint
-    assert 110 not in engine.between_probes and 110 not in engine.quiet
-    engine.latest_step = 100
+    assert 110 not in engine.schedule.between_probes and 110 not in engine.schedule.quiet
+    engine.schedule.latest_step = 100
     engine.plan(100)
     engine.bind(DecoderLM(TransformerConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2)))
-    assert 110 not in engine.between_probes  # a new fit starts at step 0 again
+    assert 110 not in engine.schedule.between_probes  # a new fit starts at step 0 again

@@ -89,7 +89,7 @@ def test_update_metrics_are_each_heads_rows_before_and_after_the_update(optimize
         warnings.simplefilter("error", RuntimeWarning)  # no layer is left out, nothing broken
         monitoring, engine, truth = train(model, optimizer, steps=4, every=2)
     values = engine.latest  # the last read: after 4 updates, against the 4th update
-    assert engine.latest_step == 4
+    assert engine.schedule.latest_step == 4
     for name in METRICS:
         for got, want in zip(values[name], truth[4][name]):
             assert_close(got.double(), want.float().double(), rtol=1e-5, atol=0)
@@ -117,7 +117,7 @@ def test_each_read_compares_the_update_just_before_it():
             logged[step + 1] = (q.detach().double() - before.double()).reshape(4, -1).norm(
                 dim=1
             ) / before.double().reshape(4, -1).norm(dim=1)
-        if engine.latest_step == step:
+        if engine.schedule.latest_step == step:
             assert step in (0, 2)
             got = engine.latest["q_update_ratio"][0].double()
             if step == 0:
@@ -247,7 +247,7 @@ def test_lightning_fit_reads_the_update_before_each_probe(tmp_path):
     )  # fmt: skip
     trainer.fit(task)
     engine = monitor.engine
-    assert engine.latest_step == 4
+    assert engine.schedule.latest_step == 4
     for name in METRICS:
         for got, want in zip(engine.latest[name], task.copies[4][name]):
             assert_close(got.double(), want.float().double(), rtol=1e-5, atol=0)
@@ -275,7 +275,7 @@ def test_a_comparison_that_fails_warns_once_and_training_goes_on(monkeypatch):
                     optimizer.zero_grad()
     messages = [str(w.message) for w in caught]
     assert sum("could not be read (RuntimeError: unreadable)" in m for m in messages) == 1
-    assert engine.latest_step == 2
+    assert engine.schedule.latest_step == 2
     assert all(v.isnan().all() for name in METRICS for v in engine.latest[name])
     assert all(torch.isfinite(v).all() for v in engine.latest["kappa"])
     assert not optimizer._optimizer_step_pre_hooks

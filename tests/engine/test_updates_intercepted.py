@@ -103,7 +103,7 @@ def run(model, attentions, heads, kv_heads, batch, loss):
                         ],
                     }
                 if step == 1:  # the read after step 0's update, logged at step 1
-                    assert engine.latest_step == 1
+                    assert engine.schedule.latest_step == 1
                     for name, want in truth.items():
                         for got, expected in zip(engine.latest[name], want):
                             assert_close(got.double(), expected, rtol=1e-4, atol=1e-7)

@@ -36,7 +36,7 @@ def test_statistics_in_parts_of_the_batch_are_those_of_the_whole(monkeypatch, ru
     that stop at their diagonal; every statistic is the same number as from the whole batch and
     every key at once (causal, padding, grouped heads, sink mass): parts of the batch bit for bit,
     runs of rows to the rounding of sums over fewer (masked, zero) terms."""
-    import qkmonitor.kernels._torch as backend
+    import qkmonitor.kernels._torch_forward as backend
     from qkmonitor.kernels import attention_stats
 
     gen = torch.Generator().manual_seed(0)

@@ -89,7 +89,7 @@ def test_recall_data_is_reproducible_from_the_seed_and_checks_its_arguments():
 def test_probed_attention_exposes_kernel_statistics_of_the_last_forward():
     """Entropy and max-prob from the fused kernel equal those of the explicit float64 softmax."""
     from qkmonitor.attention.adapters import find_attention_layers
-    from qkmonitor.models.positional import apply_rotary_pos_emb
+    from qkmonitor.models.rope import apply_rotary_pos_emb
 
     torch.manual_seed(0)
     model = DecoderLM(TransformerConfig(vocab_size=16, d_model=32, n_heads=4, n_kv_heads=2)).eval()

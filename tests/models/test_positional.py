@@ -9,17 +9,18 @@ import math
 import pytest
 import torch
 
-from qkmonitor.models.positional import (
+from qkmonitor.models.additive_positions import (
     LearnedPositionalEmbedding,
-    NDimensionalRoPE,
     PositionalEncoding,
+    sinusoidal_encoding,
+)
+from qkmonitor.models.axial_rope import NDimensionalRoPE, grid_coords
+from qkmonitor.models.rope import (
     RopeScaling,
     RotaryEmbedding,
     apply_rotary_pos_emb,
-    grid_coords,
     rope_attention_factor,
     rope_inv_freq,
-    sinusoidal_encoding,
 )
 
 SCALINGS = [

@@ -105,7 +105,7 @@ def test_pvt_v2_kappa_and_statistics_are_exact_and_the_fit_trains_as_without_mon
 
     d_k = DIM // HEADS
     # κ after the last update (read at step 4), from the model's own weights
-    assert monitor.spectrum.latest_step == 4
+    assert monitor.spectrum.schedule.latest_step == 4
     for i, attn in enumerate(attentions(task.model)):
         w_q = attn.q.weight.detach().double().view(HEADS, d_k, DIM)
         w_k = attn.kv.weight.detach().double()[:DIM].view(HEADS, d_k, DIM)  # rows [k; v]
@@ -113,7 +113,7 @@ def test_pvt_v2_kappa_and_statistics_are_exact_and_the_fit_trains_as_without_mon
         assert_close(monitor.latest["kappa"][i].double(), sv[:, 0] / sv.sum(-1), rtol=1e-4, atol=0)
 
     # the statistics of step 3's forward (the last probed), from its own queries and keys
-    assert monitor.entropy.latest_step == 3
+    assert monitor.entropy.schedule.latest_step == 3
     for i in range(2):
         q = seen[i]["q"].unflatten(-1, (HEADS, d_k)).transpose(1, 2)  # (B, H, 16, d_k)
         k = seen[i]["kv"][..., :DIM].unflatten(-1, (HEADS, d_k)).transpose(1, 2)  # (B, H, 4, d_k)

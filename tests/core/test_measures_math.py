@@ -1,4 +1,5 @@
-"""qkmonitor.measures.functional against dense float64 linear algebra and spectra built by hand."""
+"""The measures' spectra, ranks, entropies and probabilities against dense float64 math and
+spectra built by hand."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from qkmonitor.measures import functional as QF
+from qkmonitor.measures import entropies, probabilities, ranks, spectra
 
 
 def dense_w_qk(
@@ -39,7 +40,7 @@ def test_singular_values_match_dense_svd(num_heads, num_kv_heads, d, d_kv_in):
     d_k = d // num_heads
     w_q = torch.randn(num_heads * d_k, d, generator=gen)
     w_k = torch.randn(num_kv_heads * d_k, d_kv_in, generator=gen)
-    got = QF.qk_singular_values(w_q, w_k, num_heads, num_kv_heads)
+    got = spectra.qk_singular_values(w_q, w_k, num_heads, num_kv_heads)
     assert got.shape == (num_heads, d_k) and got.dtype == torch.float32
     for h in range(num_heads):
         expected = np.linalg.svd(
@@ -51,10 +52,10 @@ def test_singular_values_match_dense_svd(num_heads, num_kv_heads, d, d_kv_in):
 def test_batched_layers_equal_one_call_per_layer():
     gen = torch.Generator().manual_seed(1)
     w_q, w_k = torch.randn(3, 32, 32, generator=gen), torch.randn(3, 16, 32, generator=gen)
-    batched = QF.qk_singular_values(w_q, w_k, num_heads=4, num_kv_heads=2)
+    batched = spectra.qk_singular_values(w_q, w_k, num_heads=4, num_kv_heads=2)
     assert batched.shape == (3, 4, 8)
     for layer in range(3):
-        assert_close(batched[layer], QF.qk_singular_values(w_q[layer], w_k[layer], 4, 2))
+        assert_close(batched[layer], spectra.qk_singular_values(w_q[layer], w_k[layer], 4, 2))
 
 
 def test_known_spectrum_gives_exact_kappa_and_erank():
@@ -65,9 +66,9 @@ def test_known_spectrum_gives_exact_kappa_and_erank():
     s = torch.tensor([8.0, 4.0, 2.0, 1.0], dtype=torch.float64)
     w_q = (random_orthonormal(d, d_k, gen) * s).T  # rows = columns of W_Q^h
     w_k = random_orthonormal(d, d_k, gen).T
-    metrics = QF.qk_spectrum_metrics(w_q, w_k, num_heads=1, scale=0.5)
+    metrics = spectra.qk_spectrum_metrics(w_q, w_k, num_heads=1, scale=0.5)
     p = s / s.sum()
-    assert_close(QF.qk_singular_values(w_q, w_k, 1)[0], s)
+    assert_close(spectra.qk_singular_values(w_q, w_k, 1)[0], s)
     assert_close(metrics["kappa"][0], s[0] / s.sum())
     assert_close(metrics["qk_erank"][0], torch.exp(-(p * p.log()).sum()))
     assert_close(metrics["qk_spectral_norm"][0], s[0] * 0.5)
@@ -80,7 +81,7 @@ def test_rank_one_head_has_kappa_one_and_erank_one():
     u, v = torch.randn(1, 16, generator=gen), torch.randn(1, 16, generator=gen)
     w_q = torch.cat([u * 3.0, torch.zeros(3, 16)])  # one non-zero direction in a d_k = 4 head
     w_k = torch.cat([v, torch.zeros(3, 16)])
-    metrics = QF.qk_spectrum_metrics(w_q, w_k, num_heads=1)
+    metrics = spectra.qk_spectrum_metrics(w_q, w_k, num_heads=1)
     assert_close(metrics["kappa"], torch.ones(1))
     assert_close(metrics["qk_erank"], torch.ones(1))
 
@@ -91,7 +92,7 @@ def test_eigenvalues_match_dense_eig():
     d_k = d // num_heads
     w_q = torch.randn(num_heads * d_k, d, generator=gen, dtype=torch.float64)
     w_k = torch.randn(num_kv_heads * d_k, d, generator=gen, dtype=torch.float64)
-    got = QF.qk_eigenvalues(w_q, w_k, num_heads, num_kv_heads)
+    got = spectra.qk_eigenvalues(w_q, w_k, num_heads, num_kv_heads)
     assert got.shape == (num_heads, d_k) and got.dtype == torch.complex128
     for h in range(num_heads):
         dense = np.linalg.eigvals(dense_w_qk(w_q, w_k, h, num_heads, num_kv_heads))
@@ -102,7 +103,7 @@ def test_eigenvalues_match_dense_eig():
         # as a multiset: every dense eigenvalue has a match among ours
         distance = np.abs(top[:, None] - got[h].numpy()[None, :]).min(axis=1)
         assert distance.max() < 1e-8
-        mean, var = QF.eigenvalue_moments(got[h])
+        mean, var = spectra.eigenvalue_moments(got[h])
         assert math.isclose(
             mean.item(),
             np.trace(dense_w_qk(w_q, w_k, h, num_heads, num_kv_heads)) / d_k,
@@ -117,10 +118,10 @@ def test_eigenvalues_of_a_symmetric_head_are_its_built_spectrum():
     gen = torch.Generator().manual_seed(5)
     lam = torch.tensor([-5.0, 3.0, 1.0, 0.5], dtype=torch.float64)
     u = random_orthonormal(16, 4, gen)
-    eig = QF.qk_eigenvalues((u * lam).T, u.T, num_heads=1)[0]
+    eig = spectra.qk_eigenvalues((u * lam).T, u.T, num_heads=1)[0]
     assert_close(eig.real, lam, atol=1e-10, rtol=0)  # by descending modulus, lam is already sorted
     assert_close(eig.imag, torch.zeros(4, dtype=torch.float64), atol=1e-10, rtol=0)
-    assert_close(QF.spectral_concentration(eig), lam.abs().max() / lam.abs().sum())
+    assert_close(spectra.spectral_concentration(eig), lam.abs().max() / lam.abs().sum())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -130,9 +131,9 @@ def test_half_precision_input_is_computed_in_float32(dtype):
         torch.randn(32, 32, generator=gen).to(dtype),
         torch.randn(32, 32, generator=gen).to(dtype),
     )
-    got = QF.qk_singular_values(w_q, w_k, num_heads=4)
+    got = spectra.qk_singular_values(w_q, w_k, num_heads=4)
     assert got.dtype == torch.float32
-    expected = QF.qk_singular_values(
+    expected = spectra.qk_singular_values(
         w_q.double(), w_k.double(), num_heads=4
     )  # same rounded weights
     assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
@@ -143,7 +144,7 @@ def test_non_finite_head_gives_nan_for_that_head_only():
     w_q, w_k = torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen)
     w_q[9, 3] = float("nan")  # head 1 of 4 (d_k = 8)
     w_k[30, 0] = float("inf")  # head 3
-    metrics = QF.qk_spectrum_metrics(w_q, w_k, num_heads=4)
+    metrics = spectra.qk_spectrum_metrics(w_q, w_k, num_heads=4)
     for name, values in metrics.items():
         assert values[[1, 3]].isnan().all(), name
         assert values[[0, 2]].isfinite().all(), name
@@ -152,11 +153,11 @@ def test_non_finite_head_gives_nan_for_that_head_only():
 def test_rank_measures_against_their_formulas():
     s = torch.tensor([[4.0, 2.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
     p = s / s.sum(-1, keepdim=True)
-    assert_close(QF.effective_rank(s), torch.exp(-(p * p.log()).sum(-1)))
-    assert_close(QF.effective_rank(s[1]), torch.tensor(4.0, dtype=torch.float64))
-    assert_close(QF.stable_rank(s), (s**2).sum(-1) / (s**2).amax(-1))
-    assert_close(QF.spectral_concentration(s), torch.tensor([0.5, 0.25], dtype=torch.float64))
-    assert QF.spectral_concentration(torch.zeros(3)).isnan()  # no direction to concentrate on
+    assert_close(ranks.effective_rank(s), torch.exp(-(p * p.log()).sum(-1)))
+    assert_close(ranks.effective_rank(s[1]), torch.tensor(4.0, dtype=torch.float64))
+    assert_close(ranks.stable_rank(s), (s**2).sum(-1) / (s**2).amax(-1))
+    assert_close(spectra.spectral_concentration(s), torch.tensor([0.5, 0.25], dtype=torch.float64))
+    assert spectra.spectral_concentration(torch.zeros(3)).isnan()  # no direction to concentrate on
 
 
 def test_attention_entropy_against_naive_sum():
@@ -164,8 +165,8 @@ def test_attention_entropy_against_naive_sum():
     logits = torch.randn(2, 3, 5, 7, generator=gen, dtype=torch.float64)
     mask = torch.ones(5, 7, dtype=torch.bool).tril(diagonal=2)  # row i may attend keys j <= i + 2
     probs = logits.masked_fill(~mask, -math.inf).softmax(-1)
-    got = QF.attention_entropy(probs, mask=mask)
-    norm = QF.attention_entropy(probs, normalize=True, mask=mask)
+    got = entropies.attention_entropy(probs, mask=mask)
+    norm = entropies.attention_entropy(probs, normalize=True, mask=mask)
     for i in range(5):
         n_i = i + 3
         row = probs[..., i, :n_i]
@@ -173,15 +174,15 @@ def test_attention_entropy_against_naive_sum():
         assert_close(got[..., i], h)
         assert_close(norm[..., i], h / math.log(n_i))
     uniform = torch.full((1, 4), 0.25)
-    assert_close(QF.attention_entropy(uniform, normalize=True), torch.ones(1))
+    assert_close(entropies.attention_entropy(uniform, normalize=True), torch.ones(1))
 
 
 def test_attention_entropy_of_single_key_rows_is_nan_when_normalized():
     probs = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
     mask = torch.tensor([[True, False], [True, True]])
-    got = QF.attention_entropy(probs, normalize=True, mask=mask)
+    got = entropies.attention_entropy(probs, normalize=True, mask=mask)
     assert got[0].isnan() and got[1].item() == pytest.approx(1.0)
-    assert QF.attention_entropy(probs, mask=mask)[0].item() == 0.0
+    assert entropies.attention_entropy(probs, mask=mask)[0].item() == 0.0
 
 
 def _scores_with_every_row_kind():
@@ -201,7 +202,7 @@ def _scores_with_every_row_kind():
 
 def test_attention_stats_from_scores_marks_nonfinite_rows():
     s, mask = _scores_with_every_row_kind()
-    stats = QF.attention_stats_from_scores(s, mask=mask, sink_tokens=2)
+    stats = entropies.attention_stats_from_scores(s, mask=mask, sink_tokens=2)
     nan, inf = math.nan, math.inf
     for row in (0, 4, 5):  # healthy rows by the formula, over the finite allowed scores
         keep = mask[0, 0, row] & torch.isfinite(s[0, 0, row])
@@ -225,7 +226,7 @@ def test_attention_stats_from_scores_marks_nonfinite_rows():
 
 def test_masked_softmax_gives_nan_rows_for_nan_and_posinf_scores():
     s, mask = _scores_with_every_row_kind()
-    p = QF.masked_softmax(s, mask=mask)
+    p = probabilities.masked_softmax(s, mask=mask)
     assert p[0, 0, 1:3].isnan().all()  # NaN and +inf rows: every entry NaN, not a partial row
     assert (p[0, 0, 3] == 0).all()  # the fully masked row: zeros
     for row in (0, 4, 5):
@@ -242,10 +243,10 @@ def test_masked_softmax_in_place_is_the_float64_softmax_and_leaves_the_copy_alon
     sharp = (torch.randn(2, 3, 6, 5, generator=g) * 300).to(dtype)
     for scores, allowed in ((s.to(dtype), mask), (sharp, torch.rand(6, 5, generator=g) > 0.3)):
         before = scores.clone()
-        copied = QF.masked_softmax(scores, mask=allowed)
+        copied = probabilities.masked_softmax(scores, mask=allowed)
         assert_close(scores, before, rtol=0, atol=0, equal_nan=True)
         work = scores.clone()
-        in_place = QF.masked_softmax_(work, mask=allowed)
+        in_place = probabilities.masked_softmax_(work, mask=allowed)
         assert in_place.data_ptr() == work.data_ptr()
         assert_close(in_place, copied, rtol=0, atol=0, equal_nan=True)
         expected = scores.double().masked_fill(~allowed, -math.inf).softmax(-1)
@@ -270,17 +271,17 @@ def test_bad_shapes_raise_value_error_naming_the_argument(
     w_q_shape, w_k_shape, heads, kv_heads, match
 ):
     with pytest.raises(ValueError, match=match):
-        QF.qk_singular_values(torch.zeros(w_q_shape), torch.zeros(w_k_shape), heads, kv_heads)
+        spectra.qk_singular_values(torch.zeros(w_q_shape), torch.zeros(w_k_shape), heads, kv_heads)
 
 
 def test_integer_weights_are_rejected():
     with pytest.raises(ValueError, match="floating-point"):
-        QF.qk_singular_values(torch.zeros(4, 4, dtype=torch.int64), torch.zeros(4, 4), 1)
+        spectra.qk_singular_values(torch.zeros(4, 4, dtype=torch.int64), torch.zeros(4, 4), 1)
 
 
 def test_eigenvalues_need_square_w_qk():
     with pytest.raises(ValueError, match="square"):
-        QF.qk_eigenvalues(torch.zeros(8, 8), torch.zeros(8, 6), 1)
+        spectra.qk_eigenvalues(torch.zeros(8, 8), torch.zeros(8, 6), 1)
 
 
 def test_gram_singular_values_of_a_large_batch_on_threads_are_the_single_threaded_ones(
@@ -288,17 +289,15 @@ def test_gram_singular_values_of_a_large_batch_on_threads_are_the_single_threade
 ):
     """A large CPU batch of eigenproblems is split over torch's threads; each matrix's values are
     exactly those of one single-threaded call, and match float64 SVD."""
-    from qkmonitor.measures import functional
-
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(6, 12, 20, generator=gen).softmax(-1)
-    monkeypatch.setattr(functional, "_THREADED_EIGH", 1)
+    monkeypatch.setattr(ranks, "_THREADED_EIGH", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        split = functional.gram_singular_values(x)
+        split = ranks.gram_singular_values(x)
         torch.set_num_threads(1)
-        single = functional.gram_singular_values(x)
+        single = ranks.gram_singular_values(x)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(split, single)
@@ -415,7 +414,7 @@ def test_probability_slice_of_a_causal_call_is_the_explicit_attention(n, m, rows
     padding[:, 0] = True
     call = MaskedCall(q, k, 0.35, True, padding, None, None)
     got = call.probs(2, rows)
-    reference = QF.attention_probs(
+    reference = probabilities.attention_probs(
         q[:2].double(), k[:2].double(), scale=0.35, causal=True, key_padding_mask=padding[:2]
     )[:, :, :rows]
     assert got.shape == reference.shape == (2, 4, min(rows, n), m)

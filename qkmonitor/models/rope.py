@@ -1,17 +1,14 @@
-"""Positional encodings: sinusoidal, learned, rotary (RoPE) with context scaling, axial N-D RoPE.
+"""Rotary position embedding (RoPE) for one sequence axis, with context scaling.
 
-Additive encodings (:class:`PositionalEncoding`, :class:`LearnedPositionalEmbedding`) act on the
-residual stream ``x`` (B, N, d). Rotary encodings (:class:`RotaryEmbedding`,
-:class:`NDimensionalRoPE`) rotate each head's queries and keys (B, H, N, D) so that a score
-``<R_s q, R_t k> = <q, R_{t-s} k>`` depends on the offset ``t - s`` only.
+:class:`RotaryEmbedding` rotates each head's queries and keys (B, H, N, D) so that a score
+``<R_s q, R_t k> = <q, R_{t-s} k>`` depends on the offset ``t - s`` only; :class:`RopeScaling`
+stretches it to longer contexts. Axial RoPE over a grid is :mod:`qkmonitor.models.axial_rope`.
 
 References:
-    - Vaswani et al. 2017, "Attention Is All You Need" (sinusoidal encodings).
     - Su et al. 2021, "RoFormer" (arXiv 2104.09864): rotary position embedding.
     - Chen et al. 2023, "Extending Context Window ... via Positional Interpolation" (linear).
     - bloc97 2023, "NTK-aware scaled RoPE" (base' = base · s^{d/(d-2)}).
     - Peng et al. 2023, "YaRN" (arXiv 2309.00071): ramp-blended interpolation + temperature.
-    - Heo et al. 2024, "Rotary Position Embedding for Vision Transformer" (axial 2-D RoPE).
 
 Every table is built in float64 and stored as float32; rotations run in the input's dtype.
 """
@@ -27,22 +24,15 @@ from torch import Tensor, nn
 from qkmonitor.validation import check_positive_int, check_real
 
 __all__ = [
-    "LearnedPositionalEmbedding",
-    "NDimensionalRoPE",
-    "PositionalEncoding",
     "RopeScaling",
     "RotaryEmbedding",
     "apply_rotary_pos_emb",
-    "grid_coords",
     "rope_attention_factor",
     "rope_inv_freq",
-    "sinusoidal_encoding",
 ]
 
+
 ROPE_SCALING_KINDS = ("linear", "ntk", "yarn")
-
-
-# --------------------------------------------------------------------------- validation helpers
 
 
 def _check_even_head_dim(head_dim: object) -> None:
@@ -51,128 +41,6 @@ def _check_even_head_dim(head_dim: object) -> None:
         raise ValueError(
             f"Expected `head_dim` to be even (RoPE rotates pairs of dims), got {head_dim}"
         )
-
-
-# --------------------------------------------------------------------------- sinusoidal / learned
-
-
-def sinusoidal_encoding(
-    num_positions: int, dim: int, base: float = 10_000.0, dtype: torch.dtype = torch.float32
-) -> Tensor:
-    r"""The fixed sinusoidal table of Vaswani et al.
-
-    .. math::
-        PE[t, 2i] = \sin(t / base^{2i/dim}), \qquad PE[t, 2i+1] = \cos(t / base^{2i/dim})
-
-    Each (sin, cos) column pair is a point on the unit circle turning at frequency
-    ``ω_i = base^{-2i/dim}``, so ``PE[t + k]`` is ``PE[t]`` rotated by ``k·ω_i`` in every pair.
-    An odd ``dim`` is served by truncation: the table is built for ``dim + 1`` columns' worth of
-    frequencies (still with exponent ``2i/dim``) and the last (cosine) column is dropped, so the
-    final column is an unpaired sine.
-
-    Args:
-        num_positions: number of rows (positions ``0 .. num_positions - 1``).
-        dim: number of columns (the model width); any positive int.
-        base: the wavelength base (> 1); wavelengths run from ``2π`` to about ``2π·base``.
-        dtype: dtype of the result; the table is computed in float64.
-
-    Returns:
-        Tensor of shape ``(num_positions, dim)`` with values in ``[-1, 1]``.
-
-    Raises:
-        ValueError: if ``num_positions`` or ``dim`` is not a positive int, or ``base`` is not > 1.
-    """
-    check_positive_int("num_positions", num_positions)
-    check_positive_int("dim", dim)
-    check_real("base", base, above=1)
-    n_freq = (dim + 1) // 2
-    freq = float(base) ** (-torch.arange(n_freq, dtype=torch.float64) * 2 / dim)  # (dim/2,)
-    angles = torch.arange(num_positions, dtype=torch.float64)[:, None] * freq  # (T, dim/2)
-    table = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # sin, cos interleaved
-    return table[:, :dim].to(dtype)
-
-
-class PositionalEncoding(nn.Module):
-    """Adds the sinusoidal table of :func:`sinusoidal_encoding` to the residual stream.
-
-    ``y = x + PE[:N]`` for ``x`` of shape (B, N, dim). The table is a non-persistent buffer: it is
-    rebuilt from the arguments, never saved in a checkpoint. Dropout is left to the caller.
-
-    Args:
-        dim: model width (last dim of ``x``).
-        max_len: longest sequence served.
-        base: wavelength base, see :func:`sinusoidal_encoding`.
-
-    Raises:
-        ValueError: for bad arguments, and in ``forward`` when ``x`` is longer than ``max_len`` or
-            its last dim is not ``dim``.
-
-    Example::
-
-        >>> pe = PositionalEncoding(dim=8, max_len=16)
-        >>> pe(torch.zeros(2, 5, 8)).shape
-        torch.Size([2, 5, 8])
-    """
-
-    def __init__(self, dim: int, max_len: int = 5000, base: float = 10_000.0) -> None:
-        super().__init__()
-        self.dim, self.max_len, self.base = dim, max_len, base
-        self.register_buffer(
-            "pe", sinusoidal_encoding(max_len, dim, base), persistent=False
-        )  # (L, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Return ``x + PE[:N]``; ``x`` is (B, N, dim) (any leading dims), result in ``x.dtype``."""
-        _check_sequence_input(x, self.dim, self.max_len)
-        return x + self.pe[: x.shape[-2]].to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, max_len={self.max_len}, base={self.base}"
-
-
-class LearnedPositionalEmbedding(nn.Module):
-    """Adds a trained table ``W`` (max_len, dim): ``y = x + W[:N]`` for ``x`` (B, N, dim).
-
-    Initialised ``N(0, 0.02²)`` (GPT-2). Positions beyond ``max_len`` have no row, so longer
-    inputs are an error rather than silently wrapped.
-
-    Args:
-        max_len: number of learned positions.
-        dim: model width.
-
-    Raises:
-        ValueError: for bad arguments, and in ``forward`` when ``N > max_len`` or the last dim of
-            ``x`` is not ``dim``.
-    """
-
-    def __init__(self, max_len: int, dim: int) -> None:
-        super().__init__()
-        check_positive_int("max_len", max_len)
-        check_positive_int("dim", dim)
-        self.max_len, self.dim = max_len, dim
-        self.weight = nn.Parameter(torch.empty(max_len, dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Return ``x + W[:N]``; ``x`` is (B, N, dim) (any leading dims)."""
-        _check_sequence_input(x, self.dim, self.max_len)
-        return x + self.weight[: x.shape[-2]].to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"max_len={self.max_len}, dim={self.dim}"
-
-
-def _check_sequence_input(x: Tensor, dim: int, max_len: int) -> None:
-    if x.dim() < 2 or x.shape[-1] != dim:
-        raise ValueError(f"Expected `x` of shape (..., N, {dim}), got {tuple(x.shape)}")
-    if x.shape[-2] > max_len:
-        raise ValueError(f"Sequence length {x.shape[-2]} exceeds `max_len` {max_len}")
-
-
-# --------------------------------------------------------------------------- RoPE frequencies
 
 
 @dataclass(frozen=True)
@@ -304,9 +172,6 @@ def rope_attention_factor(scaling: RopeScaling | None) -> float:
     return (0.1 * math.log(scaling.factor) + 1.0) ** 2
 
 
-# --------------------------------------------------------------------------- rotation
-
-
 def apply_rotary_pos_emb(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
     """Rotate pairs of dims of ``x`` by per-position angles φ (given as ``cos φ``, ``sin φ``).
 
@@ -344,7 +209,7 @@ def apply_rotary_pos_emb(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool 
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
 
-def _cos_sin_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+def cos_sin_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     """float64 angles ``t · θ_i`` → float32 (cos, sin) of shape (T, len(inv_freq))."""
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().float(), angles.sin().float()
@@ -398,7 +263,7 @@ class RotaryEmbedding(nn.Module):
         self.interleaved, self.scaling = bool(interleaved), scaling
         self.inv_freq = rope_inv_freq(head_dim, base, scaling)  # (D/2,) float64
         self.attention_factor = rope_attention_factor(scaling)
-        cos, sin = _cos_sin_tables(torch.arange(max_seq_len), self.inv_freq)  # (L, D/2)
+        cos, sin = cos_sin_tables(torch.arange(max_seq_len), self.inv_freq)  # (L, D/2)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -479,155 +344,4 @@ class RotaryEmbedding(nn.Module):
         return (
             f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, base={self.base}, "
             f"interleaved={self.interleaved}, scaling={self.scaling}"
-        )
-
-
-# --------------------------------------------------------------------------- axial N-D RoPE
-
-
-def grid_coords(*sizes: int) -> Tensor:
-    """Integer coordinates of every cell of a grid, in row-major order (last axis fastest).
-
-    Args:
-        *sizes: the grid's size along each axis, e.g. ``(H, W)`` or ``(T, H, W)``.
-
-    Returns:
-        LongTensor of shape ``(prod(sizes), len(sizes))``; row ``r`` holds the multi-index of the
-        r-th cell of ``torch.arange(prod(sizes)).view(*sizes)``.
-
-    Raises:
-        ValueError: if no size is given or a size is not a positive int.
-
-    Example::
-
-        >>> grid_coords(2, 3).tolist()
-        [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
-    """
-    if not sizes:
-        raise ValueError("Expected at least one grid size in `sizes`")
-    for size in sizes:
-        check_positive_int("sizes", size)
-    axes = torch.meshgrid(*(torch.arange(s) for s in sizes), indexing="ij")
-    return torch.stack([a.reshape(-1) for a in axes], dim=-1)
-
-
-class NDimensionalRoPE(nn.Module):
-    r"""Axial RoPE for tokens on an n-dimensional grid (2-D image patches, 3-D video).
-
-    The head dim D is split into n equal, contiguous slices of :math:`d_a = D / n` dims, one per
-    axis. Slice a is rotated like 1-D RoPE (:class:`RotaryEmbedding`, same ``interleaved``
-    layout within the slice) by the token's coordinate :math:`c_a` along axis a, with
-    frequencies :math:`θ_{a,i} = base^{-2i/d_a}`, ``i = 0 .. d_a/2 − 1``. Hence
-
-    .. math:: \langle R(c) q, R(c') k \rangle = \sum_a \langle q_a, R_a(c'_a - c_a) k_a \rangle
-
-    depends only on the per-axis offsets ``c' − c``: shifting every coordinate of one axis leaves
-    all scores unchanged.
-
-    Args:
-        head_dim: D; must be divisible by the number of axes n, and ``D / n`` must be even.
-        axes_max_len: the grid size bound per axis, e.g. ``(14, 14)`` or ``(8, 16, 16)``;
-            coordinate ``c_a`` must lie in ``[0, axes_max_len[a])``.
-        base: the RoPE base (> 1), shared by all axes.
-        interleaved: pair layout inside each axis slice (see :func:`apply_rotary_pos_emb`).
-
-    Raises:
-        ValueError: for an empty ``axes_max_len`` or a non-positive length, or when ``head_dim``
-            does not split into even per-axis slices.
-
-    Example::
-
-        >>> rope = NDimensionalRoPE(head_dim=16, axes_max_len=(4, 4))
-        >>> coords = grid_coords(4, 4)  # (16, 2)
-        >>> q, k = rope(torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16), coords)
-        >>> q.shape
-        torch.Size([1, 2, 16, 16])
-    """
-
-    def __init__(
-        self,
-        head_dim: int,
-        axes_max_len: tuple[int, ...],
-        base: float = 10_000.0,
-        interleaved: bool = False,
-    ) -> None:
-        super().__init__()
-        axes_max_len = tuple(axes_max_len)
-        if not axes_max_len:
-            raise ValueError("Expected `axes_max_len` to name at least one axis, got ()")
-        for length in axes_max_len:
-            check_positive_int("axes_max_len", length)
-        check_positive_int("head_dim", head_dim)
-        n_axes = len(axes_max_len)
-        if head_dim % n_axes or (head_dim // n_axes) % 2:
-            raise ValueError(
-                f"Expected `head_dim` ({head_dim}) to split into {n_axes} axes of an even number "
-                f"of dims each (head_dim divisible by 2 * {n_axes} = {2 * n_axes})"
-            )
-        self.head_dim, self.axes_max_len, self.base = head_dim, axes_max_len, base
-        self.interleaved, self.n_axes, self.axis_dim = bool(interleaved), n_axes, head_dim // n_axes
-        self.inv_freq = rope_inv_freq(
-            self.axis_dim, base
-        )  # (d_a/2,) float64, the same for every axis
-        cos, sin = _cos_sin_tables(torch.arange(max(axes_max_len)), self.inv_freq)  # (L_max, d_a/2)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-        self.register_buffer("_max_len", torch.tensor(axes_max_len), persistent=False)
-
-    def forward(self, q: Tensor, k: Tensor, coords: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotate ``q`` (B, H, N, D) and ``k`` (B, H_kv, N, D) by their tokens' grid coordinates.
-
-        Args:
-            q: queries (..., N, D).
-            k: keys (..., N, D), the same N tokens.
-            coords: LongTensor (N, n_axes), token r at grid cell ``coords[r]`` (see
-                :func:`grid_coords`). Checking the bounds reads the tensor on the host.
-
-        Returns:
-            ``(q_rotated, k_rotated)`` in the inputs' shapes and dtypes.
-
-        Raises:
-            ValueError: for a wrong head dim, lengths that differ from ``coords``, or coordinates
-                that are not integers in ``[0, axes_max_len[a])``.
-        """
-        for name, t in (("q", q), ("k", k)):
-            if t.dim() < 2 or t.shape[-1] != self.head_dim:
-                raise ValueError(
-                    f"Expected `{name}` of shape (..., N, {self.head_dim}), got {tuple(t.shape)}"
-                )
-        coords = self._check_coords(coords, q.shape[-2], k.shape[-2])
-        cos, sin = self.cos[coords], self.sin[coords]  # (N, n, d_a/2): all axes share one table
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x_axes = x.unflatten(-1, (self.n_axes, self.axis_dim))  # (..., N, n, d_a)
-        return apply_rotary_pos_emb(x_axes, cos, sin, self.interleaved).flatten(-2)
-
-    def _check_coords(self, coords: Tensor, n: int, m: int) -> Tensor:
-        if (
-            not isinstance(coords, Tensor)
-            or coords.is_floating_point()
-            or coords.is_complex()
-            or (coords.dtype == torch.bool)
-        ):
-            raise ValueError(
-                f"Expected `coords` to be an integer tensor of shape (N, {self.n_axes})"
-            )
-        if coords.dim() != 2 or coords.shape[1] != self.n_axes or coords.shape[0] != n or n != m:
-            raise ValueError(
-                f"Expected `coords` of shape (N, {self.n_axes}) with N the length of q and k, "
-                f"got coords {tuple(coords.shape)}, q length {n}, k length {m}"
-            )
-        coords = coords.to(device=self.cos.device, dtype=torch.long)
-        if coords.numel() and bool(((coords < 0) | (coords >= self._max_len)).any()):
-            raise ValueError(
-                f"Expected `coords[:, a]` in [0, axes_max_len[a]), "
-                f"`axes_max_len`={self.axes_max_len}"
-            )
-        return coords
-
-    def extra_repr(self) -> str:
-        return (
-            f"head_dim={self.head_dim}, axes_max_len={self.axes_max_len}, base={self.base}, "
-            f"interleaved={self.interleaved}"
         )
