@@ -13,9 +13,8 @@ loaded on first use, so that ``import qkmonitor`` (and every ``import qkmonitor.
 runs this file first) loads neither Lightning nor the engines.
 """
 
-from importlib import import_module as _import_module
 from importlib import metadata as _metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # the adapter families register themselves on import (qkmonitor.attention.registry), before any
 # discovery
@@ -36,6 +35,7 @@ from qkmonitor.attention.intercept import InterceptedAttentionLayer, register_at
 from qkmonitor.attention.latent import LatentNames
 from qkmonitor.attention.probes import AttentionCall, KernelCall, Probe, ProbeRequest, ProbeResult
 from qkmonitor.attention.spec import AttentionSpec
+from qkmonitor.lazy import lazy_exports as _lazy_exports
 from qkmonitor.measures.layer_spectra import QKWeights
 
 if TYPE_CHECKING:
@@ -49,19 +49,7 @@ _LAZY = {
     "Monitoring": "qkmonitor.engine.session",
     "scan": "qkmonitor.scanning.run",
 }
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_import_module(module), name)
-    globals()[name] = value  # once loaded, an ordinary attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = _lazy_exports(globals(), _LAZY)
 
 
 try:  # the one version is pyproject.toml's, read from the installed package's metadata

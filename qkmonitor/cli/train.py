@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import shlex
 import sys
+from typing import Any
 
 from qkmonitor.cli import quiet_lightning
 from qkmonitor.cli.arguments import (
@@ -66,29 +67,21 @@ def add_train_parser(
     return train
 
 
-#: the options whose default is the task's: resolved from its defaults once it is known
-_PER_TASK_DEFAULT = {"default": argparse.SUPPRESS}
+def _add_per_task(train: argparse.ArgumentParser, flag: str, help: str, **kwargs: Any) -> None:
+    """An option whose default is the task's: left out of the parsed options unless given
+    (``argparse.SUPPRESS``), and resolved from the task's defaults once the task is known."""
+    train.add_argument(flag, default=argparse.SUPPRESS, help=f"{help} ({_PER_TASK})", **kwargs)
 
 
 def _add_model_arguments(train: argparse.ArgumentParser) -> None:
     """The task and the model's size."""
-    per_task = _PER_TASK_DEFAULT
     train.add_argument("--task", choices=TASKS, default="recall", help="the task to learn")
-    train.add_argument(
-        "--steps", type=positive_int, **per_task, help=f"optimizer steps ({_PER_TASK})"
+    _add_per_task(train, "--steps", "optimizer steps", type=positive_int)
+    _add_per_task(train, "--d-model", "residual width", type=positive_int)
+    _add_per_task(
+        train, "--layers", "transformer blocks; encoder-decoder: each side", type=positive_int
     )
-    train.add_argument(
-        "--d-model", type=positive_int, **per_task, help=f"residual width ({_PER_TASK})"
-    )
-    train.add_argument(
-        "--layers",
-        type=positive_int,
-        **per_task,
-        help=f"transformer blocks; encoder-decoder: each side ({_PER_TASK})",
-    )
-    train.add_argument(
-        "--heads", type=positive_int, **per_task, help=f"query heads per layer ({_PER_TASK})"
-    )
+    _add_per_task(train, "--heads", "query heads per layer", type=positive_int)
     train.add_argument(
         "--kv-heads",
         type=positive_int,
@@ -104,36 +97,18 @@ def _add_training_arguments(train: argparse.ArgumentParser) -> None:
     """The other options whose default is the task's: training's, and the positions."""
     from qkmonitor.models.config import POSITIONAL
 
-    per_task = _PER_TASK_DEFAULT
-    train.add_argument(
-        "--batch-size",
-        type=positive_int,
-        **per_task,
-        help=f"examples per training batch ({_PER_TASK})",
-    )
-    train.add_argument(
-        "--lr", type=positive_float, **per_task, help=f"peak AdamW learning rate ({_PER_TASK})"
-    )
-    train.add_argument(
+    _add_per_task(train, "--batch-size", "examples per training batch", type=positive_int)
+    _add_per_task(train, "--lr", "peak AdamW learning rate", type=positive_float)
+    _add_per_task(
+        train,
         "--lr-decay",
+        "after warmup: keep the peak rate, or cosine to a tenth of it at the end",
         choices=["constant", "cosine"],
-        **per_task,
-        help=(
-            f"after warmup: keep the peak rate, or cosine to a tenth of it at the end ({_PER_TASK})"
-        ),
     )
-    train.add_argument(
-        "--weight-decay",
-        type=non_negative_float,
-        **per_task,
-        help=f"AdamW weight decay on matrices ({_PER_TASK})",
+    _add_per_task(
+        train, "--weight-decay", "AdamW weight decay on matrices", type=non_negative_float
     )
-    train.add_argument(
-        "--positional",
-        choices=POSITIONAL,
-        **per_task,
-        help=f"position encoding of the model ({_PER_TASK})",
-    )
+    _add_per_task(train, "--positional", "position encoding of the model", choices=POSITIONAL)
 
 
 def _add_task_arguments(train: argparse.ArgumentParser) -> None:

@@ -16,11 +16,12 @@ are loaded on first use (the module's ``__getattr__``), so that reading the regi
 train --help``, ``qkmonitor report``) loads no Lightning.
 """
 
-from importlib import import_module as _import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qkmonitor.lazy import lazy_exports as _lazy_exports
 
 if TYPE_CHECKING:
-    from .base import TaskModule
+    from .base import TaskDataModule, TaskModule
     from .charlm import CharLMTask, PythonSourceDataModule, python_source_files
     from .copy_reverse import CopyReverseDataModule, Seq2SeqTask, make_copy_batch
     from .grid import GridRelationDataModule, VisionClassificationTask, make_grid_batch
@@ -30,35 +31,24 @@ if TYPE_CHECKING:
 
 #: the names loaded on first use -> the module of this package that defines them
 _LAZY = {
-    "AssociativeRecallDataModule": "recall",
-    "CausalLMTask": "lm",
-    "CharLMTask": "charlm",
-    "CopyReverseDataModule": "copy_reverse",
-    "GridRelationDataModule": "grid",
-    "ModularAdditionDataModule": "modular",
-    "PythonSourceDataModule": "charlm",
-    "Seq2SeqTask": "copy_reverse",
-    "TaskModule": "base",
-    "VisionClassificationTask": "grid",
-    "make_copy_batch": "copy_reverse",
-    "make_grid_batch": "grid",
-    "make_modular_addition": "modular",
-    "make_recall_batch": "recall",
-    "python_source_files": "charlm",
+    "AssociativeRecallDataModule": ".recall",
+    "CausalLMTask": ".lm",
+    "CharLMTask": ".charlm",
+    "CopyReverseDataModule": ".copy_reverse",
+    "GridRelationDataModule": ".grid",
+    "ModularAdditionDataModule": ".modular",
+    "PythonSourceDataModule": ".charlm",
+    "Seq2SeqTask": ".copy_reverse",
+    "TaskDataModule": ".base",
+    "TaskModule": ".base",
+    "VisionClassificationTask": ".grid",
+    "make_copy_batch": ".copy_reverse",
+    "make_grid_batch": ".grid",
+    "make_modular_addition": ".modular",
+    "make_recall_batch": ".recall",
+    "python_source_files": ".charlm",
 }
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # once loaded, an ordinary attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = _lazy_exports(globals(), _LAZY)
 
 
 __all__ = [
@@ -70,6 +60,7 @@ __all__ = [
     "ModularAdditionDataModule",
     "PythonSourceDataModule",
     "Seq2SeqTask",
+    "TaskDataModule",
     "TaskModule",
     "VisionClassificationTask",
     "make_copy_batch",

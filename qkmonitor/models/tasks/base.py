@@ -1,4 +1,5 @@
-"""What every example task shares: argument checks and one AdamW + warmup training setup."""
+"""What every example task shares: argument checks, one AdamW + warmup training setup, and the
+data modules' seeded loaders."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from qkmonitor.validation import check_non_negative_int, check_positive_int
 
 from ..config import TransformerConfig
 
-__all__ = ["IGNORE_INDEX", "TaskModule", "lr_factor"]
+__all__ = ["IGNORE_INDEX", "TaskDataModule", "TaskModule", "lr_factor"]
 
 #: Targets with this value are not scored (PyTorch's ``cross_entropy`` default).
 IGNORE_INDEX = -100
@@ -34,6 +36,41 @@ def lr_factor(step: int, warmup: int, decay: int | None = None, floor: float = 0
         return min(1.0, (step + 1) / warmup)
     progress = min(1.0, (step + 1 - warmup) / max(1, decay - warmup))
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class TaskDataModule(pl.LightningDataModule):
+    """Base of the example data modules: the loaders over the ``train_set`` and ``val_set`` that
+    the subclass's ``setup`` builds.
+
+    Training batches hold ``hparams.batch_size`` examples (``None``: the whole training set) and
+    are shuffled by a generator seeded with ``hparams.seed``, so that the same seed gives the same
+    batches; validation batches hold ``val_batch_size`` examples, in order.
+    """
+
+    #: examples per validation batch (no gradients are kept, so larger than a training batch)
+    val_batch_size: ClassVar[int] = 256
+
+    train_set: Dataset
+    val_set: Dataset
+
+    def generate_sets(self, make: Callable[[int, torch.Generator], tuple[Tensor, ...]]) -> None:
+        """``train_set`` from ``make(hparams.train_size, generator)``, the generator seeded with
+        ``hparams.seed``; ``val_set`` from ``make(hparams.val_size, ...)`` seeded with
+        ``hparams.seed + 1``, so that validation examples are drawn apart from training ones."""
+        hp = self.hparams
+        self.train_set = TensorDataset(*make(hp.train_size, torch.Generator().manual_seed(hp.seed)))
+        self.val_set = TensorDataset(*make(hp.val_size, torch.Generator().manual_seed(hp.seed + 1)))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_set,
+            batch_size=self.hparams.batch_size or len(self.train_set),
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.hparams.seed),
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.val_batch_size)
 
 
 class TaskModule(pl.LightningModule):

@@ -22,13 +22,13 @@ import math
 import sysconfig
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from qkmonitor.validation import check_fraction, check_positive_int
 
+from .base import TaskDataModule
 from .lm import CausalLMTask
 
 __all__ = ["VOCAB_SIZE", "CharLMTask", "PythonSourceDataModule", "python_source_files"]
@@ -73,7 +73,7 @@ class _Windows(Dataset):
         return window[:-1], window[1:]
 
 
-class PythonSourceDataModule(pl.LightningDataModule):
+class PythonSourceDataModule(TaskDataModule):
     """Byte-level windows of the standard library's source, selected from ``seed``.
 
     Args:
@@ -88,6 +88,8 @@ class PythonSourceDataModule(pl.LightningDataModule):
         seed: chooses the file order and the training windows.
         root: read ``.py`` files below this directory instead of the standard library.
     """
+
+    val_batch_size = 64
 
     def __init__(
         self,
@@ -157,17 +159,6 @@ class PythonSourceDataModule(pl.LightningDataModule):
         val_offsets = tiles[pick]  # spread over every held-out file, not just the first
         self.train_set = _Windows(self.train_text, train_offsets, hp.seq_len)
         self.val_set = _Windows(self.val_text, val_offsets, hp.seq_len)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set,
-            batch_size=self.hparams.batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.hparams.seed),
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=64)
 
 
 def _as_tokens(data: bytes) -> Tensor:

@@ -17,15 +17,13 @@ absolute positions, added to source and target embeddings alike.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor.validation import check_positive_int
 
 from ..transformer import EncoderDecoder
-from .base import IGNORE_INDEX, TaskModule
+from .base import IGNORE_INDEX, TaskDataModule, TaskModule
 
 __all__ = [
     "BOS",
@@ -68,7 +66,7 @@ def make_copy_batch(
     return source, decoder_input, targets
 
 
-class CopyReverseDataModule(pl.LightningDataModule):
+class CopyReverseDataModule(TaskDataModule):
     """Train and validation sets of copy (or reverse) examples, generated once from ``seed``.
 
     Args:
@@ -112,23 +110,7 @@ class CopyReverseDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
         shape = (hp.min_len, hp.max_len, hp.num_symbols, hp.reverse)
-        self.train_set = TensorDataset(
-            *make_copy_batch(hp.train_size, *shape, torch.Generator().manual_seed(hp.seed))
-        )
-        self.val_set = TensorDataset(
-            *make_copy_batch(hp.val_size, *shape, torch.Generator().manual_seed(hp.seed + 1))
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set,
-            batch_size=self.hparams.batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.hparams.seed),
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=256)
+        self.generate_sets(lambda n, generator: make_copy_batch(n, *shape, generator))
 
 
 class Seq2SeqTask(TaskModule):

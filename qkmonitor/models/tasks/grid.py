@@ -18,16 +18,15 @@ and column offset separately, which is what the label asks for.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from qkmonitor.validation import check_positive_int
 
 from ..transformer import VisionEncoder
-from .base import TaskModule
+from .base import TaskDataModule, TaskModule
 
 __all__ = [
     "NEITHER",
@@ -78,7 +77,7 @@ def make_grid_batch(labels: Tensor, height: int, width: int, generator: torch.Ge
     return F.one_hot(marked.long(), PATCH_DIM).float()
 
 
-class GridRelationDataModule(pl.LightningDataModule):
+class GridRelationDataModule(TaskDataModule):
     """Train and validation grids, generated once from ``seed``; validation classes are balanced.
 
     Args:
@@ -89,6 +88,8 @@ class GridRelationDataModule(pl.LightningDataModule):
         val_size: validation grids, a multiple of 3 so that each class has exactly a third.
         seed: generator seed; the same seed gives the same data.
     """
+
+    val_batch_size = 512
 
     def __init__(
         self,
@@ -135,17 +136,6 @@ class GridRelationDataModule(pl.LightningDataModule):
         self.val_set = TensorDataset(
             make_grid_batch(val_labels, hp.height, hp.width, gen), val_labels
         )
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set,
-            batch_size=self.hparams.batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.hparams.seed),
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=512)
 
 
 class VisionClassificationTask(TaskModule):

@@ -17,14 +17,13 @@ far too long on a CPU; the defaults use p = 23 (529 equations) with half of them
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from qkmonitor.validation import check_fraction, check_positive_int
 
-from .base import IGNORE_INDEX
+from .base import IGNORE_INDEX, TaskDataModule
 
 __all__ = ["ModularAdditionDataModule", "make_modular_addition"]
 
@@ -45,7 +44,7 @@ def make_modular_addition(modulus: int) -> tuple[Tensor, Tensor]:
     return tokens, targets
 
 
-class ModularAdditionDataModule(pl.LightningDataModule):
+class ModularAdditionDataModule(TaskDataModule):
     """A seeded train / validation split of all ``a + b = c (mod p)`` equations.
 
     Args:
@@ -56,6 +55,8 @@ class ModularAdditionDataModule(pl.LightningDataModule):
             as in the paper).
         seed: the split's (and the shuffling's) seed.
     """
+
+    val_batch_size = 1024
 
     def __init__(
         self,
@@ -89,14 +90,3 @@ class ModularAdditionDataModule(pl.LightningDataModule):
         train, val = order[: self.num_train], order[self.num_train :]
         self.train_set = TensorDataset(tokens[train], targets[train])
         self.val_set = TensorDataset(tokens[val], targets[val])
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set,
-            batch_size=self.hparams.batch_size or self.num_train,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.hparams.seed),
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=1024)

@@ -12,14 +12,12 @@ circuit, which needs at least two attention layers.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
 
 from qkmonitor.validation import check_positive_int
 
-from .base import IGNORE_INDEX
+from .base import IGNORE_INDEX, TaskDataModule
 
 __all__ = ["AssociativeRecallDataModule", "make_recall_batch"]
 
@@ -50,7 +48,7 @@ def make_recall_batch(
     return tokens, targets
 
 
-class AssociativeRecallDataModule(pl.LightningDataModule):
+class AssociativeRecallDataModule(TaskDataModule):
     """Train and validation sets of recall sequences, generated once from ``seed``.
 
     Args:
@@ -102,20 +100,4 @@ class AssociativeRecallDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
         shape = (hp.num_pairs, hp.num_queries, hp.num_keys, hp.num_values)
-        self.train_set = TensorDataset(
-            *make_recall_batch(hp.train_size, *shape, torch.Generator().manual_seed(hp.seed))
-        )
-        self.val_set = TensorDataset(
-            *make_recall_batch(hp.val_size, *shape, torch.Generator().manual_seed(hp.seed + 1))
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set,
-            batch_size=self.hparams.batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.hparams.seed),
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=256)
+        self.generate_sets(lambda n, generator: make_recall_batch(n, *shape, generator))

@@ -113,22 +113,6 @@ def _modular(o: Any) -> _Made:
     return data, CausalLMTask, _sequence(data)
 
 
-def _copy_reverse(reverse: bool) -> Callable[[Any], _Made]:
-    def make(o: Any) -> _Made:
-        from .copy_reverse import CopyReverseDataModule, Seq2SeqTask
-
-        data = CopyReverseDataModule(
-            reverse=reverse,
-            min_len=min(3, o.length),
-            max_len=o.length,
-            batch_size=o.batch_size,
-            seed=o.seed,
-        )
-        return data, Seq2SeqTask, _sequence(data)
-
-    return make
-
-
 def _charlm(o: Any) -> _Made:
     from .charlm import CharLMTask, PythonSourceDataModule
 
@@ -172,6 +156,31 @@ def _defaults(**changes: object) -> dict[str, object]:
     return {**_SHARED, **changes}
 
 
+def _copy_reverse(reverse: bool, steps: int) -> TaskEntry:
+    """The ``copy`` task, or with ``reverse`` the ``reverse`` one: one data module, a flag apart."""
+    name, verb = ("reverse", "reversing") if reverse else ("copy", "copying")
+
+    def make(o: Any) -> _Made:
+        from .copy_reverse import CopyReverseDataModule, Seq2SeqTask
+
+        data = CopyReverseDataModule(
+            reverse=reverse,
+            min_len=min(3, o.length),
+            max_len=o.length,
+            batch_size=o.batch_size,
+            seed=o.seed,
+        )
+        return data, Seq2SeqTask, _sequence(data)
+
+    return TaskEntry(
+        name,
+        _defaults(steps=steps, positional="learned"),
+        make,
+        lambda o: f"{verb} strings of up to {o.length} symbols",
+        model="encoder-decoder",
+    )
+
+
 #: The tasks, ``recall`` (the default) first. Each learns with ``qkmonitor train --task X`` on a
 #: 2-core CPU in about a minute or two.
 TASKS: dict[str, TaskEntry] = {
@@ -183,20 +192,8 @@ TASKS: dict[str, TaskEntry] = {
             _recall,
             lambda o: f"associative recall ({o.pairs} key-value pairs a sequence)",
         ),
-        TaskEntry(
-            "copy",
-            _defaults(steps=600, positional="learned"),
-            _copy_reverse(reverse=False),
-            lambda o: f"copying strings of up to {o.length} symbols",
-            model="encoder-decoder",
-        ),
-        TaskEntry(
-            "reverse",
-            _defaults(steps=800, positional="learned"),
-            _copy_reverse(reverse=True),
-            lambda o: f"reversing strings of up to {o.length} symbols",
-            model="encoder-decoder",
-        ),
+        _copy_reverse(reverse=False, steps=600),
+        _copy_reverse(reverse=True, steps=800),
         TaskEntry(
             "modular",
             _defaults(steps=2500, layers=1, batch_size=None, weight_decay=1.0),
