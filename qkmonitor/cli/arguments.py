@@ -1,5 +1,5 @@
 """The command line's argument types (each refuses a bad value in plain words, naming what it
-expected) and its help formatter."""
+expected), the options that several commands share, and its help formatter."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 
 __all__ = [
     "HelpFormatter",
+    "add_directory_option",
     "any_int",
     "directory_argument",
     "directory_problem",
@@ -84,6 +85,12 @@ def directory_argument(text: str) -> str:
     if problem is not None:
         raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}: {problem}")
     return text
+
+
+def add_directory_option(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
+    """A ``DIR`` option (``report --out``, ``scan --log-dir``): a directory to write into, checked
+    by :func:`directory_argument`; ``kwargs`` go to ``add_argument`` (help, required)."""
+    parser.add_argument(flag, type=directory_argument, metavar="DIR", **kwargs)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

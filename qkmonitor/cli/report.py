@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from qkmonitor.cli.arguments import directory_argument
+from qkmonitor.cli.arguments import add_directory_option
 from qkmonitor.output.report import build_report
 from qkmonitor.output.tags import LOSS_TAGS
 
@@ -31,11 +31,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
             "is taken); give two to compare them"
         ),
     )
-    parser.add_argument(
+    add_directory_option(
+        parser,
         "--out",
-        type=directory_argument,
-        default=None,
-        metavar="DIR",
         help="where the PNG plots go (default: RUN_DIR/report, or ./report for several runs)",
     )
     parser.add_argument("--prefix", default="qkmonitor", help="the monitors' log_key_prefix")

@@ -10,7 +10,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from qkmonitor.cli.arguments import directory_argument
+from qkmonitor.cli.arguments import add_directory_option
 
 __all__ = ["add_scan_parser", "format_scan", "run_scan"]
 
@@ -45,11 +45,10 @@ def add_scan_parser(
         metavar="PATH",
         help="a model folder, checkpoint-N folder, .ckpt file, or a folder of checkpoints",
     )
-    parser.add_argument(
+    add_directory_option(
+        parser,
         "--log-dir",
-        type=directory_argument,
         required=True,
-        metavar="DIR",
         help="the folder the run is written to (one that holds no run yet)",
     )
     parser.add_argument("--per-head", action="store_true", help="log every head's values too")

@@ -146,11 +146,10 @@ def _add_run_arguments(train: argparse.ArgumentParser) -> None:
         default=25,
         help="the monitors probe every this many optimizer steps",
     )
-    train.add_argument(
+    _add_switch(
+        train,
         "--per-head",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="log every head's value too (the heatmaps of `qkmonitor report` need them)",
+        "log every head's value too (the heatmaps of `qkmonitor report` need them)",
     )
     train.add_argument(
         "--precision",
@@ -179,12 +178,7 @@ def _add_run_arguments(train: argparse.ArgumentParser) -> None:
 
 def _add_output_arguments(train: argparse.ArgumentParser) -> None:
     """What the run saves and shows."""
-    train.add_argument(
-        "--checkpoint",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="save the last weights under the run's checkpoints/ folder",
-    )
+    _add_switch(train, "--checkpoint", "save the last weights under the run's checkpoints/ folder")
     train.add_argument(
         "--threads",
         type=positive_int,
@@ -194,18 +188,19 @@ def _add_output_arguments(train: argparse.ArgumentParser) -> None:
             f"{SMALL_MODEL / 1e6:g} M parameters, else torch's own; OMP_NUM_THREADS wins where set)"
         ),
     )
-    train.add_argument(
-        "--progress-bar",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="show the training progress (step N/total, loss, accuracy)",
+    _add_switch(
+        train, "--progress-bar", "show the training progress (step N/total, loss, accuracy)"
     )
-    train.add_argument(
+    _add_switch(
+        train,
         "--legend",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="end the summary with what each column means (--no-legend: the table alone)",
+        "end the summary with what each column means (--no-legend: the table alone)",
     )
+
+
+def _add_switch(train: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """An on-by-default ``--x`` with its ``--no-x``."""
+    train.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help)
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ import warnings
 import torch
 
 from qkmonitor.kernels._autocast import autocast_off
+from qkmonitor.kernels._options import AttentionOptions
 from qkmonitor.kernels._stats import AttentionStats, attended_keys
 from qkmonitor.kernels._torch import max_logits, torch_attention
 from qkmonitor.validation import check_bool, is_int, is_real
@@ -195,17 +196,11 @@ def _attention(
         run = triton_attention
     else:
         run = functools.partial(torch_attention, output=output)
+    options = AttentionOptions(
+        bool(causal), key_padding_mask, scale, bool(return_stats), int(sink_tokens)
+    )
     with autocast_off(q.device.type):  # the kernels pick their own precision (float32 sums)
-        out, raw = run(
-            q,
-            k,
-            v,
-            causal=bool(causal),
-            key_padding_mask=key_padding_mask,
-            scale=scale,
-            return_stats=bool(return_stats),
-            sink_tokens=int(sink_tokens),
-        )
+        out, raw = run(q, k, v, options)
     if not return_stats:
         return out
     lse, entropy, max_prob, max_logit, sink_mass = raw
@@ -219,15 +214,7 @@ def _attention(
         key_padding_mask=key_padding_mask,
         device=q.device,
     )
-    stats = AttentionStats(
-        lse=lse,
-        entropy=entropy,
-        max_prob=max_prob,
-        max_logit=max_logit,
-        attended=attended,
-        sink_mass=sink_mass,
-    )
-    return out, stats
+    return out, AttentionStats(lse, entropy, max_prob, max_logit, attended, sink_mass)
 
 
 def _autocast_inputs(q, k, v):

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from qkmonitor.kernels._blocks import NEG_INF, allowed_pairs, compute_dtype, grouped
+from qkmonitor.kernels._options import AttentionOptions
 from qkmonitor.kernels._torch_backward import BlockwiseAttention
 from qkmonitor.kernels._torch_forward import forward_blocks
 
@@ -63,12 +64,8 @@ def torch_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    options: AttentionOptions,
     *,
-    causal: bool,
-    key_padding_mask: torch.Tensor | None,
-    scale: float,
-    return_stats: bool,
-    sink_tokens: int,
     block_size: int | None = None,
     output: bool = True,
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...] | None]:
@@ -78,11 +75,7 @@ def torch_attention(
         q: (B, H, N, D) queries.
         k: (B, H_kv, M, D) keys, H_kv dividing H.
         v: (B, H_kv, M, D) values.
-        causal: query i attends key j only when ``j ≤ i + M − N`` (bottom-right aligned).
-        key_padding_mask: (B, M) bool, True where the key may be attended, or None.
-        scale: the factor on ``q · k``.
-        return_stats: also compute the statistics.
-        sink_tokens: number of leading keys whose attention mass is reported (0 for none).
+        options: the call's options (mask, causal rule, scale, statistics, sink keys).
         block_size: keys per block of the online computation; None reads ``DEFAULT_BLOCK_SIZE``
             (at call time, so that tests can shrink it to exercise many blocks).
         output: False (with ``return_stats`` and no gradient needed): the statistics alone, out
@@ -95,19 +88,20 @@ def torch_attention(
     """
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    rows = (q, k, v, key_padding_mask, causal, scale, sink_tokens)
+    mask, return_stats = options.key_padding_mask, options.return_stats
+    rows = (q, k, v, mask, options.causal, options.scale, options.sink_tokens)
     if return_stats and not output and not needs_grad:
         return None, _statistics(*rows, block_size)
     # The output comes from where an unprobed call takes it, with or without a gradient to take
     # (a reentrant checkpoint's first forward runs under no_grad and is recomputed with grad).
-    if (not return_stats or SDPA_WITH_STATS) and _sdpa_is_exact(q, k, causal, key_padding_mask):
-        out = _sdpa(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    if (not return_stats or SDPA_WITH_STATS) and _sdpa_is_exact(q, k, options.causal, mask):
+        out = _sdpa(q, k, v, options)
         if not return_stats:
             return out, None
         with torch.no_grad():
             return out, _statistics(*rows, block_size)
     out, *stats = BlockwiseAttention.apply(*rows, return_stats, block_size)
-    return out, _returned_stats(*stats, sink_tokens) if return_stats else None
+    return out, _returned_stats(*stats, options.sink_tokens) if return_stats else None
 
 
 def _statistics(q, k, v, key_padding_mask, causal, scale, sink_tokens, block_size):
@@ -190,16 +184,11 @@ def _sdpa_is_exact(
 
 
 def _sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    key_padding_mask: torch.Tensor | None,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions
 ) -> torch.Tensor:
-    attn_mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    mask = options.key_padding_mask
+    attn_mask = None if mask is None else mask[:, None, None, :]
     kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale, **kwargs
+        q, k, v, attn_mask=attn_mask, is_causal=options.causal, scale=options.scale, **kwargs
     )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import triton
 
+from qkmonitor.kernels._options import AttentionOptions
 from qkmonitor.kernels._triton.backward import attn_bwd_delta
 from qkmonitor.kernels._triton.tuning import (
     DELTA_BLOCK_M,
@@ -160,12 +162,7 @@ def triton_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: bool,
-    key_padding_mask: torch.Tensor | None,
-    scale: float,
-    return_stats: bool,
-    sink_tokens: int,
+    options: AttentionOptions,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None]:
     """Fused attention on the Triton kernels; inputs already validated by ``attention``.
 
@@ -173,11 +170,7 @@ def triton_attention(
         q: (B, H, N, D) queries, float16, bfloat16 or float32, D ≤ 256.
         k: (B, H_kv, M, D) keys, H_kv dividing H.
         v: (B, H_kv, M, D) values.
-        causal: query i attends key j only when ``j ≤ i + M − N``.
-        key_padding_mask: (B, M) bool, True where the key may be attended, or None.
-        scale: the factor on ``q · k``.
-        return_stats: also return the statistics.
-        sink_tokens: number of leading keys whose attention mass is reported (0 for none).
+        options: the call's options (mask, causal rule, scale, statistics, sink keys).
 
     Returns:
         ``out`` (B, H, N, D) in q's dtype, and either None or the detached float32 (B, H, N)
@@ -197,40 +190,22 @@ def triton_attention(
     if heads > _MAX_GRID_Y:
         raise ValueError(f"Expected H ≤ {_MAX_GRID_Y} for `backend='triton'`, got H={heads}")
     if batch * heads > _MAX_GRID_Y:  # B·H is the grid's second axis: one launch per batch slice
-        return _in_batch_slices(
-            q,
-            k,
-            v,
-            batch_per_launch=_MAX_GRID_Y // heads,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            scale=scale,
-            return_stats=return_stats,
-            sink_tokens=sink_tokens,
-        )
+        return _in_batch_slices(q, k, v, options, batch_per_launch=_MAX_GRID_Y // heads)
     if n == 0 or batch * heads == 0 or k.shape[2] == 0:
         from qkmonitor.kernels._torch import torch_attention  # nothing to fuse: empty rows
 
-        return torch_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            scale=scale,
-            return_stats=return_stats,
-            sink_tokens=sink_tokens,
-        )
+        return torch_attention(q, k, v, options)
     dtype = q.dtype
     if INTERPRETED and dtype == torch.bfloat16:  # the interpreter's bfloat16 math is wrong
         q, k, v = q.float(), k.float(), v.float()
-    pad = None if key_padding_mask is None else key_padding_mask.to(torch.int8)
+    mask = options.key_padding_mask
+    pad = None if mask is None else mask.to(torch.int8)
     with _on_device(q):
         out, lse, entropy, max_prob, max_logit, sink = TritonAttention.apply(
-            q, k, v, pad, causal, scale, sink_tokens, return_stats
+            q, k, v, pad, options.causal, options.scale, options.sink_tokens, options.return_stats
         )
     out = out.to(dtype)
-    if not return_stats:
+    if not options.return_stats:
         return out, None
     return out, (lse, entropy, max_prob, max_logit, sink)
 
@@ -239,29 +214,25 @@ def _in_batch_slices(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    options: AttentionOptions,
     *,
     batch_per_launch: int,
-    key_padding_mask: torch.Tensor | None,
-    return_stats: bool,
-    **kwargs,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None]:
     """:func:`triton_attention` over slices of ``batch_per_launch`` sequences, concatenated (each
     slice its own autograd node: the gradients flow back through the concatenation)."""
+    mask = options.key_padding_mask
+    slices = [slice(i, i + batch_per_launch) for i in range(0, q.shape[0], batch_per_launch)]
     parts = [
         triton_attention(
-            q[i : i + batch_per_launch],
-            k[i : i + batch_per_launch],
-            v[i : i + batch_per_launch],
-            key_padding_mask=None
-            if key_padding_mask is None
-            else key_padding_mask[i : i + batch_per_launch],
-            return_stats=return_stats,
-            **kwargs,
+            q[s],
+            k[s],
+            v[s],
+            dataclasses.replace(options, key_padding_mask=None if mask is None else mask[s]),
         )
-        for i in range(0, q.shape[0], batch_per_launch)
+        for s in slices
     ]
     out = torch.cat([o for o, _ in parts])
-    if not return_stats:
+    if not options.return_stats:
         return out, None
     stats = tuple(
         None if values[0] is None else torch.cat(values)
