@@ -393,8 +393,13 @@ def test_work_on_threads_in_a_forked_child_makes_its_own_workers():
     torch.set_num_threads(2)
     try:
         assert _sums_on_threads(0) == [3, 12]  # the parent's workers exist
-        with multiprocessing.get_context("fork").Pool(1) as pool:
+        pool = multiprocessing.get_context("fork").Pool(1)
+        try:
             assert pool.map_async(_sums_on_threads, [0]).get(timeout=60) == [[3, 12]]
+            pool.close()  # the worker leaves at the queue's end, as asked: `with Pool` would
+            pool.join()  # SIGTERM it, which a handler the test process holds (Lightning's
+        finally:  # signal connector, from a fit before) catches in the child: it never exits
+            pool.terminate()
     finally:
         torch.set_num_threads(count)
 
