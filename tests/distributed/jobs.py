@@ -23,3 +23,18 @@ def run_script(script: Path, *args: object, timeout: int = 300) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def two_ranks(run, out_dir: str) -> None:
+    """A job's two gloo ranks: rank 1 in a spawned process, rank 0 in this one (one import of
+    torch and qkmonitor fewer than ``mp.spawn``'s two children); ``run(rank, world, out_dir)``."""
+    import multiprocessing as mp
+
+    other = mp.get_context("spawn").Process(target=run, args=(1, 2, out_dir))
+    other.start()
+    try:
+        run(0, 2, out_dir)
+    finally:
+        other.join(timeout=120)
+    if other.exitcode != 0:
+        raise SystemExit(f"rank 1 failed (exit code {other.exitcode})")
