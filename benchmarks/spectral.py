@@ -352,6 +352,47 @@ print(f"{len(layers)} {imported - start:.2f} {done - imported:.2f} {peak:.0f} {k
 """
 
 
+def scan_phases(folder: Path, layers: int = 8) -> None:
+    """Where a scanned layer's time goes, per layer over the first ``layers`` of ``folder``: the
+    copy of its bf16 weights into float32, the products over d (G_Q and C, on every thread), and
+    the eigenproblems (process CPU time, solved one head after another on one thread)."""
+    from qkmonitor.measures.gram_spectra import _cross_products, _gram
+    from qkmonitor.scanning.files import expand, open_model
+    from qkmonitor.scanning.run import Float32Staging, layer_plans
+
+    model = open_model(*expand([folder])[0], 0)
+    staging, spent = (
+        Float32Staging(),
+        dict.fromkeys(("copy", "products", "eigvals", "eigvalsh"), 0.0),
+    )
+    for plan in layer_plans(model)[:layers]:
+        start = time.perf_counter()
+        weights = staging.stage(plan.read(model.tensors))
+        spent["copy"] += time.perf_counter() - start
+        heads, kv_heads = weights.num_heads, weights.num_kv_heads
+        q_rows = weights.w_q.view(heads, -1, weights.w_q.shape[-1])
+        k_rows = weights.w_k.view(kv_heads, -1, weights.w_k.shape[-1])
+        group = torch.arange(heads) // (heads // kv_heads)
+        start = time.perf_counter()
+        gram_q, cross = _gram(q_rows), _cross_products(q_rows, k_rows, group)
+        spent["products"] += time.perf_counter() - start
+        with torch.no_grad():
+            previous = torch.get_num_threads()
+            torch.set_num_threads(1)
+            start = time.process_time()
+            torch.linalg.eigvals(cross)
+            spent["eigvals"] += time.process_time() - start
+            start = time.process_time()
+            torch.linalg.eigvalsh(gram_q.double())
+            spent["eigvalsh"] += time.process_time() - start
+            torch.set_num_threads(previous)
+    print(
+        f"per layer ({layers} layers): "
+        + ", ".join(f"{name} {value / layers * 1e3:.0f} ms" for name, value in spent.items())
+        + " (copy and products: wall time on every thread; eigenproblems: CPU time, one thread)"
+    )
+
+
 def part_three(case: Case, folder: Path) -> None:
     """``qkmonitor scan`` of a 70B-shaped bf16 file, timed in fresh subprocesses."""
     if not (folder / "model.safetensors").is_file():
@@ -360,6 +401,7 @@ def part_three(case: Case, folder: Path) -> None:
         print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
     size = (folder / "model.safetensors").stat().st_size / 2**30
     print(f"\n## scan of {case.name} from {size:.1f} GiB of bf16 q/k projections")
+    scan_phases(folder)
     for how in ("api", "write"):
         run_dir = folder.parent / f"{folder.name}-run-{time.time_ns()}"
         out = subprocess.run(

@@ -14,7 +14,7 @@ writes, at each model's step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -90,9 +90,10 @@ def layer_plans(model: ModelFiles, model_class: str | None = None) -> list[Layer
 def scan_model(model: ModelFiles, plans: Sequence[LayerPlan]) -> ModelScan:
     """Measure every layer of ``model``, reading one layer's weights at a time."""
     layers = []
+    staging = Float32Staging()
     with torch.no_grad():
         for plan in plans:
-            weights = plan.read(model.tensors)
+            weights = staging.stage(plan.read(model.tensors))
             spectra = spectrum_of_layers([weights])
             qk_norm = weights.qk_norm
             del weights  # the next layer is read only after this one is released
@@ -106,6 +107,32 @@ def scan_model(model: ModelFiles, plans: Sequence[LayerPlan]) -> ModelScan:
                 )
             )
     return ModelScan(model.path, model.step, layers)
+
+
+class Float32Staging:
+    """Two float32 buffers, reused from layer to layer, that a layer's bf16/fp16 query and key
+    weights are copied into (exactly: every bf16/fp16 value is a float32 value).
+
+    Converting with ``.float()`` allocates a fresh buffer per layer; the allocator hands a block
+    that large back to the system when it is freed, so every layer pays the page faults of a new
+    mapping again: 0.29 s against 0.02 s for the copy, for one 8192 x 8192 bf16 weight
+    (2026-12-04, 2-CPU VM). float32 and float64 weights pass through untouched.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+
+    def stage(self, weights: QKWeights) -> QKWeights:
+        w_q, w_k = self._copy("q", weights.w_q), self._copy("k", weights.w_k)
+        return replace(weights, w_q=w_q, w_k=w_k)
+
+    def _copy(self, slot: str, weight: Tensor) -> Tensor:
+        if weight.dtype not in (torch.bfloat16, torch.float16) or weight.device.type != "cpu":
+            return weight
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.numel() < weight.numel():
+            buffer = self._buffers[slot] = torch.empty(weight.numel(), dtype=torch.float32)
+        return buffer[: weight.numel()].view(weight.shape).copy_(weight)
 
 
 def scan(path: str | Path, *, model: str | None = None) -> list[LayerScan]:
