@@ -15,6 +15,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from qkmonitor.alerts.rules import AlertRule, channel_of, qk_norm_advice
@@ -105,6 +106,42 @@ class Alert:
         )
 
 
+class _Grid:
+    """One metric's values at one probe, per layer: float64 on CPU, as one (layers, heads) tensor
+    where every layer has as many heads (else NaN-padded on demand)."""
+
+    def __init__(self, per_layer: Tensor | Sequence[Tensor | Sequence[float]]) -> None:
+        if isinstance(per_layer, Tensor):  # (layers, heads) already
+            per_layer = list(per_layer.reshape(per_layer.shape[0], -1).unbind())
+        tensors = all(isinstance(h, Tensor) for h in per_layer)
+        if tensors and per_layer and len({h.numel() for h in per_layer}) == 1:
+            self.table = torch.stack([h.reshape(-1) for h in per_layer]).detach()
+            self.table = self.table.to(device="cpu", dtype=torch.float64)
+            self.rows = list(self.table.unbind())
+        else:
+            self.rows = [
+                h.detach().double().cpu().reshape(-1)
+                if isinstance(h, Tensor)
+                else torch.tensor(list(h), dtype=torch.float64)
+                for h in per_layer
+            ]
+            self.table = None
+        self.counts = [row.shape[0] for row in self.rows]
+
+    def padded(self, counts: list[int]) -> Tensor:
+        """(len(counts), max(counts)): layer ``l``'s first ``counts[l]`` heads, NaN after."""
+        widest = max(counts)
+        if self.table is not None and all(c == widest for c in counts):
+            return self.table[: len(counts), :widest]
+        out = torch.full((len(counts), widest), float("nan"), dtype=torch.float64)
+        for layer, count in enumerate(counts):
+            out[layer, :count] = self.rows[layer][:count]
+        return out
+
+    def lists(self) -> list[list[float]]:
+        return self.table.tolist() if self.table is not None else [r.tolist() for r in self.rows]
+
+
 class AlertTracker:
     """Patience, hysteresis and trend state for a set of rules over (layer, head) cells.
 
@@ -157,29 +194,56 @@ class AlertTracker:
                 ``learning_drop``.
             first_loss: the run's first training loss (for ``solved_fraction``).
         """
-        grids = {
-            m: [
-                h.detach().double().cpu().reshape(-1).tolist() if isinstance(h, Tensor) else list(h)
-                for h in values[m]
-            ]
-            for m in values
-            if any(m in r.metrics for r in self.rules)
-        }
+        grids = {m: _Grid(values[m]) for m in values if any(m in r.metrics for r in self.rules)}
         fired: list[Alert] = []
         for rule in self.rules:
             if not all(metric in grids for metric in rule.metrics):
                 continue
             learning = rule.learning(losses, step, first_loss)
-            for layer, heads in enumerate(zip(*(grids[m] for m in rule.metrics))):
-                if rule.skip_qk_norm and layer in qk_norm_layers:
-                    continue
-                for head, cell in enumerate(zip(*heads)):
-                    alert = self._step_cell(rule, layer, head, cell, step, learning)
-                    if alert is not None:
-                        self.counts[rule.name] += 1
-                        fired.append(dataclasses.replace(alert, layer_name=layer_names[layer]))
+            for layer, head, cell in self._cells_to_step(rule, grids, learning, qk_norm_layers):
+                alert = self._step_cell(rule, layer, head, cell, step, learning)
+                if alert is not None:
+                    self.counts[rule.name] += 1
+                    fired.append(dataclasses.replace(alert, layer_name=layer_names[layer]))
         self._remember(grids, step)
         return fired
+
+    def _cells_to_step(
+        self,
+        rule: AlertRule,
+        grids: dict[str, _Grid],
+        learning: bool,
+        qk_norm_layers: Collection[int],
+    ) -> list[tuple[int, int, tuple[float, ...]]]:
+        """The (layer, head, values) cells of ``rule`` whose state this probe can change, in
+        (layer, head) order: those past every level of the rule's tests (found for all cells at
+        once) and those holding a streak or an active alert. Any other cell is unchanged by
+        :meth:`_step_cell` (a level not past resets a streak it does not have; NaN changes
+        nothing), so it is skipped. A layer's heads are the fewest any of the rule's metrics has.
+        """
+        columns = [grids[m] for m in rule.metrics]
+        layers = min(len(c.counts) for c in columns)
+        counts = [min(c.counts[layer] for c in columns) for layer in range(layers)]
+        widest = max(counts, default=0)
+        if not widest:
+            return []
+        cube = torch.stack([c.padded(counts) for c in columns])  # (tests, layers, widest)
+        if learning:  # a learning run crosses nothing
+            selected = torch.zeros(layers, widest, dtype=torch.bool)
+        else:
+            selected = torch.ones(layers, widest, dtype=torch.bool)
+            for test, values in zip(rule.tests, cube):
+                selected &= values >= test.threshold if test.above else values <= test.threshold
+        for key in (*self._streak, *self._active):
+            name, layer, head = key.rsplit("/", 2)
+            if name == rule.name and int(layer) < layers and int(head) < counts[int(layer)]:
+                selected[int(layer), int(head)] = True
+        for layer in qk_norm_layers if rule.skip_qk_norm else ():
+            if 0 <= layer < layers:
+                selected[layer] = False
+        cells = selected.nonzero().tolist()
+        values = cube[:, selected].T.tolist() if cells else []
+        return [(layer, head, tuple(cell)) for (layer, head), cell in zip(cells, values)]
 
     def reference(
         self, metric: str, layer: int, head: int, step: int, window: int | None
@@ -247,21 +311,23 @@ class AlertTracker:
             self._streak.pop(key, None)
         return None
 
-    def _remember(self, grids: dict[str, list[list[float]]], step: int) -> None:
+    def _remember(self, grids: dict[str, _Grid], step: int) -> None:
         """Add this probe's finite values of the trend metrics; forget those no later probe can
         use (older than the newest one at least the longest window old)."""
+        oldest_needed = step - self._horizon
         for metric in self._trend_metrics & set(grids):
-            for layer, heads in enumerate(grids[metric]):
+            for layer, heads in enumerate(grids[metric].lists()):
                 for head, value in enumerate(heads):
                     if not math.isfinite(value):
                         continue
                     key = f"{metric}/{layer}/{head}"
                     self._start.setdefault(key, (step, value))
-                    entries = [(s, v) for s, v in self._history.get(key, []) if s < step] + [
-                        (step, value)
-                    ]
-                    old = [i for i, (s, _) in enumerate(entries) if s <= step - self._horizon]
-                    self._history[key] = entries[old[-1] :] if old else entries
+                    entries = [e for e in self._history.get(key, []) if e[0] < step]
+                    entries.append((step, value))
+                    keep = len(entries) - 1
+                    while keep >= 0 and entries[keep][0] > oldest_needed:
+                        keep -= 1
+                    self._history[key] = entries[keep:] if keep > 0 else entries
 
     def state_dict(self) -> dict:
         return {
