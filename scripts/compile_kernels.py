@@ -218,8 +218,9 @@ def compile_launch(arch: int, variant: Variant, kernel_name: str, config_index: 
     # The options JITFunction.run adds at a launch: the same options give the same cache key, so
     # that a build here also warms the cache of a GPU run (scripts/gpu_check.sh).
     meta["debug"] = bool(knobs.runtime.debug)
-    meta["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    meta["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    for option in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # what this triton has
+        if hasattr(knobs.compilation, option):
+            meta[option] = getattr(knobs.compilation, option)
     target = GPUTarget("cuda", arch, info["warp_size"])
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)

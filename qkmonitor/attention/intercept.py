@@ -399,9 +399,9 @@ register_family(
     adapt_intercepted,
     priority=90,
     looked_for=(
-        "any module calling F.scaled_dot_product_attention or a 4-D softmax with query/key "
-        "projections named q_proj/k_proj, query/key, to_q/to_k, wq/wk, q/k, q_lin/k_lin, or fused "
-        "qkv, c_attn, query_key_value, Wqkv, qkv_proj (timm, litgpt, x-transformers, "
+        "any module calling F.scaled_dot_product_attention, flex_attention or a 4-D softmax with "
+        "query/key projections named q_proj/k_proj, query/key, to_q/to_k, wq/wk, q/k, q_lin/k_lin, "
+        "or fused qkv, c_attn, query_key_value, Wqkv, qkv_proj (timm, litgpt, x-transformers, "
         "nanoGPT-style modules), or latent ones (kv_a_proj_with_mqa/kv_b_proj, wkv_a/wkv_b)"
     ),
 )

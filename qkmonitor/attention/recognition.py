@@ -24,8 +24,10 @@ from torch import nn
 
 ATTENTION_NAME = re.compile(r"attn|attention|attend", re.IGNORECASE)
 # a call or a reference in code (``F.softmax``, ``x.softmax(``), not the word in a docstring
+# (flex_attention counts as SDPA does: a fused kernel the capture intercepts by its name)
 _SDPA_IN_CODE = re.compile(
     r"[.\w]scaled_dot_product_attention\b|\bscaled_dot_product_attention\s*\("
+    r"|\bflex_attention\s*\("
 )
 _SOFTMAX_IN_CODE = re.compile(r"\.softmax\b|\bsoftmax\s*\(")
 

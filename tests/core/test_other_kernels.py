@@ -235,6 +235,25 @@ def test_flex_attention_is_measured_as_flex_computes_it(case, leftovers):
         )
 
 
+class FlexMixer(FlexAttention):
+    """A class whose name says nothing of attention: found by its code calling flex_attention."""
+
+
+def test_a_module_found_only_by_its_flex_attention_call_is_measured(leftovers):
+    torch.manual_seed(0)
+    model = sharpened(Model(FlexMixer(mask_mod=causal_window), FlexMixer(mask_mod=causal_window)))
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1))
+    spectrum, entropy, seen, _ = monitored(model, x, grad=False)
+    assert leftovers(model) == []
+    allowed = grid_mask(causal_window, T)
+    for i, block in enumerate(model.blocks):
+        norm, _ = entropy_reference(*seen[block], allowed, None)
+        assert_close(entropy.latest["entropy_norm"][i].double(), norm, rtol=0, atol=2e-6)
+        assert_close(
+            spectrum.latest["kappa"][i].double(), kappa_reference(block), rtol=1e-5, atol=1e-7
+        )
+
+
 @pytest.mark.parametrize("module", [Folded, HeadsThird], ids=["B*H,N,M", "B,N,H,M"])
 def test_a_softmax_over_folded_or_reordered_heads_is_measured(module, leftovers):
     torch.manual_seed(0)

@@ -43,6 +43,17 @@ class RecordingLogger(Logger):
         pass
 
 
+class DeviceSeen(pl.Callback):
+    """The device the model's parameters are on at each training step (Lightning moves the model
+    back to the CPU when a fit ends)."""
+
+    def __init__(self) -> None:
+        self.devices: set[str] = set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.devices.add(next(pl_module.parameters()).device.type)
+
+
 def test_bf16_mixed_fit_with_all_monitors(tmp_path):
     data = AssociativeRecallDataModule(num_pairs=4, num_queries=4, num_keys=16, num_values=16,
                                        batch_size=16, train_size=256, val_size=32,
@@ -53,15 +64,15 @@ def test_bf16_mixed_fit_with_all_monitors(tmp_path):
     monitors = [QKSpectrumMonitor(every_n_steps=1), AttentionEntropyMonitor(every_n_steps=1),
                 EffectiveRankMonitor(every_n_steps=1)]  # fmt: skip
     logger = RecordingLogger()
-    # a copy: the Trainer appends its own callbacks to the list it is given
+    # a new list: the Trainer appends its own callbacks to the list it is given
     trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=6,
                          log_every_n_steps=1, default_root_dir=tmp_path, logger=logger,
-                         callbacks=list(monitors), enable_progress_bar=False,
+                         callbacks=[*monitors, seen := DeviceSeen()], enable_progress_bar=False,
                          enable_checkpointing=False, limit_val_batches=0)  # fmt: skip
     task = CausalLMTask(config, lr=3e-3, warmup_steps=0)
     trainer.fit(task, datamodule=data)
     assert trainer.global_step == 6
-    assert next(task.parameters()).device.type == "cuda"
+    assert seen.devices == {"cuda"}
     for monitor in monitors:
         assert monitor.latest, type(monitor).__name__
         for metric, per_layer in monitor.latest.items():
