@@ -263,6 +263,39 @@ class Arm:
             self.monitoring.close()
 
 
+def gathered_sizes(arm: Arm, tokens: torch.Tensor) -> list[int]:
+    """The sizes (elements) of the ``dist.all_gather`` calls one probe step of ``arm`` makes."""
+    sizes: list[int] = []
+    original = dist.all_gather
+
+    def recording(tensor_list, tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return original(tensor_list, tensor, *args, **kwargs)
+
+    dist.all_gather = recording
+    try:
+        arm.step(tokens, timed=False)
+    finally:
+        dist.all_gather = original
+    return sizes
+
+
+def collective_cost(sizes: list[int], repeats: int = 30) -> tuple[float, float]:
+    """Median wall and CPU seconds of the ``all_gather`` calls of ``sizes`` (float64) on their
+    own, as ``reduce_across_ranks`` makes them: the "one collective per probe" the bound allows."""
+    world = dist.get_world_size()
+    tensors = [torch.zeros(n, dtype=torch.float64) for n in sizes]
+    walls, cpus = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        for flat in tensors:
+            dist.all_gather([torch.empty_like(flat) for _ in range(world)], flat)
+        cpus.append(time.process_time() - cpu)
+        walls.append(time.perf_counter() - wall)
+    return statistics.median(walls), statistics.median(cpus)
+
+
 def run_phase(args, size: Size, parallel: bool, count: bool, profile: Path | None) -> dict:
     """Trains the plain and the monitored copy step for step; returns the per-step excess of the
     monitored one (its time less the plain one's, step by step, after the warm-up) and each arm's
@@ -293,6 +326,9 @@ def run_phase(args, size: Size, parallel: bool, count: bool, profile: Path | Non
                 arm.step(tokens, timed)
                 if profiler and arm is probed and timed:
                     profiler.disable()
+        collective = (0.0, 0.0)
+        if parallel:
+            collective = collective_cost(gathered_sizes(probed, batches[0]))
         counts = {}
         if count:
             for name, arm in (("plain", plain), ("monitored", probed)):
@@ -314,6 +350,8 @@ def run_phase(args, size: Size, parallel: bool, count: bool, profile: Path | Non
         "plain_wall": statistics.median(plain.wall),
         "plain_cpu": statistics.median(plain.cpu),
         "counts": counts,
+        "collective_wall": collective[0],
+        "collective_cpu": collective[1],
     }
 
 
@@ -357,7 +395,11 @@ def figures(phases: dict[str, list[dict]]) -> dict[str, float | list[float]]:
         for k in ("cost_wall", "cost_cpu", "plain_wall", "plain_cpu")
     }
     for clock in ("wall", "cpu"):
+        out[f"collective_{clock}"] = med("tp", f"collective_{clock}")
         out[f"ratio_{clock}"] = out[f"tp_cost_{clock}"] / out[f"local_cost_{clock}"]
+        out[f"net_ratio_{clock}"] = (out[f"tp_cost_{clock}"] - out[f"collective_{clock}"]) / out[
+            f"local_cost_{clock}"
+        ]
         out[f"ratio_{clock}_rounds"] = [
             t[f"cost_{clock}"] / lo[f"cost_{clock}"] for t, lo in zip(phases["tp"], phases["local"])
         ]
@@ -385,8 +427,9 @@ def report(args, size: Size, ranks: list[dict], seconds: float) -> dict:
     )
     rows = [figures(phases) for phases in ranks]
     print("| rank | plain step, TP / local | probe, TP (b − a) | probe, local heads (c − d) | "
-          "ratio, wall | ratio, CPU | by round, wall / CPU |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "ratio, wall | ratio, CPU | by round, wall / CPU | the all_gather alone | "
+          "(TP − all_gather) / local, wall / CPU |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for rank, f in enumerate(rows):
         by_round = ", ".join(
             f"{w:.2f} / {c:.2f}" for w, c in zip(f["ratio_wall_rounds"], f["ratio_cpu_rounds"])
@@ -396,7 +439,9 @@ def report(args, size: Size, ranks: list[dict], seconds: float) -> dict:
             f"(CPU {f['tp_plain_cpu'] * 1e3:.0f} / {f['local_plain_cpu'] * 1e3:.0f}) "
             f"| {f['tp_cost_wall'] * 1e3:.1f} ms (CPU {f['tp_cost_cpu'] * 1e3:.1f}) "
             f"| {f['local_cost_wall'] * 1e3:.1f} ms (CPU {f['local_cost_cpu'] * 1e3:.1f}) "
-            f"| **{f['ratio_wall']:.2f}** | **{f['ratio_cpu']:.2f}** | {by_round} |"
+            f"| **{f['ratio_wall']:.2f}** | **{f['ratio_cpu']:.2f}** | {by_round} "
+            f"| {f['collective_wall'] * 1e3:.2f} ms (CPU {f['collective_cpu'] * 1e3:.2f}) "
+            f"| **{f['net_ratio_wall']:.2f} / {f['net_ratio_cpu']:.2f}** |"
         )
     print_counts(ranks[0]["tp"][0]["counts"], ranks[0]["local"][0]["counts"])
     return {"size": asdict(size), "ranks": rows, "raw": ranks}
