@@ -20,65 +20,13 @@ tracker only keeps the state (streaks, active alerts, the recent values trends n
 survives a resume through ``state_dict``.
 """
 
-from qkmonitor.alerts.defaults import (
-    DEFAULT_RULES,
-    ENTROPY_COLLAPSE_RULE,
-    FAST_UPDATES_RULE,
-    KAPPA_RULE,
-    LOGIT_BURST_RULE,
-    LOGIT_GROWTH_RULE,
-    LOGIT_JUMP_RULE,
-    LOGIT_PLATEAU_RULE,
-    MALIGNANT_COLLAPSE_RULE,
-    RANK_COLLAPSE_RULE,
-    SPECTRAL_GROWTH_RULE,
-)
-from qkmonitor.alerts.rules import (
-    ALERT_ACTIONS,
-    LEARNING_WINDOW,
-    LOSS_SIGNALS,
-    LOSS_SMOOTHING,
-    RUN_SIGNALS,
-    AlertRule,
-    Condition,
-    EntropyCollapseWarning,
-    LogitGrowthWarning,
-    MalignantCollapseWarning,
-    OverLocalizationWarning,
-    QKMonitorWarning,
-    RankCollapseWarning,
-    channel_of,
-    run_signals,
-)
-from qkmonitor.alerts.tracker import Alert, AlertTracker
+from qkmonitor.alerts import defaults, rules, tracker
+from qkmonitor.alerts.defaults import *
+from qkmonitor.alerts.rules import *
+from qkmonitor.alerts.tracker import *
 
-__all__ = [
-    "ALERT_ACTIONS",
-    "DEFAULT_RULES",
-    "ENTROPY_COLLAPSE_RULE",
-    "FAST_UPDATES_RULE",
-    "KAPPA_RULE",
-    "LEARNING_WINDOW",
-    "LOGIT_BURST_RULE",
-    "LOGIT_GROWTH_RULE",
-    "LOGIT_JUMP_RULE",
-    "LOGIT_PLATEAU_RULE",
-    "LOSS_SIGNALS",
-    "LOSS_SMOOTHING",
-    "MALIGNANT_COLLAPSE_RULE",
-    "RANK_COLLAPSE_RULE",
-    "RUN_SIGNALS",
-    "SPECTRAL_GROWTH_RULE",
-    "Alert",
-    "AlertRule",
-    "AlertTracker",
-    "Condition",
-    "EntropyCollapseWarning",
-    "LogitGrowthWarning",
-    "MalignantCollapseWarning",
-    "OverLocalizationWarning",
-    "QKMonitorWarning",
-    "RankCollapseWarning",
-    "channel_of",
-    "run_signals",
-]
+# each module's __all__ names its public names once; they are all importable from here
+__all__: list[str] = []
+__all__ += rules.__all__
+__all__ += defaults.__all__
+__all__ += tracker.__all__

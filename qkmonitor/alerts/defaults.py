@@ -17,6 +17,20 @@ from qkmonitor.alerts.rules import (
     RankCollapseWarning,
 )
 
+__all__ = [
+    "DEFAULT_RULES",
+    "ENTROPY_COLLAPSE_RULE",
+    "FAST_UPDATES_RULE",
+    "KAPPA_RULE",
+    "LOGIT_BURST_RULE",
+    "LOGIT_GROWTH_RULE",
+    "LOGIT_JUMP_RULE",
+    "LOGIT_PLATEAU_RULE",
+    "MALIGNANT_COLLAPSE_RULE",
+    "RANK_COLLAPSE_RULE",
+    "SPECTRAL_GROWTH_RULE",
+]
+
 # The defaults below are fitted on the calibration set of ``benchmarks/instability.py`` (six
 # task/architecture families, warmup and none, a learning-rate sweep each): calibration = seeds 0
 # and 1 of every family, validation = seed 2, never seen while fitting. docs/alerts.md ("Does it
@@ -35,6 +49,15 @@ _REMEDY = (
 #: because that is the solution). On the calibration set this alone took the healthy runs alerted
 #: from 4 to 0 (induction-head formation), and lost no failed run flagged in time.
 _LEARNING = {"learning_drop": 0.05, "learning_window": 10, "solved_fraction": 0.1}
+#: the level of logit_growth and fast_updates: a head's largest logit past 30 (recovering below 25)
+_LOGIT_PAST_30 = {
+    "metric": "max_logit",
+    "threshold": 30.0,
+    "above": True,
+    "patience": 1,
+    "margin": 5.0,
+    "warning": LogitGrowthWarning,
+}
 
 KAPPA_RULE = AlertRule(
     name="kappa",
@@ -67,12 +90,7 @@ KAPPA_RULE = AlertRule(
 
 LOGIT_GROWTH_RULE = AlertRule(
     name="logit_growth",
-    metric="max_logit",
-    threshold=30.0,
-    above=True,
-    patience=1,
-    margin=5.0,
-    warning=LogitGrowthWarning,
+    **_LOGIT_PAST_30,
     meaning=(
         "the head's largest attention logit is growing exponentially (attention-logit growth, "
         "Dehghani et al. 2023; Wortsman et al. 2023) while the loss is not improving: the softmax "
@@ -143,12 +161,7 @@ LOGIT_JUMP_RULE = AlertRule(
 
 FAST_UPDATES_RULE = AlertRule(
     name="fast_updates",
-    metric="max_logit",
-    threshold=30.0,
-    above=True,
-    patience=1,
-    margin=5.0,
-    warning=LogitGrowthWarning,
+    **_LOGIT_PAST_30,
     meaning=(
         "the optimizer moved the head's query projection by 8 % or more of its RMS in one step "
         "while the head's largest attention logit is already past 30: the updates are driving "

@@ -25,6 +25,24 @@ from qkmonitor.validation import (
     is_real,
 )
 
+__all__ = [
+    "ALERT_ACTIONS",
+    "LEARNING_WINDOW",
+    "LOSS_SIGNALS",
+    "LOSS_SMOOTHING",
+    "RUN_SIGNALS",
+    "AlertRule",
+    "Condition",
+    "EntropyCollapseWarning",
+    "LogitGrowthWarning",
+    "MalignantCollapseWarning",
+    "OverLocalizationWarning",
+    "QKMonitorWarning",
+    "RankCollapseWarning",
+    "channel_of",
+    "run_signals",
+]
+
 ALERT_ACTIONS = ("warn", "stop", "raise")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 

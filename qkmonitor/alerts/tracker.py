@@ -20,6 +20,11 @@ from torch import Tensor
 
 from qkmonitor.alerts.rules import AlertRule, channel_of, qk_norm_advice
 
+__all__ = [
+    "Alert",
+    "AlertTracker",
+]
+
 
 def _trend_text(value: float, reference: tuple[int, float], step: int) -> str:
     ref_step, ref = reference

@@ -199,14 +199,7 @@ class MaskedCall:
         if self._kernel_case():
             try:
                 with autocast_off():
-                    return attention_stats(
-                        self.q,
-                        self.k,
-                        causal=self.causal,
-                        key_padding_mask=self.padding,
-                        scale=self.scale,
-                        sink_tokens=sink_tokens,
-                    )
+                    return attention_stats(**self._kernel_arguments(), sink_tokens=sink_tokens)
             except ValueError:  # a shape or dtype the kernel does not take: the explicit path below
                 pass
         b, h, n = self.q.shape[:3]
@@ -242,13 +235,7 @@ class MaskedCall:
 
         if self._kernel_case():
             try:
-                return attention_max_logits(
-                    self.q,
-                    self.k,
-                    causal=self.causal,
-                    key_padding_mask=self.padding,
-                    scale=self.scale,
-                )
+                return attention_max_logits(**self._kernel_arguments())
             except ValueError:  # a shape or dtype the kernel does not take: explicit scores
                 pass
         b, h, n = self.q.shape[:3]
@@ -264,6 +251,12 @@ class MaskedCall:
                 best = torch.full((1, h), float("-inf"), device=self.q.device)
             per_sequence.append(best)
         return torch.cat(per_sequence) if per_sequence else torch.empty(0, h)
+
+    def _kernel_arguments(self) -> dict:
+        """This call as the fused kernels take it (in :meth:`_kernel_case`)."""
+        return dict(
+            q=self.q, k=self.k, causal=self.causal, key_padding_mask=self.padding, scale=self.scale
+        )
 
     def _kernel_case(self) -> bool:
         """Whether the mask is only causal and/or key padding (what the fused kernel takes)."""

@@ -344,14 +344,7 @@ class KernelCall:
         if cached is None:
             # the kernel accumulates in float32 whatever the inputs; no enclosing autocast applies
             with autocast_off():
-                cached = attention_stats(
-                    self.q,
-                    self.k,
-                    causal=self.causal,
-                    key_padding_mask=self.key_padding_mask,
-                    scale=self.scale,
-                    sink_tokens=sink_tokens,
-                )
+                cached = attention_stats(**self._kernel_arguments(), sink_tokens=sink_tokens)
             self._stats[sink_tokens] = cached
         return cached
 
@@ -361,13 +354,14 @@ class KernelCall:
         (:func:`qkmonitor.kernels.attention_max_logits`)."""
         if self._stats:
             return _rows_max(next(iter(self._stats.values())).max_logit)
-        return attention_max_logits(
-            self.q,
-            self.k,
-            causal=self.causal,
-            key_padding_mask=self.key_padding_mask,
+        return attention_max_logits(**self._kernel_arguments())
+
+    def _kernel_arguments(self) -> dict:
+        """This call as the fused kernels take it."""
+        return dict(
+            q=self.q, k=self.k, causal=self.causal, key_padding_mask=self.key_padding_mask,
             scale=self.scale,
-        )
+        )  # fmt: skip
 
     def probs(self, sequences: int, rows: int) -> Tensor:
         from qkmonitor.measures.probabilities import attention_probs

@@ -53,6 +53,13 @@ class TaskDataModule(pl.LightningDataModule):
     train_set: Dataset
     val_set: Dataset
 
+    def check_sizes(self, *names: str) -> None:
+        """Raise a ``ValueError`` naming the first of the saved hyper-parameters ``names``,
+        ``batch_size``, ``train_size`` and ``val_size`` that is not a positive integer (call it
+        after ``save_hyperparameters``)."""
+        for name in (*names, "batch_size", "train_size", "val_size"):
+            check_positive_int(name, self.hparams[name])
+
     def generate_sets(self, make: Callable[[int, torch.Generator], tuple[Tensor, ...]]) -> None:
         """``train_set`` from ``make(hparams.train_size, generator)``, the generator seeded with
         ``hparams.seed``; ``val_set`` from ``make(hparams.val_size, ...)`` seeded with

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from qkmonitor.validation import check_fraction, check_positive_int
+from qkmonitor.validation import check_fraction
 
 from .base import TaskDataModule
 from .lm import CausalLMTask
@@ -104,22 +104,14 @@ class PythonSourceDataModule(TaskDataModule):
         root: str | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("max_chars", max_chars),
-            ("seq_len", seq_len),
-            ("batch_size", batch_size),
-            ("train_size", train_size),
-            ("val_size", val_size),
-            ("max_file_chars", max_file_chars),
-        ):
-            check_positive_int(name, value)
+        self.save_hyperparameters()
+        self.check_sizes("max_chars", "seq_len", "max_file_chars")
         check_fraction("val_fraction", val_fraction)
         if min(val_fraction, 1 - val_fraction) * max_chars <= seq_len:
             raise ValueError(
                 f"Expected `max_chars` ({max_chars}) to leave more than `seq_len` ({seq_len}) "
                 f"characters to both training and validation with `val_fraction`={val_fraction}"
             )
-        self.save_hyperparameters()
         self.vocab_size = VOCAB_SIZE
         self.seq_len = seq_len
         self.files = python_source_files(root)  # fails early on a bad root

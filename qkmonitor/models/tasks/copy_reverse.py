@@ -20,8 +20,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qkmonitor.validation import check_positive_int
-
 from ..transformer import EncoderDecoder
 from .base import IGNORE_INDEX, TaskDataModule, TaskModule
 
@@ -92,18 +90,10 @@ class CopyReverseDataModule(TaskDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("num_symbols", num_symbols),
-            ("min_len", min_len),
-            ("max_len", max_len),
-            ("batch_size", batch_size),
-            ("train_size", train_size),
-            ("val_size", val_size),
-        ):
-            check_positive_int(name, value)
+        self.save_hyperparameters()
+        self.check_sizes("num_symbols", "min_len", "max_len")
         if min_len > max_len:
             raise ValueError(f"Expected `min_len` <= `max_len` ({max_len}), got {min_len}")
-        self.save_hyperparameters()
         self.vocab_size = num_symbols + NUM_SPECIAL
         self.seq_len = max_len + 1  # the decoder's length; the source is one shorter
 

@@ -23,8 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
-from qkmonitor.validation import check_positive_int
-
 from ..transformer import VisionEncoder
 from .base import TaskDataModule, TaskModule
 
@@ -101,14 +99,8 @@ class GridRelationDataModule(TaskDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("height", height),
-            ("width", width),
-            ("batch_size", batch_size),
-            ("train_size", train_size),
-            ("val_size", val_size),
-        ):
-            check_positive_int(name, value)
+        self.save_hyperparameters()
+        self.check_sizes("height", "width")
         for name, value in (("height", height), ("width", width)):
             if value < 2:
                 raise ValueError(
@@ -120,7 +112,6 @@ class GridRelationDataModule(TaskDataModule):
                 f"Expected `val_size` to be a multiple of {NUM_CLASSES} (balanced classes), got "
                 f"{val_size}"
             )
-        self.save_hyperparameters()
         self.grid_size = (height, width)
         self.patch_dim, self.num_classes = PATCH_DIM, NUM_CLASSES
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qkmonitor.validation import check_positive_int
-
 from .base import IGNORE_INDEX, TaskDataModule
 
 __all__ = ["AssociativeRecallDataModule", "make_recall_batch"]
@@ -74,16 +72,8 @@ class AssociativeRecallDataModule(TaskDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("num_pairs", num_pairs),
-            ("num_queries", num_queries),
-            ("num_keys", num_keys),
-            ("num_values", num_values),
-            ("batch_size", batch_size),
-            ("train_size", train_size),
-            ("val_size", val_size),
-        ):
-            check_positive_int(name, value)
+        self.save_hyperparameters()
+        self.check_sizes("num_pairs", "num_queries", "num_keys", "num_values")
         if num_queries > num_pairs:
             raise ValueError(
                 f"Expected `num_queries` <= `num_pairs` ({num_pairs}), got {num_queries}"
@@ -93,7 +83,6 @@ class AssociativeRecallDataModule(TaskDataModule):
                 f"Expected `num_keys` >= `num_pairs` ({num_pairs}) for distinct keys, got "
                 f"{num_keys}"
             )
-        self.save_hyperparameters()
         self.vocab_size = num_keys + num_values
         self.seq_len = 2 * num_pairs + num_queries
 
