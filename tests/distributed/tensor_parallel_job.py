@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import distributed_c10d as c10d
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClipEngine, QKSpectrum
 from qkmonitor.output.sinks import MemorySink
@@ -30,7 +31,26 @@ D, H, HEAD_DIM, T, VOCAB = 32, 4, 8, 8, 16
 TAU = 2.0
 
 
+class SumGradient(torch.autograd.Function):
+    """Identity forward; backward, the sum of the gradient over the ranks (Megatron's "copy to
+    the tensor-parallel region"): the input of MQA's replicated k/v projections, whose gradient on
+    each rank comes from its own query heads only."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        c10d.all_reduce(grad)  # not dist.all_reduce: that one is counted
+        return grad
+
+
 class Attention(nn.Module):
+    #: set under TP for MQA: k_proj and v_proj replicated, their input's gradient summed
+    replicated_kv = False
+
     def __init__(self, kv_heads: int) -> None:
         super().__init__()
         self.q_proj = nn.Linear(D, H * HEAD_DIM, bias=False)
@@ -41,8 +61,9 @@ class Attention(nn.Module):
     def forward(self, x):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        x_kv = SumGradient.apply(x) if self.replicated_kv else x
+        k = self.k_proj(x_kv).view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        v = self.v_proj(x_kv).view(b, t, -1, HEAD_DIM).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -98,6 +119,16 @@ def counted_collectives():
             setattr(dist, name, original)
 
 
+def sum_replicated_gradients(model: Model) -> None:
+    """MQA under TP (one key/value head, so k_proj and v_proj replicated, as Megatron replicates
+    them): each rank's gradient of those weights holds its own query heads' part; their sum over
+    the ranks is one process's."""
+    for layer in model.layers:
+        for proj in (layer.attn.k_proj, layer.attn.v_proj):
+            if not hasattr(proj.weight, "full_tensor"):  # a plain (replicated) weight
+                c10d.all_reduce(proj.weight.grad)  # not dist.all_reduce: that one is counted
+
+
 def train(model: Model, tokens, parallel: bool) -> dict:
     """Two monitored SGD steps of ``model`` (its attention tensor-parallel where ``parallel``)."""
     if parallel:
@@ -111,14 +142,13 @@ def train(model: Model, tokens, parallel: bool) -> dict:
         )
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        plan = {
-            "q_proj": ColwiseParallel(),
-            "k_proj": ColwiseParallel(),
-            "v_proj": ColwiseParallel(),
-            "o_proj": RowwiseParallel(),
-        }
+        plan = {"q_proj": ColwiseParallel(), "o_proj": RowwiseParallel()}
+        mqa = model.layers[0].attn.k_proj.out_features == HEAD_DIM  # k, v replicated
+        if not mqa:
+            plan.update({"k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()})
         for layer in model.layers:
             parallelize_module(layer.attn, mesh, plan)
+            layer.attn.replicated_kv = mqa
         # the vocabulary split too, the logits a DTensor (loss parallelism, as torchtitan's)
         vocabulary = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         parallelize_module(model, mesh, {"head": vocabulary})
@@ -146,6 +176,8 @@ def train(model: Model, tokens, parallel: bool) -> dict:
                     logits = model(tokens[:, :-1])
                     loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
                     loss.backward()
+                    if parallel:
+                        sum_replicated_gradients(model)
                     optimizer.step()
                     optimizer.zero_grad()
                 losses.append(loss.item())
@@ -175,7 +207,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
     )
     tokens = torch.randint(0, VOCAB, (4, T + 1), generator=torch.Generator().manual_seed(1))
     runs = {}
-    for kv_heads in (H, 2):
+    for kv_heads in (H, 2, 1):
         for parallel in (False, True):
             torch.manual_seed(0)
             model = Model(kv_heads)

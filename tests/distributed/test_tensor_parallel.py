@@ -4,8 +4,9 @@ half of the heads, measures those and places them at their global index, so that
 value of every engine (spectrum with its update and gradient metrics, entropy with sink mass, ranks,
 QK-Clip with the rows it scales), every layer mean, min and max, and the output logits' channels
 (the vocabulary projection split across the ranks too, the logits a DTensor under loss parallelism)
-equal one unsharded process's on the same weights and data, MHA and GQA. The unsharded run is the
-reference: the same job with the model left whole (every rank alike).
+equal one unsharded process's on the same weights and data, MHA, GQA and MQA (its one key/value
+head replicated on both ranks, its gradient summed over them as Megatron does). The unsharded run
+is the reference: the same job with the model left whole (every rank alike).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_every_head_equals_one_process(ranks, kv_heads):
     for rank, runs in enumerate(ranks):
         single, sharded = runs[kv_heads, False], runs[kv_heads, True]
@@ -79,7 +80,7 @@ def test_every_head_equals_one_process(ranks, kv_heads):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_rank_zero_writes_what_one_process_writes(ranks, kv_heads):
     """Every tag and step rank 0 writes (per head by global index, and the layer mean, min and max
     over every head) and the singular-value histograms, as one process writes them."""
