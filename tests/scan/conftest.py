@@ -11,11 +11,10 @@ def ids() -> torch.Tensor:
     return torch.randint(0, 60, (2, 7), generator=torch.Generator().manual_seed(1))
 
 
-def save_llama(path, seed: int = 0, layers: int = 2, **saving):
-    """A tiny LLaMA with GQA (8 query, 2 key heads) saved at ``path``; returns the model."""
+def tiny_llama(layers: int = 2):
+    """A tiny LLaMA with GQA (8 query, 2 key heads of 8), random weights from torch's generator."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=64,
         hidden_size=64,
@@ -24,7 +23,13 @@ def save_llama(path, seed: int = 0, layers: int = 2, **saving):
         num_attention_heads=8,
         num_key_value_heads=2,
     )
-    model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config)
+
+
+def save_llama(path, seed: int = 0, layers: int = 2, **saving):
+    """:func:`tiny_llama` saved at ``path``; returns the model."""
+    torch.manual_seed(seed)
+    model = tiny_llama(layers).eval()
     model.save_pretrained(path, **saving)
     return model
 

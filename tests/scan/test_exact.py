@@ -11,6 +11,7 @@ from torch.testing import assert_close
 import qkmonitor
 from qkmonitor.engine import Monitoring, QKSpectrum
 from qkmonitor.output.sinks import MemorySink
+from tests.scan.conftest import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,15 +68,7 @@ def check(path, model, references, ids, rtol=1e-5):
 
 def test_llama_gqa_from_sharded_safetensors(tmp_path, ids):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-    )
-    model = sharpened(transformers.LlamaForCausalLM(config)).eval()
+    model = sharpened(tiny_llama()).eval()
     model.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     refs = [

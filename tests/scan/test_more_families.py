@@ -14,6 +14,7 @@ from torch.testing import assert_close
 import qkmonitor
 from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.scanning.run import Float32Staging
+from tests.scan.conftest import tiny_llama
 from tests.scan.test_exact import check, dense_kappa, sharpened
 
 transformers = pytest.importorskip("transformers")
@@ -21,15 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 def test_a_bf16_file_is_read_as_bf16_and_equals_a_float64_svd_of_its_values(tmp_path, ids):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-    )
-    model = sharpened(transformers.LlamaForCausalLM(config)).eval().to(torch.bfloat16)
+    model = sharpened(tiny_llama()).eval().to(torch.bfloat16)
     model.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
         stored = handle.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype()
