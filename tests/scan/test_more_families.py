@@ -96,3 +96,40 @@ def test_the_staging_copies_bf16_exactly_reuses_its_buffers_and_passes_float32_t
     plain = QKWeights(torch.randn(4, 8), torch.randn(4, 8, dtype=torch.float64), 1, 1, 1.0)
     passed = staging.stage(plain)
     assert passed.w_q is plain.w_q and passed.w_k is plain.w_k
+
+
+FALCON_LAYOUTS = {
+    "groups": dict(new_decoder_architecture=True, num_kv_heads=2),  # Falcon-40B/180B
+    "multi-query": dict(new_decoder_architecture=False, multi_query=True),  # Falcon-7B
+    "per-head": dict(new_decoder_architecture=False, multi_query=False),
+}
+
+
+def falcon_rows(weight: torch.Tensor, layout: str, heads: int, kv_heads: int, head_dim: int):
+    """(W_Q, W_K) rows of Falcon's fused ``query_key_value`` weight, split as FalconAttention's
+    forward splits its output (transformers' modeling_falcon)."""
+    d = weight.shape[1]
+    if layout == "groups":  # per key/value group: its queries, then its key, then its value
+        grouped = weight.view(kv_heads, -1, head_dim, d)
+        return grouped[:, :-2].reshape(-1, d), grouped[:, -2].reshape(-1, d)
+    if layout == "multi-query":  # all queries, then one key, then one value
+        return weight[: heads * head_dim], weight[heads * head_dim : (heads + 1) * head_dim]
+    per_head = weight.view(heads, 3, head_dim, d)  # per head [q | k | v]
+    return per_head[:, 0].reshape(-1, d), per_head[:, 1].reshape(-1, d)
+
+
+@pytest.mark.parametrize("layout", list(FALCON_LAYOUTS))
+def test_falcon_fused_query_key_value_in_each_of_its_three_orders(tmp_path, ids, layout):
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        **FALCON_LAYOUTS[layout],
+    )  # fmt: skip
+    model = sharpened(transformers.FalconForCausalLM(config)).eval()
+    model.save_pretrained(tmp_path)
+    kv_heads = {"groups": 2, "multi-query": 1, "per-head": 4}[layout]
+    refs = []
+    for block in model.transformer.h:
+        w_q, w_k = falcon_rows(block.self_attention.query_key_value.weight, layout, 4, kv_heads, 8)
+        refs.append(dense_kappa(w_q, w_k, 4, kv_heads))
+    check(tmp_path, model, refs, ids)
