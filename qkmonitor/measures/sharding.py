@@ -31,10 +31,12 @@ a κ of an empty or partial tensor.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -332,25 +334,87 @@ def unpack_heads(
 ) -> list[list[Tensor]]:
     """The layers' tensors of every head from every rank's :func:`pack_heads` (``ranks``:
     ``(world, size)``, on the CPU): each rank's heads at its offset; a head no rank holds is NaN
-    (False for bool)."""
+    (False for bool).
+
+    One indexed copy moves every value to its place (:func:`_unpack_plan`, kept while the layers'
+    shapes and the ranks' offsets stay the same: from one probe to the next)."""
+    plan = _unpack_plan(parts, ranks)
+    whole = plan.fill.clone()
+    whole[plan.target] = ranks.reshape(-1)[plan.source]
+    pieces = iter(whole.split(plan.sizes))
     out: list[list[Tensor]] = []
-    start = 0
     for placement, tensors in parts:
-        layer = [_blank(t, placement.total) for t in tensors]
-        sizes = [t.numel() for t in tensors]
-        for values in ranks:
-            chunk = values[start : start + 1 + sum(sizes)]
-            offset = int(chunk[0])
-            for whole_, t, piece in zip(layer, tensors, chunk[1:].split(sizes)):
-                whole_[offset : offset + t.shape[0]] = piece.view(t.shape)  # cast by the copy
+        layer = []
+        for t in tensors:
+            piece = next(pieces).view(placement.total, *t.shape[1:])
+            layer.append(piece != 0 if t.dtype == torch.bool else piece.to(t.dtype))
         out.append(layer)
-        start += 1 + sum(sizes)
     return out
 
 
-def _blank(t: Tensor, total: int) -> Tensor:
-    fill = False if t.dtype == torch.bool else float("nan")
-    return torch.full((total, *t.shape[1:]), fill, dtype=t.dtype)
+class _UnpackPlan(NamedTuple):
+    """Where :func:`unpack_heads` puts the gathered values: ``whole[target] = flat[source]``
+    (``flat`` the ranks' packs end to end), ``whole`` starting as ``fill`` (NaN, 0 where a
+    tensor is bool) and split into the tensors by ``sizes``."""
+
+    source: Tensor
+    target: Tensor
+    fill: Tensor
+    sizes: list[int]
+
+
+#: (the layers' shapes, the ranks' offsets) -> their plan; a few kept (one a set of layers)
+_UNPACK_PLANS: dict[tuple, _UnpackPlan] = {}
+
+
+def _unpack_plan(
+    parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]], ranks: Tensor
+) -> _UnpackPlan:
+    starts, start = [], 0
+    for _, tensors in parts:
+        starts.append(start)
+        start += 1 + sum(t.numel() for t in tensors)
+    offsets = ranks[:, starts].to(torch.int64).tolist()  # (world, layers)
+    shapes = tuple(
+        (p.total, tuple((tuple(t.shape), t.dtype == torch.bool) for t in tensors))
+        for p, tensors in parts
+    )
+    key = (shapes, tuple(map(tuple, offsets)), ranks.shape[1])
+    plan = _UNPACK_PLANS.get(key)
+    if plan is None:
+        if len(_UNPACK_PLANS) >= 8:
+            _UNPACK_PLANS.clear()
+        plan = _UNPACK_PLANS[key] = _build_unpack_plan(parts, starts, offsets, ranks.shape[1])
+    return plan
+
+
+def _build_unpack_plan(
+    parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]],
+    starts: list[int],
+    offsets: list[list[int]],
+    size: int,
+) -> _UnpackPlan:
+    sources, targets, fills, sizes = [], [], [], []
+    placed = 0  # where the next whole tensor starts
+    for layer, ((placement, tensors), start) in enumerate(zip(parts, starts)):
+        piece = start + 1  # where this tensor starts in a rank's pack
+        for t in tensors:
+            row = t[0].numel() if t.shape[0] else 0  # values per head
+            whole = placement.total * row
+            fills.append(torch.full((whole,), 0.0 if t.dtype == torch.bool else math.nan))
+            for rank, rank_offsets in enumerate(offsets):
+                sources.append(torch.arange(t.numel()) + rank * size + piece)
+                targets.append(torch.arange(t.numel()) + placed + rank_offsets[layer] * row)
+            sizes.append(whole)
+            placed += whole
+            piece += t.numel()
+    empty = torch.zeros(0, dtype=torch.int64)
+    return _UnpackPlan(
+        torch.cat(sources) if sources else empty,
+        torch.cat(targets) if targets else empty,
+        torch.cat(fills).double() if fills else torch.zeros(0, dtype=torch.float64),
+        sizes,
+    )
 
 
 def distributed() -> bool:
