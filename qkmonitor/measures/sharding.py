@@ -399,7 +399,7 @@ def _build_unpack_plan(
     for layer, ((placement, tensors), start) in enumerate(zip(parts, starts)):
         piece = start + 1  # where this tensor starts in a rank's pack
         for t in tensors:
-            row = t[0].numel() if t.shape[0] else 0  # values per head
+            row = math.prod(t.shape[1:])  # values per head
             whole = placement.total * row
             fills.append(torch.full((whole,), 0.0 if t.dtype == torch.bool else math.nan))
             for rank, rank_offsets in enumerate(offsets):

@@ -115,8 +115,9 @@ class Float32Staging:
 
     Converting with ``.float()`` allocates a fresh buffer per layer; the allocator hands a block
     that large back to the system when it is freed, so every layer pays the page faults of a new
-    mapping again: 0.29 s against 0.02 s for the copy, for one 8192 x 8192 bf16 weight
-    (2026-12-04, 2-CPU VM). float32 and float64 weights pass through untouched.
+    mapping again: 0.29 s against 0.05 s for the copy from the mapped file, for one 8192 x 8192
+    bf16 weight (2026-12-04, 2-CPU VM; docs/benchmarks.md). float32 and float64 weights pass
+    through untouched.
     """
 
     def __init__(self) -> None:
