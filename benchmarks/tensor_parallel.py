@@ -3,47 +3,56 @@ heads, side by side (issue 42, item 5).
 
 Two gloo ranks on the CPU (one torch thread each) train a LLaMA-style decoder (RMSNorm, rotary
 embeddings, causal SDPA, SwiGLU MLP; 4 layers, d = 256, 8 heads of 32, 128 tokens a sequence,
-batch 4 by default) in a plain loop. Four arms, two at a time, step for step:
+batch 4 by default) in a plain loop. Six copies of it, each with its optimizer, in three kinds:
 
-- **TP phase** (a process group over the two ranks): two copies of the model, parallelized
+- **TP** (under the process group over the two ranks): two copies of the model, parallelized
   (``ColwiseParallel`` on q_proj, k_proj, v_proj and the MLP's gate and up projections,
   ``RowwiseParallel`` on o_proj and down), so that each rank computes H / 2 of the heads: (a) no
   monitor, (b) QKSpectrum, AttentionEntropy and EffectiveRank at their defaults with
   ``per_head=True``, through :class:`~qkmonitor.engine.Monitoring` at ``every_n_steps=1`` (every
   step is a probe: the activation engines measure its forward, the spectrum reads the weights
   after its update).
-- **local phase** (no process group: ``torch.distributed`` is not initialized): the reference,
-  one process's probe of the same local heads. Two copies of the model one rank computes (H / 2
-  heads of the same width, half the MLP), unparallelized: (c) the same monitors, (d) none. Both
-  ranks run it at the same time, each on its own, so that the machine is as loaded as in the TP
-  phase.
+- **DDP** (under the same process group, the model unsplit): the reference the bound names, one
+  process's probe of the same local heads plus the one collective a probe makes under data
+  parallelism. Two copies of the model one rank computes (H / 2 heads of the same width, half the
+  MLP), unparallelized, on both ranks: (c) the same monitors, (d) none. The monitors see two
+  data-parallel ranks, so their sums meet in one ``all_gather`` a probe, as under DDP (the
+  gradients are not averaged: no monitor reads them across ranks, and the plain copy would pay
+  the same); EffectiveRank deals its ``max_probe_sequences`` over the two replicas, so that copy
+  is given twice as many and each rank measures as many sequences as under TP.
+- **alone** (no process group: ``torch.distributed`` is not initialized): the same two copies as
+  DDP, (e) monitored and (f) not, with no collective at all; printed beside, for scale.
 
-The arms of a phase step alternately (which one first alternates too), on the same batches, and
-each step of one is paired with the same step of the other. A round is one TP phase and one local
-phase (their order alternates over rounds); models and ``Monitoring`` are built anew in each
+A round is two phases, their order alternating over rounds: the grouped phase, in which the four
+TP and DDP copies take a step each in turn at every step (the order rotating, so that each copy
+takes each place as often), and the phase alone. So a slow spell of this shared machine falls on
+TP and on its reference alike, and the ratio of the two compares steps taken side by side. Both
+ranks run every phase at the same time. All copies train on the same batches; each monitored
+step is paired with its plain copy's same step. Models and ``Monitoring`` are built anew in each
 phase, and its first ``--warmup`` steps (discovery, layout checks, first calls) are left out.
 There is no writer (``writer=None``): a probe is the measuring, the reduction across ranks and the
 alert rules, not the logging, which under TP only rank 0 would do.
 
-EffectiveRank's ``max_probe_sequences`` is dealt over the data-parallel replicas (one here: both
-ranks compute the same sequences), so each rank measures as many sequences as the reference;
-``--max-probe-sequences`` sets it for both.
+EffectiveRank's ``max_probe_sequences`` is dealt over the data-parallel replicas (one under TP: both
+ranks compute the same sequences; two in the DDP phase, which is given twice as many), so each rank
+measures as many sequences in every phase; ``--max-probe-sequences`` sets it (per rank).
 
-Printed per rank, medians over rounds of each phase's median paired difference: the probe's cost
-per step under TP, (b) − (a), and one process's, (c) − (d), in wall time and in the process's CPU
-time (``time.process_time``: all its threads, gloo's and qkmonitor's included), and their ratio.
-Then the collectives a step makes under TP, counted on ``--count-steps`` extra steps of each arm
-at the dispatcher (a ``TorchDispatchMode`` that sees every ``c10d`` and ``_c10d_functional`` op:
-``torch.distributed``'s calls and DTensor's): per step, in the unmonitored arm (TP's own, in the
-forward and backward), in the monitored arm, and of those the ones made with qkmonitor on the
-Python stack (its own; the difference of the two arms should be the same).
+Printed per rank, medians over rounds of each kind's median paired difference: the probe's cost
+per step under TP, (b) − (a), the reference's, (c) − (d), and one process's alone, (e) − (f), in
+wall time and in the process's CPU time (``time.process_time``: all its threads, gloo's and
+qkmonitor's included), and the ratios of TP's to each. Then the collectives a step makes under TP
+and in the DDP copies, counted on ``--count-steps`` extra steps of each copy at the dispatcher (a
+``TorchDispatchMode`` that sees every ``c10d`` and ``_c10d_functional`` op: ``torch.distributed``'s
+calls and DTensor's): per step, in the unmonitored arm (TP's own, in the forward and backward), in
+the monitored arm, and of those the ones made with qkmonitor on the Python stack (its own; the
+difference of the two arms should be the same).
 
 Usage::
 
     python benchmarks/tensor_parallel.py                  # 3 rounds x 12 steps an arm
     python benchmarks/tensor_parallel.py --max-probe-sequences 2   # fewer probe sequences
     python benchmarks/tensor_parallel.py --rounds 5 --steps 20 --json tp.json
-    python benchmarks/tensor_parallel.py --profile DIR    # cProfile (CPU time), monitored arms
+    python benchmarks/tensor_parallel.py --profile DIR    # cProfile (CPU time), monitored copies
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from qkmonitor.engine.rank import MAX_PROBE_SEQUENCES
 
 WORLD = 2
 VOCAB = 512
@@ -216,21 +226,20 @@ class CollectiveCounter(TorchDispatchMode):
 # -- one phase ----------------------------------------------------------------------------------
 
 
-def engines(max_probe_sequences: int | None) -> list:
-    """The three engines at their defaults, per head (EffectiveRank's ``max_probe_sequences``
-    given where it is not None)."""
-    rank = {} if max_probe_sequences is None else {"max_probe_sequences": max_probe_sequences}
+def engines(max_probe_sequences: int) -> list:
+    """The three engines at their defaults, per head, but EffectiveRank's
+    ``max_probe_sequences``."""
     return [
         QKSpectrum(per_head=True),
         AttentionEntropy(per_head=True),
-        EffectiveRank(per_head=True, **rank),
+        EffectiveRank(per_head=True, max_probe_sequences=max_probe_sequences),
     ]
 
 
 class Arm:
     """One copy of the model, its optimizer and (the monitored arm) its ``Monitoring``."""
 
-    def __init__(self, model: Model, monitored: bool, max_probe_sequences: int | None) -> None:
+    def __init__(self, model: Model, monitored: bool, max_probe_sequences: int) -> None:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.monitoring = (
@@ -296,160 +305,181 @@ def collective_cost(sizes: list[int], repeats: int = 30) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
-def run_phase(args, size: Size, parallel: bool, count: bool, profile: Path | None) -> dict:
-    """Trains the plain and the monitored copy step for step; returns the per-step excess of the
-    monitored one (its time less the plain one's, step by step, after the warm-up) and each arm's
-    median step, in wall and CPU seconds, and with ``count`` the collectives a step of each arm
-    makes."""
-    # TP: the whole model, split by parallelize; local: the part one rank computes
-    split = 1 if parallel else WORLD
-    heads, hidden = size.heads // split, size.hidden // split
-    arms = []
-    for monitored in (False, True):
-        torch.manual_seed(0)
-        model = Model(size, heads, hidden)
-        if parallel:
-            parallelize(model)
-        arms.append(Arm(model, monitored, args.max_probe_sequences))
-    plain, probed = arms
+#: what each kind of arm runs: whether the model is split by heads, whether it needs the process
+#: group; the kinds that need it step together, the other apart
+KINDS = {"tp": (True, True), "ddp": (False, True), "local": (False, False)}
+
+
+def run_phase(
+    args, size: Size, kinds: tuple[str, ...], count: bool, profile: Path | None
+) -> dict[str, dict]:
+    """Trains the plain and the monitored copy of each of ``kinds`` (:data:`KINDS`) step for step,
+    all of them in turn at each step (the order rotating), so that a slow spell of the machine
+    falls on every kind alike. Returns by kind the per-step excess of its monitored copy (its time
+    less its plain copy's, step by step, after the warm-up) and its plain copy's median step, in
+    wall and CPU seconds; the collective a probe makes, timed alone; and with ``count`` the
+    collectives a step of each copy makes. ``profile``: cProfile stats of each kind's monitored
+    steps, to ``{profile}_{kind}.prof``."""
+    arms: dict[str, tuple[Arm, Arm]] = {}
+    for kind in kinds:
+        parallel, grouped = KINDS[kind]
+        # TP: the whole model, split by parallelize; otherwise the part one rank computes
+        split = 1 if parallel else WORLD
+        sequences = args.max_probe_sequences or MAX_PROBE_SEQUENCES  # per rank
+        if grouped and not parallel:  # dealt over the two data-parallel replicas
+            sequences *= WORLD
+        pair = []
+        for monitored in (False, True):
+            torch.manual_seed(0)
+            model = Model(size, size.heads // split, size.hidden // split)
+            if parallel:
+                parallelize(model)
+            pair.append(Arm(model, monitored, sequences))
+        arms[kind] = (pair[0], pair[1])
+    order = [(kind, arm) for kind in kinds for arm in arms[kind]]
+    profilers = {kind: cProfile.Profile(time.process_time) for kind in kinds} if profile else {}
     batches = torch.randint(
         0, VOCAB, (4, size.batch, size.seq_len + 1), generator=torch.Generator().manual_seed(1)
     )
-    profiler = cProfile.Profile(time.process_time) if profile else None  # CPU time
+    out: dict[str, dict] = {}
     try:
         for i in range(args.warmup + args.steps):
-            tokens = batches[i % len(batches)]
-            for arm in (plain, probed) if i % 2 == 0 else (probed, plain):
-                timed = i >= args.warmup
-                if profiler and arm is probed and timed:
+            tokens, timed = batches[i % len(batches)], i >= args.warmup
+            for kind, arm in order[i % len(order) :] + order[: i % len(order)]:
+                profiler = profilers.get(kind) if arm.monitoring and timed else None
+                if profiler:
                     profiler.enable()
                 arm.step(tokens, timed)
-                if profiler and arm is probed and timed:
+                if profiler:
                     profiler.disable()
-        collective = (0.0, 0.0)
-        if parallel:
-            collective = collective_cost(gathered_sizes(probed, batches[0]))
-        counts = {}
-        if count:
-            for name, arm in (("plain", plain), ("monitored", probed)):
-                counter = CollectiveCounter()
-                with counter:
-                    for i in range(args.count_steps):
-                        arm.step(batches[i % len(batches)], timed=False)
-                counts[name] = [
-                    [op, place, n / args.count_steps] for (op, place), n in counter.calls.items()
-                ]
+        for kind, (plain, probed) in arms.items():
+            collective = (0.0, 0.0)
+            if KINDS[kind][1]:
+                collective = collective_cost(gathered_sizes(probed, batches[0]))
+            counts = {}
+            if count:
+                for name, arm in (("plain", plain), ("monitored", probed)):
+                    counter = CollectiveCounter()
+                    with counter:
+                        for i in range(args.count_steps):
+                            arm.step(batches[i % len(batches)], timed=False)
+                    counts[name] = [
+                        [op, place, n / args.count_steps]
+                        for (op, place), n in counter.calls.items()
+                    ]
+            out[kind] = {
+                "cost_wall": statistics.median(b - a for a, b in zip(plain.wall, probed.wall)),
+                "cost_cpu": statistics.median(b - a for a, b in zip(plain.cpu, probed.cpu)),
+                "plain_wall": statistics.median(plain.wall),
+                "plain_cpu": statistics.median(plain.cpu),
+                "counts": counts,
+                "collective_wall": collective[0],
+                "collective_cpu": collective[1],
+            }
     finally:
-        for arm in arms:
+        for arm in (arm for _, arm in order):
             arm.close()
-    if profiler:
-        profiler.dump_stats(profile)
-    return {
-        "cost_wall": statistics.median(b - a for a, b in zip(plain.wall, probed.wall)),
-        "cost_cpu": statistics.median(b - a for a, b in zip(plain.cpu, probed.cpu)),
-        "plain_wall": statistics.median(plain.wall),
-        "plain_cpu": statistics.median(plain.cpu),
-        "counts": counts,
-        "collective_wall": collective[0],
-        "collective_cpu": collective[1],
-    }
+    for kind, profiler in profilers.items():
+        profiler.dump_stats(f"{profile}_{kind}.prof")
+    return out
 
 
 def rank_main(rank: int, args, store_dir: str) -> None:
-    """One rank: ``--rounds`` rounds of a TP phase and a local phase; saves its figures to
+    """One rank: ``--rounds`` rounds of the grouped phase (TP and DDP, under the process group)
+    and the local one (no process group), their order alternating; saves its figures to
     ``store_dir/rank_RANK.json``."""
     torch.set_num_threads(1)
     size = Size(args.layers, args.d_model, args.heads, args.head_dim, args.hidden, args.seq_len,
                 args.batch)  # fmt: skip
-    phases: dict[str, list[dict]] = {"tp": [], "local": []}
+    phases: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+    grouped = tuple(kind for kind, (_, needs_group) in KINDS.items() if needs_group)
+    alone = tuple(kind for kind in KINDS if kind not in grouped)
     for r in range(args.rounds):
-        for name in ("tp", "local") if r % 2 == 0 else ("local", "tp"):
-            profile = (
-                Path(args.profile) / f"{name}_rank{rank}_round{r}.prof" if args.profile else None
-            )
-            if name == "tp":
-                dist.init_process_group("gloo", init_method=f"file://{store_dir}/store_{r}",
+        for kinds in (grouped, alone) if r % 2 == 0 else (alone, grouped):
+            name = "_".join(kinds)
+            profile = Path(args.profile) / f"rank{rank}_round{r}" if args.profile else None
+            if kinds is grouped:
+                dist.init_process_group("gloo", init_method=f"file://{store_dir}/store_{r}_{name}",
                                         rank=rank, world_size=WORLD)  # fmt: skip
-                try:
-                    phases[name].append(run_phase(args, size, True, r == 0, profile))
-                finally:
+            try:
+                for kind, result in run_phase(args, size, kinds, r == 0, profile).items():
+                    phases[kind].append(result)
+            finally:
+                if kinds is grouped:
                     dist.destroy_process_group()
-            else:
-                phases[name].append(run_phase(args, size, False, r == 0, profile))
     Path(store_dir, f"rank_{rank}.json").write_text(json.dumps(phases))
 
 
 # -- the report ---------------------------------------------------------------------------------
 
 
+#: what a phase returns that the report takes the median of, over rounds
+KEYS = ("cost_wall", "cost_cpu", "plain_wall", "plain_cpu", "collective_wall", "collective_cpu")
+
+
 def figures(phases: dict[str, list[dict]]) -> dict[str, float | list[float]]:
-    """Medians over rounds, and the ratios of TP's probe cost to one process's (of the medians,
-    and round by round)."""
+    """Medians over rounds, and the ratios of TP's probe cost to the reference's (the DDP phase:
+    one process's probe of the same heads and its one collective) and to one process's alone (of
+    the medians, and round by round against the reference)."""
 
     def med(name: str, key: str) -> float:
         return statistics.median(p[key] for p in phases[name])
 
-    out: dict[str, float | list[float]] = {
-        f"{n}_{k}": med(n, k)
-        for n in ("tp", "local")
-        for k in ("cost_wall", "cost_cpu", "plain_wall", "plain_cpu")
-    }
+    out: dict[str, float | list[float]] = {f"{n}_{k}": med(n, k) for n in KINDS for k in KEYS}
     for clock in ("wall", "cpu"):
-        out[f"collective_{clock}"] = med("tp", f"collective_{clock}")
-        out[f"ratio_{clock}"] = out[f"tp_cost_{clock}"] / out[f"local_cost_{clock}"]
-        out[f"net_ratio_{clock}"] = (out[f"tp_cost_{clock}"] - out[f"collective_{clock}"]) / out[
-            f"local_cost_{clock}"
-        ]
+        tp = out[f"tp_cost_{clock}"]
+        out[f"ratio_{clock}"] = tp / out[f"ddp_cost_{clock}"]
+        out[f"alone_ratio_{clock}"] = tp / out[f"local_cost_{clock}"]
         out[f"ratio_{clock}_rounds"] = [
-            t[f"cost_{clock}"] / lo[f"cost_{clock}"] for t, lo in zip(phases["tp"], phases["local"])
+            t[f"cost_{clock}"] / d[f"cost_{clock}"] for t, d in zip(phases["tp"], phases["ddp"])
         ]
     return out
 
 
 def report(args, size: Size, ranks: list[dict], seconds: float) -> dict:
     """Prints the machine, the model, the table of figures per rank and the collectives."""
-    rank_option = (
-        ""
-        if args.max_probe_sequences is None
-        else f", max_probe_sequences={args.max_probe_sequences}"
-    )
     print(
         f"\n{datetime.date.today()}, {platform.node() or 'host'}: {os.cpu_count()} CPUs "
         f"(nproc {len(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.1f}), "
         f"torch {torch.__version__}, gloo, {WORLD} ranks x 1 thread; {args.rounds} rounds x "
         f"{args.steps} steps an arm (+{args.warmup} warm-up); {seconds:.0f} s in all"
     )
+    sequences = args.max_probe_sequences or MAX_PROBE_SEQUENCES
     print(
         f"model: {size.layers} layers, d {size.d_model}, {size.heads} heads of {size.head_dim} "
         f"({size.heads // WORLD} a rank), MLP {size.hidden}, sequence {size.seq_len}, "
-        f"batch {size.batch}; QKSpectrum, AttentionEntropy, EffectiveRank (per_head{rank_option}), "
-        "every_n_steps=1, no writer; medians over rounds\n"
+        f"batch {size.batch}; QKSpectrum, AttentionEntropy, EffectiveRank (per_head, "
+        f"{sequences} probe sequences a rank), every_n_steps=1, no writer; medians over rounds\n"
     )
     rows = [figures(phases) for phases in ranks]
-    print("| rank | plain step, TP / local | probe, TP (b − a) | probe, local heads (c − d) | "
-          "ratio, wall | ratio, CPU | by round, wall / CPU | the all_gather alone | "
-          "(TP − all_gather) / local, wall / CPU |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rank | plain step, TP / DDP / alone | probe, TP (b − a) | probe, local heads + "
+          "collective, DDP (c − d) | probe, local heads alone (e − f) | **TP / DDP**, wall | "
+          "**TP / DDP**, CPU | by round, wall / CPU | TP / alone, wall / CPU | the all_gather "
+          "alone, TP / DDP |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for rank, f in enumerate(rows):
         by_round = ", ".join(
             f"{w:.2f} / {c:.2f}" for w, c in zip(f["ratio_wall_rounds"], f["ratio_cpu_rounds"])
         )
+
+        def ms(key: str, f: dict = f) -> str:
+            return f"{f[key + '_wall'] * 1e3:.1f} ms (CPU {f[key + '_cpu'] * 1e3:.1f})"
+
+        plain = " / ".join(f"{f[n + '_plain_wall'] * 1e3:.0f}" for n in KINDS)
+        plain_cpu = " / ".join(f"{f[n + '_plain_cpu'] * 1e3:.0f}" for n in KINDS)
         print(
-            f"| {rank} | {f['tp_plain_wall'] * 1e3:.0f} / {f['local_plain_wall'] * 1e3:.0f} ms "
-            f"(CPU {f['tp_plain_cpu'] * 1e3:.0f} / {f['local_plain_cpu'] * 1e3:.0f}) "
-            f"| {f['tp_cost_wall'] * 1e3:.1f} ms (CPU {f['tp_cost_cpu'] * 1e3:.1f}) "
-            f"| {f['local_cost_wall'] * 1e3:.1f} ms (CPU {f['local_cost_cpu'] * 1e3:.1f}) "
-            f"| **{f['ratio_wall']:.2f}** | **{f['ratio_cpu']:.2f}** | {by_round} "
-            f"| {f['collective_wall'] * 1e3:.2f} ms (CPU {f['collective_cpu'] * 1e3:.2f}) "
-            f"| **{f['net_ratio_wall']:.2f} / {f['net_ratio_cpu']:.2f}** |"
+            f"| {rank} | {plain} ms (CPU {plain_cpu}) | {ms('tp_cost')} | {ms('ddp_cost')} "
+            f"| {ms('local_cost')} | **{f['ratio_wall']:.2f}** | **{f['ratio_cpu']:.2f}** "
+            f"| {by_round} | {f['alone_ratio_wall']:.2f} / {f['alone_ratio_cpu']:.2f} "
+            f"| {f['tp_collective_wall'] * 1e3:.2f} / {f['ddp_collective_wall'] * 1e3:.2f} ms |"
         )
-    print_counts(ranks[0]["tp"][0]["counts"], ranks[0]["local"][0]["counts"])
+    print_counts({name: ranks[0][name][0]["counts"] for name in KINDS})
     return {"size": asdict(size), "ranks": rows, "raw": ranks}
 
 
-def print_counts(tp: dict[str, list], local: dict[str, list]) -> None:
-    """The collectives a step makes under TP, by op, in each arm; the difference; and those whose
-    innermost caller outside torch is qkmonitor's code."""
+def print_counts(counts: dict[str, dict[str, list]]) -> None:
+    """The collectives a step makes in each phase, by op, in each arm; the difference; and under
+    TP those whose innermost caller outside torch is qkmonitor's code."""
 
     def by_op(rows: list) -> Counter[str]:
         out: Counter[str] = Counter()
@@ -457,21 +487,21 @@ def print_counts(tp: dict[str, list], local: dict[str, list]) -> None:
             out[op] += n
         return out
 
-    plain, monitored = by_op(tp["plain"]), by_op(tp["monitored"])
-    added = {
-        op: monitored[op] - plain[op] for op in monitored | plain if monitored[op] != plain[op]
-    }
-    print("\ncollectives a step under TP (rank 0, counted at the dispatcher):")
-    print(f"  no monitor: {sum(plain.values()):g} {dict(plain)}")
-    print(f"  monitored:  {sum(monitored.values()):g} {dict(monitored)}")
-    print(f"  added by the monitors: {sum(added.values()):g} a probe step {added}")
-    for op, place, n in sorted(tp["monitored"], key=lambda row: row[1]):
-        if place.startswith("qkmonitor/"):
-            passed = " (the model's own call, passed through)" if op in plain else ""
-            print(f"    {n:g} {op} called from {place}{passed}")
-    print(
-        f"  one process (no process group), monitored: {sum(by_op(local['monitored']).values()):g}"
-    )
+    for name, label in (("tp", "under TP"), ("ddp", "in the DDP copies")):
+        plain, monitored = by_op(counts[name]["plain"]), by_op(counts[name]["monitored"])
+        added = {
+            op: monitored[op] - plain[op] for op in monitored | plain if monitored[op] != plain[op]
+        }
+        print(f"\ncollectives a step {label} (rank 0, counted at the dispatcher):")
+        print(f"  no monitor: {sum(plain.values()):g} {dict(plain)}")
+        print(f"  monitored:  {sum(monitored.values()):g} {dict(monitored)}")
+        print(f"  added by the monitors: {sum(added.values()):g} a probe step {added}")
+        for op, place, n in sorted(counts[name]["monitored"], key=lambda row: row[1]):
+            if place.startswith("qkmonitor/"):
+                passed = " (the model's own call, passed through)" if op in plain else ""
+                print(f"    {n:g} {op} called from {place}{passed}")
+    alone = by_op(counts["local"]["monitored"])
+    print(f"\none process (no process group), monitored: {sum(alone.values()):g}")
 
 
 def main() -> None:
@@ -490,7 +520,7 @@ def main() -> None:
     parser.add_argument(
         "--max-probe-sequences",
         type=int,
-        help="EffectiveRank's (a total over the ranks; its default where not given)",
+        help="EffectiveRank's, per rank (its default where not given)",
     )
     parser.add_argument("--profile", help="a folder for cProfile stats of the monitored steps")
     parser.add_argument("--json", help="write the figures here")

@@ -230,12 +230,12 @@ class HeadShards:
                     "read in place"
                 )
             local = shard.local if shard is not None else _replica
-            rows = torch.arange(local(weight).shape[0]).view(-1, head_dim)
+            mine = local(weight)
             out.append(
                 ProjectionRows(
-                    local(weight),
+                    mine,
                     None if bias is None else local(bias),
-                    rows,
+                    torch.arange(mine.shape[0]).view(-1, head_dim),
                     gradient=lambda w=weight, read=local: None if w.grad is None else read(w.grad),
                 )
             )
@@ -243,9 +243,13 @@ class HeadShards:
 
 
 def _replica(tensor: Tensor) -> Tensor:
-    """A tensor whole on every rank: a replicated DTensor's local copy, else itself."""
+    """A tensor whole on every rank: a replicated DTensor's local copy (outside autograd, as
+    :meth:`~qkmonitor.measures.sharding.RowShard.local`), else itself."""
     to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
+    if not callable(to_local):
+        return tensor
+    with torch.no_grad():
+        return to_local()
 
 
 def grouped_index(heads: int, kv_heads: int) -> tuple[int, ...]:

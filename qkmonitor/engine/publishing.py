@@ -158,14 +158,16 @@ class ValuePublisher:
         once, and ``run_values`` under ``{prefix}/run/{name}``) and, for training probes, the
         rules' ``alert_counts`` to every sink; its visuals to
         the sinks that draw when ``draw``, else kept for :meth:`draw_final`. A validation probe
-        goes under ``{prefix}/val`` and has no visuals."""
-        if not host.is_logging_rank:
+        goes under ``{prefix}/val`` and has no visuals. Nothing is made where nothing is written
+        (another rank, or no sink: a plain loop without a writer)."""
+        sinks = host.sinks() if host.is_logging_rank else []
+        if not sinks:
             return
         scalars = self.scalars(rows, f"{self.prefix}/val" if validation else self.prefix)
         scalars.update({run_tag(self.prefix, name): v for name, v in (run_values or {}).items()})
         scalars.update(alert_scalars(self.prefix, alert_counts))  # the rules that have fired
         host.write_scalars(scalars, step)  # now, or with the other engines' (ScalarBatch)
-        drawing = [sink for sink in host.sinks() if sink.draws]
+        drawing = [sink for sink in sinks if sink.draws]
         if not drawing or validation:
             return
         if draw:

@@ -14,6 +14,7 @@ Per head h, over the singular values :math:`\sigma_i` and eigenvalues :math:`\la
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -456,16 +457,29 @@ class _Read:
         ]
 
     def parts(self) -> list[tuple[HeadPlacement, list[Tensor]]]:
-        """This rank's heads of each split layer, for the exchange."""
+        """This rank's heads of each split layer, for the exchange: its tables side by side in
+        one float64 ``(heads, columns)`` tensor a layer (bool as 0/1, every float32 value
+        exactly), so that the exchange packs and places one tensor a layer, not one a table."""
         tables = self._tables()
-        return [(p, [_own_heads(table[i], p) for table in tables]) for i, p in self.split]
+        parts = []
+        for i, p in self.split:
+            columns = [_own_heads(table[i], p).reshape(p.count, -1).cpu() for table in tables]
+            parts.append((p, [torch.cat(columns, 1).double()]))
+        return parts
 
     def merge(self, merged: list[list[Tensor]]) -> None:
-        """Every head's values of each split layer in place of this rank's part."""
+        """Every head's values of each split layer in place of this rank's part (``merged``: per
+        layer, the :meth:`parts` tensor of every head; a head no rank sent is NaN, not
+        undefined)."""
         tables = self._tables()
-        for (i, _), layer in zip(self.split, merged):
-            for table, tensor in zip(tables, layer):
-                table[i] = tensor
+        for (i, _), (whole,) in zip(self.split, merged):
+            start = 0
+            for table in tables:
+                mine = table[i]
+                width = math.prod(mine.shape[1:])
+                piece = whole[:, start : start + width].reshape(-1, *mine.shape[1:])
+                table[i] = piece == 1 if mine.dtype == torch.bool else piece.to(mine.dtype)
+                start += width
 
 
 def _own_heads(values: Tensor, placement: HeadPlacement) -> Tensor:

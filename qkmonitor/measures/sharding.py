@@ -179,11 +179,22 @@ class RowShard:
         """Whether ``weight``'s local shard is this rank's rows, in order, to read and write in
         place: it is laid out as in the forward, or on the forward's mesh after data-parallel mesh
         dims (FSDP2 over tensor parallelism) that split nothing on this rank (each of size 1, or
-        replicated)."""
-        extra = self._data_parallel_dims(weight)
-        return extra is not None and all(
-            weight.device_mesh.size(d) == 1 or weight.placements[d].is_replicate() for d in extra
-        )
+        replicated). The answer is kept by ``weight``'s layout (a mesh and its placements never
+        change): the reads ask it of every projection and gradient at every probe."""
+        mesh, placements = getattr(weight, "device_mesh", None), getattr(weight, "placements", None)
+        key = (self, mesh, placements)
+        known = _IN_PLACE.get(key) if mesh is not None else None
+        if known is None:
+            extra = self._data_parallel_dims(weight)
+            known = extra is not None and all(
+                weight.device_mesh.size(d) == 1 or weight.placements[d].is_replicate()
+                for d in extra
+            )
+            if mesh is not None:
+                if len(_IN_PLACE) >= 256:
+                    _IN_PLACE.clear()
+                _IN_PLACE[key] = known
+        return known
 
     def _data_parallel_dims(self, weight: Tensor) -> range | None:
         """The mesh dims of ``weight`` before the forward's: those FSDP2 adds over tensor
@@ -209,12 +220,18 @@ class RowShard:
         (:meth:`in_place`: tensor parallelism alone, or FSDP2 over it with one data-parallel
         rank; no copy, written through in place), else the rows cut from the whole tensor (FSDP2
         over tensor parallelism on several data-parallel ranks: a copy, a collective, one layer at
-        a time)."""
+        a time). Outside autograd (a read to measure, or to write under ``no_grad``): the local
+        shard itself, not ``to_local``'s differentiable view of it."""
         if self.in_place(weight):
-            return weight.to_local()
+            with torch.no_grad():
+                return weight.to_local()
         full = whole(weight)
         start = self.index * self.chunk
         return full.narrow(self.dim, start, self.chunk)
+
+
+#: (a RowShard, a weight's mesh, its placements) -> RowShard.in_place (equal keys, equal answers)
+_IN_PLACE: dict[tuple, bool] = {}
 
 
 def row_shard(weight: object, dim: int = 0) -> RowShard | str | None:

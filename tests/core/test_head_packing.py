@@ -1,12 +1,17 @@
 """Packing each rank's heads into one vector and unpacking the gathered packs
 (``qkmonitor.measures.sharding.pack_heads`` / ``unpack_heads``), against a head-by-head
 reference: every rank's heads land at their offsets, in their dtypes; a head no rank holds is NaN
-(False for bool); the plan kept from one probe to the next moves the new values."""
+(False for bool); the plan kept from one probe to the next moves the new values. The spectrum's
+read, its tables side by side in one tensor a layer, comes back table by table as the same
+reference places them."""
 
 from __future__ import annotations
 
 import torch
 
+from qkmonitor.engine.spectrum import _Read
+from qkmonitor.engine.updates import UPDATE_METRICS
+from qkmonitor.measures.layer_spectra import SPECTRUM_METRICS, LayerSpectra
 from qkmonitor.measures.sharding import HeadPlacement, pack_heads, unpack_heads
 
 
@@ -65,3 +70,45 @@ def test_one_process_places_its_own_heads_and_leaves_the_rest_unset():
     got = unpack_heads(parts, pack_heads(parts)[None])
     torch.testing.assert_close(got[0][1][2:], parts[0][1][1])
     assert torch.isnan(got[0][0][:2]).all() and not got[0][2][:2].any()
+
+
+def spectrum_read(rank: int, step: int) -> _Read:
+    """The spectrum's read of 2 layers as one of 2 ranks holds them (layer 0: 2 of 4 query heads
+    a rank, d_k 3; layer 1: 1 of 2, d_k 2): every table of metrics and undefined flags, with
+    values that differ by rank, head and table (one head's kappa NaN, some flags set)."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    spectra = LayerSpectra()
+    values: dict[str, list[torch.Tensor]] = {m: [] for m in UPDATE_METRICS}
+    undefined: dict[str, list[torch.Tensor]] = {m: [] for m in UPDATE_METRICS}
+    split = []
+    for layer, (total, count, d_k) in enumerate(((4, 2, 3), (2, 1, 2))):
+        for m in SPECTRUM_METRICS:
+            spectra.metrics[m].append(torch.randn(count, generator=gen))
+            spectra.undefined[m].append(torch.rand(count, generator=gen) > 0.5)
+        spectra.singular_values.append(torch.rand(count, d_k, generator=gen))
+        for m in UPDATE_METRICS:  # the update metrics are float64 before logging
+            values[m].append(torch.randn(count, dtype=torch.float64, generator=gen))
+            undefined[m].append(torch.rand(count, generator=gen) > 0.5)
+        split.append((layer, HeadPlacement(rank * count, count, total)))
+    spectra.metrics["kappa"][0][0] = float("nan")
+    return _Read(step, spectra, values, undefined, split)
+
+
+def test_the_spectrums_exchange_gives_every_table_of_every_head_in_its_dtype():
+    """A read's tables go side by side in one tensor a layer (``_Read.parts``); after the
+    exchange each table of ``merge`` equals the ranks' tables placed head by head."""
+    for step in range(2):  # the second exchange reuses the first one's plan
+        reads = [spectrum_read(rank, step) for rank in range(2)]
+        tables = [[list(t) for t in read._tables()] for read in reads]  # as each rank read them
+        packs = [read.parts() for read in reads]
+        gathered = torch.stack([pack_heads(parts) for parts in packs])
+        reads[0].merge(unpack_heads(packs[0], gathered))
+        for t, merged in enumerate(reads[0]._tables()):
+            for layer, (_, placement) in enumerate(reads[0].split):
+                wanted = reference(
+                    [[(HeadPlacement(rank * placement.count, placement.count, placement.total),
+                       [tables[rank][t][layer]])] for rank in range(2)]
+                )[0][0]  # fmt: skip
+                got = merged[layer]
+                assert got.dtype == wanted.dtype and got.shape == wanted.shape
+                torch.testing.assert_close(got, wanted, equal_nan=True, rtol=0, atol=0)

@@ -10,6 +10,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
+from qkmonitor import OverLocalizationWarning
+from qkmonitor.alerts import AlertRule
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 from qkmonitor.output.sinks import MemorySink, SummaryWriterSink
 
@@ -170,3 +172,34 @@ def test_a_runs_heatmaps_share_one_colour_scale_that_spreads_its_values(tmp_path
     assert max(kappa.values()) - min(kappa.values()) < 0.35  # a narrow band of the 0..1 range
     assert [luminance[k] for k in order] == sorted(luminance.values())  # brighter = higher
     assert luminance[order[-1]] - luminance[order[0]] > 100  # far apart on the ramp
+
+
+def test_a_loop_without_a_writer_makes_no_scalars_or_visuals_and_still_alerts(monkeypatch):
+    """With nothing to write to (``writer=None``, as on a rank that does not log) a probe still
+    measures and fires its rules, but makes no tags and draws nothing."""
+    made = []
+    monkeypatch.setattr(
+        "qkmonitor.engine.publishing.ValuePublisher.scalars", lambda *a, **k: made.append(a) or {}
+    )
+    monkeypatch.setattr(
+        "qkmonitor.engine.publishing.ValuePublisher._draw", lambda *a, **k: made.append(a)
+    )
+    every_head = AlertRule(  # fires on every finite kappa
+        name="any_kappa",
+        metric="kappa",
+        threshold=0.0,
+        above=True,
+        patience=1,
+        margin=0.0,
+        warning=OverLocalizationWarning,
+        meaning="test",
+        advice="test",
+    )
+    spectrum = QKSpectrum(alerts=[every_head], visuals_every_n_probes=1)
+    with pytest.warns(OverLocalizationWarning, match="any_kappa"):
+        run([spectrum], 2, None)
+    assert spectrum.latest["kappa"][0].isfinite().all() and not made
+    sink = MemorySink()  # the same with a writer makes both
+    with pytest.warns(OverLocalizationWarning, match="any_kappa"):
+        run([QKSpectrum(alerts=[every_head], visuals_every_n_probes=1)], 2, sink)
+    assert made and any(tag.endswith("alerts/any_kappa") for tag, _, _ in sink.texts)
