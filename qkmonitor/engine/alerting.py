@@ -392,6 +392,8 @@ class AlertPolicy:
         for name, grid in rows.items():
             masks = undefined.get(name, [])
             for layer, heads in enumerate(grid):
+                if all(map(math.isfinite, heads)):  # the usual case, checked in one C loop
+                    continue
                 mask = masks[layer] if layer < len(masks) else ()
                 broken = [
                     h

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from qkmonitor import OverLocalizationWarning
-from qkmonitor.alerts import AlertRule
+from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 from qkmonitor.output.sinks import MemorySink, SummaryWriterSink
 
@@ -184,17 +184,10 @@ def test_a_loop_without_a_writer_makes_no_scalars_or_visuals_and_still_alerts(mo
     monkeypatch.setattr(
         "qkmonitor.engine.publishing.ValuePublisher._draw", lambda *a, **k: made.append(a)
     )
-    every_head = AlertRule(  # fires on every finite kappa
-        name="any_kappa",
-        metric="kappa",
-        threshold=0.0,
-        above=True,
-        patience=1,
-        margin=0.0,
-        warning=OverLocalizationWarning,
-        meaning="test",
-        advice="test",
-    )
+    every_head = KAPPA_RULE.replace(  # fires on every finite kappa, from the first probe
+        name="any_kappa", threshold=0.0, also=(), growth=None, window=None, learning_drop=None,
+        solved_fraction=None, skip_qk_norm=False,
+    )  # fmt: skip
     spectrum = QKSpectrum(alerts=[every_head], visuals_every_n_probes=1)
     with pytest.warns(OverLocalizationWarning, match="any_kappa"):
         run([spectrum], 2, None)
