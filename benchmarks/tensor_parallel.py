@@ -33,9 +33,9 @@ phase, and its first ``--warmup`` steps (discovery, layout checks, first calls) 
 There is no writer (``writer=None``): a probe is the measuring, the reduction across ranks and the
 alert rules, not the logging, which under TP only rank 0 would do.
 
-EffectiveRank's ``max_probe_sequences`` is dealt over the data-parallel replicas (one under TP: both
-ranks compute the same sequences; two in the DDP phase, which is given twice as many), so each rank
-measures as many sequences in every phase; ``--max-probe-sequences`` sets it (per rank).
+EffectiveRank's ``max_probe_sequences`` is dealt over the data-parallel replicas (one under TP:
+both ranks compute the same sequences; two for the DDP copies, which are given twice as many), so
+each rank measures as many sequences in every copy; ``--max-probe-sequences`` sets it (per rank).
 
 Printed per rank, medians over rounds of each kind's median paired difference: the probe's cost
 per step under TP, (b) − (a), the reference's, (c) − (d), and one process's alone, (e) − (f), in
@@ -418,7 +418,7 @@ KEYS = ("cost_wall", "cost_cpu", "plain_wall", "plain_cpu", "collective_wall", "
 
 
 def figures(phases: dict[str, list[dict]]) -> dict[str, float | list[float]]:
-    """Medians over rounds, and the ratios of TP's probe cost to the reference's (the DDP phase:
+    """Medians over rounds, and the ratios of TP's probe cost to the reference's (the DDP copies:
     one process's probe of the same heads and its one collective) and to one process's alone (of
     the medians, and round by round against the reference)."""
 

@@ -179,22 +179,11 @@ class RowShard:
         """Whether ``weight``'s local shard is this rank's rows, in order, to read and write in
         place: it is laid out as in the forward, or on the forward's mesh after data-parallel mesh
         dims (FSDP2 over tensor parallelism) that split nothing on this rank (each of size 1, or
-        replicated). The answer is kept by ``weight``'s layout (a mesh and its placements never
-        change): the reads ask it of every projection and gradient at every probe."""
-        mesh, placements = getattr(weight, "device_mesh", None), getattr(weight, "placements", None)
-        key = (self, mesh, placements)
-        known = _IN_PLACE.get(key) if mesh is not None else None
-        if known is None:
-            extra = self._data_parallel_dims(weight)
-            known = extra is not None and all(
-                weight.device_mesh.size(d) == 1 or weight.placements[d].is_replicate()
-                for d in extra
-            )
-            if mesh is not None:
-                if len(_IN_PLACE) >= 256:
-                    _IN_PLACE.clear()
-                _IN_PLACE[key] = known
-        return known
+        replicated)."""
+        extra = self._data_parallel_dims(weight)
+        return extra is not None and all(
+            weight.device_mesh.size(d) == 1 or weight.placements[d].is_replicate() for d in extra
+        )
 
     def _data_parallel_dims(self, weight: Tensor) -> range | None:
         """The mesh dims of ``weight`` before the forward's: those FSDP2 adds over tensor
@@ -228,10 +217,6 @@ class RowShard:
         full = whole(weight)
         start = self.index * self.chunk
         return full.narrow(self.dim, start, self.chunk)
-
-
-#: (a RowShard, a weight's mesh, its placements) -> RowShard.in_place (equal keys, equal answers)
-_IN_PLACE: dict[tuple, bool] = {}
 
 
 def row_shard(weight: object, dim: int = 0) -> RowShard | str | None:
