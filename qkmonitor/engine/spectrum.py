@@ -14,7 +14,6 @@ Per head h, over the singular values :math:`\sigma_i` and eigenvalues :math:`\la
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -42,9 +41,11 @@ from qkmonitor.measures.sharding import (
     HeadPlacement,
     PartitionedWeightError,
     SplitHeadsError,
+    apart,
     distributed,
     gather_heads,
     gathered,
+    side_by_side,
 )
 
 __all__ = ["QKSpectrum"]
@@ -457,15 +458,10 @@ class _Read:
         ]
 
     def parts(self) -> list[tuple[HeadPlacement, list[Tensor]]]:
-        """This rank's heads of each split layer, for the exchange: its tables side by side in
-        one float64 ``(heads, columns)`` tensor a layer (bool as 0/1, every float32 value
-        exactly), so that the exchange packs and places one tensor a layer, not one a table."""
+        """This rank's heads of each split layer, for the exchange: its tables in one tensor a
+        layer (:func:`~qkmonitor.measures.sharding.side_by_side`)."""
         tables = self._tables()
-        parts = []
-        for i, p in self.split:
-            columns = [_own_heads(table[i], p).reshape(p.count, -1).cpu() for table in tables]
-            parts.append((p, [torch.cat(columns, 1).double()]))
-        return parts
+        return [(p, [side_by_side([_own_heads(t[i], p) for t in tables])]) for i, p in self.split]
 
     def merge(self, merged: list[list[Tensor]]) -> None:
         """Every head's values of each split layer in place of this rank's part (``merged``: per
@@ -473,13 +469,8 @@ class _Read:
         undefined)."""
         tables = self._tables()
         for (i, _), (whole,) in zip(self.split, merged):
-            start = 0
-            for table in tables:
-                mine = table[i]
-                width = math.prod(mine.shape[1:])
-                piece = whole[:, start : start + width].reshape(-1, *mine.shape[1:])
-                table[i] = piece == 1 if mine.dtype == torch.bool else piece.to(mine.dtype)
-                start += width
+            for table, values in zip(tables, apart(whole, [t[i] for t in tables])):
+                table[i] = values
 
 
 def _own_heads(values: Tensor, placement: HeadPlacement) -> Tensor:

@@ -47,6 +47,7 @@ __all__ = [
     "PartitionedWeightError",
     "RowShard",
     "SplitHeadsError",
+    "apart",
     "collective_device",
     "distributed",
     "gather_heads",
@@ -55,6 +56,7 @@ __all__ = [
     "pack_heads",
     "partitioned",
     "row_shard",
+    "side_by_side",
     "stated_shape",
     "tensor_parallel_ranks",
     "unpack_heads",
@@ -316,6 +318,23 @@ def gather_heads(parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]]) -> lis
         dist.all_gather(gathered, flat.to(device))
         return unpack_heads(parts, torch.stack(gathered).cpu())
     return unpack_heads(parts, flat[None])
+
+
+def side_by_side(tables: Sequence[Tensor]) -> Tensor:
+    """One layer's tables of heads, each ``(heads, ...)`` (float or bool), as one float64
+    ``(heads, columns)`` CPU tensor: each table flattened per head, bool as 0/1, every float32
+    value exactly. An exchange then packs and places one tensor a layer, not one a table."""
+    heads = tables[0].shape[0]
+    return torch.cat([t.detach().reshape(heads, -1).cpu().double() for t in tables], 1)
+
+
+def apart(whole: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    """The tables of :func:`side_by_side` back from ``whole`` (``(heads, columns)``, any head
+    count): each shaped ``(heads, *table.shape[1:])`` and of the dtype of its table in ``like``
+    (a bool is True where the value is 1)."""
+    pieces = whole.split([math.prod(t.shape[1:]) for t in like], dim=1)
+    shaped = [piece.reshape(-1, *t.shape[1:]) for piece, t in zip(pieces, like, strict=True)]
+    return [p == 1 if t.dtype == torch.bool else p.to(t.dtype) for p, t in zip(shaped, like)]
 
 
 def pack_heads(parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]]) -> Tensor:
