@@ -98,47 +98,6 @@ def _fwd_inner(
 
 
 @triton.jit
-def _fwd_sink(
-    q,
-    m_i,
-    k_tile,
-    pad,
-    offs_m,
-    n_ctx_q,
-    n_ctx_k,
-    qk_scale,
-    sink_tokens,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """``Σ_{j<S} 2^{t_j − m}`` over the allowed sink keys, with the row's final max ``m``.
-
-    Recomputed after the main loop (one extra ``q kᵀ`` over the first S keys, usually one block)
-    rather than carried through it: a third running sum, rescaled every step and updated under a
-    data-dependent branch, pushes the main loop past the register file (ptxas spills on sm_90).
-    """
-    diag = n_ctx_k - n_ctx_q
-    m_use = tl.clamp(m_i, -_FLT_MAX, _FLT_MAX)  # a finite shift, as in the main loop
-    n_sink = tl.minimum(sink_tokens, n_ctx_k)
-    offs_n = tl.arange(0, BLOCK_N)
-    total = tl.zeros_like(m_i)
-    for start_n in tl.range(0, n_sink, BLOCK_N, num_stages=1):  # usually one block: no pipeline
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        k = load_tile(k_tile, start_n, n_sink, BLOCK_N, HEAD_DIM, BLOCK_D, True)
-        t = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        # select, not multiply: exp2 of a disallowed score may overflow to inf
-        p = tl.math.exp2(t - m_use[:, None])
-        p = apply_mask(p, 0.0, offs_m, cols, n_sink, diag, pad, True, CAUSAL, HAS_PAD)
-        total += tl.sum(p, 1)
-    return total
-
-
-@triton.jit
 def _row_stat(value, healthy, empty):
     """A probability statistic of each row: 0 on rows with no key, NaN on NaN and +inf rows."""
     return tl.where(healthy, tl.where(empty, 0.0, value), float("nan"))
@@ -264,21 +223,22 @@ def attn_fwd(
         tl.store(MaxP + row_ptr, _row_stat(inv_l, healthy, empty), mask=row_ok)
         tl.store(MaxL + row_ptr, max_logit, mask=row_ok)
         if SINK:
-            sink_i = _fwd_sink(
-                q,
-                m_i,
-                k_tile,
-                pad,
-                offs_m,
-                n_ctx_q,
-                n_ctx_k,
-                qk_scale,
-                sink_tokens,
-                HEAD_DIM,
-                BLOCK_D,
-                BLOCK_N,
-                CAUSAL,
-                HAS_PAD,
-                DOT_PRECISION,
-            )
+            # Σ_{j<S} 2^{t_j − m} over the allowed sink keys, with the row's final max m: one
+            # more q kᵀ over the first S keys (usually one block) after the main loop rather than
+            # a third running sum carried through it, which, rescaled every step and updated
+            # under a data-dependent branch, pushes the main loop past the register file (ptxas
+            # spills on sm_90).
+            m_use = tl.clamp(m_i, -_FLT_MAX, _FLT_MAX)  # a finite shift, as in the main loop
+            n_sink = tl.minimum(sink_tokens, n_ctx_k)
+            sink_i = tl.zeros_like(m_i)
+            for start_n in tl.range(0, n_sink, BLOCK_N, num_stages=1):  # usually one block
+                start_n = tl.multiple_of(start_n, BLOCK_N)
+                cols = start_n + tl.arange(0, BLOCK_N)
+                k = load_tile(k_tile, start_n, n_sink, BLOCK_N, HEAD_DIM, BLOCK_D, True)
+                t = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+                # select, not multiply: exp2 of a disallowed score may overflow to inf
+                p = tl.math.exp2(t - m_use[:, None])
+                diag = n_ctx_k - n_ctx_q
+                p = apply_mask(p, 0.0, offs_m, cols, n_sink, diag, pad, True, CAUSAL, HAS_PAD)
+                sink_i += tl.sum(p, 1)
             tl.store(Sink + row_ptr, _row_stat(sink_i * inv_l, healthy, empty), mask=row_ok)
