@@ -53,6 +53,7 @@ Usage::
     python benchmarks/tensor_parallel.py --max-probe-sequences 2   # fewer probe sequences
     python benchmarks/tensor_parallel.py --rounds 5 --steps 20 --json tp.json
     python benchmarks/tensor_parallel.py --profile DIR    # cProfile (CPU time), monitored copies
+    python benchmarks/tensor_parallel.py --engines entropy   # one engine: whose the excess is
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -226,25 +228,35 @@ class CollectiveCounter(TorchDispatchMode):
 # -- one phase ----------------------------------------------------------------------------------
 
 
-def engines(max_probe_sequences: int) -> list:
-    """The three engines at their defaults, per head, but EffectiveRank's
+#: the engines ``--engines`` chooses from, by name
+ENGINES = ("spectrum", "entropy", "rank")
+
+
+def engines(names: Sequence[str], max_probe_sequences: int) -> list:
+    """The engines named (of :data:`ENGINES`) at their defaults, per head, but EffectiveRank's
     ``max_probe_sequences``."""
-    return [
-        QKSpectrum(per_head=True),
-        AttentionEntropy(per_head=True),
-        EffectiveRank(per_head=True, max_probe_sequences=max_probe_sequences),
-    ]
+    made = {
+        "spectrum": lambda: QKSpectrum(per_head=True),
+        "entropy": lambda: AttentionEntropy(per_head=True),
+        "rank": lambda: EffectiveRank(per_head=True, max_probe_sequences=max_probe_sequences),
+    }
+    return [made[name]() for name in names]
 
 
 class Arm:
     """One copy of the model, its optimizer and (the monitored arm) its ``Monitoring``."""
 
-    def __init__(self, model: Model, monitored: bool, max_probe_sequences: int) -> None:
+    def __init__(
+        self, model: Model, monitored: bool, names: Sequence[str], max_probe_sequences: int
+    ) -> None:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.monitoring = (
             Monitoring(
-                model, engines(max_probe_sequences), every_n_steps=1, optimizer=self.optimizer
+                model,
+                engines(names, max_probe_sequences),
+                every_n_steps=1,
+                optimizer=self.optimizer,
             )
             if monitored
             else None
@@ -334,7 +346,7 @@ def run_phase(
             model = Model(size, size.heads // split, size.hidden // split)
             if parallel:
                 parallelize(model)
-            pair.append(Arm(model, monitored, sequences))
+            pair.append(Arm(model, monitored, args.engines, sequences))
         arms[kind] = (pair[0], pair[1])
     order = [(kind, arm) for kind in kinds for arm in arms[kind]]
     profilers = {kind: cProfile.Profile(time.process_time) for kind in kinds} if profile else {}
@@ -448,8 +460,8 @@ def report(args, size: Size, ranks: list[dict], seconds: float) -> dict:
     print(
         f"model: {size.layers} layers, d {size.d_model}, {size.heads} heads of {size.head_dim} "
         f"({size.heads // WORLD} a rank), MLP {size.hidden}, sequence {size.seq_len}, "
-        f"batch {size.batch}; QKSpectrum, AttentionEntropy, EffectiveRank (per_head, "
-        f"{sequences} probe sequences a rank), every_n_steps=1, no writer; medians over rounds\n"
+        f"batch {size.batch}; engines {', '.join(args.engines)} (per_head; rank: {sequences} "
+        f"probe sequences a rank), every_n_steps=1, no writer; medians over rounds\n"
     )
     rows = [figures(phases) for phases in ranks]
     print("| rank | plain step, TP / DDP / alone | probe, TP (b − a) | probe, local heads + "
@@ -521,6 +533,13 @@ def main() -> None:
         "--max-probe-sequences",
         type=int,
         help="EffectiveRank's, per rank (its default where not given)",
+    )
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=list(ENGINES),
+        help="the monitored copies' engines (default: all three)",
     )
     parser.add_argument("--profile", help="a folder for cProfile stats of the monitored steps")
     parser.add_argument("--json", help="write the figures here")

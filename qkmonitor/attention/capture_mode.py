@@ -37,9 +37,13 @@ class Interceptor(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        try:  # most calls of a forward are none the capture reads (under tensor parallelism,
+            read = func in _READ  # DTensor's own): one set lookup passes them on
+        except TypeError:  # an unhashable callable: not one of those
+            read = False
         call = self.call
-        if in_side_computation() or call.in_kernel:  # qkmonitor's own computation, or the ops
-            return func(*args, **kwargs)  # inside an attention kernel already observed (flex)
+        if not read or in_side_computation() or call.in_kernel:  # qkmonitor's own computation,
+            return func(*args, **kwargs)  # or inside an attention kernel already seen (flex)
         if func is F.scaled_dot_product_attention or func is TORCH_SDPA:  # the 2nd: under CP
             call.on_sdpa(args, kwargs)
         elif func in _SOFTMAX:
@@ -74,6 +78,14 @@ _ADD = (
     torch.Tensor.__iadd__,
 )
 _MASKED_FILL = (torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_)
+#: every call :meth:`Interceptor.__torch_function__` hands to the capture
+_READ = frozenset(
+    (F.scaled_dot_product_attention, TORCH_SDPA, F.linear, torch.addmm, F.conv2d)
+    + _SOFTMAX
+    + _MATMUL
+    + _ADD
+    + _MASKED_FILL
+)
 
 
 def open_calls() -> list[ForwardCapture]:
