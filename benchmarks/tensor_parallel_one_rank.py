@@ -17,9 +17,10 @@ at each step (the order rotating). Printed: the median over steps of monitored m
 the process's CPU time, for each engine alone and all three, with the quartiles, and a second
 plain copy's difference from the first (what no monitor costs: the noise floor).
 
-One bias, against TP: the fake ``all_gather`` returns nothing, so the other rank's heads stay
-NaN and the spectrum's non-finite warning path runs at every TP probe (the reference's gathered
-sums are as unfilled, but they raise no warning).
+One bias, against TP: the fake ``all_gather`` fills nothing in, so the other rank's heads stay
+NaN and the spectrum's non-finite warning path runs at every TP probe (warnings are not shown).
+The reference's gathered sums are whatever the unfilled buffers hold: the values of neither copy
+mean anything here, only their cost.
 
 Usage::
 
