@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import torch
@@ -447,30 +447,47 @@ class _Read:
     undefined: dict
     split: list[tuple[int, HeadPlacement]]
 
-    def _tables(self) -> list[list[Tensor]]:
+    def _tables(self) -> list[list[list[Tensor]]]:
+        """Every table of values by layer, in blocks of one kind (one dtype, one shape): the
+        metrics, the undefined flags, the singular values, the update metrics."""
         spectra = self.spectra
         return [
-            *(spectra.metrics[m] for m in SPECTRUM_METRICS),
-            *(spectra.undefined[m] for m in SPECTRUM_METRICS),
-            spectra.singular_values,
-            *(self.values[m] for m in UPDATE_METRICS),
-            *(self.undefined[m] for m in UPDATE_METRICS),
+            [spectra.metrics[m] for m in SPECTRUM_METRICS],
+            [*(spectra.undefined[m] for m in SPECTRUM_METRICS)]
+            + [self.undefined[m] for m in UPDATE_METRICS],
+            [spectra.singular_values],
+            [self.values[m] for m in UPDATE_METRICS],
         ]
 
+    @cached_property
+    def _groups(self) -> list[tuple[HeadPlacement, list[int]]]:
+        """The split layers by placement (a model's layers alike: one group), as ``(placement,
+        layers)``: each group goes in one tensor."""
+        groups: dict[HeadPlacement, list[int]] = {}
+        for i, p in self.split:
+            groups.setdefault(p, []).append(i)
+        return list(groups.items())
+
     def parts(self) -> list[tuple[HeadPlacement, list[Tensor]]]:
-        """This rank's heads of each split layer, for the exchange: its tables in one tensor a
-        layer (:func:`~qkmonitor.measures.sharding.side_by_side`)."""
-        tables = self._tables()
-        return [(p, [side_by_side([_own_heads(t[i], p) for t in tables])]) for i, p in self.split]
+        """This rank's heads of the split layers, for the exchange: every table of a group of
+        layers in one tensor (:func:`~qkmonitor.measures.sharding.side_by_side`)."""
+        blocks = self._tables()
+        return [
+            (p, [side_by_side([[_own_heads(t[i], p) for t in b for i in ls] for b in blocks])])
+            for p, ls in self._groups
+        ]
 
     def merge(self, merged: list[list[Tensor]]) -> None:
-        """Every head's values of each split layer in place of this rank's part (``merged``: per
-        layer, the :meth:`parts` tensor of every head; a head no rank sent is NaN, not
+        """Every head's values of the split layers in place of this rank's part (``merged``: per
+        group, the :meth:`parts` tensor of every head; a head no rank sent is NaN, not
         undefined)."""
-        tables = self._tables()
-        for (i, _), (whole,) in zip(self.split, merged):
-            for table, values in zip(tables, apart(whole, [t[i] for t in tables])):
-                table[i] = values
+        blocks = self._tables()
+        for (_, layers), (whole,) in zip(self._groups, merged, strict=True):
+            slots = [[(t, i) for t in block for i in layers] for block in blocks]
+            like = [[t[i] for t, i in block] for block in slots]
+            for block, values in zip(slots, apart(whole, like), strict=True):
+                for (table, i), layer_values in zip(block, values, strict=True):
+                    table[i] = layer_values
 
 
 def _own_heads(values: Tensor, placement: HeadPlacement) -> Tensor:

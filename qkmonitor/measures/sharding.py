@@ -320,21 +320,56 @@ def gather_heads(parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]]) -> lis
     return unpack_heads(parts, flat[None])
 
 
-def side_by_side(tables: Sequence[Tensor]) -> Tensor:
-    """One layer's tables of heads, each ``(heads, ...)`` (float or bool), as one float64
-    ``(heads, columns)`` CPU tensor: each table flattened per head, bool as 0/1, every float32
-    value exactly. An exchange then packs and places one tensor a layer, not one a table."""
-    heads = tables[0].shape[0]
-    return torch.cat([t.detach().reshape(heads, -1).cpu().double() for t in tables], 1)
+def side_by_side(blocks: Sequence[Sequence[Tensor]]) -> Tensor:
+    """Tensors of heads as one float64 ``(heads, columns)`` CPU tensor, for an exchange to pack
+    and place at once.
+
+    ``blocks``: lists of tensors, each ``(heads, ...)`` (float or bool); in a block, all of one
+    value a head (``(heads,)``) or all of more, and best of one dtype: a block goes in one
+    ``stack`` or ``cat`` (an op costs microseconds; a cat of several dtypes many times more).
+    The columns hold the tensors block after block, in order, each flattened per head, bool as
+    0/1, every float32 value exactly: a layout that depends on the blocks' shapes alone, the
+    same on every rank."""
+    heads = blocks[0][0].shape[0]
+    columns = []
+    for block in blocks:
+        tensors = [t.cpu() for t in block]
+        if all(t.dim() == 1 for t in tensors):
+            columns.append(torch.stack(tensors, 1).double())
+        else:
+            columns.append(torch.cat([t.reshape(heads, -1) for t in tensors], 1).double())
+    return torch.cat(columns, 1).detach()
 
 
-def apart(whole: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
-    """The tables of :func:`side_by_side` back from ``whole`` (``(heads, columns)``, any head
-    count): each shaped ``(heads, *table.shape[1:])`` and of the dtype of its table in ``like``
-    (a bool is True where the value is 1)."""
-    pieces = whole.split([math.prod(t.shape[1:]) for t in like], dim=1)
-    shaped = [piece.reshape(-1, *t.shape[1:]) for piece, t in zip(pieces, like, strict=True)]
-    return [p == 1 if t.dtype == torch.bool else p.to(t.dtype) for p, t in zip(shaped, like)]
+def apart(whole: Tensor, like: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
+    """The blocks of :func:`side_by_side` back from ``whole`` (``(heads, columns)``, any head
+    count): each tensor ``(heads, *shape[1:])``, contiguous, in the dtype of its tensor in
+    ``like`` (a bool is True where the value is 1)."""
+    heads, start, out = whole.shape[0], 0, []
+    for block in like:
+        single = all(t.dim() == 1 for t in block)
+        widths = [1] * len(block) if single else [math.prod(t.shape[1:]) for t in block]
+        columns = whole[:, start : start + sum(widths)]
+        start += sum(widths)
+        dtypes = {t.dtype for t in block}
+        if len(dtypes) == 1:  # one conversion for the block
+            columns = _as_dtype(columns, dtypes.pop())
+        if single:  # each a contiguous row of the transposed block
+            pieces = list(columns.T.contiguous().unbind(0))
+        else:
+            split = columns.split(widths, 1)
+            pieces = [p.reshape(heads, *t.shape[1:]).contiguous() for p, t in zip(split, block)]
+        if len(dtypes) > 1:
+            pieces = [_as_dtype(p, t.dtype) for p, t in zip(pieces, block, strict=True)]
+        out.append(pieces)
+    return out
+
+
+def _as_dtype(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """Exchanged float64 values in ``dtype`` (a bool: True where 1); themselves where they are."""
+    if values.dtype == dtype:
+        return values
+    return values == 1 if dtype == torch.bool else values.to(dtype)
 
 
 def pack_heads(parts: Sequence[tuple[HeadPlacement, Sequence[Tensor]]]) -> Tensor:

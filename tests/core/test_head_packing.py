@@ -73,15 +73,16 @@ def test_one_process_places_its_own_heads_and_leaves_the_rest_unset():
 
 
 def spectrum_read(rank: int, step: int) -> _Read:
-    """The spectrum's read of 2 layers as one of 2 ranks holds them (layer 0: 2 of 4 query heads
-    a rank, d_k 3; layer 1: 1 of 2, d_k 2): every table of metrics and undefined flags, with
-    values that differ by rank, head and table (one head's kappa NaN, some flags set)."""
+    """The spectrum's read of 3 layers as one of 2 ranks holds them (layers 0 and 2: 2 of 4 query
+    heads a rank, d_k 3, exchanged as one group; layer 1: 1 of 2, d_k 2): every table of metrics
+    and undefined flags, with values that differ by rank, layer, head and table (one head's kappa
+    NaN, some flags set)."""
     gen = torch.Generator().manual_seed(100 * step + rank)
     spectra = LayerSpectra()
     values: dict[str, list[torch.Tensor]] = {m: [] for m in UPDATE_METRICS}
     undefined: dict[str, list[torch.Tensor]] = {m: [] for m in UPDATE_METRICS}
     split = []
-    for layer, (total, count, d_k) in enumerate(((4, 2, 3), (2, 1, 2))):
+    for layer, (total, count, d_k) in enumerate(((4, 2, 3), (2, 1, 2), (4, 2, 3))):
         for m in SPECTRUM_METRICS:
             spectra.metrics[m].append(torch.randn(count, generator=gen))
             spectra.undefined[m].append(torch.rand(count, generator=gen) > 0.5)
@@ -94,16 +95,22 @@ def spectrum_read(rank: int, step: int) -> _Read:
     return _Read(step, spectra, values, undefined, split)
 
 
+def flat_tables(read: _Read) -> list[list[torch.Tensor]]:
+    return [table for block in read._tables() for table in block]
+
+
 def test_the_spectrums_exchange_gives_every_table_of_every_head_in_its_dtype():
-    """A read's tables go side by side in one tensor a layer (``_Read.parts``); after the
-    exchange each table of ``merge`` equals the ranks' tables placed head by head."""
+    """A read's tables go side by side in one tensor a group of layers of one placement
+    (``_Read.parts``: 2 here); after the exchange each table of ``merge`` equals the ranks' tables
+    placed head by head."""
     for step in range(2):  # the second exchange reuses the first one's plan
         reads = [spectrum_read(rank, step) for rank in range(2)]
-        tables = [[list(t) for t in read._tables()] for read in reads]  # as each rank read them
+        tables = [[list(t) for t in flat_tables(read)] for read in reads]  # as each rank read them
         packs = [read.parts() for read in reads]
+        assert [len(parts) for parts in packs] == [2, 2]  # layers 0 and 2 in one tensor
         gathered = torch.stack([pack_heads(parts) for parts in packs])
         reads[0].merge(unpack_heads(packs[0], gathered))
-        for t, merged in enumerate(reads[0]._tables()):
+        for t, merged in enumerate(flat_tables(reads[0])):
             for layer, (_, placement) in enumerate(reads[0].split):
                 wanted = reference(
                     [[(HeadPlacement(rank * placement.count, placement.count, placement.total),
