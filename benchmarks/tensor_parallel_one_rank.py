@@ -15,7 +15,12 @@ same width and half the MLP, unsplit, under the same process group: its monitors
 sums in the one ``all_gather``), each plain and monitored, every step a probe, all copies in turn
 at each step (the order rotating). Printed: the median over steps of monitored minus plain, in
 the process's CPU time, for each engine alone and all three, with the quartiles, and a second
-plain copy's difference from the first (what no monitor costs: the noise floor).
+plain copy's difference from the first (what no monitor costs: the noise floor). Beside them, what
+the bound's "one collective" carries for TP beyond the reference's sums: the CPU time of the heads'
+exchange in the TP copy (the spectrum's heads put side by side, packed, placed back from the
+gathered packs and into their tables; the fake ``all_gather`` itself costs nothing here), and the
+TP probe less that exchange against the reference's less its own (empty packs: "beyond / ref",
+1 where TP costs the reference plus its collective's work and nothing more).
 
 One bias, against TP: the fake ``all_gather`` fills nothing in, so the other rank's heads stay
 NaN and the spectrum's non-finite warning path runs at every TP probe (warnings are not shown).
@@ -51,7 +56,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tensor_parallel import ENGINES, VOCAB, Model, Size, engines, parallelize
 
-from qkmonitor.engine import Monitoring
+from qkmonitor.engine import Monitoring, spectrum
+from qkmonitor.measures import metrics
+
+#: process CPU seconds spent in the exchange of the split heads since the last :func:`step`
+EXCHANGE = [0.0]
+
+
+def exchange_counted(function):
+    """``function`` (a step of the heads' exchange), its process CPU time added to EXCHANGE."""
+
+    def counted(*args, **kwargs):
+        cpu = time.process_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            EXCHANGE[0] += time.process_time() - cpu
+
+    return counted
+
+
+def count_the_exchange() -> None:
+    """Count what the one collective carries for TP beside the sums: the spectrum's heads put side
+    by side (``_Read.parts``), packed, placed from the gathered packs and put back in their tables
+    (``_Read.merge``). The reference's empty packs are counted too (microseconds)."""
+    spectrum._Read.parts = exchange_counted(spectrum._Read.parts)
+    spectrum._Read.merge = exchange_counted(spectrum._Read.merge)
+    metrics.pack_heads = exchange_counted(metrics.pack_heads)
+    metrics.unpack_heads = exchange_counted(metrics.unpack_heads)
+
 
 #: the arms: a second plain copy (the noise floor), each engine alone, all three
 ARMS = ("plain2", *ENGINES, "all")
@@ -73,11 +106,19 @@ def build(size: Size, split: bool, arm: str, sequences: int) -> dict:
         if names
         else None
     )
-    return {"model": model, "optimizer": optimizer, "monitoring": monitoring, "n": 0, "cpu": []}
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "monitoring": monitoring,
+        "n": 0,
+        "cpu": [],
+        "exchange": [],
+    }
 
 
 def step(copy: dict, tokens: torch.Tensor) -> float:
-    """One training step of ``copy``; its process CPU seconds."""
+    """One training step of ``copy``; its process CPU seconds (the exchange's in EXCHANGE)."""
+    EXCHANGE[0] = 0.0
     cpu = time.process_time()
     monitoring = copy["monitoring"]
     with monitoring.step(copy["n"]) if monitoring else nullcontext():
@@ -98,6 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    count_the_exchange()
     size = Size(layers=4, d_model=256, heads=8, head_dim=32, hidden=512, seq_len=128, batch=4)
     arms = ("plain", "plain2", *args.engines)
     copies = {
@@ -116,15 +158,17 @@ def main() -> None:
                 cpu = step(copies[key], tokens)
                 if i >= args.warmup:
                     copies[key]["cpu"].append(cpu)
+                    copies[key]["exchange"].append(EXCHANGE[0])
     print(
         f"\n{datetime.date.today()}, {platform.node() or 'this machine'}: {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, fake process group (rank 0 of 2), 1 thread; "
         f"{args.steps} steps a copy (+{args.warmup} warm-up), "
         f"{time.perf_counter() - started:.0f} s"
     )
-    print("probe cost a step, monitored - plain, process CPU ms: median (quartiles)\n")
-    print("| arm | TP (4 of 8 heads) | reference (4 heads) | TP / reference |")
-    print("|---|---|---|---|")
+    print("probe cost a step, monitored - plain, process CPU ms: median (quartiles)")
+    print("(exchange: the heads' exchange in the TP copy; beyond: each copy less its own)\n")
+    print("| arm | TP (4 of 8 heads) | reference (4 heads) | TP / ref | exchange | beyond / ref |")
+    print("|---|---|---|---|---|---|")
     for arm in arms[1:]:
         cells, medians = [], []
         for split in (True, False):
@@ -136,8 +180,24 @@ def main() -> None:
                 f"{1e3 * medians[-1]:+.2f} ({1e3 * diff[n // 4]:+.2f}, "
                 f"{1e3 * diff[3 * n // 4]:+.2f})"
             )
-        ratio = "" if arm == "plain2" else f"{medians[0] / medians[1]:.3f}"
-        print(f"| {arm} | {cells[0]} | {cells[1]} | {ratio} |")
+        beyond = [  # each copy's probe less its exchange (the reference's: its empty packs)
+            statistics.median(
+                a - b - e
+                for a, b, e in zip(
+                    copies[(split, arm)]["cpu"],
+                    copies[(split, "plain")]["cpu"],
+                    copies[(split, arm)]["exchange"],
+                )
+            )
+            for split in (True, False)
+        ]
+        ratios = (
+            ("", "")
+            if arm == "plain2"
+            else (f"{medians[0] / medians[1]:.3f}", f"{beyond[0] / beyond[1]:.3f}")
+        )
+        exchange = 1e3 * statistics.median(copies[(True, arm)]["exchange"])
+        print(f"| {arm} | {cells[0]} | {cells[1]} | {ratios[0]} | {exchange:.2f} | {ratios[1]} |")
     for split in (True, False):
         plain = statistics.median(copies[(split, "plain")]["cpu"])
         print(f"\nplain step, {'TP' if split else 'reference'}: {1e3 * plain:.1f} ms CPU", end="")

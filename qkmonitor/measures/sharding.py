@@ -394,6 +394,8 @@ def unpack_heads(
 
     One indexed copy moves every value to its place (:func:`_unpack_plan`, kept while the layers'
     shapes and the ranks' offsets stay the same: from one probe to the next)."""
+    if not parts:  # the sums alone crossed (no layer's heads split)
+        return []
     plan = _unpack_plan(parts, ranks)
     whole = plan.fill.clone()
     whole[plan.target] = ranks.reshape(-1)[plan.source]
