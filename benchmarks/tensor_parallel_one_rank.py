@@ -56,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tensor_parallel import ENGINES, VOCAB, Model, Size, engines, parallelize
 
-from qkmonitor.engine import Monitoring, spectrum
+from qkmonitor.engine import Monitoring
+from qkmonitor.engine.spectrum_read import SpectrumRead
 from qkmonitor.measures import metrics
 
 #: process CPU seconds spent in the exchange of the split heads since the last :func:`step`
@@ -78,10 +79,10 @@ def exchange_counted(function):
 
 def count_the_exchange() -> None:
     """Count what the one collective carries for TP beside the sums: the spectrum's heads put side
-    by side (``_Read.parts``), packed, placed from the gathered packs and put back in their tables
-    (``_Read.merge``). The reference's empty packs are counted too (microseconds)."""
-    spectrum._Read.parts = exchange_counted(spectrum._Read.parts)
-    spectrum._Read.merge = exchange_counted(spectrum._Read.merge)
+    by side (``SpectrumRead.parts``), packed, placed from the gathered packs and put back in their
+    tables (``SpectrumRead.merge``). The reference's empty packs are counted too (microseconds)."""
+    SpectrumRead.parts = exchange_counted(SpectrumRead.parts)
+    SpectrumRead.merge = exchange_counted(SpectrumRead.merge)
     metrics.pack_heads = exchange_counted(metrics.pack_heads)
     metrics.unpack_heads = exchange_counted(metrics.unpack_heads)
 

@@ -14,8 +14,7 @@ Per head h, over the singular values :math:`\sigma_i` and eigenvalues :math:`\la
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from qkmonitor.attention.probes import Probe, ProbeRequest
 from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.failures import MeasuresNothingError
 from qkmonitor.engine.host import Host
+from qkmonitor.engine.spectrum_read import SpectrumRead, split_layers
 from qkmonitor.engine.updates import UPDATE_METRICS, UpdateSnapshot, take_snapshot, update_metrics
 from qkmonitor.measures.catalogue import SPECTRUM
 from qkmonitor.measures.layer_spectra import (
@@ -38,14 +38,11 @@ from qkmonitor.measures.layer_spectra import (
     spectrum_of_layers,
 )
 from qkmonitor.measures.sharding import (
-    HeadPlacement,
     PartitionedWeightError,
     SplitHeadsError,
-    apart,
     distributed,
     gather_heads,
     gathered,
-    side_by_side,
 )
 
 __all__ = ["QKSpectrum"]
@@ -86,7 +83,7 @@ class QKSpectrum(MonitorEngine):
         self._snapshot: UpdateSnapshot | None = None  # the heads before the update of a probe
         self._updates_seen = False  # whether a driver has announced an update this run
         self._told_no_updates = False  # whether the run was told the update metrics are off
-        self._exchanges: list[_Read] = []  # reads waiting for the heads of the other ranks
+        self._exchanges: list[SpectrumRead] = []  # reads waiting for the heads of the other ranks
 
     def _prepare(self, model: nn.Module) -> None:
         self.abort()
@@ -345,13 +342,13 @@ class QKSpectrum(MonitorEngine):
                 if values[name][i].shape != kappa.shape and bool(undefined[name][i].all()):
                     values[name][i] = torch.full(kappa.shape, float("nan"))
                     undefined[name][i] = torch.ones(kappa.shape, dtype=torch.bool)
-        read = _Read(step, spectra, values, undefined, _split_layers(self.layers))
+        read = SpectrumRead(step, spectra, values, undefined, split_layers(self.layers))
         if read.split and distributed():  # every head's values wait for the ranks' exchange
             self._exchanges.append(read)
             return
         self._record(host, read, gather_heads(read.parts()))
 
-    def _record(self, host: Host, read: _Read, merged: list[list[Tensor]]) -> None:
+    def _record(self, host: Host, read: SpectrumRead, merged: list[list[Tensor]]) -> None:
         read.merge(merged)
         spectra, values = read.spectra, read.values
         histograms = partial(self._histograms, spectra.singular_values)  # made when drawn
@@ -428,74 +425,6 @@ def _merged(layers: list[AttentionLayer], *parts: dict[int, tuple]) -> LayerSpec
             out.undefined[name].append(undefined[name])
         out.singular_values.append(sv)
     return out
-
-
-def _split_layers(layers: list[AttentionLayer]) -> list[tuple[int, HeadPlacement]]:
-    """``(index, placement)`` of the layers whose heads are split across ranks."""
-    split = [(i, layer.head_placement) for i, layer in enumerate(layers)]
-    return [(i, p) for i, p in split if p is not None]
-
-
-@dataclass
-class _Read:
-    """One read of the weights: its values by layer, this rank's part of the layers whose heads
-    are split across ranks (``split``) until every head's are merged in (:meth:`merge`)."""
-
-    step: int
-    spectra: LayerSpectra
-    values: dict
-    undefined: dict
-    split: list[tuple[int, HeadPlacement]]
-
-    def _tables(self) -> list[list[list[Tensor]]]:
-        """Every table of values by layer, in blocks of one kind (one dtype, one shape): the
-        metrics, the undefined flags, the singular values, the update metrics."""
-        spectra = self.spectra
-        return [
-            [spectra.metrics[m] for m in SPECTRUM_METRICS],
-            [*(spectra.undefined[m] for m in SPECTRUM_METRICS)]
-            + [self.undefined[m] for m in UPDATE_METRICS],
-            [spectra.singular_values],
-            [self.values[m] for m in UPDATE_METRICS],
-        ]
-
-    @cached_property
-    def _groups(self) -> list[tuple[HeadPlacement, list[int]]]:
-        """The split layers by placement (a model's layers alike: one group), as ``(placement,
-        layers)``: each group goes in one tensor."""
-        groups: dict[HeadPlacement, list[int]] = {}
-        for i, p in self.split:
-            groups.setdefault(p, []).append(i)
-        return list(groups.items())
-
-    def parts(self) -> list[tuple[HeadPlacement, list[Tensor]]]:
-        """This rank's heads of the split layers, for the exchange: every table of a group of
-        layers in one tensor (:func:`~qkmonitor.measures.sharding.side_by_side`)."""
-        blocks = self._tables()
-        return [
-            (p, [side_by_side([[_own_heads(t[i], p) for t in b for i in ls] for b in blocks])])
-            for p, ls in self._groups
-        ]
-
-    def merge(self, merged: list[list[Tensor]]) -> None:
-        """Every head's values of the split layers in place of this rank's part (``merged``: per
-        group, the :meth:`parts` tensor of every head; a head no rank sent is NaN, not
-        undefined)."""
-        blocks = self._tables()
-        for (_, layers), (whole,) in zip(self._groups, merged, strict=True):
-            slots = [[(t, i) for t in block for i in layers] for block in blocks]
-            like = [[t[i] for t, i in block] for block in slots]
-            for block, values in zip(slots, apart(whole, like), strict=True):
-                for (table, i), layer_values in zip(block, values, strict=True):
-                    table[i] = layer_values
-
-
-def _own_heads(values: Tensor, placement: HeadPlacement) -> Tensor:
-    """This rank's heads of a layer's values: all of them where they are this rank's part (read
-    from its rows), else its slots of the whole layer's (NaN where nothing was read)."""
-    return (
-        values[placement.slots] if values.shape[0] == placement.total != placement.count else values
-    )
 
 
 def _blind_message(names: list[str]) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from qkmonitor.engine.spectrum import _Read
+from qkmonitor.engine.spectrum_read import SpectrumRead
 from qkmonitor.engine.updates import UPDATE_METRICS
 from qkmonitor.measures.layer_spectra import SPECTRUM_METRICS, LayerSpectra
 from qkmonitor.measures.sharding import HeadPlacement, pack_heads, unpack_heads
@@ -72,7 +72,7 @@ def test_one_process_places_its_own_heads_and_leaves_the_rest_unset():
     assert torch.isnan(got[0][0][:2]).all() and not got[0][2][:2].any()
 
 
-def spectrum_read(rank: int, step: int) -> _Read:
+def spectrum_read(rank: int, step: int) -> SpectrumRead:
     """The spectrum's read of 3 layers as one of 2 ranks holds them (layers 0 and 2: 2 of 4 query
     heads a rank, d_k 3, exchanged as one group; layer 1: 1 of 2, d_k 2): every table of metrics
     and undefined flags, with values that differ by rank, layer, head and table (one head's kappa
@@ -92,17 +92,17 @@ def spectrum_read(rank: int, step: int) -> _Read:
             undefined[m].append(torch.rand(count, generator=gen) > 0.5)
         split.append((layer, HeadPlacement(rank * count, count, total)))
     spectra.metrics["kappa"][0][0] = float("nan")
-    return _Read(step, spectra, values, undefined, split)
+    return SpectrumRead(step, spectra, values, undefined, split)
 
 
-def flat_tables(read: _Read) -> list[list[torch.Tensor]]:
+def flat_tables(read: SpectrumRead) -> list[list[torch.Tensor]]:
     return [table for block in read._tables() for table in block]
 
 
 def test_the_spectrums_exchange_gives_every_table_of_every_head_in_its_dtype():
     """A read's tables go side by side in one tensor a group of layers of one placement
-    (``_Read.parts``: 2 here); after the exchange each table of ``merge`` equals the ranks' tables
-    placed head by head."""
+    (``SpectrumRead.parts``: 2 here); after the exchange each table of ``merge`` equals the ranks'
+    tables placed head by head."""
     for step in range(2):  # the second exchange reuses the first one's plan
         reads = [spectrum_read(rank, step) for rank in range(2)]
         tables = [[list(t) for t in flat_tables(read)] for read in reads]  # as each rank read them
