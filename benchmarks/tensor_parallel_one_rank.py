@@ -15,7 +15,10 @@ same width and half the MLP, unsplit, under the same process group: its monitors
 sums in the one ``all_gather``), each plain and monitored, every step a probe, all copies in turn
 at each step (the order rotating). Printed: the median over steps of monitored minus plain, in
 the process's CPU time, for each engine alone and all three, with the quartiles, and a second
-plain copy's difference from the first (what no monitor costs: the noise floor). Beside them, what
+plain copy's difference from the first (what no monitor costs: the noise floor), and a copy with
+no monitor whose attention forwards run under a bare ``TorchFunctionMode`` that passes every call on
+(what seeing the forward's torch calls costs before qkmonitor reads any: under TP DTensor's
+parallel styles add their own calls there). Beside them, what
 the bound's "one collective" carries for TP beyond the reference's sums: the CPU time of the heads'
 exchange in the TP copy (the spectrum's heads put side by side, packed, placed back from the
 gathered packs and into their tables; the fake ``all_gather`` itself costs nothing here), and the
@@ -49,12 +52,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from tensor_parallel import ENGINES, VOCAB, Model, Size, engines, parallelize
+from tensor_parallel import ENGINES, VOCAB, Attention, Model, Size, engines, parallelize
 
 from qkmonitor.engine import Monitoring
 from qkmonitor.engine.spectrum_read import SpectrumRead
@@ -87,8 +91,33 @@ def count_the_exchange() -> None:
     metrics.unpack_heads = exchange_counted(metrics.unpack_heads)
 
 
-#: the arms: a second plain copy (the noise floor), each engine alone, all three
-ARMS = ("plain2", *ENGINES, "all")
+#: the arms: a second plain copy (the noise floor), a bare mode (below), each engine, all three
+ARMS = ("plain2", "mode", *ENGINES, "all")
+
+
+class PassingMode(TorchFunctionMode):
+    """A ``TorchFunctionMode`` that passes every call on: what seeing a forward's torch calls
+    costs before any capture reads one (qkmonitor's interceptor is one of these)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def under_passing_mode(model: torch.nn.Module) -> None:
+    """Run each attention module's forward under a :class:`PassingMode` (the "mode" arm)."""
+    modes: list[PassingMode] = []
+
+    def enter(module, args) -> None:
+        modes.append(PassingMode())
+        modes[-1].__enter__()
+
+    def leave(module, args, output) -> None:
+        modes.pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
 
 
 def build(size: Size, split: bool, arm: str, sequences: int) -> dict:
@@ -98,6 +127,8 @@ def build(size: Size, split: bool, arm: str, sequences: int) -> dict:
     model = Model(size, heads, hidden)
     if split:
         parallelize(model)
+    if arm == "mode":
+        under_passing_mode(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     names = ENGINES if arm == "all" else (arm,) if arm in ENGINES else ()
     # the reference's EffectiveRank deals its sequences over the two data-parallel replicas
@@ -167,7 +198,8 @@ def main() -> None:
         f"{time.perf_counter() - started:.0f} s"
     )
     print("probe cost a step, monitored - plain, process CPU ms: median (quartiles)")
-    print("(exchange: the heads' exchange in the TP copy; beyond: each copy less its own)\n")
+    print("(exchange: the heads' exchange in the TP copy; beyond: each copy less its own;")
+    print(" mode: no monitor, a bare TorchFunctionMode around each attention forward)\n")
     print("| arm | TP (4 of 8 heads) | reference (4 heads) | TP / ref | exchange | beyond / ref |")
     print("|---|---|---|---|---|---|")
     for arm in arms[1:]:
@@ -197,8 +229,12 @@ def main() -> None:
             if arm == "plain2"
             else (f"{medians[0] / medians[1]:.3f}", f"{beyond[0] / beyond[1]:.3f}")
         )
-        exchange = 1e3 * statistics.median(copies[(True, arm)]["exchange"])
-        print(f"| {arm} | {cells[0]} | {cells[1]} | {ratios[0]} | {exchange:.2f} | {ratios[1]} |")
+        spent = sorted(copies[(True, arm)]["exchange"])
+        exchange = (
+            f"{1e3 * statistics.median(spent):.2f} ({1e3 * spent[n // 4]:.2f}, "
+            f"{1e3 * spent[3 * n // 4]:.2f})"
+        )
+        print(f"| {arm} | {cells[0]} | {cells[1]} | {ratios[0]} | {exchange} | {ratios[1]} |")
     for split in (True, False):
         plain = statistics.median(copies[(split, "plain")]["cpu"])
         print(f"\nplain step, {'TP' if split else 'reference'}: {1e3 * plain:.1f} ms CPU", end="")

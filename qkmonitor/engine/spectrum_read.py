@@ -35,8 +35,10 @@ class SpectrumRead:
     split: list[tuple[int, HeadPlacement]]
 
     def _tables(self) -> list[list[list[Tensor]]]:
-        """Every table of values by layer, in blocks of one kind (one dtype, one shape): the
-        metrics, the undefined flags, the singular values, the update metrics."""
+        """Every table of values by layer, in blocks of one kind for the exchange: the metrics
+        (float32), the undefined flags (bool), the singular values (``(heads, d_k)``), the update
+        metrics (float64; float32 NaN before a layer's first forward). The blocks, not the dtypes,
+        fix the layout, so it is the same on every rank."""
         spectra = self.spectra
         return [
             [spectra.metrics[m] for m in SPECTRUM_METRICS],

@@ -74,15 +74,17 @@ def test_one_process_places_its_own_heads_and_leaves_the_rest_unset():
 
 def spectrum_read(rank: int, step: int) -> SpectrumRead:
     """The spectrum's read of 3 layers as one of 2 ranks holds them (layers 0 and 2: 2 of 4 query
-    heads a rank, d_k 3, exchanged as one group; layer 1: 1 of 2, d_k 2): every table of metrics
-    and undefined flags, with values that differ by rank, layer, head and table (one head's kappa
-    NaN, some flags set)."""
+    heads a rank, d_k 3 and 4, exchanged as one group; layer 1: 1 of 2, d_k 2): every table of
+    metrics and undefined flags, with values that differ by rank, layer, head and table (one head's
+    kappa NaN, some flags set). Layer 2's q_update_ratio is float32, as a read before the layer's
+    first forward leaves it (NaN in the spectrum's shape), beside the other layers' float64: a
+    block of two dtypes."""
     gen = torch.Generator().manual_seed(100 * step + rank)
     spectra = LayerSpectra()
     values: dict[str, list[torch.Tensor]] = {m: [] for m in UPDATE_METRICS}
     undefined: dict[str, list[torch.Tensor]] = {m: [] for m in UPDATE_METRICS}
     split = []
-    for layer, (total, count, d_k) in enumerate(((4, 2, 3), (2, 1, 2), (4, 2, 3))):
+    for layer, (total, count, d_k) in enumerate(((4, 2, 3), (2, 1, 2), (4, 2, 4))):
         for m in SPECTRUM_METRICS:
             spectra.metrics[m].append(torch.randn(count, generator=gen))
             spectra.undefined[m].append(torch.rand(count, generator=gen) > 0.5)
@@ -92,6 +94,7 @@ def spectrum_read(rank: int, step: int) -> SpectrumRead:
             undefined[m].append(torch.rand(count, generator=gen) > 0.5)
         split.append((layer, HeadPlacement(rank * count, count, total)))
     spectra.metrics["kappa"][0][0] = float("nan")
+    values["q_update_ratio"][2] = torch.randn(2, generator=gen)  # float32
     return SpectrumRead(step, spectra, values, undefined, split)
 
 
