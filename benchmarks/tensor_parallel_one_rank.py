@@ -25,10 +25,17 @@ gathered packs and into their tables; the fake ``all_gather`` itself costs nothi
 TP probe less that exchange against the reference's less its own (empty packs: "beyond / ref",
 1 where TP costs the reference plus its collective's work and nothing more).
 
-One bias, against TP: the fake ``all_gather`` fills nothing in, so the other rank's heads stay
-NaN and the spectrum's non-finite warning path runs at every TP probe (warnings are not shown).
-The reference's gathered sums are whatever the unfilled buffers hold: the values of neither copy
-mean anything here, only their cost.
+The fake ``all_gather`` fills nothing in; here the other rank's output is filled with what a
+rank 1 computing rank 0's values for its own heads would send (:func:`mirror_all_gather`), so that
+every head's values are finite, as in a real run, and neither copy takes a non-finite warning path
+(a warning fails the run). Left unfilled, the TP copy's other 4 heads were NaN at every probe and
+its alerting named them: work no real run does. The values mean nothing, only the cost.
+
+The bound's figure is paired step by step: at each step, TP's probe less its exchange minus the
+reference's less its own (``TP - ref beyond``, ms), with its median and a distribution-free 95 %
+interval of that median (the order statistics a binomial count puts around it), so that a run
+says whether its excess is told apart from zero, not only where its point lands; and the same
+for each phase of the step (:data:`PHASES`), to show where an excess lies.
 
 Usage::
 
@@ -62,7 +69,7 @@ from tensor_parallel import ENGINES, VOCAB, Attention, Model, Size, engines, par
 
 from qkmonitor.engine import Monitoring
 from qkmonitor.engine.spectrum_read import SpectrumRead
-from qkmonitor.measures import metrics
+from qkmonitor.measures import metrics, sharding
 
 #: process CPU seconds spent in the exchange of the split heads since the last :func:`step`
 EXCHANGE = [0.0]
@@ -89,6 +96,70 @@ def count_the_exchange() -> None:
     SpectrumRead.merge = exchange_counted(SpectrumRead.merge)
     metrics.pack_heads = exchange_counted(metrics.pack_heads)
     metrics.unpack_heads = exchange_counted(metrics.unpack_heads)
+
+
+#: the last pack of split heads: its size and where each layer's offset lies in it
+PACKED: dict = {"size": 0, "offsets": []}
+
+
+def recording_offsets(pack):
+    """``pack`` (``pack_heads``), noting its size and where each layer's offset lies in it."""
+
+    def packed(parts):
+        offsets, index = [], 0
+        for placement, tensors in parts:  # per layer: its offset, then its tensors flattened
+            offsets.append((index, placement))
+            index += 1 + sum(t.numel() for t in tensors)
+        PACKED.update(size=index, offsets=offsets)
+        return pack(parts)
+
+    return packed
+
+
+#: the copy stepping now: its heads a rank (the shift from this rank's head slots to the other
+#: rank's in each layer's block of slots) under TP, 0 for the reference (its ranks hold all heads)
+SHIFT = [0]
+
+
+def mirror_all_gather() -> None:
+    """Make ``dist.all_gather`` fill the other rank's output (the fake group's call moves nothing)
+    with what a rank 1 computing rank 0's values would send. Under TP: the sums' slots of rank 1's
+    heads, which this rank leaves at their neutral value (0, or -inf for a maximum), filled from
+    this rank's heads (each layer's block of slots holds rank 0's heads, then rank 1's), and the
+    spectrum's heads with their offsets moved to rank 1's heads; for the reference, this rank's
+    vector as it is. A few tensor ops a probe, paid by the TP copy alone (against it)."""
+    fake, rank = dist.all_gather, dist.get_rank()
+    sharding.pack_heads = recording_offsets(sharding.pack_heads)
+    metrics.pack_heads = recording_offsets(metrics.pack_heads)
+
+    def mirrored(outputs, tensor, *args, **kwargs):
+        work = fake(outputs, tensor, *args, **kwargs)
+        start = tensor.numel() - PACKED["size"]  # the pack ends the vector (reduce_across_ranks)
+        theirs = tensor.clone()
+        shift = SHIFT[0]
+        if shift and start > shift:
+            sums = tensor[:start]
+            neutral = (sums == 0) | (sums == float("-inf"))
+            fill = neutral[shift:] & ~neutral[:-shift]
+            theirs[shift:start][fill] = sums[:-shift][fill]
+        for index, placement in PACKED["offsets"]:
+            theirs[start + index] = placement.offset + placement.count
+        for other, output in enumerate(outputs):
+            output.copy_(tensor if other == rank else theirs)
+        PACKED.update(size=0, offsets=[])
+        return work
+
+    dist.all_gather = mirrored
+
+
+def median_interval(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """The median of ``values`` and a distribution-free ~95 % interval of it: the order statistics
+    ``k`` and ``n - 1 - k`` with ``k = floor(n / 2 - z sqrt(n) / 2)`` (the binomial count of
+    values below the median, in its normal approximation)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    k = max(0, int(n / 2 - z * n**0.5 / 2))
+    return statistics.median(ordered), ordered[k], ordered[n - 1 - k]
 
 
 #: the arms: a second plain copy (the noise floor), a bare mode (below), each engine, all three
@@ -143,23 +214,40 @@ def build(size: Size, split: bool, arm: str, sequences: int) -> dict:
         "optimizer": optimizer,
         "monitoring": monitoring,
         "n": 0,
+        "shift": size.heads // 2 if split else 0,
         "cpu": [],
+        "phases": [],
         "exchange": [],
     }
 
 
-def step(copy: dict, tokens: torch.Tensor) -> float:
-    """One training step of ``copy``; its process CPU seconds (the exchange's in EXCHANGE)."""
+#: the parts of a step, timed apart: the probe's opening (entering ``Monitoring.step``), the
+#: forward, the backward, the update (the spectrum's copy before it), the probe's closing
+PHASES = ("open", "forward", "backward", "update", "close")
+
+
+def step(copy: dict, tokens: torch.Tensor) -> dict[str, float]:
+    """One training step of ``copy``: its process CPU seconds in all (``"step"``) and in each of
+    :data:`PHASES` (the exchange's in EXCHANGE)."""
     EXCHANGE[0] = 0.0
-    cpu = time.process_time()
+    SHIFT[0] = copy["shift"]
     monitoring = copy["monitoring"]
-    with monitoring.step(copy["n"]) if monitoring else nullcontext():
-        logits = copy["model"](tokens[:, :-1])
-        F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
-        copy["optimizer"].step()
-        copy["optimizer"].zero_grad()
+    probe = monitoring.step(copy["n"]) if monitoring else nullcontext()
+    marks = [time.process_time()]
+    probe.__enter__()
+    marks.append(time.process_time())
+    logits = copy["model"](tokens[:, :-1])
+    marks.append(time.process_time())
+    F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+    marks.append(time.process_time())
+    copy["optimizer"].step()
+    copy["optimizer"].zero_grad()
+    marks.append(time.process_time())
+    probe.__exit__(None, None, None)
+    marks.append(time.process_time())
     copy["n"] += 1
-    return time.process_time() - cpu
+    spent = {phase: b - a for phase, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True)}
+    return {"step": marks[-1] - marks[0], **spent}
 
 
 def main() -> None:
@@ -171,6 +259,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    mirror_all_gather()  # first: the exchange's count includes its bookkeeping
     count_the_exchange()
     size = Size(layers=4, d_model=256, heads=8, head_dim=32, hidden=512, seq_len=128, batch=4)
     arms = ("plain", "plain2", *args.engines)
@@ -183,13 +272,14 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     started = time.perf_counter()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fake all_gather's NaN heads (see the docstring)
+        warnings.simplefilter("error")  # no copy may take a warning path (the docstring)
         for i in range(args.warmup + args.steps):
             tokens = torch.randint(VOCAB, (size.batch, size.seq_len + 1), generator=generator)
             for key in order[i % len(order) :] + order[: i % len(order)]:
-                cpu = step(copies[key], tokens)
+                spent = step(copies[key], tokens)
                 if i >= args.warmup:
-                    copies[key]["cpu"].append(cpu)
+                    copies[key]["cpu"].append(spent.pop("step"))
+                    copies[key]["phases"].append(spent)
                     copies[key]["exchange"].append(EXCHANGE[0])
     print(
         f"\n{datetime.date.today()}, {platform.node() or 'this machine'}: {os.cpu_count()} CPUs, "
@@ -199,9 +289,13 @@ def main() -> None:
     )
     print("probe cost a step, monitored - plain, process CPU ms: median (quartiles)")
     print("(exchange: the heads' exchange in the TP copy; beyond: each copy less its own;")
+    print(" TP - ref beyond: step by step, median [95 % interval of the median], ms;")
     print(" mode: no monitor, a bare TorchFunctionMode around each attention forward)\n")
-    print("| arm | TP (4 of 8 heads) | reference (4 heads) | TP / ref | exchange | beyond / ref |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| arm | TP (4 of 8 heads) | reference (4 heads) | TP / ref | exchange | beyond / ref "
+        "| TP - ref beyond |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for arm in arms[1:]:
         cells, medians = [], []
         for split in (True, False):
@@ -213,28 +307,64 @@ def main() -> None:
                 f"{1e3 * medians[-1]:+.2f} ({1e3 * diff[n // 4]:+.2f}, "
                 f"{1e3 * diff[3 * n // 4]:+.2f})"
             )
-        beyond = [  # each copy's probe less its exchange (the reference's: its empty packs)
-            statistics.median(
+        steps = [  # each copy's probe less its exchange (the reference's: its empty packs)
+            [
                 a - b - e
                 for a, b, e in zip(
                     copies[(split, arm)]["cpu"],
                     copies[(split, "plain")]["cpu"],
                     copies[(split, arm)]["exchange"],
+                    strict=True,
                 )
-            )
+            ]
             for split in (True, False)
         ]
+        beyond = [statistics.median(each) for each in steps]
+        excess = median_interval([t - r for t, r in zip(*steps, strict=True)])
         ratios = (
             ("", "")
             if arm == "plain2"
             else (f"{medians[0] / medians[1]:.3f}", f"{beyond[0] / beyond[1]:.3f}")
         )
+        paired = f"{1e3 * excess[0]:+.2f} [{1e3 * excess[1]:+.2f}, {1e3 * excess[2]:+.2f}]"
         spent = sorted(copies[(True, arm)]["exchange"])
         exchange = (
             f"{1e3 * statistics.median(spent):.2f} ({1e3 * spent[n // 4]:.2f}, "
             f"{1e3 * spent[3 * n // 4]:.2f})"
         )
-        print(f"| {arm} | {cells[0]} | {cells[1]} | {ratios[0]} | {exchange} | {ratios[1]} |")
+        print(
+            f"| {arm} | {cells[0]} | {cells[1]} | {ratios[0]} | {exchange} | {ratios[1]} "
+            f"| {paired} |"
+        )
+    print("\nwhere TP's probe costs more than the reference's: each phase, TP - ref of monitored -")
+    print(
+        "plain, step by step, median [95 % interval], ms (close: the exchange's TP - ref apart)\n"
+    )
+    print(f"| arm | {' | '.join(PHASES)} | of which the exchange |")
+    print(f"|---|{'---|' * len(PHASES)}---|")
+    for arm in arms[2:]:
+        cells = []
+        for phase in PHASES:
+            excess = [
+                (tm[phase] - tp[phase]) - (rm[phase] - rp[phase])
+                for tm, tp, rm, rp in zip(
+                    copies[(True, arm)]["phases"],
+                    copies[(True, "plain")]["phases"],
+                    copies[(False, arm)]["phases"],
+                    copies[(False, "plain")]["phases"],
+                    strict=True,
+                )
+            ]
+            middle, low, high = median_interval(excess)
+            cells.append(f"{1e3 * middle:+.2f} [{1e3 * low:+.2f}, {1e3 * high:+.2f}]")
+        exchanged = [
+            t - r
+            for t, r in zip(
+                copies[(True, arm)]["exchange"], copies[(False, arm)]["exchange"], strict=True
+            )
+        ]
+        cells.append(f"{1e3 * statistics.median(exchanged):+.2f}")
+        print(f"| {arm} | {' | '.join(cells)} |")
     for split in (True, False):
         plain = statistics.median(copies[(split, "plain")]["cpu"])
         print(f"\nplain step, {'TP' if split else 'reference'}: {1e3 * plain:.1f} ms CPU", end="")
