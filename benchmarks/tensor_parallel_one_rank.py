@@ -11,19 +11,21 @@ bookkeeping of all 8, and the call of the one ``all_gather``.
 
 The same model, plan and copies as ``tensor_parallel.py`` (its ``Model``, ``parallelize`` and
 ``engines``): under TP (8 heads, 4 on this rank) and the reference the bound names (4 heads of the
-same width and half the MLP, unsplit, under the same process group: its monitors gather their
-sums in the one ``all_gather``), each plain and monitored, every step a probe, all copies in turn
-at each step (the order rotating). Printed: the median over steps of monitored minus plain, in
-the process's CPU time, for each engine alone and all three, with the quartiles, and a second
-plain copy's difference from the first (what no monitor costs: the noise floor), and a copy with
-no monitor whose attention forwards run under a bare ``TorchFunctionMode`` that passes every call on
-(what seeing the forward's torch calls costs before qkmonitor reads any: under TP DTensor's
-parallel styles add their own calls there). Beside them, what
-the bound's "one collective" carries for TP beyond the reference's sums: the CPU time of the heads'
-exchange in the TP copy (the spectrum's heads put side by side, packed, placed back from the
-gathered packs and into their tables; the fake ``all_gather`` itself costs nothing here), and the
-TP probe less that exchange against the reference's less its own (empty packs: "beyond / ref",
-1 where TP costs the reference plus its collective's work and nothing more).
+same width and half the MLP, unsplit, under the same process group: its monitors gather their sums
+in the one ``all_gather``), each plain and monitored, every step a probe, all copies in turn at
+each step in a fresh random order (a rotation keeps each copy behind the same one at every step,
+and what a copy leaves behind it, in the allocator and the caches, then biases the next one: a
+second plain TP copy read 3.7 ms dearer than the first that way). Printed: the median over steps of
+monitored minus plain, in the process's CPU time, for each engine alone and all three, with the
+quartiles, and a second plain copy's difference from the first (what no monitor costs: the noise
+floor), and a copy with no monitor whose attention forwards run under a bare ``TorchFunctionMode``
+that passes every call on (what seeing the forward's torch calls costs before qkmonitor reads any:
+under TP DTensor's parallel styles add their own calls there). Beside them, what the bound's "one
+collective" carries for TP beyond the reference's sums: the CPU time of the heads' exchange in the
+TP copy (the spectrum's heads put side by side, packed, placed back from the gathered packs and
+into their tables; the fake ``all_gather`` itself costs nothing here), and the TP probe less that
+exchange against the reference's less its own (empty packs: "beyond / ref", 1 where TP costs the
+reference plus its collective's work and nothing more).
 
 The fake ``all_gather`` fills nothing in; here the other rank's output is filled with what a
 rank 1 computing rank 0's values for its own heads would send (:func:`mirror_all_gather`), so that
@@ -269,13 +271,14 @@ def main() -> None:
         for arm in arms
     }
     order = list(copies)
+    shuffle = torch.Generator().manual_seed(2)  # the copies' order at each step
     generator = torch.Generator().manual_seed(1)
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no copy may take a warning path (the docstring)
         for i in range(args.warmup + args.steps):
             tokens = torch.randint(VOCAB, (size.batch, size.seq_len + 1), generator=generator)
-            for key in order[i % len(order) :] + order[: i % len(order)]:
+            for key in [order[j] for j in torch.randperm(len(order), generator=shuffle)]:
                 spent = step(copies[key], tokens)
                 if i >= args.warmup:
                     copies[key]["cpu"].append(spent.pop("step"))
