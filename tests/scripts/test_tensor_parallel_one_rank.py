@@ -1,0 +1,89 @@
+"""``benchmarks/tensor_parallel_one_rank.py``'s statistics and its stand-in for the other rank: the
+interval it gives the median covers it as often as it says (exact binomial sums), and the fake
+``all_gather`` hands back what a rank 1 computing rank 0's values for its own heads would send."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from qkmonitor.measures import metrics, sharding
+from qkmonitor.measures.sharding import HeadPlacement
+
+
+@pytest.mark.parametrize("n", [40, 100, 150, 400])
+def test_median_interval_covers_the_median_at_least_95_percent(benchmark_module, n):
+    one_rank = benchmark_module("tensor_parallel_one_rank")
+    values = [float(v) for v in range(n)]
+    middle, low, high = one_rank.median_interval(values)
+    assert middle == (n - 1) / 2
+    # [x_(k), x_(n-1-k)] (0-based) misses the true median exactly when k or fewer of the n draws
+    # fall on one side of it: each side below it with probability 1/2 per draw
+    k = int(low)
+    assert high == n - 1 - k
+    tail = sum(math.comb(n, j) for j in range(k + 1)) / 2**n
+    assert 1 - 2 * tail >= 0.94
+    assert 1 - 2 * sum(math.comb(n, j) for j in range(k + 2)) / 2**n < 0.95  # not wider than needed
+
+
+@pytest.fixture
+def one_rank_of_two(benchmark_module, monkeypatch):
+    """The script's module with ``dist`` as rank 0 of 2 whose ``all_gather`` moves nothing (as the
+    fake process group's), and every name ``mirror_all_gather`` replaces put back afterwards."""
+    one_rank = benchmark_module("tensor_parallel_one_rank")
+
+    def moves_nothing(outputs, tensor, *args, **kwargs):
+        for output in outputs:
+            output.fill_(float("nan"))
+
+    monkeypatch.setattr(dist, "all_gather", moves_nothing)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(sharding, "pack_heads", sharding.pack_heads)
+    monkeypatch.setattr(metrics, "pack_heads", metrics.pack_heads)
+    monkeypatch.setattr(one_rank, "SHIFT", [0])
+    one_rank.mirror_all_gather()
+    return one_rank
+
+
+def test_mirrored_all_gather_sends_rank_zero_values_as_rank_one_heads(one_rank_of_two):
+    one_rank = one_rank_of_two
+    heads, local = 8, 4
+    one_rank.SHIFT[0] = local  # a TP copy: each layer's block of 8 slots, rank 0's heads first
+    # sums of two layers as rank 0 leaves them: its heads filled, rank 1's neutral (0, or -inf for
+    # a maximum); a per-layer slot (both ranks fill it) and a slot no head of rank 0 filled either
+    sums = torch.zeros(2 * heads + 1, dtype=torch.float64)
+    sums[0:local] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    sums[heads : heads + local] = torch.tensor([5.0, 6.0, 0.0, 7.0])  # head 2: no row (0)
+    sums[2 * heads] = 9.0
+    # the spectrum's split heads of one layer, packed as the exchange packs them
+    placement = HeadPlacement(offset=0, count=local, total=heads)
+    kappa = torch.tensor([10.0, 11.0, 12.0, 13.0], dtype=torch.float64)
+    pack = sharding.pack_heads([(placement, [kappa])])
+    flat = torch.cat([sums, pack])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+
+    torch.testing.assert_close(gathered[0], flat, rtol=0, atol=0)  # this rank's own, as sent
+    theirs = gathered[1]
+    want = sums.clone()
+    want[local:heads] = sums[0:local]  # rank 1's heads of layer 0: rank 0's values
+    want[heads + local : 2 * heads] = sums[heads : heads + local]
+    want[heads + local + 2] = 0.0  # rank 0's head 2 had no row: rank 1's stays neutral
+    torch.testing.assert_close(theirs[: sums.numel()], want, rtol=0, atol=0)
+    # placed back, the packs give every head: rank 1's offset moved to its heads
+    packs = torch.stack(gathered)[:, sums.numel() :]  # each rank's pack, as reduce_across_ranks
+    merged = sharding.unpack_heads([(placement, [kappa])], packs)
+    torch.testing.assert_close(merged[0][0], torch.cat([kappa, kappa]), rtol=0, atol=0)
+
+
+def test_mirrored_all_gather_copies_a_reference_vector_as_it_is(one_rank_of_two):
+    one_rank = one_rank_of_two
+    one_rank.SHIFT[0] = 0  # the reference: its ranks hold every head, data-parallel
+    flat = torch.tensor([1.0, 0.0, 0.0, float("-inf"), 2.0], dtype=torch.float64)
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    for output in gathered:
+        torch.testing.assert_close(output, flat, rtol=0, atol=0)
