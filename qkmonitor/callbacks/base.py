@@ -312,15 +312,9 @@ class AttentionMonitor(Callback):
             self._group.open(self._host(trainer), step, validation=True)
 
     @override
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        """Close and log the validation probe opened at this batch's start, if one is open (the
+        batch itself is not read)."""
         self._group.finish_validation(self._host(trainer), self._validation_step(trainer))
 
     def _validation_step(self, trainer: pl.Trainer) -> int:

@@ -4,6 +4,7 @@ data modules' seeded loaders."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from functools import partial
@@ -19,7 +20,10 @@ from qkmonitor.validation import check_non_negative_int, check_positive_int
 
 from ..config import TransformerConfig
 
-__all__ = ["IGNORE_INDEX", "TaskDataModule", "TaskModule", "lr_factor"]
+__all__ = ["IGNORE_INDEX", "SIZES", "TaskDataModule", "TaskModule", "lr_factor"]
+
+#: the sizes every task's data module takes, checked positive (:class:`TaskDataModule`)
+SIZES = ("batch_size", "train_size", "val_size")
 
 #: Targets with this value are not scored (PyTorch's ``cross_entropy`` default).
 IGNORE_INDEX = -100
@@ -45,6 +49,18 @@ class TaskDataModule(pl.LightningDataModule):
     Training batches hold ``hparams.batch_size`` examples (``None``: the whole training set) and
     are shuffled by a generator seeded with ``hparams.seed``, so that the same seed gives the same
     batches; validation batches hold ``val_batch_size`` examples, in order.
+
+    The arguments every task's data module takes (each documents only its own):
+
+    - ``batch_size``: examples per training batch.
+    - ``train_size``: training examples (an epoch); validation uses ``val_size`` fresh ones.
+    - ``val_size``: validation examples.
+    - ``seed``: generator seed; the same seed gives the same data.
+
+    Args:
+        *positive: the names of the subclass's ``__init__`` arguments that must be positive
+            integers (a ``ValueError`` names the first that is not); :data:`SIZES` holds the
+            shared ones.
     """
 
     #: examples per validation batch (no gradients are kept, so larger than a training batch)
@@ -53,11 +69,12 @@ class TaskDataModule(pl.LightningDataModule):
     train_set: Dataset
     val_set: Dataset
 
-    def check_sizes(self, *names: str) -> None:
-        """Raise a ``ValueError`` naming the first of the saved hyper-parameters ``names``,
-        ``batch_size``, ``train_size`` and ``val_size`` that is not a positive integer (call it
-        after ``save_hyperparameters``)."""
-        for name in (*names, "batch_size", "train_size", "val_size"):
+    def __init__(self, *positive: str) -> None:
+        super().__init__()
+        # the arguments of the subclass's ``__init__`` (the caller), as Lightning collects them
+        caller = inspect.currentframe().f_back  # type: ignore[union-attr]
+        self.save_hyperparameters(frame=caller)
+        for name in positive:
             check_positive_int(name, self.hparams[name])
 
     def generate_sets(self, make: Callable[[int, torch.Generator], tuple[Tensor, ...]]) -> None:

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from qkmonitor.validation import check_fraction
 
-from .base import TaskDataModule
+from .base import SIZES, TaskDataModule
 from .lm import CausalLMTask
 
 __all__ = ["VOCAB_SIZE", "CharLMTask", "PythonSourceDataModule", "python_source_files"]
@@ -103,9 +103,7 @@ class PythonSourceDataModule(TaskDataModule):
         seed: int = 0,
         root: str | None = None,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.check_sizes("max_chars", "seq_len", "max_file_chars")
+        super().__init__("max_chars", "seq_len", "max_file_chars", *SIZES)
         check_fraction("val_fraction", val_fraction)
         if min(val_fraction, 1 - val_fraction) * max_chars <= seq_len:
             raise ValueError(

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..transformer import EncoderDecoder
-from .base import IGNORE_INDEX, TaskDataModule, TaskModule
+from .base import IGNORE_INDEX, SIZES, TaskDataModule, TaskModule
 
 __all__ = [
     "BOS",
@@ -72,10 +72,7 @@ class CopyReverseDataModule(TaskDataModule):
         num_symbols: size of the symbol alphabet (vocabulary ``num_symbols + 3``).
         min_len: shortest source.
         max_len: longest source; sources are right-padded to it.
-        batch_size: examples per batch.
-        train_size: training examples (an epoch); validation uses ``val_size`` fresh ones.
-        val_size: validation examples.
-        seed: generator seed; the same seed gives the same data.
+        batch_size, train_size, val_size, seed: as :class:`~.base.TaskDataModule`.
     """
 
     def __init__(
@@ -89,9 +86,7 @@ class CopyReverseDataModule(TaskDataModule):
         val_size: int = 1_024,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.check_sizes("num_symbols", "min_len", "max_len")
+        super().__init__("num_symbols", "min_len", "max_len", *SIZES)
         if min_len > max_len:
             raise ValueError(f"Expected `min_len` <= `max_len` ({max_len}), got {min_len}")
         self.vocab_size = num_symbols + NUM_SPECIAL

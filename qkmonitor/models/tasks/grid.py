@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from ..transformer import VisionEncoder
-from .base import TaskDataModule, TaskModule
+from .base import SIZES, TaskDataModule, TaskModule
 
 __all__ = [
     "NEITHER",
@@ -98,9 +98,7 @@ class GridRelationDataModule(TaskDataModule):
         val_size: int = 1_023,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.check_sizes("height", "width")
+        super().__init__("height", "width", *SIZES)
         for name, value in (("height", height), ("width", width)):
             if value < 2:
                 raise ValueError(

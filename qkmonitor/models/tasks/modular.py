@@ -65,8 +65,7 @@ class ModularAdditionDataModule(TaskDataModule):
         batch_size: int | None = None,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        check_positive_int("modulus", modulus)
+        super().__init__("modulus")  # no train_size or val_size; batch_size may be None
         if modulus < 2:
             raise ValueError(f"Expected `modulus` >= 2, got {modulus}")
         check_fraction("train_fraction", train_fraction)
@@ -78,7 +77,6 @@ class ModularAdditionDataModule(TaskDataModule):
                 f"Expected `train_fraction` to leave both sets non-empty for `modulus`={modulus}, "
                 f"got {train_fraction}"
             )
-        self.save_hyperparameters()
         self.vocab_size = modulus + 2
         self.seq_len = 4
 

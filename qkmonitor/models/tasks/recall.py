@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import IGNORE_INDEX, TaskDataModule
+from .base import IGNORE_INDEX, SIZES, TaskDataModule
 
 __all__ = ["AssociativeRecallDataModule", "make_recall_batch"]
 
@@ -54,10 +54,8 @@ class AssociativeRecallDataModule(TaskDataModule):
         num_queries: queries per sequence (Q ≤ P).
         num_keys: key vocabulary (≥ P).
         num_values: value vocabulary.
-        batch_size: sequences per batch.
-        train_size: training sequences (an epoch); validation uses ``val_size`` fresh ones.
-        val_size: validation sequences.
-        seed: generator seed; the same seed gives the same data.
+        batch_size, train_size, val_size, seed: as :class:`~.base.TaskDataModule` (its
+            examples are sequences).
     """
 
     def __init__(
@@ -71,9 +69,7 @@ class AssociativeRecallDataModule(TaskDataModule):
         val_size: int = 1_024,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.check_sizes("num_pairs", "num_queries", "num_keys", "num_values")
+        super().__init__("num_pairs", "num_queries", "num_keys", "num_values", *SIZES)
         if num_queries > num_pairs:
             raise ValueError(
                 f"Expected `num_queries` <= `num_pairs` ({num_pairs}), got {num_queries}"
