@@ -8,7 +8,10 @@ values, on two gloo ranks, are tests/distributed/test_tensor_parallel.py's."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkmonitor.attention import capture_mode
 from qkmonitor.attention.parallel_hooks import parallel_styled
@@ -174,3 +178,102 @@ def test_a_mode_entered_above_the_interceptor_is_left_alone(mesh, seen):
     one_process = Attention(HEADS // 2, around_q=PassingMode)
     assert probed_forward(sharded, seen) > probed_forward(one_process, seen)  # q's styles seen
     assert torch._C._len_torch_function_stack() == 0
+
+
+class CountedOps(TorchDispatchMode):
+    """The aten ops run below it, by name and input shapes, but those of the heads' exchange
+    (packing the split heads' values for the one ``all_gather`` and placing them back from it:
+    ``EXCHANGING``), counted apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[tuple[str, tuple]] = Counter()
+        self.exchange: Counter[tuple[str, tuple]] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        (self.exchange if EXCHANGING[0] else self.ops)[str(func), shapes] += 1
+        return func(*args, **(kwargs or {}))
+
+
+#: how deep the thread is in the heads' exchange (:func:`exchanging`)
+EXCHANGING = [0]
+
+
+@pytest.fixture
+def exchange_marked(monkeypatch) -> None:
+    """The heads' exchange (``pack_heads`` and ``unpack_heads`` as the collective calls them)
+    marked in :data:`EXCHANGING` while it runs."""
+    from qkmonitor.measures import metrics
+
+    def marked(function):
+        def run(*args, **kwargs):
+            EXCHANGING[0] += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                EXCHANGING[0] -= 1
+
+        return run
+
+    for name in ("pack_heads", "unpack_heads"):
+        monkeypatch.setattr(metrics, name, marked(getattr(metrics, name)))
+
+
+#: ops that move or relabel data without computing (views, copies, casts)
+MOVES = {
+    "_to_copy", "_unsafe_view", "alias", "as_strided", "clone", "copy_", "detach", "expand",
+    "lift_fresh", "permute", "select", "slice", "split", "split_with_sizes", "squeeze", "t",
+    "transpose", "unbind", "unsqueeze", "view",
+}  # fmt: skip
+
+
+def compute_ops(counted: Counter) -> Counter:
+    """The ops that compute on more than a vector of per-head values: an input of 2 dims or more
+    and 64 elements or more, and not a move (:data:`MOVES`)."""
+    return Counter(
+        {
+            (name, shapes): n
+            for (name, shapes), n in counted.items()
+            if name.split(".")[1] not in MOVES
+            and any(len(s) >= 2 and math.prod(s) >= 64 for s in shapes)
+        }
+    )
+
+
+def step_ops(model: nn.Module, monitored: bool, steps: int = 2) -> Counter:
+    """The ops of the last of ``steps`` training steps of ``model``, each a probe when
+    ``monitored`` (every engine, per head)."""
+    from qkmonitor.engine import EffectiveRank, QKSpectrum
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engines = [QKSpectrum(per_head=True), AttentionEntropy(per_head=True), EffectiveRank()]
+    monitoring = Monitoring(model, engines, every_n_steps=1, optimizer=optimizer)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        x = torch.randn(2, 6, WIDTH, generator=generator)
+        counted = CountedOps()
+        with warnings.catch_warnings(), counted:
+            warnings.simplefilter("ignore")  # the fake all_gather leaves rank 1's heads unfilled
+            with monitoring.step(step) if monitored else contextlib.nullcontext():
+                model(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    return counted.ops
+
+
+def test_a_tensor_parallel_probe_computes_what_one_process_of_its_heads_does(mesh, exchange_marked):
+    """The probe's own compute (monitored less plain) on a rank is one process's of the same 2
+    heads, op by op and shape by shape: no whole weight gathered, no other rank's head measured.
+    What differs is the heads' exchange (apart), moves and vectors of per-head values."""
+
+    def probe_ops(make) -> Counter:
+        torch.manual_seed(0)
+        plain = step_ops(make(), monitored=False)
+        torch.manual_seed(0)
+        return compute_ops(step_ops(make(), monitored=True)) - compute_ops(plain)
+
+    sharded = probe_ops(lambda: parallelized(mesh))
+    one_process = probe_ops(lambda: Attention(HEADS // 2))
+    assert sum(one_process.values()) > 20  # the spectrum's, the kernel's, the ranks' products
+    assert sharded == one_process
