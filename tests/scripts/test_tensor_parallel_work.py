@@ -1,11 +1,13 @@
-"""A rank's probe under tensor parallelism does the tensor work of one process computing the same
-heads (issue 42, item 5: no more than the reference's probe plus one collective): every op that
-computes on more than a vector of per-head values is the same op on the same shapes, the heads'
-exchange for the one ``all_gather`` apart. Timing cannot tell a 1 % excess on this machine
-(docs/benchmarks.md); this counts the work itself.
+"""``benchmarks/tensor_parallel.py``'s model, counted rather than timed: a rank's probe under tensor
+parallelism does the tensor work of one process computing the same heads (issue 42, item 5: no
+more than the reference's probe plus one collective). Every op that computes on more than a
+vector of per-head values is the same op on the same shapes, the heads' exchange for the one
+``all_gather`` apart. Timing cannot tell a 1 % excess on this machine (docs/benchmarks.md); this
+counts the work itself.
 
-On torch's fake process group (one process posing as rank 0 of 2: no collective moves data); the
-values, on two gloo ranks, are tests/distributed/test_tensor_parallel.py's."""
+On torch's fake process group (one process posing as rank 0 of 2), as
+``benchmarks/tensor_parallel_one_rank.py`` times it; the values, on two gloo ranks, are
+tests/distributed/test_tensor_parallel.py's."""
 
 from __future__ import annotations
 
@@ -18,56 +20,41 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 
-HEADS, HEAD_DIM, WIDTH = 4, 8, 32
-
-
-class Attention(nn.Module):
-    """LLaMA-style: the head count read from the projection's output, as each TP rank does."""
-
-    def __init__(self, heads: int) -> None:
-        super().__init__()
-        self.q_proj = nn.Linear(WIDTH, heads * HEAD_DIM, bias=False)
-        self.k_proj = nn.Linear(WIDTH, heads * HEAD_DIM, bias=False)
-        self.v_proj = nn.Linear(WIDTH, heads * HEAD_DIM, bias=False)
-        self.o_proj = nn.Linear(heads * HEAD_DIM, WIDTH, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-
 
 @pytest.fixture
-def mesh():
-    """A 1-D mesh of 2 tensor-parallel ranks, seen from rank 0."""
-    from torch.distributed.device_mesh import init_device_mesh
+def fake_group():
+    """Torch's fake process group of 2 ranks, seen from rank 0 (no collective moves data)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        yield init_device_mesh("cpu", (2,))
+        yield
     finally:
         dist.destroy_process_group()
 
 
-def parallelized(mesh) -> Attention:
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+@pytest.fixture
+def copies(benchmark_module, fake_group):
+    """``copies(split)``: a fresh copy of ``benchmarks/tensor_parallel.py``'s model at a small
+    size, seeded alike: under TP (``split``: 4 heads, 2 on this rank) or the reference the bound
+    names (its 2 heads, half the MLP, unsplit), and a batch for it."""
+    bench = benchmark_module("tensor_parallel")
+    size = bench.Size(layers=2, d_model=32, heads=4, head_dim=8, hidden=64, seq_len=6, batch=2)
 
-    model = Attention(HEADS)
-    plan = {p: ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
-    return parallelize_module(model, mesh, plan | {"o_proj": RowwiseParallel()})
+    def make(split: bool):
+        torch.manual_seed(0)
+        heads, hidden = (size.heads, size.hidden) if split else (size.heads // 2, size.hidden // 2)
+        model = bench.Model(size, heads, hidden)
+        if split:
+            bench.parallelize(model)
+        tokens = torch.randint(bench.VOCAB, (size.batch, size.seq_len + 1))
+        return model, tokens, bench.VOCAB
+
+    return make
 
 
 class CountedOps(TorchDispatchMode):
@@ -139,51 +126,47 @@ def compute_ops(counted: Counter) -> Counter:
     )
 
 
-def step_ops(model: nn.Module, monitored: bool, steps: int = 2) -> Counter:
-    """The ops of the last of ``steps`` training steps of ``model``, each a probe when
-    ``monitored`` (every engine, per head)."""
+def step_ops(copy, monitored: bool, steps: int = 2) -> Counter:
+    """The ops of the last of ``steps`` training steps of ``copy`` (model, tokens, vocabulary),
+    each a probe when ``monitored`` (every engine, per head)."""
+    model, tokens, vocab = copy
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engines = [QKSpectrum(per_head=True), AttentionEntropy(per_head=True), EffectiveRank()]
     monitoring = Monitoring(model, engines, every_n_steps=1, optimizer=optimizer)
-    generator = torch.Generator().manual_seed(0)
     for step in range(steps):
-        x = torch.randn(2, 6, WIDTH, generator=generator)
         counted = CountedOps()
         with warnings.catch_warnings(), counted:
             warnings.simplefilter("ignore")  # the fake all_gather leaves rank 1's heads unfilled
             with monitoring.step(step) if monitored else contextlib.nullcontext():
-                model(x).sum().backward()
+                logits = model(tokens[:, :-1])
+                F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
                 optimizer.step()
                 optimizer.zero_grad()
     return counted.ops
 
 
-def test_a_tensor_parallel_probe_computes_what_one_process_of_its_heads_does(mesh, exchange_marked):
+def test_a_tensor_parallel_probe_computes_what_one_process_of_its_heads_does(
+    copies, exchange_marked
+):
     """The probe's own compute (monitored less plain) on a rank is one process's of the same 2
     heads, op by op and shape by shape: no whole weight gathered, no other rank's head measured.
     What differs is the heads' exchange (apart), moves and vectors of per-head values."""
 
-    def probe_ops(make) -> Counter:
-        torch.manual_seed(0)
-        plain = step_ops(make(), monitored=False)
-        torch.manual_seed(0)
-        return compute_ops(step_ops(make(), monitored=True)) - compute_ops(plain)
+    def probe_ops(split: bool) -> Counter:
+        plain = step_ops(copies(split), monitored=False)
+        return compute_ops(step_ops(copies(split), monitored=True)) - compute_ops(plain)
 
-    sharded = probe_ops(lambda: parallelized(mesh))
-    one_process = probe_ops(lambda: Attention(HEADS // 2))
+    sharded, one_process = probe_ops(True), probe_ops(False)
     assert sum(one_process.values()) > 20  # the spectrum's, the kernel's, the ranks' products
     assert sharded == one_process
 
 
-def test_what_else_a_tensor_parallel_probe_runs_is_moves(mesh, exchange_marked):
+def test_what_else_a_tensor_parallel_probe_runs_is_moves(copies, exchange_marked):
     """Beside that compute, the same ops by name (on vectors of 4 heads instead of 2: each rank
     keeps every head's tables), but moves (the local shards' views) and the exchange."""
 
-    def probe_ops(make) -> Counter:
-        torch.manual_seed(0)
-        plain = step_ops(make(), monitored=False)
-        torch.manual_seed(0)
-        ops = step_ops(make(), monitored=True) - plain
+    def probe_ops(split: bool) -> Counter:
+        ops = step_ops(copies(split), monitored=True) - step_ops(copies(split), monitored=False)
         return Counter(name for (name, _), n in ops.items() for _ in range(n) if not moved(name))
 
-    assert probe_ops(lambda: parallelized(mesh)) == probe_ops(lambda: Attention(HEADS // 2))
+    assert probe_ops(True) == probe_ops(False)
