@@ -170,6 +170,8 @@ class AlertTracker:
         self._history: dict[str, list[tuple[int, float]]] = {}
         #: metric/layer/head -> (step, value) of the first finite value
         self._start: dict[str, tuple[int, float]] = {}
+        #: (metric, layer) -> its heads' history keys, made once
+        self._key_names: dict[tuple[str, int], list[str]] = {}
         trends = [t for r in rules for t in r.tests if t.growth is not None]
         self._trend_metrics = {t.metric for t in trends}
         windows = [t.window for t in trends if t.window is not None]
@@ -318,21 +320,37 @@ class AlertTracker:
 
     def _remember(self, grids: dict[str, _Grid], step: int) -> None:
         """Add this probe's finite values of the trend metrics; forget those no later probe can
-        use (older than the newest one at least the longest window old)."""
+        use (older than the newest one at least the longest window old). A cell's entries are
+        in step order; a probe at a step already remembered replaces that step's value."""
         oldest_needed = step - self._horizon
+        history, start = self._history, self._start
         for metric in self._trend_metrics & set(grids):
             for layer, heads in enumerate(grids[metric].lists()):
-                for head, value in enumerate(heads):
+                for key, value in zip(self._keys(metric, layer, len(heads)), heads):
                     if not math.isfinite(value):
                         continue
-                    key = f"{metric}/{layer}/{head}"
-                    self._start.setdefault(key, (step, value))
-                    entries = [e for e in self._history.get(key, []) if e[0] < step]
+                    if key not in start:
+                        start[key] = (step, value)
+                    entries = history.get(key)
+                    if entries is None:
+                        history[key] = [(step, value)]
+                        continue
+                    if entries[-1][0] >= step:  # this step again (or an earlier one): drop them
+                        entries[:] = [e for e in entries if e[0] < step]
                     entries.append((step, value))
-                    keep = len(entries) - 1
-                    while keep >= 0 and entries[keep][0] > oldest_needed:
-                        keep -= 1
-                    self._history[key] = entries[keep:] if keep > 0 else entries
+                    # keep the newest entry at least the horizon old, and those after it
+                    drop = 0
+                    while drop + 1 < len(entries) and entries[drop + 1][0] <= oldest_needed:
+                        drop += 1
+                    if drop:
+                        del entries[:drop]
+
+    def _keys(self, metric: str, layer: int, heads: int) -> list[str]:
+        """The history keys ``metric/layer/head`` of a layer's first ``heads`` heads (kept)."""
+        keys = self._key_names.get((metric, layer))
+        if keys is None or len(keys) < heads:
+            keys = self._key_names[metric, layer] = [f"{metric}/{layer}/{h}" for h in range(heads)]
+        return keys
 
     def state_dict(self) -> dict:
         return {

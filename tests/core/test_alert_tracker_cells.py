@@ -7,6 +7,7 @@ QK-norm layers and with probes where the loss says the run is learning."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -69,3 +70,40 @@ def test_stepping_the_changeable_cells_equals_stepping_every_cell(heads):
         total += len(got)
     assert total > 20  # the rules fired, recovered and fired again
     assert fast.counts == reference.counts
+
+
+def test_the_remembered_values_are_each_cells_recent_finite_ones():
+    """The trend history (``state_dict``'s "history" and "start"), against its definition: per
+    (metric, layer, head) of a trend metric, the finite values fed (NaN and inf left out; a step
+    fed again replaces that step's value), kept from the newest one at least the longest window
+    older than the cell's last finite value; and the cell's first finite value."""
+    trends = [t for rule in RULES for t in rule.tests if t.growth is not None]
+    horizon = max(t.window for t in trends if t.window is not None)
+    gen = torch.Generator().manual_seed(1)
+    heads = [3, 5, 1]
+    tracker = AlertTracker(RULES)
+    fed: dict[str, dict[int, float]] = {}  # cell -> step -> its value
+    first: dict[str, list] = {}  # cell -> [step, value] of its first finite value
+    for i in range(40):
+        step = 10 * (i - i // 7)  # every 7th probe is at the step before it again
+        values = probe(gen, heads, step)
+        for metric in values:
+            for layer in values[metric]:
+                layer[torch.rand(layer.shape, generator=gen) < 0.03] = float("inf")
+        tracker.update(values, step, [f"layer{i}" for i in range(len(heads))])
+        for metric in {t.metric for t in trends}:
+            for layer, row in enumerate(values[metric]):
+                for head, value in enumerate(row.tolist()):
+                    if math.isfinite(value):
+                        key = f"{metric}/{layer}/{head}"
+                        fed.setdefault(key, {})[step] = value
+                        first.setdefault(key, [step, value])
+    want = {}
+    for key, by_step in fed.items():
+        entries = sorted(by_step.items())
+        old = [j for j, (s, _) in enumerate(entries) if s <= entries[-1][0] - horizon]
+        want[key] = [list(e) for e in entries[old[-1] if old else 0 :]]
+    assert any(len(v) > 1 for v in want.values()) and any(v[0][0] > 0 for v in want.values())
+    state = tracker.state_dict()
+    assert state["history"] == want
+    assert state["start"] == first
