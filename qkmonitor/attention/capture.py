@@ -37,7 +37,8 @@ product, which the queries and keys alone do not show.
 
 This module holds the channel (:class:`InterceptChannel`: the hooks, the open forwards, the
 warnings) and :func:`route_probe`; the mode is :mod:`.capture_mode`, a forward's state
-:mod:`.capture_call`, the calls it builds :mod:`.capture_builders`.
+:mod:`.capture_call`, the calls it builds :mod:`.capture_builders`, and tensor parallelism's own
+hooks on the module's projections, run with the mode off, :mod:`.parallel_hooks`.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ from torch import Tensor, nn
 from qkmonitor.attention.calls import MASK_FLOOR, UnreadCall
 from qkmonitor.attention.capture_call import ForwardCapture
 from qkmonitor.attention.capture_mode import FLEX, forget_call, open_calls
-from qkmonitor.attention.compiled import add_forward_hooks
+from qkmonitor.attention.compiled import add_forward_hooks, switch_of
 from qkmonitor.attention.layout_names import HEADS_NAMES, attribute
+from qkmonitor.attention.parallel_hooks import ParallelHooks
 from qkmonitor.attention.probes import Probe
 from qkmonitor.attention.route import Channel, Route
 
@@ -83,6 +85,9 @@ class InterceptChannel(Channel):
         self.told = _TOLD.setdefault(module, set())  # the warnings given for the module
         self._release_flex = FLEX.hold(module)
         self._remove_hooks = add_forward_hooks(module, pre=self._enter, post=self._leave)
+        # tensor parallelism's own hooks on the projections run out of the interceptor's sight
+        # (eager forwards: a compiled one traces them)
+        self._parallel = ParallelHooks(module) if switch_of(module) is None else None
 
     def _calls(self) -> list[ForwardCapture]:
         calls = getattr(self._threads, "calls", None)
@@ -127,6 +132,8 @@ class InterceptChannel(Channel):
 
     def uninstall(self) -> None:
         self._remove_hooks()
+        if self._parallel is not None:
+            self._parallel.remove()
         self._release_flex()
         # a forward left without its hook: a BaseException (KeyboardInterrupt) skips torch's
         # always-call hooks, so its mode is still entered on this thread until the probe closes
