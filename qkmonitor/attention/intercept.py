@@ -186,7 +186,14 @@ class LayoutChecked:
         """The layout the evidence of one forward confirms, or why none (see
         :func:`check_layout`)."""
         if not all(id(w) in evidence.inputs for w in self._layout_sources()):
-            return _UNSEEN_PROJECTIONS
+            inner = _sharded_inside(self.module)
+            if inner is None:
+                return _UNSEEN_PROJECTIONS
+            return (
+                f"{_UNSEEN_PROJECTIONS} with the weights the module holds: {inner!r} is sharded "
+                "by FSDP2 on its own, which swaps its weight for the gathered one inside the "
+                "forward (fully_shard the attention module or its block instead)"
+            )
         candidates = self.layout_candidates
         sources = self._layout_sources()
         q_shard, k_shard = (
@@ -239,7 +246,7 @@ class LayoutChecked:
             if verdict is not None
             else "no SDPA or 4-D softmax call was seen in its forward"
         )
-        if verdict == _UNSEEN_PROJECTIONS or verdict is None:
+        if verdict is None or verdict.startswith(_UNSEEN_PROJECTIONS):
             if self._trusted:
                 return f"layer {self.name!r}: {why}, so its AttentionSpec layout is used unchecked"
             self.layout, self.layout_error = None, why
@@ -252,6 +259,15 @@ class LayoutChecked:
 
 
 _UNSEEN_PROJECTIONS = "its projections were not called as F.linear, addmm or x @ W.T in its forward"
+
+
+def _sharded_inside(module: nn.Module) -> str | None:
+    """The name of the first module inside ``module`` (itself left out) that FSDP2 shards on its
+    own (``fully_shard`` makes its class ``FSDP<name>``, with ``unshard``), or None."""
+    for name, sub in module.named_modules():
+        if name and type(sub).__name__.startswith("FSDP") and callable(getattr(sub, "unshard", 0)):
+            return name
+    return None
 
 
 class LayoutUnknownError(ValueError):

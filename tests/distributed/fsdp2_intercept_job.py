@@ -1,10 +1,12 @@
 """An intercepted attention module (nanoGPT's, known to qkmonitor only by its projections' names
 and its SDPA call) under FSDP2, for the distributed test: `python fsdp2_intercept_job.py OUT_DIR
-WORLD`.
+WORLD [projections]`.
 
 WORLD 1 runs the plain model; WORLD 2 spawns two gloo ranks that ``fully_shard`` every block and
-the model, so that the projections' weights are DTensors and FSDP2 hands ``F.linear`` unsharded
-parameters of its own during the forward. Both probe two steps (no optimizer: the weights stay)
+the model (with ``projections``, each attention's two projections first: FSDP2's hooks then run
+inside the probed attention forward, out of the interceptor's sight), so that the projections'
+weights are DTensors and FSDP2 hands ``F.linear`` unsharded parameters of its own during the
+forward. Both probe two steps (no optimizer: the weights stay)
 of the same 8 sequences (each of two ranks 4 of them) with the spectrum and entropy monitors in a
 plain loop; rank 0 saves the latest values and the warnings to ``OUT_DIR/values.pt``.
 """
@@ -62,7 +64,7 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def run(rank: int, world: int, out_dir: str) -> None:
+def run(rank: int, world: int, out_dir: str, projections: bool = False) -> None:
     if world > 1:
         dist.init_process_group(
             "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world
@@ -78,6 +80,9 @@ def run(rank: int, world: int, out_dir: str) -> None:
 
         mesh = init_device_mesh("cpu", (world,))
         for block in model.blocks:
+            if projections:  # FSDP2's own hooks inside the attention module, on its projections
+                fully_shard(block.attn.c_attn, mesh=mesh)
+                fully_shard(block.attn.c_proj, mesh=mesh)
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     spectrum, entropy = QKSpectrum(), AttentionEntropy()
@@ -106,15 +111,17 @@ def run(rank: int, world: int, out_dir: str) -> None:
             f"{out_dir}/values.pt",
         )
     if world > 1:
+        dist.barrier()  # both ranks done with every collective before either tears gloo down
         dist.destroy_process_group()
 
 
 def main() -> None:
     out_dir, world = sys.argv[1], int(sys.argv[2])
+    projections = sys.argv[3:] == ["projections"]
     if world == 1:
         run(0, 1, out_dir)
     else:
-        mp.spawn(run, args=(world, out_dir), nprocs=world)
+        mp.spawn(run, args=(world, out_dir, projections), nprocs=world)
 
 
 if __name__ == "__main__":
