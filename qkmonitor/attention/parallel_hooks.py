@@ -19,15 +19,13 @@ is left alone. The submodule's own call (``F.linear`` of its sharded weight) run
 hooks and is seen as before. The originals go back when the channel is removed; a hook the
 model removed or replaced meanwhile is left as the model left it.
 
-The hooks are found at each probe (a walk of the attention module's few submodules), their
-wrappers made once and kept (weakly) with them. Compiled forwards are left as they
-are: dynamo traces the hooks, and a changed hook would recompile them.
+The hooks are found and their wrappers made at each probe (a walk of the attention module's few
+submodules, ~10 µs a layer); nothing is kept after it. Compiled forwards are left as they are:
+dynamo traces the hooks, and a changed hook would recompile them.
 """
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -61,7 +59,6 @@ _MARK = "_qkmonitor_out_of_sight"
 def _out_of_sight(hook: Callable) -> Callable:
     """``hook``, run with the interceptor taken off the top of the mode stack (if it is there)."""
 
-    @functools.wraps(hook)
     def wrapped(*args, **kwargs):
         mode = _get_current_function_mode()
         if not isinstance(mode, Interceptor):  # not probing, or a mode of the model's own above
@@ -72,17 +69,17 @@ def _out_of_sight(hook: Callable) -> Callable:
         finally:
             _push_mode(mode)
 
+    wrapped.__wrapped__ = hook  # what it runs, and under which name a reader looks
+    wrapped.__module__ = getattr(hook, "__module__", None)
     setattr(wrapped, _MARK, True)
     return wrapped
 
 
-#: each torch.distributed hook's wrapper, made once (weak: gone with the hook)
-_WRAPPERS: weakref.WeakKeyDictionary[Callable, Callable] = weakref.WeakKeyDictionary()
-
-
 def _swaps(module: nn.Module) -> list[_Swap]:
-    """The torch.distributed hooks of ``module``'s submodules as they are now, with their
-    wrappers (found at each probe: a hook the model added or removed since the last one counts)."""
+    """The torch.distributed hooks of ``module``'s submodules as they are now, each with a wrapper
+    of its own (found and made at each probe: a hook the model added or removed since the last
+    one counts, and nothing outlives the probe: a wrapper kept beside its hook would hold it,
+    and the module its closure names, for the life of the process)."""
     swaps = []
     for sub in module.modules():
         if sub is module:
@@ -90,10 +87,7 @@ def _swaps(module: nn.Module) -> list[_Swap]:
         for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
             for key, hook in hooks.items():
                 if _defined_by_torch_distributed(hook):
-                    wrapped = _WRAPPERS.get(hook)
-                    if wrapped is None:
-                        wrapped = _WRAPPERS[hook] = _out_of_sight(hook)
-                    swaps.append(_Swap(hooks, key, hook, wrapped))
+                    swaps.append(_Swap(hooks, key, hook, _out_of_sight(hook)))
     return swaps
 
 

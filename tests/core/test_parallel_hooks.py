@@ -10,7 +10,9 @@ values, on two gloo ranks, are tests/distributed/test_tensor_parallel.py's."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -230,3 +232,28 @@ def test_a_module_without_distributed_hooks_gets_nothing(seen):
     hooks, inside = hooks_of(model), []
     probed(model, seen, during=lambda m: inside.extend(hooks_of(m)))
     assert hooks[0] in inside and hooks == hooks_of(model)
+
+
+def holding(owner: nn.Module):
+    """A forward pre-hook that names its module, as FSDP2's bound methods do, and says it is
+    torch.distributed's."""
+
+    def hook(module, args) -> None:
+        assert module is owner
+
+    hook.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    return hook
+
+
+def test_a_probed_model_is_freed_with_its_last_reference(mesh, seen):
+    """Nothing of the swap outlives the probe. A torch.distributed hook may hold its module (FSDP2's
+    are methods of a state that names it): a wrapper kept beside such a hook would keep the
+    projection and its weights alive for the life of the process."""
+    sharded = parallelized(mesh)
+    proj = sharded.q_proj
+    proj.register_forward_pre_hook(holding(proj))
+    probed(sharded, seen)
+    gone = [weakref.ref(m) for m in (sharded, proj, proj.weight)]
+    del sharded, proj
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None, None]
