@@ -37,7 +37,9 @@ The bound's figure is paired step by step: at each step, TP's probe less its exc
 reference's less its own (``TP - ref beyond``, ms), with its median and a distribution-free 95 %
 interval of that median (the order statistics a binomial count puts around it), so that a run
 says whether its excess is told apart from zero, not only where its point lands; and the same
-for each phase of the step (:data:`PHASES`), to show where an excess lies.
+for each phase of the step (:data:`PHASES`), to show where an excess lies, the forward's part
+inside the attention modules apart ("in attention": every copy's attention forwards timed by
+hooks of the script's own, plain ones included).
 
 Usage::
 
@@ -193,6 +195,28 @@ def under_passing_mode(model: torch.nn.Module) -> None:
             module.register_forward_hook(leave)
 
 
+#: process CPU seconds spent inside the attention modules' forwards since the last :func:`step`
+IN_ATTENTION = [0.0]
+
+
+def timing_attention(model: torch.nn.Module) -> None:
+    """Add the CPU time of each attention module's forward to IN_ATTENTION: from a pre-hook put
+    first to a forward hook put before any a probe adds (the probe's own entering hook is inside,
+    its leaving one outside)."""
+    started: list[float] = []
+
+    def enter(module, args) -> None:
+        started.append(time.process_time())
+
+    def leave(module, args, output) -> None:
+        IN_ATTENTION[0] += time.process_time() - started.pop()
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.register_forward_pre_hook(enter, prepend=True)
+            module.register_forward_hook(leave, always_call=True)
+
+
 def build(size: Size, split: bool, arm: str, sequences: int) -> dict:
     """One copy: TP (``split``) or the reference's unsplit half, plain or monitored by ``arm``."""
     torch.manual_seed(0)
@@ -200,6 +224,7 @@ def build(size: Size, split: bool, arm: str, sequences: int) -> dict:
     model = Model(size, heads, hidden)
     if split:
         parallelize(model)
+    timing_attention(model)
     if arm == "mode":
         under_passing_mode(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -226,12 +251,14 @@ def build(size: Size, split: bool, arm: str, sequences: int) -> dict:
 #: the parts of a step, timed apart: the probe's opening (entering ``Monitoring.step``), the
 #: forward, the backward, the update (the spectrum's copy before it), the probe's closing
 PHASES = ("open", "forward", "backward", "update", "close")
+#: the phases' table: the forward's part inside the attention modules beside the forward
+REPORTED = ("open", "forward", "in attention", "backward", "update", "close")
 
 
 def step(copy: dict, tokens: torch.Tensor) -> dict[str, float]:
     """One training step of ``copy``: its process CPU seconds in all (``"step"``) and in each of
     :data:`PHASES` (the exchange's in EXCHANGE)."""
-    EXCHANGE[0] = 0.0
+    EXCHANGE[0] = IN_ATTENTION[0] = 0.0
     SHIFT[0] = copy["shift"]
     monitoring = copy["monitoring"]
     probe = monitoring.step(copy["n"]) if monitoring else nullcontext()
@@ -249,7 +276,7 @@ def step(copy: dict, tokens: torch.Tensor) -> dict[str, float]:
     marks.append(time.process_time())
     copy["n"] += 1
     spent = {phase: b - a for phase, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True)}
-    return {"step": marks[-1] - marks[0], **spent}
+    return {"step": marks[-1] - marks[0], **spent, "in attention": IN_ATTENTION[0]}
 
 
 def main() -> None:
@@ -343,11 +370,11 @@ def main() -> None:
     print(
         "plain, step by step, median [95 % interval], ms (close: the exchange's TP - ref apart)\n"
     )
-    print(f"| arm | {' | '.join(PHASES)} | of which the exchange |")
-    print(f"|---|{'---|' * len(PHASES)}---|")
+    print(f"| arm | {' | '.join(REPORTED)} | of which the exchange |")
+    print(f"|---|{'---|' * len(REPORTED)}---|")
     for arm in arms[2:]:
         cells = []
-        for phase in PHASES:
+        for phase in REPORTED:
             excess = [
                 (tm[phase] - tp[phase]) - (rm[phase] - rp[phase])
                 for tm, tp, rm, rp in zip(
