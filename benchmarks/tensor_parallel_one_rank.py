@@ -73,6 +73,7 @@ from tensor_parallel import ENGINES, VOCAB, Attention, Model, Size, engines, par
 
 from qkmonitor.engine import Monitoring
 from qkmonitor.engine.spectrum_read import SpectrumRead
+from qkmonitor.kernels import attention_stats
 from qkmonitor.measures import metrics, sharding
 
 #: process CPU seconds spent in the exchange of the split heads since the last :func:`step`
@@ -166,8 +167,9 @@ def median_interval(values: list[float], z: float = 1.96) -> tuple[float, float,
     return statistics.median(ordered), ordered[k], ordered[n - 1 - k]
 
 
-#: the arms: a second plain copy (the noise floor), a bare mode (below), each engine, all three
-ARMS = ("plain2", "mode", *ENGINES, "all")
+#: the arms: a second plain copy (the noise floor), a bare mode and the measuring alone (below),
+#: each engine, all three
+ARMS = ("plain2", "mode", "stats", *ENGINES, "all")
 
 
 class PassingMode(TorchFunctionMode):
@@ -193,6 +195,37 @@ def under_passing_mode(model: torch.nn.Module) -> None:
         if isinstance(module, Attention):
             module.register_forward_pre_hook(enter)
             module.register_forward_hook(leave)
+
+
+def measuring_alone(model: torch.nn.Module) -> None:
+    """The "stats" arm: no monitor, but each attention's statistics computed by qkmonitor's own
+    kernel (``attention_stats``, as AttentionEntropy's capture calls it) on the forward's q and k,
+    just before ``o_proj`` (where the capture measures, at the attention call): the measuring's
+    numbers and its passes over memory, with no interception, capture or bookkeeping. Its TP -
+    ref is what that work alone does to the TP forward around it (DTensor's dispatch that
+    follows it, in ``o_proj``'s hooks and op, runs after those passes have gone through the
+    CPU's caches)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            outputs: dict[str, torch.Tensor] = {}
+
+            def keep(name: str, outputs=outputs):
+                def kept(projection, args, output) -> None:  # after the style's to_local
+                    outputs[name] = output.detach()
+
+                return kept
+
+            def measure(projection, args, module=module, outputs=outputs) -> None:
+                b, t, _ = args[0].shape  # before the style's from_local: this rank's heads
+                q, k = (
+                    outputs.pop(name).view(b, t, -1, module.head_dim).transpose(1, 2)
+                    for name in "qk"
+                )
+                attention_stats(q, k, causal=True)
+
+            module.q_proj.register_forward_hook(keep("q"))
+            module.k_proj.register_forward_hook(keep("k"))
+            module.o_proj.register_forward_pre_hook(measure, prepend=True)
 
 
 #: process CPU seconds spent inside the attention modules' forwards since the last :func:`step`
@@ -227,6 +260,8 @@ def build(size: Size, split: bool, arm: str, sequences: int) -> dict:
     timing_attention(model)
     if arm == "mode":
         under_passing_mode(model)
+    if arm == "stats":
+        measuring_alone(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     names = ENGINES if arm == "all" else (arm,) if arm in ENGINES else ()
     # the reference's EffectiveRank deals its sequences over the two data-parallel replicas

@@ -51,9 +51,11 @@ def gram_singular_values(x: Tensor) -> Tensor:
     condition number) are exactly 0, so a rank-one matrix has one non-zero value; the others
     keep an absolute error below about ``1e-7 σ_1`` (for min(n, m) up to 1024), which moves an
     effective rank by far less than float32 inputs already do. NaN in, NaN out (LAPACK is never
-    handed a NaN). A large CPU batch is split over torch's threads, products and eigenproblems
-    alike (:func:`qkmonitor.threads.on_threads`: LAPACK solves a batch on one core); each
-    matrix's values are those of a single-threaded call.
+    handed a NaN). A CPU batch is solved in parts of about a megabyte (:data:`_NUMBERS_PER_PART`),
+    and a large one's parts on torch's threads, products and eigenproblems alike
+    (:func:`qkmonitor.threads.on_threads`: LAPACK solves a batch on one core). A matrix's values
+    do not depend on the part it is solved in beyond float64's rounding (LAPACK's results can
+    move in the last bits with the memory a matrix lies in).
 
     Args:
         x: (..., n, m), any float dtype.
@@ -70,19 +72,44 @@ def gram_singular_values(x: Tensor) -> Tensor:
     k = min(n, m)
     flat = x.flatten(0, -3) if x.dim() > 2 else x[None]  # (C, n, m)
     count, threads = flat.shape[0], torch.get_num_threads()
-    if x.device.type != "cpu" or threads < 2 or count < 2 or count * k**3 < _THREADED_EIGH:
-        values = _gram_singular_values(flat)
+    threaded = (
+        x.device.type == "cpu" and threads > 1 and count > 1 and count * k**3 >= _THREADED_EIGH
+    )
+    chunks = _parts(count, n * m, x.device.type, threads if threaded else 1)
+    if threaded:
+        parts = on_threads(lambda chunk: _gram_singular_values(flat[chunk]), chunks)
     else:
-        parts = min(threads, count)
-        chunks = [slice(i * count // parts, (i + 1) * count // parts) for i in range(parts)]
-        values = torch.cat(on_threads(lambda chunk: _gram_singular_values(flat[chunk]), chunks))
+        parts = [_gram_singular_values(flat[chunk]) for chunk in chunks]
+    values = parts[0] if len(parts) == 1 else torch.cat(parts)
     return values.reshape(*x.shape[:-2], k)
 
 
 #: Below this many multiply-adds (``count · k³`` for ``count`` problems of size k) a batch of
-#: eigenproblems is one LAPACK call on the caller's thread; the attention slices of a 6-layer,
-#: 8-head model at 128 probe tokens (192 problems of 128) are 4e8.
+#: eigenproblems is solved on the caller's thread (so is a batch of one part); the attention
+#: slices of a 6-layer, 8-head model at 128 probe tokens (192 problems of 128) are 4e8.
 _THREADED_EIGH = 2**24
+
+#: The most numbers of ``x`` one part of a CPU batch holds (1 MiB in float64). Each part's float64
+#: copy, Gram matrix and LAPACK's copy of it are then about a megabyte each, made and freed part
+#: after part: the passes run in the CPU's caches, and glibc's malloc reuses the same memory
+#: instead of handing the top of its heap back to the system after each larger batch and taking
+#: it again, page fault by page fault, at the next (with EffectiveRank on 4 layers of 16
+#: slices of 128 x 128, ~6,000 minor faults a probe and 12 % of its CPU time;
+#: docs/benchmarks.md, "Page faults").
+_NUMBERS_PER_PART = 2**17
+
+
+def _parts(count: int, numbers: int, device: str, threads: int = 1) -> list[slice]:
+    """``count`` problems of ``numbers`` entries each, in slices of sizes differing by one at
+    most: on the CPU of at most :data:`_NUMBERS_PER_PART` entries (one problem at least), and at
+    least ``threads`` of them (one each for :func:`~qkmonitor.threads.on_threads`; torch's own
+    threads in one batched call double its CPU time for the same wall time); elsewhere one slice
+    of all."""
+    if device != "cpu":
+        return [slice(0, count)]
+    most = max(1, _NUMBERS_PER_PART // max(numbers, 1))  # problems a part
+    parts = max(-(-count // most), min(threads, count))
+    return [slice(i * count // parts, (i + 1) * count // parts) for i in range(parts)]
 
 
 def _gram_singular_values(x: Tensor) -> Tensor:

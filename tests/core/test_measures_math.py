@@ -288,7 +288,7 @@ def test_gram_singular_values_of_a_large_batch_on_threads_are_the_single_threade
     monkeypatch,
 ):
     """A large CPU batch of eigenproblems is split over torch's threads; each matrix's values are
-    exactly those of one single-threaded call, and match float64 SVD."""
+    those of one single-threaded call to float64's rounding, and match float64 SVD."""
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(6, 12, 20, generator=gen).softmax(-1)
     monkeypatch.setattr(ranks, "_THREADED_EIGH", 1)
@@ -300,9 +300,54 @@ def test_gram_singular_values_of_a_large_batch_on_threads_are_the_single_threade
         single = ranks.gram_singular_values(x)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(split, single)
+    assert torch.allclose(split, single, rtol=1e-12, atol=1e-15)
     reference = torch.linalg.svdvals(x.double())
     assert torch.allclose(split, reference, atol=1e-10)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gram_singular_values_in_parts_match_the_whole_batch_and_svd(monkeypatch, threads):
+    """A CPU batch larger than a part is solved part after part (on threads when large), in order:
+    the values are the whole batch's in one call to float64's rounding and match float64 SVD; a
+    matrix larger than a part is a part of its own."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.rand(2, 5, 9, 14, generator=gen).softmax(-1)  # 10 matrices of 126 numbers
+    solve = ranks._gram_singular_values
+    whole = solve(x.flatten(0, 1)).reshape(2, 5, 9)
+    monkeypatch.setattr(ranks, "_NUMBERS_PER_PART", 3 * 126)  # parts of 3 at most: 2, 3, 2, 3
+    monkeypatch.setattr(ranks, "_THREADED_EIGH", 1)
+    solved = []
+    monkeypatch.setattr(ranks, "_gram_singular_values", lambda b: solved.append(len(b)) or solve(b))
+    count = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        values = ranks.gram_singular_values(x)
+    finally:
+        torch.set_num_threads(count)
+    assert sorted(solved) == [2, 2, 3, 3]
+    assert torch.allclose(values, whole, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(values, torch.linalg.svdvals(x.double()), atol=1e-10)
+    solved.clear()
+    monkeypatch.setattr(ranks, "_NUMBERS_PER_PART", 100)  # smaller than one matrix
+    assert torch.allclose(ranks.gram_singular_values(x[0]), whole[0], rtol=1e-12, atol=1e-15)
+    assert solved == [1] * 5
+
+
+def test_gram_parts_hold_at_most_a_part_one_a_thread_and_cover_the_batch_in_order():
+    """Parts hold at most _NUMBERS_PER_PART numbers (a matrix at least), are at least one a
+    thread where the batch has as many matrices, and cover the batch in order; off the CPU the
+    batch is one part."""
+    per_part = ranks._NUMBERS_PER_PART
+    cases = [(16, 128 * 128, 1), (40, 64 * 64, 2), (3, 2 * per_part, 1), (5, 8, 4), (1, 8, 2)]
+    for count, numbers, threads in cases:
+        parts = ranks._parts(count, numbers, "cpu", threads)
+        sizes = [p.stop - p.start for p in parts]
+        assert [p.start for p in parts] == [sum(sizes[:i]) for i in range(len(parts))]
+        assert sum(sizes) == count
+        assert all(s * numbers <= per_part or s == 1 for s in sizes)
+        assert len(parts) >= min(threads, count) and max(sizes) - min(sizes) <= 1
+    assert len(ranks._parts(16, 128 * 128, "cpu")) == 2  # EffectiveRank's 16 slices of 128
+    assert ranks._parts(16, 128 * 128, "cuda") == [slice(0, 16)]
 
 
 def test_attention_erank_leaves_out_the_keys_no_row_attends_and_keeps_nan():
