@@ -3,19 +3,19 @@ by side in one process: process CPU time and minor page faults a probe step.
 
 EffectiveRank's attention ranks are the singular values of each layer's probability slices (a
 sequence's head: 128 x 128 here), from their Gram matrices (``gram_singular_values``). Solved as
-one batch a layer (32 slices: a 4 MiB float64 copy, a Gram matrix and LAPACK's copy of it), each
-layer's buffers are freed together at the top of glibc's heap, which hands them back to the
-system (its trim threshold), and the next layer takes them again page fault by page fault. In
-parts of :data:`qkmonitor.measures.ranks._NUMBERS_PER_PART` numbers (what qkmonitor does), the
-same memory is reused part after part and the passes run in the caches.
+one batch (every layer's slices joined: 4 x 32 slices, a 16 MiB float64 copy, a Gram matrix and
+LAPACK's copy of it), the buffers are freed together at the top of glibc's heap, which hands them
+back to the system (its trim threshold), and the next probe takes them again page fault by page
+fault. In parts of :data:`qkmonitor.measures.ranks.NUMBERS_PER_PART` numbers (what qkmonitor
+does), the same memory is reused part after part and the passes run in the caches.
 
 Three copies of a LLaMA-style decoder (``tensor_parallel.Model``, unsplit: 4 layers, d = 256, 8
 heads of 32, SwiGLU MLP of 512, 128 tokens, batch 4, AdamW, one torch thread unless
-``--threads``, no process group):
-plain, monitored with parts, monitored as before the parts (:func:`whole_parts`, for that copy's
-steps alone), every step a probe, taken in a fresh random order at each
-step. Printed: each monitored copy's step less the plain one's, median (quartiles), in process CPU
-ms and in minor faults (``getrusage``), and parts − whole paired step by step, median [95 %].
+``--threads``, no process group): plain, monitored with parts, monitored as before the parts
+(:func:`whole_parts`, for that copy's steps alone), every step a probe, taken in a fresh random
+order at each step. Printed: each monitored copy's step less the plain one's, median (quartiles),
+in process CPU ms and in minor faults (``getrusage``), and parts − whole paired step by step,
+median [95 %].
 
 Usage::
 

@@ -262,7 +262,7 @@ def logit_sums(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         zero = torch.zeros(1, dtype=torch.float64, device=x.device)
         return zero, zero.clone(), torch.full_like(zero, float("-inf"))
     lse = torch.logsumexp(x, dim=-1).double()
-    largest = x.abs().amax().double().reshape(1)
+    largest = torch.maximum(x.amax(), x.amin().neg()).double().reshape(1)  # max |x|, no copy
     if vocab_group is not None:
         lse, largest = _combine_vocabulary(lse, largest, vocab_group)
     return (

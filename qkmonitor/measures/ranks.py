@@ -51,7 +51,7 @@ def gram_singular_values(x: Tensor) -> Tensor:
     condition number) are exactly 0, so a rank-one matrix has one non-zero value; the others
     keep an absolute error below about ``1e-7 σ_1`` (for min(n, m) up to 1024), which moves an
     effective rank by far less than float32 inputs already do. NaN in, NaN out (LAPACK is never
-    handed a NaN). A CPU batch is solved in parts of about a megabyte (:data:`_NUMBERS_PER_PART`),
+    handed a NaN). A CPU batch is solved in parts of about a megabyte (:data:`NUMBERS_PER_PART`),
     and a large one's parts on torch's threads, products and eigenproblems alike
     (:func:`qkmonitor.threads.on_threads`: LAPACK solves a batch on one core). A matrix's values
     do not depend on the part it is solved in beyond float64's rounding (LAPACK's results can
@@ -96,18 +96,18 @@ _THREADED_EIGH = 2**24
 #: it again, page fault by page fault, at the next (with EffectiveRank on 4 layers of 16
 #: slices of 128 x 128, ~6,000 minor faults a probe and 12 % of its CPU time;
 #: docs/benchmarks.md, "Page faults").
-_NUMBERS_PER_PART = 2**17
+NUMBERS_PER_PART = 2**17
 
 
 def _parts(count: int, numbers: int, device: str, threads: int = 1) -> list[slice]:
     """``count`` problems of ``numbers`` entries each, in slices of sizes differing by one at
-    most: on the CPU of at most :data:`_NUMBERS_PER_PART` entries (one problem at least), and at
+    most: on the CPU of at most :data:`NUMBERS_PER_PART` entries (one problem at least), and at
     least ``threads`` of them (one each for :func:`~qkmonitor.threads.on_threads`; torch's own
     threads in one batched call double its CPU time for the same wall time); elsewhere one slice
     of all."""
     if device != "cpu":
         return [slice(0, count)]
-    most = max(1, _NUMBERS_PER_PART // max(numbers, 1))  # problems a part
+    most = max(1, NUMBERS_PER_PART // max(numbers, 1))  # problems a part
     parts = max(-(-count // most), min(threads, count))
     return [slice(i * count // parts, (i + 1) * count // parts) for i in range(parts)]
 

@@ -314,7 +314,7 @@ def test_gram_singular_values_in_parts_match_the_whole_batch_and_svd(monkeypatch
     x = torch.rand(2, 5, 9, 14, generator=gen).softmax(-1)  # 10 matrices of 126 numbers
     solve = ranks._gram_singular_values
     whole = solve(x.flatten(0, 1)).reshape(2, 5, 9)
-    monkeypatch.setattr(ranks, "_NUMBERS_PER_PART", 3 * 126)  # parts of 3 at most: 2, 3, 2, 3
+    monkeypatch.setattr(ranks, "NUMBERS_PER_PART", 3 * 126)  # parts of 3 at most: 2, 3, 2, 3
     monkeypatch.setattr(ranks, "_THREADED_EIGH", 1)
     solved = []
     monkeypatch.setattr(ranks, "_gram_singular_values", lambda b: solved.append(len(b)) or solve(b))
@@ -328,16 +328,16 @@ def test_gram_singular_values_in_parts_match_the_whole_batch_and_svd(monkeypatch
     assert torch.allclose(values, whole, rtol=1e-12, atol=1e-15)
     assert torch.allclose(values, torch.linalg.svdvals(x.double()), atol=1e-10)
     solved.clear()
-    monkeypatch.setattr(ranks, "_NUMBERS_PER_PART", 100)  # smaller than one matrix
+    monkeypatch.setattr(ranks, "NUMBERS_PER_PART", 100)  # smaller than one matrix
     assert torch.allclose(ranks.gram_singular_values(x[0]), whole[0], rtol=1e-12, atol=1e-15)
     assert solved == [1] * 5
 
 
 def test_gram_parts_hold_at_most_a_part_one_a_thread_and_cover_the_batch_in_order():
-    """Parts hold at most _NUMBERS_PER_PART numbers (a matrix at least), are at least one a
+    """Parts hold at most NUMBERS_PER_PART numbers (a matrix at least), are at least one a
     thread where the batch has as many matrices, and cover the batch in order; off the CPU the
     batch is one part."""
-    per_part = ranks._NUMBERS_PER_PART
+    per_part = ranks.NUMBERS_PER_PART
     cases = [(16, 128 * 128, 1), (40, 64 * 64, 2), (3, 2 * per_part, 1), (5, 8, 4), (1, 8, 2)]
     for count, numbers, threads in cases:
         parts = ranks._parts(count, numbers, "cpu", threads)
