@@ -20,12 +20,15 @@ monitored minus plain, in the process's CPU time, for each engine alone and all 
 quartiles, and a second plain copy's difference from the first (what no monitor costs: the noise
 floor), and a copy with no monitor whose attention forwards run under a bare ``TorchFunctionMode``
 that passes every call on (what seeing the forward's torch calls costs before qkmonitor reads any:
-under TP DTensor's parallel styles add their own calls there). Beside them, what the bound's "one
-collective" carries for TP beyond the reference's sums: the CPU time of the heads' exchange in the
-TP copy (the spectrum's heads put side by side, packed, placed back from the gathered packs and
-into their tables; the fake ``all_gather`` itself costs nothing here), and the TP probe less that
-exchange against the reference's less its own (empty packs: "beyond / ref", 1 where TP costs the
-reference plus its collective's work and nothing more).
+under TP DTensor's parallel styles add their own calls there), and controls with no monitor for
+what the measuring's work does to the forward around it: "stats", qkmonitor's statistics kernel
+alone on each attention's q and k (:func:`measuring_alone`), and, when named, "sweep", a pass
+over ``--sweep-mib`` of memory at the same place (:func:`sweeping`). Beside them, what the
+bound's "one collective" carries for TP beyond the reference's sums: the CPU time of the heads'
+exchange in the TP copy (the spectrum's heads put side by side, packed, placed back from the
+gathered packs and into their tables; the fake ``all_gather`` itself costs nothing here), and the
+TP probe less that exchange against the reference's less its own (empty packs: "beyond / ref", 1
+where TP costs the reference plus its collective's work and nothing more).
 
 The fake ``all_gather`` fills nothing in; here the other rank's output is filled with what a
 rank 1 computing rank 0's values for its own heads would send (:func:`mirror_all_gather`), so that
@@ -45,6 +48,7 @@ Usage::
 
     python benchmarks/tensor_parallel_one_rank.py               # 40 steps a copy
     python benchmarks/tensor_parallel_one_rank.py --steps 80 --engines entropy all
+    python benchmarks/tensor_parallel_one_rank.py --steps 80 --engines stats sweep --sweep-mib 4
 """
 
 from __future__ import annotations
@@ -228,6 +232,22 @@ def measuring_alone(model: torch.nn.Module) -> None:
             module.o_proj.register_forward_pre_hook(measure, prepend=True)
 
 
+def sweeping(model: torch.nn.Module, mib: float) -> None:
+    """The "sweep" arm (named only): no monitor and no statistics, but a pass over ``mib`` MiB of
+    memory (written, then read) just before each attention's ``o_proj``: what any work of that
+    size there does to the dispatch after it, whatever computes it. The "stats" arm's kernel
+    holds two buffers of its call's scores (1 MiB each on this model)."""
+    buffer = torch.empty(int(mib * 2**18))  # float32
+
+    def sweep(projection, args) -> None:
+        buffer.fill_(1.0)
+        buffer.sum()
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.o_proj.register_forward_pre_hook(sweep, prepend=True)
+
+
 #: process CPU seconds spent inside the attention modules' forwards since the last :func:`step`
 IN_ATTENTION = [0.0]
 
@@ -250,7 +270,7 @@ def timing_attention(model: torch.nn.Module) -> None:
             module.register_forward_hook(leave, always_call=True)
 
 
-def build(size: Size, split: bool, arm: str, sequences: int) -> dict:
+def build(size: Size, split: bool, arm: str, sequences: int, sweep_mib: float = 2.0) -> dict:
     """One copy: TP (``split``) or the reference's unsplit half, plain or monitored by ``arm``."""
     torch.manual_seed(0)
     heads, hidden = (size.heads, size.hidden) if split else (size.heads // 2, size.hidden // 2)
@@ -262,6 +282,8 @@ def build(size: Size, split: bool, arm: str, sequences: int) -> dict:
         under_passing_mode(model)
     if arm == "stats":
         measuring_alone(model)
+    if arm == "sweep":
+        sweeping(model, sweep_mib)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     names = ENGINES if arm == "all" else (arm,) if arm in ENGINES else ()
     # the reference's EffectiveRank deals its sequences over the two data-parallel replicas
@@ -318,7 +340,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="timed steps a copy")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--engines", nargs="+", choices=ARMS[1:], default=list(ARMS[1:]))
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=(*ARMS[1:], "sweep"),
+        default=list(ARMS[1:]),
+        help="the arms besides plain (sweep: only when named)",
+    )
+    parser.add_argument("--sweep-mib", type=float, default=2.0, help="the sweep arm's MiB")
     parser.add_argument("--max-probe-sequences", type=int, default=4, help="EffectiveRank's")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -328,7 +357,7 @@ def main() -> None:
     size = Size(layers=4, d_model=256, heads=8, head_dim=32, hidden=512, seq_len=128, batch=4)
     arms = ("plain", "plain2", *args.engines)
     copies = {
-        (split, arm): build(size, split, arm, args.max_probe_sequences)
+        (split, arm): build(size, split, arm, args.max_probe_sequences, args.sweep_mib)
         for split in (True, False)
         for arm in arms
     }

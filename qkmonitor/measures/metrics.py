@@ -30,6 +30,7 @@ from torchmetrics import Metric
 
 from qkmonitor.kernels import AttentionStats
 from qkmonitor.measures.entropies import normalized_entropy
+from qkmonitor.measures.ranks import NUMBERS_PER_PART
 from qkmonitor.measures.sharding import (
     HeadPlacement,
     collective_device,
@@ -251,18 +252,30 @@ def logit_sums(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     where the vocabulary is split across ranks (``ColwiseParallel`` on the vocabulary projection
     with loss parallelism: ``Shard(-1)``), each position's log-partition combined from the ranks'
     parts, ``z = log Σ_r exp(z_r)``, in one ``all_gather`` over that mesh dim (every rank of it
-    computes the same forward) — never the whole logits on one rank."""
+    computes the same forward) — never the whole logits on one rank.
+
+    The positions are read in parts of at most :data:`LOGITS_PER_PART` logits (a position at
+    least), so that no temporary (the float32 copy of half-precision logits, the shifted values
+    and their exponentials) is larger than a part: the hook runs right after the model's output,
+    where a step's memory peaks, and the whole logits' temporaries would be several times their
+    size (a 128k vocabulary at 32k positions: 16 GiB each in float32)."""
     x = logits.detach()
     vocab_group = None
     if callable(getattr(x, "to_local", None)):
         vocab_group = _vocab_split(x)
         x = x.to_local()
-    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     if x.numel() == 0:
         zero = torch.zeros(1, dtype=torch.float64, device=x.device)
         return zero, zero.clone(), torch.full_like(zero, float("-inf"))
-    lse = torch.logsumexp(x, dim=-1).double()
-    largest = torch.maximum(x.amax(), x.amin().neg()).double().reshape(1)  # max |x|, no copy
+    per_part = LOGITS_PER_PART if x.device.type != "cpu" else NUMBERS_PER_PART
+    lse_parts, largest = [], None
+    for part in _position_parts(x, max(1, per_part // x.shape[-1])):
+        part = part.float() if part.dtype in (torch.float16, torch.bfloat16) else part
+        lse_parts.append(torch.logsumexp(part, dim=-1).double())
+        big = torch.maximum(part.amax(), part.amin().neg())  # max |x|, no copy
+        largest = big if largest is None else torch.maximum(largest, big)
+    lse = lse_parts[0] if len(lse_parts) == 1 else torch.cat(lse_parts)
+    largest = largest.double().reshape(1)
     if vocab_group is not None:
         lse, largest = _combine_vocabulary(lse, largest, vocab_group)
     return (
@@ -270,6 +283,22 @@ def logit_sums(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         torch.full((1,), float(lse.numel()), dtype=torch.float64, device=x.device),
         largest,
     )
+
+
+#: The most logits :func:`logit_sums` reads at once on an accelerator (64 MiB in float32); on the
+#: CPU, :data:`~qkmonitor.measures.ranks.NUMBERS_PER_PART`.
+LOGITS_PER_PART = 2**24
+
+
+def _position_parts(x: Tensor, positions: int) -> list[Tensor]:
+    """``x`` (..., V) as 2-D views (P, V) of at most ``positions`` rows each, in order: slices of
+    its rows where they are one strided block, else the parts of each ``x[i]`` (a slice of
+    positions, such as ``logits[:, -k:]``), never a copy."""
+    try:
+        rows = x.view(-1, x.shape[-1])
+    except RuntimeError:  # not one block of rows: each leading index apart
+        return [part for inner in x.unbind(0) for part in _position_parts(inner, positions)]
+    return list(rows.split(positions))
 
 
 def _vocab_split(x: Tensor):

@@ -209,3 +209,61 @@ def test_bf16_autocast_logits_are_read_in_float32():
     m.close()
     assert logits.dtype == torch.bfloat16
     assert engine.latest_run == pytest.approx(expected(logits), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "last positions", "positions first"])
+def test_logit_sums_in_parts_equal_float64_and_make_no_temporary_beyond_a_part(
+    monkeypatch, dtype, layout
+):
+    """The logits are read a few positions at a time (a part of 3 x 64 here): the sums equal
+    float64 math on the whole (in float32 for half-precision logits), whatever their strides (a
+    slice of the last positions, positions before the batch), and no operation makes a tensor
+    larger than a part of float32 logits: the hook never holds a copy of the whole logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qkmonitor.measures import metrics
+
+    gen = torch.Generator().manual_seed(5)
+    full = (4 * torch.randn(3, 9, 64, generator=gen)).to(dtype)
+    logits = {
+        "contiguous": full,
+        "last positions": full[:, -5:],  # rows of each sequence, not one block
+        "positions first": full.transpose(0, 1),  # (9, 3, 64): positions then batch
+    }[layout]
+    part = 3 * 64
+    monkeypatch.setattr(metrics, "NUMBERS_PER_PART", part)
+    made: list[int] = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else [out]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != (
+                    full.untyped_storage().data_ptr()
+                ):
+                    made.append(t.untyped_storage().nbytes())
+            return out
+
+    with Sizes():
+        square_sum, positions, largest = metrics.logit_sums(logits)
+    x = logits.double()
+    lse = torch.logsumexp(x, -1)
+    assert positions.item() == lse.numel()
+    assert square_sum.item() == pytest.approx(float(lse.square().sum()), rel=1e-6)
+    assert largest.item() == float(x.abs().max())
+    assert made and max(made) <= part * 4
+
+
+def test_logit_sums_carry_nan_and_inf_from_any_part(monkeypatch):
+    """A NaN in one part makes the sum NaN; an infinite logit makes the largest infinite."""
+    from qkmonitor.measures import metrics
+
+    monkeypatch.setattr(metrics, "NUMBERS_PER_PART", 2 * 16)
+    logits = torch.randn(2, 6, 16)
+    broken = logits.clone()
+    broken[1, 4, 3] = float("nan")
+    assert math.isnan(metrics.logit_sums(broken)[0].item())
+    broken = logits.clone()
+    broken[0, 5, 0] = float("-inf")
+    assert metrics.logit_sums(broken)[2].item() == math.inf
