@@ -30,7 +30,6 @@ from torchmetrics import Metric
 
 from qkmonitor.kernels import AttentionStats
 from qkmonitor.measures.entropies import normalized_entropy
-from qkmonitor.measures.ranks import NUMBERS_PER_PART
 from qkmonitor.measures.sharding import (
     HeadPlacement,
     collective_device,
@@ -267,9 +266,8 @@ def logit_sums(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if x.numel() == 0:
         zero = torch.zeros(1, dtype=torch.float64, device=x.device)
         return zero, zero.clone(), torch.full_like(zero, float("-inf"))
-    per_part = LOGITS_PER_PART if x.device.type != "cpu" else NUMBERS_PER_PART
     lse_parts, largest = [], None
-    for part in _position_parts(x, max(1, per_part // x.shape[-1])):
+    for part in _position_parts(x, max(1, LOGITS_PER_PART // x.shape[-1])):
         part = part.float() if part.dtype in (torch.float16, torch.bfloat16) else part
         lse_parts.append(torch.logsumexp(part, dim=-1).double())
         big = torch.maximum(part.amax(), part.amin().neg())  # max |x|, no copy
@@ -285,8 +283,9 @@ def logit_sums(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     )
 
 
-#: The most logits :func:`logit_sums` reads at once on an accelerator (64 MiB in float32); on the
-#: CPU, :data:`~qkmonitor.measures.ranks.NUMBERS_PER_PART`.
+#: The most logits :func:`logit_sums` reads at once (64 MiB in float32): each part costs a few
+#: dispatches, so parts as small as the CPU's caches would cost more than they save (a 50k
+#: vocabulary at 8k positions would be 4,000 parts of two positions).
 LOGITS_PER_PART = 2**24
 
 

@@ -232,7 +232,7 @@ def test_logit_sums_in_parts_equal_float64_and_make_no_temporary_beyond_a_part(
         "positions first": full.transpose(0, 1),  # (9, 3, 64): positions then batch
     }[layout]
     part = 3 * 64
-    monkeypatch.setattr(metrics, "NUMBERS_PER_PART", part)
+    monkeypatch.setattr(metrics, "LOGITS_PER_PART", part)
     made: list[int] = []
 
     class Sizes(TorchDispatchMode):
@@ -259,7 +259,7 @@ def test_logit_sums_carry_nan_and_inf_from_any_part(monkeypatch):
     """A NaN in one part makes the sum NaN; an infinite logit makes the largest infinite."""
     from qkmonitor.measures import metrics
 
-    monkeypatch.setattr(metrics, "NUMBERS_PER_PART", 2 * 16)
+    monkeypatch.setattr(metrics, "LOGITS_PER_PART", 2 * 16)
     logits = torch.randn(2, 6, 16)
     broken = logits.clone()
     broken[1, 4, 3] = float("nan")
