@@ -171,11 +171,20 @@ def hidden_state_metrics(x: Tensor) -> tuple[Tensor, Tensor]:
         >>> hidden_state_metrics(x)
         (tensor(1., dtype=torch.float64), tensor(0., dtype=torch.float64))
     """
-    x = x.detach().double()
+    x = x.detach()
     erank = effective_rank(gram_singular_values(x))  # NaN for a sequence holding NaN/Inf
+    flat = x.flatten(0, -3) if x.dim() > 2 else x[None]  # (S, n, d)
+    chunks = _parts(flat.shape[0], flat[0].numel(), x.device.type)
+    collapse = torch.cat([_collapse_residual(flat[chunk].double()) for chunk in chunks])
+    undefined = erank.isnan() | (x.shape[-2] < 2)
+    return erank, torch.where(undefined, float("nan"), collapse.reshape(erank.shape))
+
+
+def _collapse_residual(x: Tensor) -> Tensor:
+    """``‖X − 1 x̄ᵀ‖_F / ‖X‖_F`` of each (n, d) matrix of ``x`` (S, n, d), in float64; the caller
+    hands it a part of the sequences at a time (:func:`_parts`), so that no float64 copy of the
+    whole batch is made and freed at each probe (as the Gram matrices' were)."""
     centered = x - x.mean(dim=-2, keepdim=True)
-    collapse = torch.linalg.vector_norm(centered, dim=(-2, -1)) / torch.linalg.vector_norm(
+    return torch.linalg.vector_norm(centered, dim=(-2, -1)) / torch.linalg.vector_norm(
         x, dim=(-2, -1)
     )
-    undefined = erank.isnan() | (x.shape[-2] < 2)
-    return erank, torch.where(undefined, float("nan"), collapse)

@@ -350,6 +350,32 @@ def test_gram_parts_hold_at_most_a_part_one_a_thread_and_cover_the_batch_in_orde
     assert ranks._parts(16, 128 * 128, "cuda") == [slice(0, 16)]
 
 
+def test_hidden_state_metrics_in_parts_equal_float64_per_sequence(monkeypatch):
+    """A batch of residual-stream matrices read a part of the sequences at a time (parts of 2
+    here): each sequence's effective rank (float64 SVD) and collapse residual ‖X − 1x̄ᵀ‖ / ‖X‖
+    are its own, in place; a NaN makes its sequence NaN alone; one token has no residual."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 3, 7, 5, generator=gen)  # 6 sequences of 7 tokens x 5
+    x[0, 1] += 3.0 * torch.randn(5, generator=gen)  # a sequence with a large mean direction
+    x[1, 2, 4, 0] = float("nan")
+    monkeypatch.setattr(ranks, "NUMBERS_PER_PART", 2 * 7 * 5)
+    erank, collapse = ranks.hidden_state_metrics(x)
+    assert erank.shape == collapse.shape == (2, 3)
+    for i in range(2):
+        for j in range(3):
+            seq = x[i, j].double()
+            if seq.isnan().any():
+                assert erank[i, j].isnan() and collapse[i, j].isnan()
+                continue
+            sv = torch.linalg.svdvals(seq)
+            p = sv / sv.sum()
+            assert erank[i, j].item() == pytest.approx(float(torch.exp(-(p * p.log()).sum())))
+            residual = torch.linalg.norm(seq - seq.mean(0)) / torch.linalg.norm(seq)
+            assert collapse[i, j].item() == pytest.approx(float(residual), rel=1e-12)
+    one_token = ranks.hidden_state_metrics(x[:, :, :1])[1]
+    assert one_token.isnan().all()
+
+
 def test_attention_erank_leaves_out_the_keys_no_row_attends_and_keeps_nan():
     """A causal slice of the first rows attends none of the later keys: their zero columns are
     left out of the Gram matrix, and the effective ranks are those of the whole slice (float64
