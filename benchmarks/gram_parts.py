@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -55,8 +56,9 @@ COPIES = ("plain", "parts", "whole")
 
 
 def whole_parts(count: int, numbers: int, device: str, threads: int = 1) -> list[slice]:
-    """The batch as ``gram_singular_values`` split it before its parts: one slice, or one a thread
-    where it runs on several (``threads``: torch's count for a large batch, else 1)."""
+    """The batch as :mod:`qkmonitor.measures.ranks` split it before its parts (the Gram
+    eigenproblems, and the hidden states' collapse residual read whole): one slice, or one a
+    thread where it runs on several (``threads``: torch's count for a large batch, else 1)."""
     parts = min(threads, count)
     return [slice(i * count // parts, (i + 1) * count // parts) for i in range(parts)]
 
@@ -77,7 +79,7 @@ def build(size: Size, names: list[str], copy: str) -> dict:
 def step(copy: dict, tokens: torch.Tensor) -> tuple[float, int]:
     """One training step (a probe when monitored): its process CPU seconds and minor faults."""
     faults, cpu = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
-    with copy["monitoring"].step(copy["n"]) if copy["monitoring"] else torch.enable_grad():
+    with copy["monitoring"].step(copy["n"]) if copy["monitoring"] else nullcontext():
         logits = copy["model"](tokens[:, :-1])
         F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
         copy["optimizer"].step()
