@@ -203,9 +203,10 @@ def under_passing_mode(model: torch.nn.Module) -> None:
 
 def measuring_alone(model: torch.nn.Module) -> None:
     """The "stats" arm: no monitor, but each attention's statistics computed by qkmonitor's own
-    kernel (``attention_stats``, as AttentionEntropy's capture calls it) on the forward's q and k,
-    just before ``o_proj`` (where the capture measures, at the attention call): the measuring's
-    numbers and its passes over memory, with no interception, capture or bookkeeping. Its TP -
+    kernel (``attention_stats``, as AttentionEntropy's capture calls it) on the forward's q and k
+    projections (before the rotary embedding: the attention call's shapes and work, not its
+    numbers), just before ``o_proj`` (where the capture measures, at the attention call): the
+    measuring's passes over memory, with no interception, capture or bookkeeping. Its TP -
     ref is what that work alone does to the TP forward around it (DTensor's dispatch that
     follows it, in ``o_proj``'s hooks and op, runs after those passes have gone through the
     CPU's caches)."""

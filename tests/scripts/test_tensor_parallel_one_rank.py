@@ -87,3 +87,52 @@ def test_mirrored_all_gather_copies_a_reference_vector_as_it_is(one_rank_of_two)
     dist.all_gather(gathered, flat)
     for output in gathered:
         torch.testing.assert_close(output, flat, rtol=0, atol=0)
+
+
+def test_the_stats_arm_runs_the_kernel_on_each_attention_calls_shapes(
+    benchmark_module, monkeypatch
+):
+    """The "stats" control calls qkmonitor's statistics kernel once a layer a forward, causal, on
+    tensors of the attention call's shape (batch, heads, tokens, head dim), before ``o_proj``, and
+    leaves the model's output as it was."""
+    one_rank = benchmark_module("tensor_parallel_one_rank")
+    size = one_rank.Size(
+        layers=2, d_model=64, heads=4, head_dim=16, hidden=128, seq_len=12, batch=3
+    )
+    calls, order = [], []
+    monkeypatch.setattr(
+        one_rank, "attention_stats", lambda q, k, **kw: calls.append((q.shape, k.shape, kw))
+    )
+    torch.manual_seed(0)
+    model = one_rank.Model(size, size.heads, size.hidden)
+    torch.manual_seed(0)
+    twin = one_rank.Model(size, size.heads, size.hidden)
+    one_rank.measuring_alone(model)
+    for layer in model.layers:
+        layer.attn.o_proj.register_forward_pre_hook(lambda m, a: order.append(len(calls)))
+    tokens = torch.randint(one_rank.VOCAB, (size.batch, size.seq_len))
+    torch.testing.assert_close(model(tokens), twin(tokens), rtol=0, atol=0)
+    shape = (size.batch, size.heads, size.seq_len, size.head_dim)
+    assert calls == [(shape, shape, {"causal": True})] * 2
+    assert order == [1, 2]  # each layer's kernel call before its o_proj
+
+
+def test_the_whole_arm_of_gram_parts_splits_as_before_the_parts(benchmark_module, monkeypatch):
+    """``gram_parts.py``'s "whole" copy stands for the code before the parts: a batch in one
+    slice on one thread, and one slice a thread (sizes differing by one) where it was threaded."""
+    gram_parts = benchmark_module("gram_parts")
+    assert gram_parts.whole_parts(128, 128 * 128, "cpu") == [slice(0, 128)]
+    assert gram_parts.whole_parts(7, 64, "cpu", threads=2) == [slice(0, 3), slice(3, 7)]
+    from qkmonitor.measures import ranks
+
+    seen = []
+    solve = ranks._gram_singular_values
+    monkeypatch.setattr(ranks, "_parts", gram_parts.whole_parts)
+    monkeypatch.setattr(ranks, "_gram_singular_values", lambda b: seen.append(len(b)) or solve(b))
+    count = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ranks.gram_singular_values(torch.rand(32, 128, 128))  # 32 x 128^3 >= _THREADED_EIGH
+    finally:
+        torch.set_num_threads(count)
+    assert seen == [16, 16]
