@@ -22,6 +22,7 @@ def reduce(rank: int, out_dir: str) -> None:
     layer1 = torch.ones(2) if rank == 0 else torch.ones(4)
     reduced, disagree = _largest_over_ranks([layer0.double(), layer1.double()])
     torch.save({"reduced": reduced, "disagree": disagree}, f"{out_dir}/rank{rank}.pt")
+    dist.barrier()  # both ranks done with every collective before either tears gloo down
     dist.destroy_process_group()
 
 

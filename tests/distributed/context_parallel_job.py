@@ -162,6 +162,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
                 layer.attn.q_proj.weight.mul_(3.0)
         runs[parallel] = train(model, tokens, parallel)
     torch.save(runs, f"{out_dir}/values_{rank}.pt")
+    dist.barrier()  # both ranks done with every collective before either tears gloo down
     dist.destroy_process_group()
 
 

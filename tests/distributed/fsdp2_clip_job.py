@@ -63,6 +63,7 @@ def train(rank: int, world: int, out_dir: str) -> None:
         counts = [c.clone() for c in clip.clip_counts]
         torch.save({"weights": weights, "counts": counts}, f"{out_dir}/qk.pt")
     if world > 1:
+        dist.barrier()  # both ranks done with every collective before either tears gloo down
         dist.destroy_process_group()
 
 

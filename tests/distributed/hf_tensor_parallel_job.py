@@ -171,6 +171,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
     bundled_split(model, mesh)
     runs["bundled"] = train(model, tokens, tensor_parallel=True)
     torch.save(runs, f"{out_dir}/values_{rank}.pt")
+    dist.barrier()  # both ranks done with every collective before either tears gloo down
     dist.destroy_process_group()
 
 
