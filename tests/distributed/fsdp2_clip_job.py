@@ -9,6 +9,7 @@ plain loop, then rank 0 saves the full query and key weights and the clip counts
 ``OUT_DIR/qk.pt``.
 """
 
+import gc
 import sys
 
 import torch
@@ -25,6 +26,18 @@ def train(rank: int, world: int, out_dir: str) -> None:
         dist.init_process_group(
             "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world
         )
+    fit(rank, world, out_dir)
+    if world > 1:
+        # the model's DTensors and FSDP2's state, which hold the group, gone while the interpreter
+        # is whole (left to its finalization, gloo's teardown aborted a rank now and then), and
+        # both ranks done with every collective before either tears gloo down
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def fit(rank: int, world: int, out_dir: str) -> None:
+    """Train, and on rank 0 save the weights and clip counts; what it made is freed on return."""
     torch.manual_seed(0)
     model = DecoderLM(
         TransformerConfig(vocab_size=16, d_model=32, n_heads=4, n_layers=2, max_seq_len=9)
@@ -62,9 +75,6 @@ def train(rank: int, world: int, out_dir: str) -> None:
     if rank == 0:
         counts = [c.clone() for c in clip.clip_counts]
         torch.save({"weights": weights, "counts": counts}, f"{out_dir}/qk.pt")
-    if world > 1:
-        dist.barrier()  # both ranks done with every collective before either tears gloo down
-        dist.destroy_process_group()
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ of the same 8 sequences (each of two ranks 4 of them) with the spectrum and entr
 plain loop; rank 0 saves the latest values and the warnings to ``OUT_DIR/values.pt``.
 """
 
+import gc
 import sys
 import warnings
 
@@ -69,6 +70,18 @@ def run(rank: int, world: int, out_dir: str, projections: bool = False) -> None:
         dist.init_process_group(
             "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world
         )
+    fit(rank, world, out_dir, projections)
+    if world > 1:
+        # the model's DTensors and FSDP2's state, which hold the group, gone while the interpreter
+        # is whole (left to its finalization, gloo's teardown aborted a rank now and then), and
+        # both ranks done with every collective before either tears gloo down
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def fit(rank: int, world: int, out_dir: str, projections: bool) -> None:
+    """Two probed steps, and on rank 0 the values saved; what it made is freed on return."""
     torch.manual_seed(0)
     model = Model()
     with torch.no_grad():  # sharper heads than at initialisation, so that entropies differ
@@ -110,9 +123,6 @@ def run(rank: int, world: int, out_dir: str, projections: bool = False) -> None:
             },
             f"{out_dir}/values.pt",
         )
-    if world > 1:
-        dist.barrier()  # both ranks done with every collective before either tears gloo down
-        dist.destroy_process_group()
 
 
 def main() -> None:
