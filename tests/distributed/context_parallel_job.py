@@ -17,6 +17,7 @@ computes it from its math decomposition, exactly (the keys gathered), which is e
 qkmonitor what context parallelism hands SDPA.
 """
 
+import gc
 import sys
 import warnings
 from contextlib import nullcontext
@@ -162,6 +163,8 @@ def run(rank: int, world: int, out_dir: str) -> None:
                 layer.attn.q_proj.weight.mul_(3.0)
         runs[parallel] = train(model, tokens, parallel)
     torch.save(runs, f"{out_dir}/values_{rank}.pt")
+    del model  # its DTensors hold the group: gone while the interpreter is whole, not at exit
+    gc.collect()
     dist.barrier()  # both ranks done with every collective before either tears gloo down
     dist.destroy_process_group()
 

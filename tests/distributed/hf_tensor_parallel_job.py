@@ -14,6 +14,7 @@ its losses, latest values, QK-Clip counts, warnings, (rank 0, the only one that 
 histograms, and the query weights after training, to ``OUT_DIR/values_RANK.pt``.
 """
 
+import gc
 import os
 import sys
 import warnings
@@ -171,6 +172,8 @@ def run(rank: int, world: int, out_dir: str) -> None:
     bundled_split(model, mesh)
     runs["bundled"] = train(model, tokens, tensor_parallel=True)
     torch.save(runs, f"{out_dir}/values_{rank}.pt")
+    del model, mesh  # they hold the group: gone while the interpreter is whole, not at exit
+    gc.collect()
     dist.barrier()  # both ranks done with every collective before either tears gloo down
     dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ QK-Clip counts, warnings and (rank 0, the only one that writes) scalars and hist
 and the query weights after training, to ``OUT_DIR/values_RANK.pt``.
 """
 
+import gc
 import sys
 import warnings
 from collections import Counter
@@ -216,6 +217,8 @@ def run(rank: int, world: int, out_dir: str) -> None:
                     layer.attn.q_proj.weight.mul_(3.0)
             runs[kv_heads, parallel] = train(model, tokens, parallel)
     torch.save(runs, f"{out_dir}/values_{rank}.pt")
+    del model  # its DTensors hold the group: gone while the interpreter is whole, not at exit
+    gc.collect()
     dist.barrier()  # both ranks done with every collective before either tears gloo down
     dist.destroy_process_group()
 
