@@ -125,8 +125,10 @@ def test_a_baton_gives_each_arm_its_turns_in_alternating_order(overhead):
 def test_parts_times_every_part_of_the_readme_configuration(overhead, monkeypatch):
     """``--parts --readme`` on the nanoGPT-style model (its attention intercepted): every part of
     :data:`PARTS` still exists and is called in the windows (a renamed function would leave a
-    part at zero calls), the timers are removed afterwards, and a window's parts add up to less
-    than its steps took."""
+    part at zero calls), the timers are removed afterwards, and a window's parts, at their median
+    call, add up to less than its steps took (the mean over windows also holds the first call's
+    costs, such as an import the process has not made yet: 105 ms once in CI against a 35 ms
+    step)."""
     import argparse
 
     import qkmonitor.attention.calls
@@ -140,4 +142,4 @@ def test_parts_times_every_part_of_the_readme_configuration(overhead, monkeypatc
     assert set(timed) == {name for _, name in overhead.PARTS}
     for name, (median, per_window, window) in timed.items():
         assert per_window > 0 and median > 0, name
-        assert window < 3 * step, name
+        assert median * per_window < 3 * step, name
