@@ -104,8 +104,8 @@ def _parts(count: int, numbers: int, device: str, threads: int = 1) -> list[slic
     most: on the CPU of at most :data:`NUMBERS_PER_PART` entries (one problem at least), and at
     least ``threads`` of them (one each for :func:`~qkmonitor.threads.on_threads`; torch's own
     threads in one batched call double its CPU time for the same wall time); elsewhere one slice
-    of all."""
-    if device != "cpu":
+    of all (and of an empty batch)."""
+    if device != "cpu" or count == 0:  # (an empty batch: one empty part, its shapes kept)
         return [slice(0, count)]
     most = max(1, NUMBERS_PER_PART // max(numbers, 1))  # problems a part
     parts = max(-(-count // most), min(threads, count))
@@ -174,7 +174,7 @@ def hidden_state_metrics(x: Tensor) -> tuple[Tensor, Tensor]:
     x = x.detach()
     erank = effective_rank(gram_singular_values(x))  # NaN for a sequence holding NaN/Inf
     flat = x.flatten(0, -3) if x.dim() > 2 else x[None]  # (S, n, d)
-    chunks = _parts(flat.shape[0], flat[0].numel(), x.device.type)
+    chunks = _parts(flat.shape[0], flat.shape[-2] * flat.shape[-1], x.device.type)
     collapse = torch.cat([_collapse_residual(flat[chunk].double()) for chunk in chunks])
     undefined = erank.isnan() | (x.shape[-2] < 2)
     return erank, torch.where(undefined, float("nan"), collapse.reshape(erank.shape))

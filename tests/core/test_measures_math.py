@@ -376,6 +376,21 @@ def test_hidden_state_metrics_in_parts_equal_float64_per_sequence(monkeypatch):
     assert one_token.isnan().all()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_empty_batch_gives_empty_values_of_its_shape(monkeypatch, threads):
+    """No matrix in: no value out, shaped as the batch (as before the parts), on any threads."""
+    monkeypatch.setattr(ranks, "_THREADED_EIGH", 1)
+    count = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        values = ranks.gram_singular_values(torch.zeros(0, 3, 4, 5))
+        erank, collapse = ranks.hidden_state_metrics(torch.zeros(0, 4, 5))
+    finally:
+        torch.set_num_threads(count)
+    assert values.shape == (0, 3, 4) and values.dtype == torch.float64
+    assert erank.shape == collapse.shape == (0,)
+
+
 def test_attention_erank_leaves_out_the_keys_no_row_attends_and_keeps_nan():
     """A causal slice of the first rows attends none of the later keys: their zero columns are
     left out of the Gram matrix, and the effective ranks are those of the whole slice (float64
