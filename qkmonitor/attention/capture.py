@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from qkmonitor.attention.calls import MASK_FLOOR, UnreadCall
 from qkmonitor.attention.capture_call import ForwardCapture
-from qkmonitor.attention.capture_mode import FLEX, forget_call, open_calls
+from qkmonitor.attention.capture_mode import FLEX, Interceptor, forget_call, open_calls
 from qkmonitor.attention.compiled import add_forward_hooks, switch_of
 from qkmonitor.attention.layout_names import HEADS_NAMES, attribute
 from qkmonitor.attention.parallel_hooks import ParallelHooks
@@ -89,25 +89,30 @@ class InterceptChannel(Channel):
         # (eager forwards: a compiled one traces them)
         self._parallel = ParallelHooks(module) if switch_of(module) is None else None
 
-    def _calls(self) -> list[ForwardCapture]:
-        calls = getattr(self._threads, "calls", None)
-        if calls is None:
-            calls = self._threads.calls = []
-        return calls
+    def _modes(self) -> list[Interceptor]:
+        """This thread's open forwards of the module, innermost last: each one's mode, which holds
+        its capture (the capture does not hold the mode: no reference cycle keeps a forward's
+        tensors alive after it, until the cyclic collector runs)."""
+        modes = getattr(self._threads, "modes", None)
+        if modes is None:
+            modes = self._threads.modes = []
+        return modes
 
     def _enter(self, module: nn.Module, args, kwargs) -> None:
         call = ForwardCapture(self)
-        call.mode.__enter__()
-        self._calls().append(call)
+        mode = Interceptor(call)
+        mode.__enter__()
+        self._modes().append(mode)
         open_calls().append(call)
 
     def _leave(self, module: nn.Module, args, output) -> None:
-        calls = self._calls()
-        if not calls:
+        modes = self._modes()
+        if not modes:
             return
-        call = calls.pop()
+        mode = modes.pop()
+        call = mode.call
         forget_call(call)
-        call.mode.__exit__(None, None, None)
+        mode.__exit__(None, None, None)
         if output is not None and call.first and self.observers:  # it ran; nothing was read
             self.observers.notify(UnreadCall(call.unread_reason()))
 
@@ -137,11 +142,11 @@ class InterceptChannel(Channel):
         self._release_flex()
         # a forward left without its hook: a BaseException (KeyboardInterrupt) skips torch's
         # always-call hooks, so its mode is still entered on this thread until the probe closes
-        calls = self._calls()
-        while calls:
-            call = calls.pop()
-            forget_call(call)
-            call.mode.__exit__(None, None, None)
+        modes = self._modes()
+        while modes:
+            mode = modes.pop()
+            forget_call(mode.call)
+            mode.__exit__(None, None, None)
 
 
 def route_probe(

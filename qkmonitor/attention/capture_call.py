@@ -20,7 +20,6 @@ from qkmonitor.attention.capture_builders import (
     scores_call,
     sdpa_call,
 )
-from qkmonitor.attention.capture_mode import Interceptor
 from qkmonitor.attention.context_parallel import context_parallel_reason, first_chunk, local
 from qkmonitor.attention.layout_check import LayoutEvidence, product_scale
 from qkmonitor.attention.masks import AdditiveMasks
@@ -79,7 +78,6 @@ class ForwardCapture:
         #: split by output features across ranks (tensor parallelism: a ``RowShard``), or why
         #: that split cannot be read by head
         self.shards: dict[int, RowShard | str] = {}
-        self.mode = Interceptor(self)
 
     def unread_reason(self) -> str:
         """Why this forward gave nothing to read: the calls seen and what was missing, or that

@@ -21,7 +21,7 @@ from qkmonitor.attention.compiled import own_class
 from qkmonitor.attention.context_parallel import TORCH_SDPA
 from qkmonitor.attention.probes import in_side_computation
 
-if TYPE_CHECKING:  # the capture makes its interceptor: a type named here, not imported at runtime
+if TYPE_CHECKING:  # the channel pairs each capture with its interceptor: a type named here only
     from qkmonitor.attention.capture_call import ForwardCapture
 
 #: the ways a softmax is called from Python (``F.softmax``, ``torch.softmax``, ``x.softmax``)
