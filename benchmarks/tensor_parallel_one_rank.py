@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -82,6 +83,8 @@ from qkmonitor.measures import metrics, sharding
 
 #: process CPU seconds spent in the exchange of the split heads since the last :func:`step`
 EXCHANGE = [0.0]
+#: since the last :func:`step`: process CPU seconds in Python's cyclic collector, its collections
+COLLECTOR = [0.0, 0]
 
 
 def exchange_counted(function):
@@ -105,6 +108,23 @@ def count_the_exchange() -> None:
     SpectrumRead.merge = exchange_counted(SpectrumRead.merge)
     metrics.pack_heads = exchange_counted(metrics.pack_heads)
     metrics.unpack_heads = exchange_counted(metrics.unpack_heads)
+
+
+def count_the_collector() -> None:
+    """Add each collection's process CPU time to COLLECTOR (``gc.callbacks``). The collector runs
+    when generation 0's count of container objects allocated and not freed passes its threshold
+    (700): a TP forward keeps ~800 alive (DTensors, their specs, autograd's nodes of the parallel
+    styles), the reference's ~70, so a probe's own objects tip TP's count over more often."""
+    started = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.process_time()
+        else:
+            COLLECTOR[0] += time.process_time() - started[0]
+            COLLECTOR[1] += 1
+
+    gc.callbacks.append(timed)
 
 
 #: the last pack of split heads: its size and where each layer's offset lies in it
@@ -316,7 +336,8 @@ REPORTED = ("open", "forward", "in attention", "backward", "update", "close")
 def step(copy: dict, tokens: torch.Tensor) -> dict[str, float]:
     """One training step of ``copy``: its process CPU seconds in all (``"step"``) and in each of
     :data:`PHASES` (the exchange's in EXCHANGE)."""
-    EXCHANGE[0] = IN_ATTENTION[0] = 0.0
+    EXCHANGE[0] = IN_ATTENTION[0] = COLLECTOR[0] = 0.0
+    COLLECTOR[1] = 0
     SHIFT[0] = copy["shift"]
     monitoring = copy["monitoring"]
     probe = monitoring.step(copy["n"]) if monitoring else nullcontext()
@@ -334,7 +355,13 @@ def step(copy: dict, tokens: torch.Tensor) -> dict[str, float]:
     marks.append(time.process_time())
     copy["n"] += 1
     spent = {phase: b - a for phase, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True)}
-    return {"step": marks[-1] - marks[0], **spent, "in attention": IN_ATTENTION[0]}
+    return {
+        "step": marks[-1] - marks[0],
+        **spent,
+        "in attention": IN_ATTENTION[0],
+        "collector": COLLECTOR[0],
+        "collections": COLLECTOR[1],
+    }
 
 
 def main() -> None:
@@ -355,6 +382,7 @@ def main() -> None:
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     mirror_all_gather()  # first: the exchange's count includes its bookkeeping
     count_the_exchange()
+    count_the_collector()
     size = Size(layers=4, d_model=256, heads=8, head_dim=32, hidden=512, seq_len=128, batch=4)
     arms = ("plain", "plain2", *args.engines)
     copies = {
@@ -460,6 +488,18 @@ def main() -> None:
         ]
         cells.append(f"{1e3 * statistics.median(exchanged):+.2f}")
         print(f"| {arm} | {' | '.join(cells)} |")
+    print("\nPython's cyclic collector in each copy: collections a step and their CPU ms a step,")
+    print("means (a collection falls in some steps only: its median is 0)\n")
+    print("| copy | TP (4 of 8 heads) | reference (4 heads) |")
+    print("|---|---|---|")
+    for arm in arms:
+        cells = []
+        for split in (True, False):
+            phases = copies[(split, arm)]["phases"]
+            count = statistics.mean(p["collections"] for p in phases)
+            spent = statistics.mean(p["collector"] for p in phases)
+            cells.append(f"{count:.2f}, {1e3 * spent:.2f}")
+        print(f"| {arm} | {cells[0]} | {cells[1]} |")
     for split in (True, False):
         plain = statistics.median(copies[(split, "plain")]["cpu"])
         print(f"\nplain step, {'TP' if split else 'reference'}: {1e3 * plain:.1f} ms CPU", end="")

@@ -23,10 +23,13 @@ from contextlib import contextmanager
 from functools import partial
 from types import FunctionType
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
 
+from qkmonitor import QKMonitor
 from qkmonitor.engine import (
     AttentionEntropy,
     EffectiveRank,
@@ -157,3 +160,71 @@ def test_a_probe_leaves_no_reference_cycle(name, training):
             if not own:  # torch's flex_attention leaves cycles of its own (its pytree helpers)
                 assert found == Counter()
     monitoring.close()
+
+
+class _Census(pl.Callback):
+    """After each training batch from the second on: what the batch left in reference cycles
+    (the collector off for the fit), of qkmonitor's or tensors (:func:`ours`)."""
+
+    def __init__(self) -> None:
+        self.left: list[Counter] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        gc.collect()  # what came before this batch (the fit's start, the first probe's binding)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        gc.collect()
+        found = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
+        gc.garbage.clear()
+        gc.set_debug(0)
+        if batch_idx > 0:
+            self.left.append(ours(found))
+
+
+class _Intercepted(pl.LightningModule):
+    """The SDPA and explicit-softmax blocks in a LightningModule, with a validation loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Model(NanoAttention(), NanoAttention(flash=False))
+        self.tokens = torch.randint(0, 20, (16, T), generator=torch.Generator().manual_seed(0))
+
+    def _loss(self, batch):
+        return F.cross_entropy(self.model(batch).flatten(0, 1), batch.flatten())
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self._loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.tokens, batch_size=2)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.tokens[:4], batch_size=2)
+
+
+def test_a_lightning_fit_with_qkmonitor_leaves_no_reference_cycle_of_its_own(tmp_path):
+    """The README's callback in a real Trainer (TensorBoard logger, validation between epochs):
+    from the second batch on, no probed or unprobed batch leaves qkmonitor's objects or tensors
+    in cycles."""
+    census = _Census()
+    trainer = pl.Trainer(
+        max_epochs=2,
+        callbacks=[QKMonitor(every_n_steps=2, per_head=True), census],
+        logger=TensorBoardLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    with collector_off(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fit's own (its dataloader workers, the logit floor)
+        trainer.fit(_Intercepted())
+    assert len(census.left) == 14 and not any(census.left), census.left
