@@ -44,15 +44,19 @@ from tests.engine.tiny import decoder
 
 @contextmanager
 def collector_off():
-    """The cyclic collector disabled (as it was after), its garbage kept for the message."""
+    """The cyclic collector disabled, what exists now frozen out of its walks (a collection then
+    looks only at what was made since: fast in a process holding torch and transformers), and
+    both put back after."""
     enabled = gc.isenabled()
     gc.disable()
     gc.collect()
+    gc.freeze()
     try:
         yield
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+        gc.unfreeze()
         if enabled:
             gc.enable()
 
