@@ -3,7 +3,7 @@ parallel_hooks): a rank's probed forward hands the interceptor exactly the calls
 computing the same heads hands it; the model's hooks are its own again after the probe, also
 after a hook that raises (an ``Exception`` or a ``KeyboardInterrupt``), and a hook the model
 replaced during the probe stays replaced; a mode of the model's own above the interceptor is left
-alone.
+alone; the probe leaves nothing of qkmonitor's in reference cycles.
 
 On torch's fake process group (one process posing as rank 0 of 2: no collective moves data); the
 values, on two gloo ranks, are tests/distributed/test_tensor_parallel.py's."""
@@ -257,3 +257,29 @@ def test_a_probed_model_is_freed_with_its_last_reference(mesh, seen):
     del sharded, proj
     gc.collect()
     assert [ref() for ref in gone] == [None, None, None]
+
+
+def test_a_tensor_parallel_probe_leaves_no_reference_cycle_of_its_own(mesh):
+    """The wrappers, channels and captures of a TP probe (entropy and spectrum) are freed by
+    reference counting: nothing of qkmonitor's and no tensor in the cycles a step leaves (DTensor's
+    own forward leaves torch's pytree helpers in cycles at every step: not counted)."""
+    from qkmonitor.engine import QKSpectrum
+    from tests.core.test_no_cycles import collector_off, ours, unreachable_after
+
+    model = parallelized(mesh)
+    engines = [AttentionEntropy(per_head=True), QKSpectrum(per_head=True)]
+    monitoring = Monitoring(model, engines, every_n_steps=1)
+    x = torch.randn(2, 6, WIDTH, generator=torch.Generator().manual_seed(0))
+    steps = iter(range(10))
+
+    def step():
+        with monitoring.step(next(steps)):
+            model(x).sum().backward()
+
+    with collector_off(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fake all_gather leaves rank 1's heads unfilled
+        step()  # the first probe's discovery apart
+        for _ in range(2):
+            found = unreachable_after(step)
+            assert found and ours(found) == {}, found  # found: torch's own, so the count works
+    monitoring.close()
