@@ -266,3 +266,35 @@ def test_a_keyboard_interrupt_in_a_probed_forward_leaves_nothing_without_a_conte
     entropy = monitor.engines[1]
     assert entropy.schedule.latest_step == 1
     assert all(torch.isfinite(h).all() for h in entropy.latest["entropy_norm"])
+
+
+def test_a_trainer_run_leaves_no_reference_cycle_of_qkmonitors(tmp_path):
+    """Every step of a Trainer run probed (its model's attention intercepted): no step leaves
+    qkmonitor's objects or tensors in cycles (``tests/core/test_no_cycles.py``)."""
+    import gc
+    from collections import Counter
+
+    from tests.core.test_no_cycles import collector_off, ours
+
+    class Census(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.left: list[Counter] = []
+
+        def on_step_begin(self, args, state, control, **kwargs) -> None:
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+
+        def on_step_end(self, args, state, control, **kwargs) -> None:
+            gc.collect()
+            found = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
+            gc.garbage.clear()
+            gc.set_debug(0)
+            self.left.append(ours(found))
+
+    census = Census()
+    engines = [QKSpectrum(per_head=True), AttentionEntropy(per_head=True), EffectiveRank()]
+    run = trainer(tmp_path, InterceptedLM(), HFQKMonitorCallback(engines, every_n_steps=1))
+    run.add_callback(census)  # after qkmonitor's: its step ends first
+    with collector_off():
+        run.train()
+    assert len(census.left) == 4 and not any(census.left), census.left
