@@ -2,8 +2,9 @@
 cycles after it, and the bytes of the tensor storages among them (memory that stays allocated until
 the collector next runs: on a GPU, memory the next step's peak cannot reuse).
 
-A nanoGPT-style model of 4 blocks (d 256, 8 heads, 256 tokens, batch 8), its attention through
-``F.scaled_dot_product_attention`` or an explicit ``softmax(q @ kᵀ) @ v``, monitored by
+``benchmarks/nanogpt.py``'s GPT of 4 blocks (d 256, 8 heads, 256 tokens, batch 8), its attention
+through ``F.scaled_dot_product_attention`` or nanoGPT's slow path, an explicit masked softmax
+(``softmax(q @ kᵀ / √d) @ v``), monitored by
 QKSpectrum, AttentionEntropy and EffectiveRank, every step a probe; a training step and a forward
 under ``no_grad`` (a validation probe). The collector is disabled while it runs; after each step
 ``gc.collect()`` with ``DEBUG_SAVEALL`` keeps what it found for counting. The unmonitored model's
@@ -19,58 +20,23 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import sys
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from nanogpt import GPT
+
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from qkmonitor.models import TransformerConfig
 from qkmonitor.output.sinks import MemorySink
 
 VOCAB = 100
-
-
-class Attention(nn.Module):
-    """nanoGPT's CausalSelfAttention: one ``c_attn``, SDPA or an explicit masked softmax."""
-
-    def __init__(self, d: int, heads: int, explicit: bool) -> None:
-        super().__init__()
-        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.n_head, self.n_embd, self.explicit = heads, d, explicit
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = (
-            z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-            for z in self.c_attn(x).split(c, 2)
-        )
-        if not self.explicit:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-            att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-            y = F.softmax(att, dim=-1) @ v
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-class Model(nn.Module):
-    def __init__(self, layers: int, d: int, heads: int, explicit: bool) -> None:
-        super().__init__()
-        self.embed, self.head = nn.Embedding(VOCAB, d), nn.Linear(d, VOCAB)
-        self.blocks = nn.ModuleList(Attention(d, heads, explicit) for _ in range(layers))
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
 
 
 def step(model, monitoring, tokens, training: bool, probe: int | None) -> None:
@@ -125,7 +91,15 @@ def main() -> None:
         for explicit in (False, True):
             for training in (True, False):
                 torch.manual_seed(0)
-                model = Model(args.layers, args.d_model, args.heads, explicit)
+                config = TransformerConfig(
+                    vocab_size=VOCAB,
+                    d_model=args.d_model,
+                    n_layers=args.layers,
+                    n_heads=args.heads,
+                    max_seq_len=args.seq_len,
+                    dropout=0.0,
+                )
+                model = GPT(config, flash=not explicit)
                 engines = [QKSpectrum(), AttentionEntropy(), EffectiveRank()]
                 monitoring = Monitoring(model, engines, writer=MemorySink(), every_n_steps=1)
                 step(model, monitoring, tokens, training, 0)  # the first probe's discovery apart

@@ -2,11 +2,12 @@
 
 It stands for third-party attention that qkmonitor finds with no user code: each
 ``CausalSelfAttention`` has one fused ``c_attn = nn.Linear(d, 3d)``, a ``c_proj``, ``n_head``,
-and calls ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``; nothing in it imports
-qkmonitor. The sizes come from a :class:`~qkmonitor.models.TransformerConfig` (``d_model``,
-``n_layers``, ``n_heads``, ``d_ff``, ``max_seq_len``, ``vocab_size``, ``bias``, ``dropout``), so
-that it matches a bundled model of the same config; positions are learned, as in nanoGPT, and
-the token embedding is tied to the LM head. Used by ``benchmarks/overhead.py --arch nanogpt``.
+and calls ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` (or, ``flash=False``,
+nanoGPT's slow path: an explicit masked softmax); nothing in it imports qkmonitor. The sizes come
+from a :class:`~qkmonitor.models.TransformerConfig` (``d_model``, ``n_layers``, ``n_heads``,
+``d_ff``, ``max_seq_len``, ``vocab_size``, ``bias``, ``dropout``), so that it matches a bundled
+model of the same config; positions are learned, as in nanoGPT, and the token embedding is tied
+to the LM head. Used by ``benchmarks/overhead.py --arch nanogpt`` and ``benchmarks/cycles.py``.
 """
 
 from __future__ import annotations
@@ -24,14 +25,20 @@ __all__ = ["GPT", "NanoGPTTask"]
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, flash: bool = True) -> None:
         super().__init__()
         self.c_attn = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
         self.c_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_heads
         self.n_embd = config.d_model
         self.dropout = config.dropout
+        self.flash = flash
+        if not flash:  # nanoGPT's slow path: the causal mask as a buffer
+            size = config.max_seq_len
+            mask = torch.tril(torch.ones(size, size)).view(1, 1, size, size)
+            self.register_buffer("bias", mask, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.size()
@@ -39,9 +46,14 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        if self.flash:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            y = self.attn_dropout(F.softmax(att, dim=-1)) @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -59,10 +71,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, flash: bool = True) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, flash)
         self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -72,16 +84,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """(B, T) tokens -> (B, T, V) logits."""
+    """(B, T) tokens -> (B, T, V) logits; ``flash=False``: nanoGPT's slow path, an explicit masked
+    softmax (``softmax(q @ kᵀ / √d) @ v``) where SDPA is not used."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, flash: bool = True) -> None:
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(config.vocab_size, config.d_model),
             "wpe": nn.Embedding(config.max_seq_len, config.d_model),
             "drop": nn.Dropout(config.dropout),
-            "h": nn.ModuleList([Block(config) for _ in range(config.n_layers)]),
+            "h": nn.ModuleList([Block(config, flash) for _ in range(config.n_layers)]),
             "ln_f": nn.LayerNorm(config.d_model, bias=config.bias),
         })  # fmt: skip
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)

@@ -70,3 +70,20 @@ def test_the_one_rank_benchmark_counts_each_collection(benchmark_module):
         assert one_rank.COLLECTOR[1] == 2 and one_rank.COLLECTOR[0] >= 0.0
     finally:
         gc.callbacks[:] = before
+
+
+def test_nanogpts_slow_path_computes_what_its_sdpa_path_does(benchmark_module):
+    """``benchmarks/nanogpt.py``'s ``flash=False`` (the explicit softmax ``cycles.py`` measures):
+    the same logits as SDPA's on the same weights, and its mask a buffer that is not saved."""
+    from qkmonitor.models import TransformerConfig
+
+    nanogpt = benchmark_module("nanogpt")
+    config = TransformerConfig(
+        vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, dropout=0.0
+    )
+    torch.manual_seed(0)
+    flash = nanogpt.GPT(config)
+    slow = nanogpt.GPT(config, flash=False)
+    slow.load_state_dict(flash.state_dict())  # the causal mask is no state: loads as it is
+    tokens = torch.randint(0, 50, (3, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(slow(tokens), flash(tokens), rtol=1e-5, atol=1e-5)
