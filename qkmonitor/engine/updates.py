@@ -33,7 +33,7 @@ from torch import Tensor
 from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.intercept import LayoutUnknownError
-from qkmonitor.measures.sharding import SplitHeadsError, is_dtensor, partitioned
+from qkmonitor.measures.sharding import SplitHeadsError, is_dtensor, local_whole, partitioned
 
 __all__ = ["UPDATE_METRICS", "UpdateSnapshot", "take_snapshot", "update_metrics"]
 
@@ -65,6 +65,26 @@ class UpdateSnapshot:
     layers: list[tuple[int, tuple[int, ...]] | None]
 
 
+def _local_if_whole(projection: ProjectionRows) -> ProjectionRows:
+    """``projection`` read through its DTensor weight's local shard where that shard is the whole
+    weight (:func:`~qkmonitor.measures.sharding.local_whole`: a tensor-parallel mesh of one rank),
+    its gradient likewise; else as it is."""
+    weight = local_whole(projection.weight)
+    if weight is None or projection.gradient is not None:
+        return projection
+    parameter, bias = projection.weight, projection.bias
+    if is_dtensor(bias):
+        bias = local_whole(bias)
+        if bias is None:
+            return projection
+    return ProjectionRows(
+        weight,
+        bias,
+        projection.rows,
+        gradient=lambda: None if parameter.grad is None else local_whole(parameter.grad),
+    )
+
+
 def take_snapshot(
     layers: list[AttentionLayer], step: int
 ) -> tuple[UpdateSnapshot, dict[str, tuple[str, bool]]]:
@@ -88,6 +108,7 @@ def take_snapshot(
             skipped[layer.name] = (f"{type(err).__name__}: {err}", False)
             continue
         held = partitioned(rows.q.weight) or partitioned(rows.k.weight)
+        rows = QKRows(_local_if_whole(rows.q), _local_if_whole(rows.k), rows.kv_index, rows.qk_norm)
         if held is not None or is_dtensor(rows.q.weight) or is_dtensor(rows.k.weight):
             mapped.append(None)
             skipped[layer.name] = (

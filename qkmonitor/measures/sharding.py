@@ -53,6 +53,7 @@ __all__ = [
     "gather_heads",
     "gathered",
     "is_dtensor",
+    "local_whole",
     "pack_heads",
     "partitioned",
     "row_shard",
@@ -70,6 +71,22 @@ def is_dtensor(tensor: object) -> bool:
         return True
     base = getattr(tensor, "_base", None)
     return base is not None and callable(getattr(base, "full_tensor", None))
+
+
+def local_whole(tensor: object) -> Tensor | None:
+    """A DTensor's local shard where it is the whole tensor (replicated, or sharded only over mesh
+    dims of one rank: a tensor-parallel mesh of size 1), read outside autograd (no copy: written
+    through in place); None for any other tensor, or a DTensor this rank holds part of (or a
+    partial sum of)."""
+    to_local = getattr(tensor, "to_local", None)
+    placements = getattr(tensor, "placements", None)
+    if not callable(to_local) or placements is None or not isinstance(tensor, Tensor):
+        return None
+    if not all(p.is_replicate() or p.is_shard() for p in placements):
+        return None
+    with torch.no_grad():
+        local = to_local()
+    return local if tuple(local.shape) == tuple(tensor.shape) else None
 
 
 class PartitionedWeightError(ValueError):

@@ -169,3 +169,87 @@ def test_tensor_parallel_ranks_tells_tensor_parallelism_from_fsdp2(how):
         assert tensor_parallel_ranks(model) == (2 if how == "tensor_parallel" else 1)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mesh", [1], indirect=True)
+def test_a_dtensor_is_whole_locally_only_where_this_rank_holds_all_of_it(mesh):
+    """``local_whole``: the local shard itself (no copy) of a DTensor sharded over a mesh dim of
+    one rank or replicated; None where this rank holds part of it, for a partial sum, and for a
+    plain tensor."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from qkmonitor.measures.sharding import local_whole
+
+    whole = torch.arange(ROWS * IN, dtype=torch.float32).view(ROWS, IN)
+    on_one = DTensor.from_local(whole, mesh["dp"], (Shard(0),), run_check=False)
+    assert local_whole(on_one).data_ptr() == whole.data_ptr()
+    replicated = DTensor.from_local(whole, mesh["tp"], (Replicate(),), run_check=False)
+    assert local_whole(replicated).data_ptr() == whole.data_ptr()
+    assert local_whole(_dtensor(whole[:8], mesh["tp"], (Shard(0),))) is None  # half of it
+    assert local_whole(DTensor.from_local(whole, mesh["tp"], (Partial(),), run_check=False)) is None
+    assert local_whole(whole) is None
+
+
+class _Projections(nn.Module):
+    """Separate q/k/v/o projections of 2 heads of 4 and SDPA: the generic family's reading."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(8, 8, bias=False) for _ in range(4)
+        )
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, 2, 4).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, 8))
+
+
+def _update_metrics(mesh=None) -> dict[str, torch.Tensor]:
+    """Two probed AdamW steps of ``_Projections`` (parallelized on ``mesh`` where given): the
+    spectrum's update and gradient metrics of the second."""
+    import warnings
+
+    from qkmonitor.engine import Monitoring, QKSpectrum
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Projections())
+    if mesh is not None:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        plan = {f"0.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+        parallelize_module(model, mesh, plan | {"0.o_proj": RowwiseParallel()})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    spectrum = QKSpectrum(per_head=True)
+    monitoring = Monitoring(model, [spectrum], every_n_steps=1, optimizer=optimizer)
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer refused
+        for step in range(2):
+            with monitoring.step(step):
+                model(x).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    monitoring.close()
+    names = ("q_update_ratio", "k_update_ratio", "q_grad_norm", "k_grad_norm")
+    return {name: torch.stack(spectrum.latest[name]) for name in names}
+
+
+@pytest.mark.parametrize("mesh", [1], indirect=True)
+def test_on_a_tensor_parallel_mesh_of_one_rank_the_update_metrics_are_the_unsplit_models(mesh):
+    """A model parallelized over a mesh dim of one rank (``ModelParallelStrategy`` with a tensor
+    parallel size of 1) holds its projections whole, as DTensors: its update and gradient metrics
+    are read through their local shards and equal the unparallelized twin's (they were NaN for
+    the whole run, "its query/key weights are sharded (DTensor): not read yet")."""
+    expected = _update_metrics()
+    got = _update_metrics(mesh["dp"])
+    for name, values in expected.items():
+        assert torch.isfinite(values).all(), name
+        torch.testing.assert_close(got[name], values, rtol=1e-6, atol=0, msg=name)
