@@ -175,9 +175,9 @@ class Model(nn.Module):
         return self.head(self.norm(x))
 
 
-def parallelize(model: Model) -> None:
-    """Tensor parallelism over every rank: attention and MLP split by output features, then
-    input features."""
+def parallelize(model: Model, mesh=None) -> None:
+    """Tensor parallelism over every rank (or over ``mesh``): attention and MLP split by output
+    features, then input features."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -185,7 +185,8 @@ def parallelize(model: Model) -> None:
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     plan = {
         **{f"attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
         "attn.o_proj": RowwiseParallel(),

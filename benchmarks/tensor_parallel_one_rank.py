@@ -291,13 +291,32 @@ def timing_attention(model: torch.nn.Module) -> None:
             module.register_forward_hook(leave, always_call=True)
 
 
-def build(size: Size, split: bool, arm: str, sequences: int, sweep_mib: float = 2.0) -> dict:
-    """One copy: TP (``split``) or the reference's unsplit half, plain or monitored by ``arm``."""
+def one_rank_mesh():
+    """A mesh of this rank alone (the size-1 dim of a 1 × 2 mesh): DTensor's whole machinery, its
+    parallel styles' hooks and dispatch, with nothing split."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("one", "all"))["one"]
+
+
+def build(
+    size: Size,
+    split: bool,
+    arm: str,
+    sequences: int,
+    sweep_mib: float = 2.0,
+    reference: str = "plain",
+) -> dict:
+    """One copy: TP (``split``) or the reference's unsplit half, plain or monitored by ``arm``;
+    the reference through DTensor on a mesh of this rank alone where ``reference`` is
+    ``"dtensor"``."""
     torch.manual_seed(0)
     heads, hidden = (size.heads, size.hidden) if split else (size.heads // 2, size.hidden // 2)
     model = Model(size, heads, hidden)
     if split:
         parallelize(model)
+    elif reference == "dtensor":
+        parallelize(model, one_rank_mesh())
     timing_attention(model)
     if arm == "mode":
         under_passing_mode(model)
@@ -377,6 +396,13 @@ def main() -> None:
     )
     parser.add_argument("--sweep-mib", type=float, default=2.0, help="the sweep arm's MiB")
     parser.add_argument("--max-probe-sequences", type=int, default=4, help="EffectiveRank's")
+    parser.add_argument(
+        "--reference",
+        choices=("plain", "dtensor"),
+        default="plain",
+        help="the reference's 4 heads as plain modules (the bound's), or through DTensor on a "
+        "mesh of this rank alone (what TP's split costs beyond DTensor's own machinery)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
@@ -386,7 +412,9 @@ def main() -> None:
     size = Size(layers=4, d_model=256, heads=8, head_dim=32, hidden=512, seq_len=128, batch=4)
     arms = ("plain", "plain2", *args.engines)
     copies = {
-        (split, arm): build(size, split, arm, args.max_probe_sequences, args.sweep_mib)
+        (split, arm): build(
+            size, split, arm, args.max_probe_sequences, args.sweep_mib, args.reference
+        )
         for split in (True, False)
         for arm in arms
     }
@@ -408,7 +436,8 @@ def main() -> None:
         f"\n{datetime.date.today()}, {platform.node() or 'this machine'}: {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, fake process group (rank 0 of 2), 1 thread; "
         f"{args.steps} steps a copy (+{args.warmup} warm-up), "
-        f"{time.perf_counter() - started:.0f} s"
+        f"{time.perf_counter() - started:.0f} s; the reference: "
+        + ("plain modules" if args.reference == "plain" else "DTensor on a mesh of rank 0 alone")
     )
     print("probe cost a step, monitored - plain, process CPU ms: median (quartiles)")
     print("(exchange: the heads' exchange in the TP copy; beyond: each copy less its own;")

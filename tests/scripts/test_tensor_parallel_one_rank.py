@@ -136,3 +136,25 @@ def test_the_whole_arm_of_gram_parts_splits_as_before_the_parts(benchmark_module
     finally:
         torch.set_num_threads(count)
     assert seen == [16, 16]
+
+
+def test_the_dtensor_reference_holds_its_heads_whole_on_a_mesh_of_one_rank(benchmark_module):
+    """``--reference dtensor``: the reference's 4 heads and half MLP, their projections DTensors
+    on a mesh of this rank alone (each whole on it), computing what the plain reference does."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    one_rank = benchmark_module("tensor_parallel_one_rank")
+    size = one_rank.Size(
+        layers=2, d_model=64, heads=4, head_dim=16, hidden=128, seq_len=12, batch=3
+    )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        plain = one_rank.build(size, False, "plain", 4)["model"]
+        through = one_rank.build(size, False, "plain", 4, reference="dtensor")["model"]
+        weight = through.layers[0].attn.q_proj.weight
+        assert weight.device_mesh.size() == 1
+        assert weight.to_local().shape == weight.shape == (size.heads // 2 * size.head_dim, 64)
+        tokens = torch.randint(one_rank.VOCAB, (size.batch, size.seq_len))
+        torch.testing.assert_close(through(tokens), plain(tokens), rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
