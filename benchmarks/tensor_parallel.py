@@ -197,6 +197,15 @@ def parallelize(model: Model, mesh=None) -> None:
         parallelize_module(layer, mesh, plan)
 
 
+def one_rank_mesh():
+    """Each rank's own mesh of one rank (the size-1 dim of a WORLD × 1 mesh): the DDP copies
+    through DTensor's styles and dispatch with nothing split (``--reference dtensor``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    return mesh["tp"]
+
+
 # -- counting the collectives -------------------------------------------------------------------
 
 #: dispatcher ops of those namespaces that move no data
@@ -347,6 +356,8 @@ def run_phase(
             model = Model(size, size.heads // split, size.hidden // split)
             if parallel:
                 parallelize(model)
+            elif grouped and args.reference == "dtensor":
+                parallelize(model, one_rank_mesh())
             pair.append(Arm(model, monitored, args.engines, sequences))
         arms[kind] = (pair[0], pair[1])
     order = [(kind, arm) for kind in kinds for arm in arms[kind]]
@@ -455,7 +466,8 @@ def report(args, size: Size, ranks: list[dict], seconds: float) -> dict:
         f"\n{datetime.date.today()}, {platform.node() or 'host'}: {os.cpu_count()} CPUs "
         f"(nproc {len(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.1f}), "
         f"torch {torch.__version__}, gloo, {WORLD} ranks x 1 thread; {args.rounds} rounds x "
-        f"{args.steps} steps an arm (+{args.warmup} warm-up); {seconds:.0f} s in all"
+        f"{args.steps} steps an arm (+{args.warmup} warm-up); {seconds:.0f} s in all; the DDP "
+        f"copies' heads: {'plain modules' if args.reference == 'plain' else 'through DTensor'}"
     )
     sequences = args.max_probe_sequences or MAX_PROBE_SEQUENCES
     print(
@@ -541,6 +553,13 @@ def main() -> None:
         choices=ENGINES,
         default=list(ENGINES),
         help="the monitored copies' engines (default: all three)",
+    )
+    parser.add_argument(
+        "--reference",
+        choices=("plain", "dtensor"),
+        default="plain",
+        help="the DDP copies' heads as plain modules (the bound's reference), or through DTensor "
+        "on a mesh of each rank alone (what TP's split costs beyond DTensor's own machinery)",
     )
     parser.add_argument("--profile", help="a folder for cProfile stats of the monitored steps")
     parser.add_argument("--json", help="write the figures here")

@@ -74,7 +74,16 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from tensor_parallel import ENGINES, VOCAB, Attention, Model, Size, engines, parallelize
+from tensor_parallel import (
+    ENGINES,
+    VOCAB,
+    Attention,
+    Model,
+    Size,
+    engines,
+    one_rank_mesh,
+    parallelize,
+)
 
 from qkmonitor.engine import Monitoring
 from qkmonitor.engine.spectrum_read import SpectrumRead
@@ -291,14 +300,6 @@ def timing_attention(model: torch.nn.Module) -> None:
             module.register_forward_hook(leave, always_call=True)
 
 
-def one_rank_mesh():
-    """A mesh of this rank alone (the size-1 dim of a 1 × 2 mesh): DTensor's whole machinery, its
-    parallel styles' hooks and dispatch, with nothing split."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("one", "all"))["one"]
-
-
 def build(
     size: Size,
     split: bool,
@@ -396,6 +397,8 @@ def main() -> None:
     )
     parser.add_argument("--sweep-mib", type=float, default=2.0, help="the sweep arm's MiB")
     parser.add_argument("--max-probe-sequences", type=int, default=4, help="EffectiveRank's")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument(
         "--reference",
         choices=("plain", "dtensor"),
@@ -409,7 +412,15 @@ def main() -> None:
     mirror_all_gather()  # first: the exchange's count includes its bookkeeping
     count_the_exchange()
     count_the_collector()
-    size = Size(layers=4, d_model=256, heads=8, head_dim=32, hidden=512, seq_len=128, batch=4)
+    size = Size(
+        layers=args.layers,
+        d_model=256,
+        heads=8,
+        head_dim=32,
+        hidden=512,
+        seq_len=args.seq_len,
+        batch=4,
+    )
     arms = ("plain", "plain2", *args.engines)
     copies = {
         (split, arm): build(
@@ -435,6 +446,7 @@ def main() -> None:
     print(
         f"\n{datetime.date.today()}, {platform.node() or 'this machine'}: {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, fake process group (rank 0 of 2), 1 thread; "
+        f"{size.layers} layers, {size.seq_len} tokens; "
         f"{args.steps} steps a copy (+{args.warmup} warm-up), "
         f"{time.perf_counter() - started:.0f} s; the reference: "
         + ("plain modules" if args.reference == "plain" else "DTensor on a mesh of rank 0 alone")
