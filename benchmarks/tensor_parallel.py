@@ -54,6 +54,7 @@ Usage::
     python benchmarks/tensor_parallel.py --rounds 5 --steps 20 --json tp.json
     python benchmarks/tensor_parallel.py --profile DIR    # cProfile (CPU time), monitored copies
     python benchmarks/tensor_parallel.py --engines entropy   # one engine: whose the excess is
+    python benchmarks/tensor_parallel.py --reference dtensor  # the DDP copies through DTensor
 """
 
 from __future__ import annotations

@@ -44,9 +44,16 @@ for each phase of the step (:data:`PHASES`), to show where an excess lies, the f
 inside the attention modules apart ("in attention": every copy's attention forwards timed by
 hooks of the script's own, plain ones included).
 
+With ``--reference dtensor`` the reference's 4 heads run through DTensor's parallel styles on a
+mesh of this rank alone (:func:`tensor_parallel.one_rank_mesh`: the same machinery as TP, nothing
+split), so that TP's figure less that reference's is what the split costs the probe, apart from
+what running beside DTensor costs any work.
+
 Usage::
 
     python benchmarks/tensor_parallel_one_rank.py               # 40 steps a copy
+    python benchmarks/tensor_parallel_one_rank.py --engines all --reference dtensor --steps 100
+    python benchmarks/tensor_parallel_one_rank.py --engines all --layers 6 --seq-len 256
     python benchmarks/tensor_parallel_one_rank.py --steps 80 --engines entropy all
     python benchmarks/tensor_parallel_one_rank.py --steps 80 --engines stats sweep --sweep-mib 4
 """
