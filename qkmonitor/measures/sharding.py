@@ -74,18 +74,13 @@ def is_dtensor(tensor: object) -> bool:
 
 
 def local_whole(tensor: object) -> Tensor | None:
-    """A DTensor's local shard where it is the whole tensor (replicated, or sharded only over mesh
-    dims of one rank: a tensor-parallel mesh of size 1), read outside autograd (no copy: written
-    through in place); None for any other tensor, or a DTensor this rank holds part of (or a
-    partial sum of)."""
-    to_local = getattr(tensor, "to_local", None)
+    """A DTensor's local shard where it is the whole tensor (replicated, or sharded over mesh dims
+    of one rank), outside autograd, no copy; else None (a plain tensor, part or a partial sum)."""
     placements = getattr(tensor, "placements", None)
-    if not callable(to_local) or placements is None or not isinstance(tensor, Tensor):
-        return None
-    if not all(p.is_replicate() or p.is_shard() for p in placements):
+    if not is_dtensor(tensor) or placements is None or any(p.is_partial() for p in placements):
         return None
     with torch.no_grad():
-        local = to_local()
+        local = tensor.to_local()
     return local if tuple(local.shape) == tuple(tensor.shape) else None
 
 
