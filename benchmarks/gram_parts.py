@@ -98,15 +98,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens a sequence")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    size = Size(
-        layers=args.layers,
-        d_model=256,
-        heads=8,
-        head_dim=32,
-        hidden=512,
-        seq_len=args.seq_len,
-        batch=4,
-    )
+    size = Size.of(args.layers, args.seq_len)
     copies = {name: build(size, args.engines, name) for name in COPIES}
     spent: dict[str, list[tuple[float, int]]] = {name: [] for name in COPIES}
     parts = ranks._parts

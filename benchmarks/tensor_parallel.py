@@ -104,6 +104,12 @@ class Size:
     seq_len: int
     batch: int
 
+    @classmethod
+    def of(cls, layers: int = 4, seq_len: int = 128) -> Size:
+        """The one-rank benchmarks' model (d 256, 8 heads of 32, MLP 512, batch 4) at ``layers``
+        and ``seq_len``."""
+        return cls(layers, 256, 8, 32, 512, seq_len, 4)
+
 
 # -- the model: LLaMA-style, its head count read from the projections' output (as under TP) -----
 

@@ -419,15 +419,7 @@ def main() -> None:
     mirror_all_gather()  # first: the exchange's count includes its bookkeeping
     count_the_exchange()
     count_the_collector()
-    size = Size(
-        layers=args.layers,
-        d_model=256,
-        heads=8,
-        head_dim=32,
-        hidden=512,
-        seq_len=args.seq_len,
-        batch=4,
-    )
+    size = Size.of(args.layers, args.seq_len)
     arms = ("plain", "plain2", *args.engines)
     copies = {
         (split, arm): build(
