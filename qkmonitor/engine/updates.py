@@ -69,8 +69,8 @@ def _local_if_whole(projection: ProjectionRows) -> ProjectionRows:
     """``projection`` read through its DTensor weight's local shard where that shard is the whole
     weight (:func:`~qkmonitor.measures.sharding.local_whole`: a tensor-parallel mesh of one rank),
     its gradient likewise; else as it is."""
-    weight = local_whole(projection.weight)
-    if weight is None or projection.gradient is not None:
+    weight = None if projection.gradient is not None else local_whole(projection.weight)
+    if weight is None:  # a plain weight, a rank's rows already local, or part of a DTensor
         return projection
     parameter, bias = projection.weight, projection.bias
     if is_dtensor(bias):
