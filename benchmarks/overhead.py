@@ -61,6 +61,8 @@ Usage::
     python benchmarks/overhead.py --arch nanogpt --offsets --steps 1000 --rounds 2
     # a window, part by part (timers inside the engines; nested parts overlap)
     python benchmarks/overhead.py --parts --steps 1000
+    # a probe window against a plain one under torch.profiler, with its blocking reads
+    python benchmarks/overhead.py --profile --every 10 --steps 30 [--device cuda ...]
 """
 
 from __future__ import annotations
@@ -1044,7 +1046,7 @@ def main(argv: list[str] | None = None) -> None:
         "--every",
         type=int,
         default=50,
-        help="with --side-by-side or --parts --readme: the probe interval",
+        help="with --side-by-side, --parts --readme or --profile: the probe interval",
     )
     parser.add_argument(
         "--backend", default="inductor", help="with --compile: torch.compile's backend"
@@ -1070,6 +1072,12 @@ def main(argv: list[str] | None = None) -> None:
         help="with --parts: QKMonitor as the README configures it (per_head=True), every --every "
         "steps",
     )
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="a probe window and a plain one under torch.profiler, by phase and by engine, host "
+        "and device, with the training thread's blocking reads (benchmarks/probe_profile.py); "
+        "the three monitors every --every steps",
+    )  # fmt: skip
     parser.add_argument(
         "--dry-run", action="store_true", help="build model and data, train nothing"
     )
@@ -1137,6 +1145,18 @@ def main(argv: list[str] | None = None) -> None:
             f"{f['quiet_steps']} quiet steps, {f['loss_us']:.1f} µs on the "
             f"{f['loss_steps']} whose loss it keeps; an empty callback {f['empty_us']:.1f} µs"
         )
+        return
+    if args.profile:
+        if args.dry_run:
+            return
+        from probe_profile import profile_probe, report_profile
+
+        where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        print(
+            f"torch {torch.__version__}, {where}, model {args.model}, arch {args.arch}, precision "
+            f"{args.precision}, {args.steps} steps, the three monitors every {args.every} steps"
+        )
+        report_profile(profile_probe(args, every=args.every), args.device)
         return
     if args.parts:
         if args.dry_run:

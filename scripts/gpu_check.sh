@@ -8,9 +8,11 @@
 #   2. benchmarks/attention.py: Triton forward and forward+backward TFLOP/s, with and without
 #      statistics, against SDPA's flash backend (bf16, causal, N = 1k..16k, D = 64 and 128);
 #   3. benchmarks/overhead.py: training steps/s of a GPT-2-small-sized model, monitors vs none;
-#   4. one markdown table of it all (scripts/gpu_report.py).
+#      then --profile: a probe window against a plain one by engine and phase, host and device,
+#      with the training thread's blocking reads and the runtime's synchronizing calls;
+#   4. one markdown table of it all (scripts/gpu_report.py), the profile after it.
 # Each step runs under `timeout`, so the whole stays within its budget (warm-up 90 s, tests
-# 180 s, attention 130 s, overhead 75 s); a step that fails or times out reads "n/a" or FAILED
+# 180 s, attention 130 s, overhead 75 s, profile 60 s); a step that fails or times out reads "n/a" or FAILED
 # in the table, and the script exits non-zero.
 #
 # Usage: scripts/gpu_check.sh [--dry-run]
@@ -63,10 +65,14 @@ timeout 130 "$PY" benchmarks/attention.py --device cuda --causal true --repeats 
 step "3. monitor overhead"
 timeout 75 "$PY" benchmarks/overhead.py --device cuda --model gpt2-small --precision bf16-mixed \
   --steps 60 --rounds 1 --warmup-steps 4 --json "$OUT/overhead.json" "${DRY[@]}" || failed=1
+timeout 60 "$PY" benchmarks/overhead.py --profile --device cuda --model gpt2-small \
+  --precision bf16-mixed --every 10 --steps 30 "${DRY[@]}" >"$OUT/profile.txt" 2>&1 || failed=1
 
 step "4. report"
 echo
 "$PY" scripts/gpu_report.py --tests-rc "$tests_rc" --attention "$OUT/attention.json" \
   --overhead "$OUT/overhead.json"
+echo
+grep -v '^qkmonitor:' "$OUT/profile.txt" | tail -n 40
 echo "(JSON in $OUT; $((SECONDS - start)) s in all)" >&2
 exit $failed
