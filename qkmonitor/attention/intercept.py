@@ -165,15 +165,10 @@ class LayoutChecked:
         where they are sharded), which ``layout.qk_weights`` reads like the module: values as they
         are now, for a check to come."""
         copy = SimpleNamespace()
-        paths = self._paths or {
-            p for layout in self.layout_candidates for p in (layout.q, layout.k) if p
-        }
-        for path in paths:
-            if path is None:
-                continue
+        for path in self._copied_paths():
             weight, _ = projection(self.module, path)
             # a sharded weight is gathered (a collective every rank makes, as each copies its
-            # layers at the same probe)
+            # layers at the same probe, its paths in the same order)
             weight = whole(weight)
             owner = copy
             *parents, leaf = path.split(".")
@@ -181,6 +176,18 @@ class LayoutChecked:
                 owner = owner.__dict__.setdefault(part, SimpleNamespace())
             setattr(owner, leaf, weight.detach().to("cpu", copy=True))
         return copy
+
+    def _copied_paths(self) -> tuple[str, ...]:
+        """The projection paths :meth:`weights_copy` reads, each once, in the candidates' order
+        (query, then key, candidate after candidate): an order that is the module's own, the same
+        on every rank by construction, never a set's (its order follows the string hashes, which
+        differ between processes started with different ``PYTHONHASHSEED``s, and each sharded
+        weight's gather is a collective the ranks must make in one order)."""
+        if self._paths is not None:
+            pairs = [self._paths]
+        else:
+            pairs = [(layout.q, layout.k) for layout in self.layout_candidates]
+        return tuple(dict.fromkeys(path for pair in pairs for path in pair if path))
 
     def _judge(self, evidence: LayoutEvidence) -> QKLayout | str:
         """The layout the evidence of one forward confirms, or why none (see
