@@ -3,7 +3,8 @@ caller's backend is left alone); matplotlib is imported when a figure is first d
 
 The training loss (``training_loss.png``, the first of :data:`qkmonitor.output.tags.LOSS_TAGS`
 the run has), each metric over steps with one line per layer, its unit on the y axis and the
-thresholds of the default alert rules drawn (``kappa.png``) and, where per-head tags exist, a
+thresholds of the default alert rules drawn (``kappa.png``; their labels where no line, band or
+other label crosses them, :mod:`qkmonitor.output.plot_labels`) and, where per-head tags exist, a
 layer x head heatmap of the final values (``kappa_heads.png``) on one colour scale per metric,
 across heads and runs: the range TensorBoard's heatmap images take where it draws them, centred at
 0 for a signed metric (``eig_mean``). Several runs are overlaid, each labelled by the shortest tail
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qkmonitor.measures.catalogue import CATALOGUE, MetricSpec
+from qkmonitor.output.plot_labels import PlotLabel, Spot, place_labels, threshold_spots
 from qkmonitor.output.report_text import format_value
 from qkmonitor.output.runs import RUN_LETTERS, RunData, metric_order
 
@@ -118,12 +120,12 @@ def _layer_colors(num_layers: int) -> list:
     return [colormaps["viridis"](i / (num_layers - 1)) for i in range(num_layers)]
 
 
-def _draw_thresholds(ax, metric: str, low: float, high: float) -> None:
+def _draw_thresholds(ax, metric: str, low: float, high: float) -> list[PlotLabel]:
     """The default alert rules' thresholds on ``metric`` over values shown from ``low`` to
     ``high``: a dashed line each where the y axis, stretched to show it, stays within three times
-    the values' range; the others named in a note at the edge they lie beyond."""
-    from matplotlib.transforms import blended_transform_factory
-
+    the values' range; the others named in a note at the edge they lie beyond. Returns the labels
+    of the lines and the notes, to place where no line or band crosses them
+    (:func:`~qkmonitor.output.plot_labels.place_labels`)."""
     marks = _thresholds(metric)
     fits = [max(high, t.threshold) - min(low, t.threshold) <= 3 * (high - low) for _, t in marks]
     lines = [mark for mark, fit in zip(marks, fits) if fit]
@@ -131,7 +133,7 @@ def _draw_thresholds(ax, metric: str, low: float, high: float) -> None:
         levels = [test.threshold for _, test in lines]
         bottom, top = min(low, *levels), max(high, *levels)
         ax.set_ylim(bottom - 0.05 * (top - bottom), top + 0.05 * (top - bottom))
-    across = blended_transform_factory(ax.transAxes, ax.transData)
+    style = (("fontsize", "x-small"), ("color", _THRESHOLD_COLOR))
     levels: dict[float, list] = {}  # one label a level: rules at one threshold share it
     for rule, test in lines:
         ax.axhline(
@@ -142,36 +144,23 @@ def _draw_thresholds(ax, metric: str, low: float, high: float) -> None:
             gid=f"alert {rule.name}",
         )
         levels.setdefault(test.threshold, []).append((rule, test))
-    for level, marks in levels.items():
-        ax.text(
-            0.995,
-            level,
-            _threshold_text(marks),
-            transform=across,
-            ha="right",
-            va="bottom",
-            fontsize="x-small",
-            color=_THRESHOLD_COLOR,
-            gid=f"threshold {level:g}",
+    labels = [
+        PlotLabel(
+            _threshold_text(marks), f"threshold {level:g}", threshold_spots(level), style, level
         )
-    for side, y in (("above", 0.99), ("below", 0.01)):
+        for level, marks in levels.items()
+    ]
+    for side, y, va in (("above", 0.99, "top"), ("below", 0.01, "bottom")):
         names = [
             f"{test.threshold:g} ({rule.name})"
             for (rule, test), fit in sorted(zip(marks, fits), key=lambda m: m[0][1].threshold)
             if not fit and (test.threshold > high) == (side == "above")
         ]
         if names:
-            ax.text(
-                0.01,
-                y,
-                f"alert thresholds {side} the plot: {', '.join(names)}",
-                transform=ax.transAxes,
-                ha="left",
-                va="top" if side == "above" else "bottom",
-                fontsize="x-small",
-                color=_THRESHOLD_COLOR,
-                gid=f"alerts {side}",
-            )
+            spots = (Spot(0.01, y, "left", va, data=False), Spot(0.99, y, "right", va, data=False))
+            text = f"alert thresholds {side} the plot: {', '.join(names)}"
+            labels.append(PlotLabel(text, f"alerts {side}", spots, style))
+    return labels
 
 
 def _metric_figure(runs: Sequence[RunData], metric: str, labels: Sequence[str]):
@@ -194,13 +183,15 @@ def _metric_figure(runs: Sequence[RunData], metric: str, labels: Sequence[str]):
     span = _span(finite)
     if span is not None and span != (min(finite), max(finite)):  # flat: no axis of float noise
         ax.set_ylim(*span)
-    if span is not None:
-        _draw_thresholds(ax, metric, *span)
+    marks = _draw_thresholds(ax, metric, *span) if span is not None else []
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel(_axis_label(metric))
     ax.grid(True, alpha=0.3)
-    _layers_legend(figure, ax, colors, labels if len(runs) > 1 else ())
+    handles = _layers_legend(figure, ax, colors, labels if len(runs) > 1 else ())
+    place_labels(figure, ax, marks)  # where no line or band crosses them, the layout done
+    if handles:  # "best": around the lines, bands and the labels placed
+        ax.legend(handles=handles, fontsize="small", loc="best", ncol=2 if len(handles) > 8 else 1)
     return figure
 
 
@@ -243,9 +234,9 @@ def _draw_layers(ax, runs: Sequence[RunData], metric: str, colors: list) -> list
     return shown
 
 
-def _layers_legend(figure, ax, colors: list, run_labels: Sequence[str]) -> None:
-    """A legend of the layers' colours (a colour bar beyond 12 layers) and of the runs' line
-    styles (``run_labels``: none for one run)."""
+def _layers_legend(figure, ax, colors: list, run_labels: Sequence[str]) -> list:
+    """The legend's handles: the layers' colours (a colour bar, drawn here, beyond 12 layers) and
+    the runs' line styles (``run_labels``: none for one run)."""
     from matplotlib.lines import Line2D
 
     num_layers = len(colors)
@@ -263,8 +254,7 @@ def _layers_legend(figure, ax, colors: list, run_labels: Sequence[str]) -> None:
         Line2D([], [], color="0.3", linestyle=_LINE_STYLES[i % len(_LINE_STYLES)], label=label)
         for i, label in enumerate(run_labels)
     ]
-    if handles:
-        ax.legend(handles=handles, fontsize="small", loc="best", ncol=2 if len(handles) > 8 else 1)
+    return handles
 
 
 def _loss_figure(runs: Sequence[RunData], labels: Sequence[str]):
