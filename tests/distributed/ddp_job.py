@@ -12,6 +12,7 @@ so one global batch of the DDP run is the single-process run's batch.
 """
 
 import json
+import os
 import sys
 from collections import Counter
 
@@ -73,8 +74,16 @@ class CountedQKMonitor(QKMonitor):
             self._inside = False
 
 
+try:  # imported by the test run's module collection
+    from .jobs import seed_other_ranks
+except ImportError:  # run as the job script
+    from jobs import seed_other_ranks
+
+
 def main() -> None:
     out_dir, devices = sys.argv[1], int(sys.argv[2])
+    if "LOCAL_RANK" not in os.environ:  # rank 0 before the launch
+        seed_other_ranks()  # the ranks Lightning's launcher starts hash strings otherwise
     pl.seed_everything(0, verbose=False)
     model = Job(
         TransformerConfig(vocab_size=16, d_model=32, n_heads=4, max_seq_len=9),

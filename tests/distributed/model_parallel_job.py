@@ -4,7 +4,8 @@ model_parallel_job.py OUT_DIR KV_HEADS`.
 First a one-process fit (``Trainer(accelerator="cpu", devices=1)``) of tensor_parallel_job's
 LLaMA-style model, left whole; then the same model, weights and data fitted with
 ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)`` on two gloo ranks
-(Lightning's launcher re-runs this script for rank 1, which skips the one-process fit):
+(Lightning's launcher re-runs this script for rank 1, with another string hash seed, and rank 1
+skips the one-process fit):
 ``configure_model`` ``parallelize_module``s every attention (``ColwiseParallel`` q/k/v,
 ``RowwiseParallel`` o) on the ``tensor_parallel`` mesh and then ``fully_shard``s every layer and
 the model on the ``data_parallel`` one, so that the projections' parameters are DTensors on the
@@ -31,8 +32,10 @@ from qkmonitor import QKMonitor
 from qkmonitor.callbacks import QKClip
 
 try:  # imported by the test run's module collection
+    from .jobs import seed_other_ranks
     from .tensor_parallel_job import TAU, VOCAB, Model
 except ImportError:  # run as the job script
+    from jobs import seed_other_ranks
     from tensor_parallel_job import TAU, VOCAB, Model
 
 T = 8
@@ -132,6 +135,7 @@ def main() -> None:
     out_dir, kv_heads = sys.argv[1], int(sys.argv[2])
     if "LOCAL_RANK" not in os.environ:  # rank 0 before the launch: the one-process reference
         fit(out_dir, kv_heads, parallel=False)
+        seed_other_ranks()  # rank 1, which Lightning's launcher starts, hashes strings otherwise
     fit(out_dir, kv_heads, parallel=True)
 
 

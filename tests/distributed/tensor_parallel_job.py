@@ -1,15 +1,18 @@
 """A LLaMA-style attention under tensor parallelism, for the distributed test: `python
 tensor_parallel_job.py OUT_DIR`.
 
-Spawns two gloo ranks. For 4 key heads (MHA) and for 2 (GQA), each rank trains two steps (SGD) on
-the same 4 sequences with the spectrum, entropy (sink mass too), rank and QK-Clip engines, per head,
-in a plain loop: first the plain model (every rank alike: one process's values), then the same
-weights with every attention ``parallelize_module``d (``ColwiseParallel`` on q_proj, k_proj and
-v_proj, ``RowwiseParallel`` on o_proj), and the vocabulary projection too (its logits a DTensor
-split along the vocabulary, the loss under ``loss_parallel``), so that each rank computes H / 2 of
-the heads (the forward's ``view(b, t, -1, head_dim)``). Each rank saves its losses, latest values,
-QK-Clip counts, warnings and (rank 0, the only one that writes) scalars and histograms of both runs,
-and the query weights after training, to ``OUT_DIR/values_RANK.pt``.
+Starts two gloo ranks, each with its own string hash seed (``jobs.two_ranks``). For 4 key heads
+(MHA), 2 (GQA) and 1 (MQA), and GQA again with its head counts named (its layout candidates read
+before a call, both projections gathered whole for the first probe's layout check, :data:`CASES`),
+each rank trains two steps (SGD) on the same 4 sequences with the spectrum, entropy (sink mass too),
+rank and QK-Clip engines, per head, in a plain loop: first the plain model (every rank alike: one
+process's values), then the same weights with every attention ``parallelize_module``d
+(``ColwiseParallel`` on q_proj, k_proj and v_proj, ``RowwiseParallel`` on o_proj), and the
+vocabulary projection too (its logits a DTensor split along the vocabulary, the loss under
+``loss_parallel``), so that each rank computes H / 2 of the heads (the forward's ``view(b, t, -1,
+head_dim)``). Each rank saves its losses, latest values, QK-Clip counts, warnings and (rank 0, the
+only one that writes) scalars and histograms of both runs, and the query weights after training, to
+``OUT_DIR/values_RANK.pt``.
 """
 
 import gc
@@ -52,8 +55,10 @@ class Attention(nn.Module):
     #: set under TP for MQA: k_proj and v_proj replicated, their input's gradient summed
     replicated_kv = False
 
-    def __init__(self, kv_heads: int) -> None:
+    def __init__(self, kv_heads: int, named: bool = False) -> None:
         super().__init__()
+        if named:  # head counts by name: the layout candidates are read from them before a call
+            self.num_heads, self.num_key_value_heads = H, kv_heads
         self.q_proj = nn.Linear(D, H * HEAD_DIM, bias=False)
         self.k_proj = nn.Linear(D, kv_heads * HEAD_DIM, bias=False)
         self.v_proj = nn.Linear(D, kv_heads * HEAD_DIM, bias=False)
@@ -70,19 +75,19 @@ class Attention(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, kv_heads: int) -> None:
+    def __init__(self, kv_heads: int, named: bool = False) -> None:
         super().__init__()
-        self.attn = Attention(kv_heads)
+        self.attn = Attention(kv_heads, named)
 
     def forward(self, x):
         return x + self.attn(x)
 
 
 class Model(nn.Module):
-    def __init__(self, kv_heads: int) -> None:
+    def __init__(self, kv_heads: int, named: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList([Layer(kv_heads), Layer(kv_heads)])
+        self.layers = nn.ModuleList([Layer(kv_heads, named), Layer(kv_heads, named)])
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, tokens):
@@ -91,6 +96,11 @@ class Model(nn.Module):
             x = layer(x)
         return self.head(x)
 
+
+#: the cases: their key heads, and whether the attention names its head counts (``num_heads``,
+#: ``num_key_value_heads``: its layout candidates read before a call, the weights of both of them
+#: gathered for the layout check) or its calls tell them
+CASES = {"mha": (H, False), "gqa": (2, False), "mqa": (1, False), "gqa_named": (2, True)}
 
 #: the collectives of torch.distributed's own API (qkmonitor's; DTensor's go through the
 #: functional collectives, not counted)
@@ -208,14 +218,14 @@ def run(rank: int, world: int, out_dir: str) -> None:
     )
     tokens = torch.randint(0, VOCAB, (4, T + 1), generator=torch.Generator().manual_seed(1))
     runs = {}
-    for kv_heads in (H, 2, 1):
+    for case, (kv_heads, named) in CASES.items():
         for parallel in (False, True):
             torch.manual_seed(0)
-            model = Model(kv_heads)
+            model = Model(kv_heads, named)
             with torch.no_grad():  # sharper heads than at initialisation: entropies differ
                 for layer in model.layers:
                     layer.attn.q_proj.weight.mul_(3.0)
-            runs[kv_heads, parallel] = train(model, tokens, parallel)
+            runs[case, parallel] = train(model, tokens, parallel)
     torch.save(runs, f"{out_dir}/values_{rank}.pt")
     del model  # its DTensors hold the group: gone while the interpreter is whole, not at exit
     gc.collect()
