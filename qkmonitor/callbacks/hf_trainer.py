@@ -9,8 +9,10 @@ weights after the update (so the spectrum is logged at steps 0, n, 2n, ... and a
 that lands on one, as in Lightning), ``on_train_end`` closes it. Needs ``transformers`` and
 ``accelerate`` (``pip install "qkmonitor[hf]"``).
 
-``transformers.Trainer`` gives callbacks no hook when a step raises. The next ``train()`` closes a
-window left open, and the callback is a context manager that closes it on the way out::
+``transformers.Trainer`` gives callbacks no hook when a step raises. A ``KeyboardInterrupt`` in the
+model's forward closes the window on its way out; one elsewhere in a step (the backward, the
+optimizer) leaves it open until the next ``train()`` (which says so), :meth:`close`, or the
+interpreter's exit. The callback is a context manager that closes it on the way out::
 
     with HFQKMonitorCallback() as monitor:
         Trainer(model, args, train_dataset=data, callbacks=[monitor]).train()
@@ -81,7 +83,13 @@ class HFQKMonitorCallback(TrainerCallback):
         self.monitoring: Monitoring | None = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
-        self.close()  # a window a failed train() left open
+        if self.monitoring is not None:  # a window an interrupted train() left open, said
+            self.monitoring.close_abandoned(
+                "the next train() began",
+                "Use `with HFQKMonitorCallback() as monitor:`, or call `monitor.close()` after "
+                "an interrupted train().",
+            )
+        self.close()
         if model is None:
             raise ValueError("HFQKMonitorCallback: the Trainer passed no `model` to on_train_begin")
         writer = None

@@ -9,6 +9,8 @@ for both paths.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -92,6 +94,25 @@ def write_run_header(
                 },
             },
         )
+
+
+#: the Monitorings whose window :meth:`Monitoring.begin` opened and nothing closed yet: a Ctrl+C
+#: outside the model's forward (in the backward, the optimizer, a hook of the model's own call)
+#: leaves a loop without ``with`` no way to close it; the next ``begin`` does, or the exit
+_OPEN: weakref.WeakSet[Monitoring] = weakref.WeakSet()
+
+
+#: what :meth:`Monitoring.close_abandoned`'s warning tells a plain loop to do
+_REMEDY = "Close a failed step with `monitoring.abort()`, or use `with monitoring.step(step):`."
+
+
+@atexit.register
+def _close_open_windows() -> None:
+    """At the interpreter's exit: every window still open closed, unlogged (nothing is left on a
+    model that code run at exit may still call or save)."""
+    for monitoring in list(_OPEN):
+        with contextlib.suppress(Exception):
+            monitoring.abort()
 
 
 def checked_engines(engines: object) -> list[MonitorEngine]:
@@ -213,6 +234,9 @@ class Monitoring:
         monitoring.close()
     """
 
+    #: the window with probes that :meth:`begin` opened and nothing closed yet, in words
+    _open_window: str | None = None
+
     def __init__(
         self,
         model: nn.Module,
@@ -317,8 +341,13 @@ class Monitoring:
     def begin(self, step: int, *, validation: bool = False) -> None:
         """Open the window of ``step`` (what :meth:`step` does on entry): read the weights (training
         only) and open the probes on probe steps. For loops whose step is not one block of code
-        (a framework's callbacks); pair it with :meth:`end`, and :meth:`abort` on failure."""
+        (a framework's callbacks); pair it with :meth:`end`, and :meth:`abort` on failure. A
+        window still open from an earlier ``begin`` (a step that raised, a Ctrl+C outside the
+        model's forward, with no ``abort``) is closed first, unlogged, with one warning
+        (:meth:`close_abandoned`)."""
         self._check_step(step)
+        if not validation:  # a validation window may sit inside a training window
+            self.close_abandoned(f"begin({step}) came")
         self._step = None if validation else step
         if not validation:
             self.observe_weights(step)
@@ -327,6 +356,8 @@ class Monitoring:
             # a KeyboardInterrupt in the forward closes the window on its way up, where the loop
             # around gives no hook to (transformers.Trainer without a context manager)
             self._unguard = guard_interrupts(self._model, self.abort)
+            self._open_window = f"the {'validation ' if validation else ''}window of step {step}"
+            _OPEN.add(self)
 
     def observe_loss(self, loss: Tensor | float, step: int | None = None) -> None:
         """The training loss of this step (of the open :meth:`step` window by default), for the
@@ -365,9 +396,34 @@ class Monitoring:
         finally:
             self.abort()
 
+    def close_abandoned(self, why: str, remedy: str = _REMEDY) -> bool:
+        """Close a window that :meth:`begin` opened and no :meth:`end` or :meth:`abort` closed,
+        unlogged, with one warning saying so; False if none was open. A Ctrl+C in the model's
+        forward closes the window on its way out; one elsewhere in a step (the backward, the
+        optimizer) leaves it open where the loop has no ``with``.
+
+        Args:
+            why: what noticed it, for the warning (``"begin(5) came"``).
+            remedy: the warning's last sentence: what the loop should do instead.
+        """
+        what = self._open_window
+        if what is None:
+            return False
+        self.abort()
+        self.host.warn(
+            f"qkmonitor: {what} was left open (the step raised, or was interrupted, outside the "
+            f"model's forward, and nothing closed it); {why}, so its probes are closed now, "
+            f"unlogged. {remedy}",
+            RuntimeWarning,
+        )
+        return True
+
     def abort(self) -> None:
         """Close every open probe without logging (idempotent)."""
         unguard, self._unguard = self._unguard, None
+        if self._open_window is not None:
+            self._open_window = None
+            _OPEN.discard(self)
         try:
             self._group.abort(self.host)
         finally:
@@ -396,6 +452,8 @@ class Monitoring:
         unguard, self._unguard = self._unguard, None
         if unguard is not None:
             unguard()
+        self._open_window = None
+        _OPEN.discard(self)
         self._group.end(self.host)  # the scalars held written, the pictures of the final state
         self.closed = True
         for sink in self.host.sinks():
