@@ -1,5 +1,5 @@
 """FSDP2 over tensor parallelism through Lightning, for the distributed test: `python
-model_parallel_job.py OUT_DIR KV_HEADS`.
+model_parallel_job.py OUT_DIR KV_HEADS [named]`.
 
 First a one-process fit (``Trainer(accelerator="cpu", devices=1)``) of tensor_parallel_job's
 LLaMA-style model, left whole; then the same model, weights and data fitted with
@@ -14,7 +14,8 @@ batch, in order (one data-parallel rank; no distributed sampler: Lightning's shu
 set). Both fits train three SGD steps with the README's ``QKMonitor`` (per head, every step) and
 ``QKClip`` (its bound below the sharpened heads' logits) and log to a ``TensorBoardLogger`` under
 ``OUT_DIR/single`` and ``OUT_DIR/parallel``; each rank saves its warnings and (rank 0) the query and
-key weights after the fit, whole, to ``OUT_DIR/{single,parallel}_rank{R}.pt``.
+key weights after the fit, whole, to ``OUT_DIR/{single,parallel}_rank{R}.pt``. With ``named``,
+the attention names its head counts (tensor_parallel_job's ``Model(kv_heads, named=True)``).
 """
 
 import os
@@ -42,10 +43,10 @@ T = 8
 
 
 class Job(pl.LightningModule):
-    def __init__(self, kv_heads: int, parallel: bool) -> None:
+    def __init__(self, kv_heads: int, parallel: bool, named: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = Model(kv_heads)
+        self.model = Model(kv_heads, named)
         with torch.no_grad():  # sharper heads than at initialisation: entropies differ, heads clip
             for layer in self.model.layers:
                 layer.attn.q_proj.weight.mul_(3.0)
@@ -88,9 +89,9 @@ class Job(pl.LightningModule):
         return DataLoader(TensorDataset(tokens), batch_size=4, shuffle=False)
 
 
-def fit(out_dir: str, kv_heads: int, parallel: bool) -> None:
+def fit(out_dir: str, kv_heads: int, parallel: bool, named: bool = False) -> None:
     name = "parallel" if parallel else "single"
-    job = Job(kv_heads, parallel)
+    job = Job(kv_heads, parallel, named)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2 if parallel else 1,
@@ -132,11 +133,11 @@ def fit(out_dir: str, kv_heads: int, parallel: bool) -> None:
 
 
 def main() -> None:
-    out_dir, kv_heads = sys.argv[1], int(sys.argv[2])
+    out_dir, kv_heads, named = sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["named"]
     if "LOCAL_RANK" not in os.environ:  # rank 0 before the launch: the one-process reference
-        fit(out_dir, kv_heads, parallel=False)
+        fit(out_dir, kv_heads, parallel=False, named=named)
         seed_other_ranks()  # rank 1, which Lightning's launcher starts, hashes strings otherwise
-    fit(out_dir, kv_heads, parallel=True)
+    fit(out_dir, kv_heads, parallel=True, named=named)
 
 
 if __name__ == "__main__":
