@@ -59,6 +59,9 @@ class QKSpectrumMonitor(AttentionMonitor):
         layers: which attention layers (one module, a list, or a function of the model).
         visuals_every_n_probes: heatmaps, attention images and histograms at every this many
             probes, from the first (default 20; 0: never); scalars and alerts at every probe.
+        background_weights: compute the spectrum on a worker thread from a copy of the weights,
+            logged at the end of the next batch at its own step (``None``, the default: where the
+            weights are on a GPU; on a CPU the worker would compete with training for the cores).
 
     Example::
 
@@ -82,7 +85,9 @@ class QKSpectrumMonitor(AttentionMonitor):
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
         visuals_every_n_probes: int = MonitorOptions.visuals_every_n_probes,
+        background_weights: bool | None = None,
     ) -> None:
-        super().__init__(QKSpectrum(options=MonitorOptions.pick(locals())))
+        options = MonitorOptions.pick(locals())
+        super().__init__(QKSpectrum(options=options, background_weights=background_weights))
         # the hooks are AttentionMonitor's: the weights are read at step 0 and after the update
         # that ends each n-th step, the first batch checks the layouts of layers read by name

@@ -310,6 +310,9 @@ class MonitorEngine:
     def drop_exchanges(self) -> None:
         """Forget the values waiting for the exchange (the ranks may not meet again)."""
 
+    def settle(self, host: Host | None = None) -> None:
+        """Log the values computed off the training thread (:mod:`qkmonitor.engine.background`)."""
+
     def close_window(self, host: Host) -> Window | None:
         """Close the open window and hold what it measured until the aggregators of every engine
         closed with it are reduced across processes

@@ -204,12 +204,14 @@ class EngineGroup:
 
     def end(self, host: Host, *, completed: bool = False) -> None:
         """A run's end, on success or failure: close a window left open (unlogged), log the
-        weights' values still waiting to cross the ranks where the run ``completed`` (every rank
-        is here; after a failure they are dropped), write the scalars held, draw the last probe's
-        visuals where it drew none, take out the switches and wait for the visuals to be
-        written."""
+        weights' values a worker computes (waiting for them), and those still waiting to cross the
+        ranks where the run ``completed`` (every rank is here; after a failure they are dropped),
+        write the scalars held, draw the last probe's visuals where it drew none, take out the
+        switches and wait for the visuals to be written."""
         try:
             self.abort(host)
+            for engine in self.weights:  # a read a worker computes is waited for, on any end
+                guarded(host, engine, "reading the weights", None, partial(engine.settle, host))
             if completed:
                 finish_windows(host, [], self.engines)
             for engine in self.engines:

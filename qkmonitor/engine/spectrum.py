@@ -24,6 +24,7 @@ from qkmonitor.alerts import KAPPA_RULE
 from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.attention.probes import Probe, ProbeRequest
+from qkmonitor.engine.background import WEIGHTS_WORKER, InFlightRead, use_worker
 from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.failures import MeasuresNothingError
 from qkmonitor.engine.host import Host
@@ -44,6 +45,7 @@ from qkmonitor.measures.sharding import (
     gather_heads,
     gathered,
 )
+from qkmonitor.validation import check_bool
 
 __all__ = ["QKSpectrum"]
 
@@ -68,6 +70,12 @@ class QKSpectrum(MonitorEngine):
     / ``finish``), and holds the step-0 values of those layers, computed from a copy of their
     weights, until that check has kept a layout; a layer whose layout fails the check, or whose
     weights are not found at all, is logged as NaN with one warning naming it.
+
+    ``background_weights``: compute the spectrum on a worker thread from a copy of the weights
+    taken at the read, and log it at the end of the next batch, at its own step
+    (:mod:`qkmonitor.engine.background`); ``None`` (the default) does so where the weights are on
+    a GPU and keeps the synchronous path on a CPU, where a worker competes with training for the
+    cores. The values are the same either way.
     """
 
     monitor = SPECTRUM
@@ -75,8 +83,12 @@ class QKSpectrum(MonitorEngine):
 
     reads_weights = True
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, background_weights: bool | None = None, **kwargs: Any) -> None:
+        if background_weights is not None:
+            check_bool("background_weights", background_weights)
         super().__init__(**kwargs)
+        self.background_weights = background_weights
+        self._in_flight: list[InFlightRead] = []  # reads whose spectrum a worker computes
         self._checks: list[tuple[AttentionLayer, Probe]] = []
         self._pending: tuple[int, dict[int, tuple], dict[int, Any], dict] | None = None
         self._layouts_waiting = True  # whether some layer may still wait for its layout check
@@ -87,7 +99,7 @@ class QKSpectrum(MonitorEngine):
 
     def _prepare(self, model: nn.Module) -> None:
         self.abort()
-        self._pending, self._exchanges = None, []
+        self._pending, self._exchanges, self._in_flight = None, [], []
         self._layouts_waiting = True
         self._snapshot, self._updates_seen, self._told_no_updates = None, False, False
         blind = [layer.name for layer in self.layers if not layer.supports_weights]
@@ -98,7 +110,7 @@ class QKSpectrum(MonitorEngine):
 
     @property
     def probing(self) -> bool:
-        return bool(self._checks) or self._pending is not None
+        return bool(self._checks) or self._pending is not None or bool(self._in_flight)
 
     def steps_after(self, step: int) -> tuple[range, range]:
         """As :meth:`MonitorEngine.steps_after`, and none while a layer may wait for its layout
@@ -127,7 +139,9 @@ class QKSpectrum(MonitorEngine):
         return bool(waiting)
 
     def finish(self, host: Host) -> None:
-        """Close the layout probes, check the layouts, and log the values held for the check."""
+        """Close the layout probes, check the layouts, and log the values held for the check and
+        those a worker computed."""
+        self.settle(host)
         self._check_layouts(host)
         if self._pending is not None:
             step, spectra, copies, updates = self._pending
@@ -183,6 +197,14 @@ class QKSpectrum(MonitorEngine):
         updates = self._updates_after(host, step)
         with torch.no_grad(), full_parameters(full_model):
             weights = self._read(host, step, ready)
+            tensors = [t for w in weights.values() for t in (w.w_q, w.w_k)]
+            if not waiting and use_worker(self.background_weights, tensors):
+                # a copy of the weights on their device, freed once the worker has read it
+                copies = [_copied(w) for w in weights.values()]
+                future = WEIGHTS_WORKER.submit(spectrum_of_layers, copies)
+                self._in_flight.append(InFlightRead(host, step, list(weights), future, updates))
+                self.schedule.latest_step = step
+                return
             spectra = spectrum_of_layers(list(weights.values()))
             copies = self._copies(host, waiting)
         ready = weights
@@ -192,6 +214,28 @@ class QKSpectrum(MonitorEngine):
             self._pending = (step, spectra, copies, updates)
             return
         self._log(host, step, _merged(self.layers, spectra, {}), updates)
+
+    def settle(self, host: Host | None = None) -> None:
+        """Log the reads a worker computed, in the order read (waiting for a job still running):
+        at the end of the batch after the read, before the activations of that step are logged, at
+        a run's end (success or failure) and before a checkpoint takes the engine's state. A job
+        that raised leaves its read NaN, with one warning."""
+        in_flight, self._in_flight = self._in_flight, []
+        for read in in_flight:
+            host = host or read.host
+            try:
+                spectra = read.future.result()
+            except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
+                self.warn_failure(host, "computing the query/key spectrum", read.step, err)
+                self._log(host, read.step, _merged(self.layers, {}), read.updates)
+                continue
+            computed = {i: _layer_of(spectra, j) for j, i in enumerate(read.layers)}
+            self._log(host, read.step, _merged(self.layers, computed), read.updates)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state after every read a worker is computing has been logged (its alerts in it)."""
+        self.settle()
+        return super().state_dict()
 
     # -- the optimizer's view ----------------------------------------------------------------
 

@@ -37,7 +37,7 @@ COMMON = [
 @pytest.mark.parametrize(
     "cls, extra",
     [
-        (QKSpectrumMonitor, []),
+        (QKSpectrumMonitor, ["background_weights"]),
         (AttentionEntropyMonitor, ["probe_validation", "sink_tokens"]),
         (
             EffectiveRankMonitor,
