@@ -23,6 +23,7 @@ import numpy as np
 from torch import Tensor
 
 from qkmonitor.measures.catalogue import metric
+from qkmonitor.measures.transfer import to_python
 from qkmonitor.output.dashboards import HeatmapScale, attention_image, grid_of, heatmap_image
 from qkmonitor.output.publisher import PUBLISHER
 from qkmonitor.output.sinks import Sink
@@ -62,12 +63,13 @@ class AttentionPattern:
 
 
 def as_rows(values: Values | dict[str, list[list]]) -> dict[str, list[list]]:
-    """metric -> per layer, its heads' values as Python lists (one read of each tensor)."""
+    """metric -> per layer, its heads' values as Python lists: every tensor read once, and on an
+    accelerator all of one device and dtype in one transfer (:func:`~qkmonitor.measures.transfer.
+    to_python`)."""
+    tensors = [heads for grid in values.values() for heads in grid if isinstance(heads, Tensor)]
+    read = iter(to_python(tensors))
     return {
-        name: [
-            heads.reshape(-1).tolist() if isinstance(heads, Tensor) else list(heads)
-            for heads in grid
-        ]
+        name: [next(read) if isinstance(heads, Tensor) else list(heads) for heads in grid]
         for name, grid in values.items()
     }
 
