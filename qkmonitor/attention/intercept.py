@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.attention.adapters import AttentionLayer
-from qkmonitor.attention.calls import TENSOR_PARALLEL
+from qkmonitor.attention.calls import TENSOR_PARALLEL, UnreadCall
 from qkmonitor.attention.capture import route_probe
 from qkmonitor.attention.clip import QKRows
 from qkmonitor.attention.latent import LatentLayout, find_latent
@@ -31,7 +31,7 @@ from qkmonitor.attention.layout_names import (
     projections_of,
     qk_norm_modules,
 )
-from qkmonitor.attention.layouts import QKLayout, projection
+from qkmonitor.attention.layouts import QKLayout, out_features, placed_heads, projection
 from qkmonitor.attention.probes import Probe, side_computation
 from qkmonitor.attention.recognition import (
     ATTENTION_NAME,
@@ -112,8 +112,40 @@ class LayoutChecked:
                     out.append(weight)
         return out
 
+    def placed(self, call):
+        """``call`` with its heads' placement under tensor parallelism checked against the query
+        projection (:func:`~qkmonitor.attention.layouts.placed_heads`): kept, made None where the
+        call holds every head on every rank (measured whole on each, as one process does), or
+        the call refused by name (an :class:`UnreadCall` ``sharded``: NaN, one warning per
+        layer), never a rank's calls counted as heads they are not."""
+        placement = getattr(call, "placement", None)
+        if placement is None:
+            return call
+        layouts = [c for c in self.layout_candidates if isinstance(c, QKLayout)]
+        dims = {c.head_dim for c in layouts}
+        queries = {c.q for c in layouts if c.k is not None}
+        if self._paths is not None:
+            queries = {self._paths[0]} if self._paths[1] is not None else set()
+        q = getattr(call, "q", None)
+        verdict = placed_heads(
+            placement,
+            call_head_dim=q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else None,
+            rows=out_features(self.module, queries.pop()) if len(queries) == 1 else None,
+            heads=self._known_heads() if layouts else None,
+            head_dim=dims.pop() if len(dims) == 1 else None,
+        )
+        if isinstance(verdict, str):
+            why = (
+                f"its projections are sharded by rows across ranks ({TENSOR_PARALLEL}), and "
+                f"{verdict}; its attention statistics are not measured"
+            )
+            return UnreadCall(why, why, sharded=True)
+        call.placement = verdict
+        return call
+
     def install_layout(self, probe: Probe) -> Callable[[], None]:
         def observe(call) -> None:
+            call = self.placed(call)
             # judged now, inside the forward: the weights are those that computed the call (an
             # optimizer step may change them before the probe closes)
             refused = getattr(call, "no_layout", None)  # its attention has no W_QK to check
@@ -324,7 +356,10 @@ class InterceptedAttentionLayer(LayoutChecked, AttentionLayer):
         return True
 
     def install(self, probe: Probe) -> Callable[[], None]:
-        return route_probe(self.module, probe, heads=self._known_heads())
+        def observe(call) -> None:
+            probe.observe(self.placed(call))
+
+        return route_probe(self.module, probe, observe=observe, heads=self._known_heads())
 
 
 def adapt_intercepted(name: str, module: nn.Module, index: int) -> InterceptedAttentionLayer | None:

@@ -32,7 +32,7 @@ from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.measures.sharding import HeadPlacement, RowShard, stated_shape, whole
 
-__all__ = ["FUSED_ORDERS", "PAIRINGS", "HeadShards", "QKLayout"]
+__all__ = ["FUSED_ORDERS", "PAIRINGS", "HeadShards", "QKLayout", "placed_heads"]
 
 FUSED_ORDERS = ("blocks", "heads", "groups")
 PAIRINGS = ("grouped", "modulo")
@@ -250,6 +250,62 @@ def _replica(tensor: Tensor) -> Tensor:
         return tensor
     with torch.no_grad():
         return to_local()
+
+
+def placed_heads(
+    placement: HeadPlacement,
+    *,
+    call_head_dim: int | None,
+    rows: int | None,
+    heads: int | None = None,
+    head_dim: int | None = None,
+) -> HeadPlacement | str | None:
+    """Where one rank's attention call's query heads are among the layer's under tensor
+    parallelism, checked against the query projection they come from.
+
+    The capture places a call of h query heads on rank chunk c of R as heads c·h .. c·h + h - 1
+    of R·h (``placement``): right where the call holds this rank's rows of the query projection
+    as whole heads. A call that holds every head (the projections' outputs gathered on every
+    rank, ``ColwiseParallel(output_layouts=Replicate())``) or a view of this rank's rows by other
+    counts (a forward that views them with the global head count and ``-1``) is neither.
+
+    Args:
+        placement: the capture's placement of the call (``count`` h, ``total`` R·h).
+        call_head_dim: d, the last dim of the call's queries ``(B, h, N, d)``; None where the
+            call has no queries (explicit logits).
+        rows: the query projection's output features over all ranks (H·d of separate
+            projections); None where not known (a fused projection).
+        heads, head_dim: H and d_k where the layer's layout candidates agree on them before a
+            call (the module names them), else None.
+
+    Returns:
+        ``placement`` where the call holds this rank's part of the heads: h·R = H, or, H not
+        known, h·d·R = rows; None where it holds every head, h·d = rows (and h = H): each rank
+        measures them all, as one process does, and the reduction's sums and counts are R
+        times one rank's alike (the same means and maxima); else why it is neither, for the
+        call to be refused by name.
+    """
+    h, d = placement.count, call_head_dim
+    ranks = placement.total // h
+    if d is not None and head_dim is not None and d != head_dim:
+        return (
+            f"its attention call's {h} query heads on this rank hold {d} features each where its "
+            f"projections' {heads} heads hold {head_dim}, so they are not its heads"
+        )
+    known = d is not None and rows is not None
+    if known and h * d == rows and heads in (None, h):
+        return None  # every head, on every rank
+    if heads is not None:
+        part = h * ranks == heads
+    else:  # where the call's head dim or the rows are not known, nothing says otherwise
+        part = not known or h * d * ranks == rows
+    if part:
+        return placement
+    total = heads if heads is not None else rows // d
+    return (
+        f"its attention call holds {h} query heads on this rank of {ranks}, neither this rank's "
+        f"part of its {total} heads nor all of them"
+    )
 
 
 def grouped_index(heads: int, kv_heads: int) -> tuple[int, ...]:
