@@ -35,7 +35,10 @@ FUSED_NAMES = (
     "attn",
     "to_qkv",
     "wqkv",
+    "qk",  # queries and keys alone, no values (timm ConViT's GPSA)
 )
+#: fused projections of queries and keys alone: rows ``[q | k]``
+QK_ONLY_NAMES = ("qk",)
 #: Head counts and sizes, on the module or its ``config``.
 HEADS_NAMES = (
     "num_heads",
@@ -161,7 +164,8 @@ def infer_layouts(
         kv_heads = _separate_kv_heads(module, k_path, q_out, heads, kv_heads, head_dim)
         candidates = [] if kv_heads is None else [("blocks", kv_heads, head_dim)]
     else:
-        candidates = _fused_candidates(q_out, heads, kv_heads, head_dim, fused)
+        values = q_path.rsplit(".", 1)[-1] not in QK_ONLY_NAMES
+        candidates = _fused_candidates(q_out, heads, kv_heads, head_dim, fused, values)
     if not candidates:
         return []
     norm = qk_norm_modules(module) is not None
@@ -206,17 +210,27 @@ def _separate_kv_heads(
 
 
 def _fused_candidates(
-    q_out: int, heads: int, kv_heads: int | None, head_dim: int | None, fused: str | None
+    q_out: int,
+    heads: int,
+    kv_heads: int | None,
+    head_dim: int | None,
+    fused: str | None,
+    values: bool = True,
 ) -> list[tuple[str, int, int]]:
     """``(order, kv_heads, head_dim)`` of every reading of a fused projection of ``q_out`` rows:
-    ambiguous key/value head counts and row orders as separate candidates."""
+    ambiguous key/value head counts and row orders as separate candidates. ``values=False``: it
+    holds queries and keys alone (``[q | k]``, by its name)."""
     if head_dim is None:  # q, k, v of one width: (H + 2 H_kv) d_k rows; or q and k alone
-        widths = [heads + 2 * (kv_heads or heads), heads + (kv_heads or heads)]
+        widths = [heads + 2 * (kv_heads or heads)] if values else []
+        widths.append(heads + (kv_heads or heads))
         head_dim = next((q_out // width for width in widths if q_out % width == 0), None)
     if head_dim is None:
         return []
+    rest = q_out // head_dim - heads if q_out % head_dim == 0 else 0
+    if not values:  # [q | k]: the rest are the keys
+        kv = kv_heads or rest
+        return [("blocks", kv, head_dim)] if kv > 0 and heads % kv == 0 and rest >= kv else []
     if kv_heads is None:  # (H + 2 H_kv) d_k rows hold q, k, v; 2 H d_k may also be q and k alone
-        rest = q_out // head_dim - heads if q_out % head_dim == 0 else 0
         kv_options = [rest // 2] if rest > 0 and rest % 2 == 0 else []
         kv_options += [heads] if rest == heads and heads not in kv_options else []
     else:
