@@ -15,13 +15,18 @@ While a probe is open on a module, and only inside that module's forward, a
   forward, :mod:`.masks`; other finite logits at or below ``MASK_FLOOR`` count as keys, and are
   named once per module in a warning).
 
-Leading dims before the heads (``(B, windows, H, N, D)``, timm Twins) are folded into the batch:
-each window is an attention problem of its own. Two calls are refused by name, as an
-:class:`~qkmonitor.attention.calls.UnreadCall` with the reason: a softmax after a Linear (or a
-convolution) over the heads of ``q @ kᵀ`` (talking heads, timm CaiT: the queries' and keys' layout
-is still checked, κ is a property of the weights), and one over channels (``q·kᵀ`` contracting the
+Leading dims other than the heads (``(B, windows, H, N, D)``, timm Twins; ``(B, H, blocks, N, D)``,
+timm NesT, its heads found by the layer's head count, or by strides where blocks and heads are as
+many: :mod:`.capture_heads`) are folded into the batch: each window or block is an attention
+problem of its own. Refused by name, as an :class:`~qkmonitor.attention.calls.UnreadCall` with the
+reason: a softmax after a Linear, a convolution or an ``einsum`` over the heads of ``q·kᵀ``
+(talking heads, timm CaiT, EfficientFormerV2, x-transformers: the queries' and keys' layout is
+still checked, κ is a property of the weights), one over channels (``q·kᵀ`` contracting the
 projections' tokens, its rows a head's channels: timm XCiT, whose weights then have no W_QK over
-tokens either).
+tokens either), two softmaxes of one forward over the same keys, of ``q·kᵀ`` and of logits no
+``q·kᵀ`` gave (timm ConViT's GPSA, content and position mixed by a gate: the softmax calls of a
+forward are handed on at its next call or its end, so that this is seen), and queries whose heads
+no shape or stride tells from their blocks.
 
 The mode is entered by the probe's forward pre-hook and left by its forward hook, which runs on
 an exception too (``always_call``; a ``BaseException`` skips it, and the channel unwinds the call
@@ -113,7 +118,11 @@ class InterceptChannel(Channel):
         call = mode.call
         forget_call(call)
         mode.__exit__(None, None, None)
-        if output is not None and call.first and self.observers:  # it ran; nothing was read
+        if output is None:  # it raised: the softmax calls it kept are not handed on
+            call.pending.clear()
+            return
+        call.flush()  # the softmax calls kept until the forward's end
+        if call.first and self.observers:  # it ran; nothing was read
             self.observers.notify(UnreadCall(call.unread_reason()))
 
     def note_unmasked(self, lowest: float) -> None:

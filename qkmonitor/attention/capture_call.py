@@ -1,12 +1,15 @@
 """What one intercepted forward captures (:class:`ForwardCapture`): the projections' inputs and
-biases the layout check asks for, the queries and keys of ``q @ kᵀ``, the additive masks going
-into the logits, what the logits went through before the softmax (heads mixed, channels), how the
-projections are split across ranks; and each attention call handed on to the channel's observers,
-the first with the forward's layout evidence."""
+biases the layout check asks for, the queries and keys of ``q @ kᵀ`` (or of an ``einsum``), the
+additive masks going into the logits, what the logits went through before the softmax (heads
+mixed, channels: :mod:`.capture_heads`), how the projections are split across ranks; and each
+attention call handed on to the channel's observers, the first with the forward's layout evidence
+(a softmax's at the forward's next call or its end: two softmaxes of content and position are
+refused together)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch.nn.functional as F
@@ -19,6 +22,20 @@ from qkmonitor.attention.capture_builders import (
     folded,
     scores_call,
     sdpa_call,
+)
+from qkmonitor.attention.capture_heads import (
+    GATED,
+    HeadsMixed,
+    broadcast_to_dims,
+    conv_mixes,
+    einsum_labels,
+    einsum_mixes,
+    einsum_qk,
+    heads_dim,
+    heads_third,
+    linear_mixes,
+    mixed_reason,
+    over_channels,
 )
 from qkmonitor.attention.context_parallel import context_parallel_reason, first_chunk, local
 from qkmonitor.attention.layout_check import LayoutEvidence, product_scale
@@ -64,11 +81,11 @@ class ForwardCapture:
         self.qk: tuple[Tensor, Tensor] | None = None  # the first q @ kᵀ: its q and k
         self.last_qk: tuple[Tensor, Tensor] | None = None  # the latest q @ kᵀ before a softmax
         self.product: Tensor | None = None  # the latest q @ kᵀ's result (logits to come)
-        self.product_version: int | None = None  # its version counter when the matmul made it
-        self.mixed: str | None = None  # how the logits' heads were mixed, before the softmax
-        #: the heads were mixed from the product as the matmul gave it (no factor after it), or
-        #: why that is not known (it was changed in place first)
-        self.mixed_unscaled: str | None = None
+        #: where its queries' heads are (from the end; -3: before the rows), or why not known
+        self.product_dim: int | str = -3
+        self.mixed: HeadsMixed | None = None  # what mixed the logits' heads, before the softmax
+        #: the softmax calls read, kept until the forward's next call or its end (:meth:`flush`)
+        self.pending: list[_Kept] = []
         self.tokens: set[int] = set()  # the sequence lengths of the projections' inputs
         self.widths: set[int] = set()  # and their widths
         self.masks = AdditiveMasks()
@@ -125,14 +142,11 @@ class ForwardCapture:
             self.shards[id(weight)] = shard
         if not isinstance(x, Tensor):
             return
-        product = self.product
-        if product is not None and x.shape[-1] == product.shape[-3] and _same_storage(x, product):
-            self.mixed = (
-                f"talking heads: a Linear over the {product.shape[-3]} heads of q·kᵀ, as CaiT's "
-                "proj_l"
-            )
-            self.mixed_unscaled = self._changed_in_place(product)
-            return
+        if func is F.linear and isinstance(weight, Tensor) and id(weight) not in self.watch:
+            mixed = linear_mixes(x, weight, self.product, self.last_qk)
+            if mixed is not None:
+                self.mixed = mixed
+                return
         if x.dim() >= 3:
             self.tokens.add(x.shape[-2])
             self.widths.add(x.shape[-1])
@@ -142,31 +156,24 @@ class ForwardCapture:
             if isinstance(bias, Tensor) and bias.dim() == 1:
                 self.biases[id(weight)] = bias.detach()
 
-    def on_conv(self, x) -> None:
-        """A convolution whose channels are the heads of the logits mixes them (x-transformers'
-        1×1 talking heads)."""
-        product = self.product
-        if (
-            isinstance(x, Tensor)
-            and product is not None
-            and x.dim() == 4
-            and x.shape[1] == product.shape[-3]
-            and _same_storage(x, product)
-        ):
-            self.mixed = f"talking heads: a convolution over the {x.shape[1]} heads of q·kᵀ"
-            self.mixed_unscaled = self._changed_in_place(product)
+    def on_conv(self, args: tuple, kwargs: dict, out) -> None:
+        """A convolution whose output channels read more than one head of the logits mixes them
+        (EfficientFormerV2's and x-transformers' 1×1 talking heads)."""
+        mixed = conv_mixes(args, kwargs, out, self.product, self.last_qk)
+        if mixed is not None:
+            self.mixed = mixed
 
-    def _changed_in_place(self, product: Tensor) -> str | None:
-        """None where the latest ``q @ kᵀ`` is as the matmul gave it (its version counter
-        unchanged: the heads are mixed from it with no factor after the product); else why the
-        factor after the product is not known."""
-        version = _version(product)
-        if version is not None and version == self.product_version:
-            return None
-        return (
-            "its q @ kᵀ was changed in place before its heads were mixed, so the factor on a "
-            "head's own q·kᵀ is not known"
-        )
+    def on_einsum(self, args: tuple, out) -> None:
+        """``torch.einsum``: a ``q·kᵀ`` (x-transformers' scores), read as ``q @ kᵀ`` is; or a sum
+        over the heads of the logits, which mixes them."""
+        parsed = einsum_labels(args)
+        qk = einsum_qk(parsed)
+        if qk is not None:
+            self._product(*qk, out)
+            return
+        mixed = einsum_mixes(parsed, out, self.product, self.last_qk)
+        if mixed is not None:
+            self.mixed = mixed
 
     def on_matmul(self, a, b, out) -> None:
         """``x @ W.T`` (a projection written as a matmul, e.g. Falcon's) and ``q @ kᵀ`` of
@@ -180,10 +187,22 @@ class ForwardCapture:
                 self.inputs.setdefault(id(weight), a.detach())
                 return
         if a.dim() >= 4 and b.dim() == a.dim() and a.shape[-1] == b.shape[-2]:
-            self.last_qk = (a.detach(), b.detach().transpose(-1, -2))
-            self.qk = self.qk or self.last_qk
-            self.product = out.detach() if isinstance(out, Tensor) else None
-            self.product_version = None if self.product is None else _version(self.product)
+            self._product(a, b.transpose(-1, -2), out)
+
+    def _product(self, q: Tensor, k: Tensor, out) -> None:
+        """Keep a ``q·kᵀ``'s queries ``(..., H, N, D)`` and keys ``(..., H_kv, M, D)``, their
+        heads moved third from the end where other dims come first (NesT's blocks after them),
+        and its result."""
+        dim = self.product_dim = heads_dim(q, self._heads())
+        if isinstance(dim, int):
+            q, k = heads_third(q, dim), heads_third(broadcast_to_dims(k, q.dim()), dim)
+        self.last_qk = (q.detach(), k.detach())
+        self.qk = self.qk or self.last_qk
+        self.product = out.detach() if isinstance(out, Tensor) else None
+
+    def _heads(self) -> int | None:
+        """The layer's query heads, where it says before a call."""
+        return self.channel.heads or self.channel.split_heads
 
     def on_sdpa(self, args, kwargs) -> None:
         sdpa = dict(zip(_SDPA_ARGS, args)) | kwargs
@@ -192,15 +211,21 @@ class ForwardCapture:
         if refused is not None:
             self._refuse_split(refused, q, k, sdpa.get("scale"))
             return
+        mask = sdpa.get("attn_mask")
         if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() >= 4:
-            refused = self._over_channels(q, k)
+            dim = heads_dim(q, self._heads())  # NesT's (B, H, T, N, D): heads before its blocks
+            if isinstance(dim, str):
+                self._refuse(dim, dim)
+                return
+            q, k = heads_third(q, dim), heads_third(broadcast_to_dims(k, q.dim()), dim)
+            if isinstance(mask, Tensor) and mask.dim() > 2:
+                mask = heads_third(broadcast_to_dims(mask, q.dim()), dim)
+            refused = over_channels(q, k, self.tokens, self.widths)
             if refused is not None:
                 self._refuse(*refused)
                 return
         self._notify(
-            lambda: sdpa_call(
-                q, k, sdpa.get("attn_mask"), bool(sdpa.get("is_causal", False)), sdpa.get("scale")
-            ),
+            lambda: sdpa_call(q, k, mask, bool(sdpa.get("is_causal", False)), sdpa.get("scale")),
             lambda: self._evidence(fold(q), fold(k), None, sdpa.get("scale")),
             heads=q.shape[-3] if isinstance(q, Tensor) and q.dim() >= 4 else None,
         )
@@ -216,29 +241,35 @@ class ForwardCapture:
             return
         blocked = self.masks.blocked(x)
         self.masks.clear()
-        mixed, self.mixed, self.product = self.mixed, None, None
-        mixed_unscaled, self.mixed_unscaled = self.mixed_unscaled, None
+        mixed, self.mixed = self.mixed, None
+        product, self.product = self.product, None
         last_qk, self.last_qk = self.last_qk, None
-        by_heads = self._heads_first(x, blocked)
+        if mixed is not None and mixed.feeds(x):
+            self._refuse_mixed(mixed)
+            return
+        by_heads = self._heads_first(x, blocked, product)
+        if isinstance(by_heads, str):
+            self._refuse(by_heads, by_heads)
+            return
         if by_heads is None:
             return
         x, blocked = by_heads
         if last_qk is not None and x.shape[-2] == last_qk[0].shape[-2]:
-            refused = self._over_channels(*last_qk)
+            refused = over_channels(*last_qk, self.tokens, self.widths)
             if refused is not None:
                 self._refuse(*refused)
                 return
-        if mixed is not None:
-            self._refuse(_mixed_reason(mixed), None, mixed_unscaled)
-            return
-        self._read_scores(fold(x), None if blocked is None else fold(blocked))
+        from_product = product is not None and product.shape[-2:] == x.shape[-2:]
+        self._read_scores(fold(x), None if blocked is None else fold(blocked), from_product)
 
     def _heads_first(
-        self, x: Tensor, blocked: Tensor | None
-    ) -> tuple[Tensor, Tensor | None] | None:
+        self, x: Tensor, blocked: Tensor | None, product: Tensor | None
+    ) -> tuple[Tensor, Tensor | None] | str | None:
         """A softmax's logits and their blocked keys as (..., H, N, M): (B·H, N, M) split by the
-        module's head count, (B, N, H, M) transposed where the layer's head count says so; None
-        where they cannot be (why, in ``unread``, where they hold attention-like scores)."""
+        module's head count, (B, N, H, M) transposed where the layer's head count says so, the
+        heads of (B, H, T, N, M) moved before the blocks (NesT: where its ``q @ kᵀ``'s queries
+        had them); None where they cannot be (why, in ``unread``, where they hold attention-like
+        scores), or why the dim of the heads is not known."""
         heads = self.channel.heads
         if x.dim() == 3:
             split = heads or self.channel.split_heads
@@ -253,8 +284,16 @@ class ForwardCapture:
             blocked = None if blocked is None else blocked.view(x.shape)
         elif x.dim() < 4:
             return None
+        elif x.dim() > 4:
+            same = product is not None and product.shape == x.shape
+            dim = self.product_dim if same else heads_dim(x, self._heads())
+            if isinstance(dim, str):
+                return dim
+            if blocked is not None:
+                blocked = heads_third(broadcast_to_dims(blocked, x.dim()), dim)
+            x = heads_third(x, dim)
         elif heads is not None and x.shape[-3] != heads:
-            if x.dim() != 4 or x.shape[2] != heads:  # not (B, H, N, M) nor (B, N, H, M)
+            if x.shape[2] != heads:  # not (B, H, N, M) nor (B, N, H, M)
                 self.unread.append(
                     f"a softmax over a tensor of shape {tuple(x.shape)}, in which no dim holds "
                     f"the layer's {heads} heads"
@@ -262,65 +301,85 @@ class ForwardCapture:
                 return None
             x = x.transpose(1, 2)
             blocked = None if blocked is None else blocked.transpose(1, 2)
+        if heads is not None and x.dim() > 4 and x.shape[-3] != heads:
+            self.unread.append(
+                f"a softmax over a tensor of shape {tuple(x.shape)}, in which no dim holds "
+                f"the layer's {heads} heads"
+            )
+            return None
         return x, blocked
 
-    def _read_scores(self, x: Tensor, blocked: Tensor | None) -> None:
-        """Hand on (B, H, N, M) logits a softmax got, with the forward's first ``q @ kᵀ`` as the
-        layout evidence where it is theirs (the factor between the two: the logit scale), else
-        the logits' own query 0, key 0."""
-        qk = self.qk
-        if qk is not None and folded(qk[0])[:3] == x.shape[:3] and qk[1].shape[-2] == x.shape[3]:
-            self._notify(
-                lambda: self._scores(x, blocked),
-                lambda: self._evidence(
-                    fold(qk[0]),
-                    fold(qk[1]),
-                    None,
-                    *product_scale(fold(qk[0]), fold(qk[1]), x, blocked),
-                ),
-                heads=x.shape[1],
-            )
+    def _read_scores(self, x: Tensor, blocked: Tensor | None, from_product: bool) -> None:
+        """Keep (B, H, N, M) logits a softmax got, read now, until the forward's next call or its
+        end (:meth:`flush`); with the forward's first ``q @ kᵀ`` as the layout evidence where it
+        is theirs (the factor between the two: the logit scale), else the logits' own query 0,
+        key 0."""
+        if not self.channel.observers:
             return
-        self._notify(
-            lambda: self._scores(x, blocked),
-            lambda: self._evidence(None, None, x, None),
-            heads=x.shape[1],
-        )
+        qk, wants_evidence = self.qk, self.first and bool(self.watch)
 
-    def _over_channels(self, q: Tensor, k: Tensor) -> tuple[str, str] | None:
-        """Why a q·kᵀ of (..., H, R, D) queries is over channels, not tokens, with what it means
-        for the weights; None when it is not: its rows are the head width of a projection
-        (R = C/H) and the dim it contracts is the projections' tokens (D = N), as in XCiT's
-        cross-covariance attention. Where R = D no shape tells them apart: read as tokens."""
-        heads, rows, width = q.shape[-3], q.shape[-2], q.shape[-1]
-        if rows == width or width not in self.tokens:
-            return None
-        if not any(c % heads == 0 and c // heads == rows for c in self.widths):
-            return None
-        reason = (
-            "its softmax is over channels, not tokens (cross-covariance attention, as XCiT's XCA: "
-            f"q·kᵀ contracts the {width} tokens, its rows are the {rows} channels of a head), so "
-            "it has no attention over tokens to measure"
-        )
-        no_layout = (
-            "its attention is over channels (cross-covariance attention, as XCiT's XCA: q·kᵀ "
-            "contracts the tokens), so there is no W_QK over tokens to read"
-        )
-        return reason, no_layout
+        def evidence() -> LayoutEvidence:
+            theirs = qk is not None and folded(qk[0])[:3] == x.shape[:3]
+            if theirs and qk[1].shape[-2] == x.shape[3]:
+                q, k = fold(qk[0]), fold(qk[1])
+                return self._evidence(q, k, None, *product_scale(q, k, x, blocked))
+            return self._evidence(None, None, x, None)
 
-    def _refuse(self, reason: str, no_layout: str | None, scale_unknown: str | None = None) -> None:
+        def build() -> ScoresCall:
+            call = self._scores(x, blocked)
+            if wants_evidence:
+                call.evidence = evidence()
+            return call
+
+        placement = self._place(x.shape[1])
+        self.pending.append(_Kept(observed(build), placement, tuple(x.shape), from_product))
+
+    def flush(self) -> None:
+        """Hand on the softmax calls kept back; or, where one forward computed two softmaxes over
+        the same queries' keys, one over its ``q·kᵀ`` and one over logits no ``q·kᵀ`` gave (the
+        content and the position attention of ConViT's GPSA, which it mixes by a gate), refuse
+        them: neither is the attention it applies."""
+        kept, self.pending = self.pending, []
+        if not kept or not self.channel.observers:
+            return
+        content = next((c for c in kept if c.from_product), None)
+        others = {c.shape for c in kept if not c.from_product}
+        if content is not None and content.shape in others:
+            refusal = UnreadCall(GATED)
+            refusal.evidence = getattr(content.call, "evidence", None) if self.first else None
+            self._hand_on(refusal)
+            return
+        for one in kept:
+            if isinstance(one.placement, str):
+                self._hand_on(UnreadCall(one.placement, one.placement, sharded=True))
+                continue
+            if not self.first:  # the layout evidence rides with the forward's first call
+                one.call.evidence = None
+            one.call.placement = one.placement
+            self._hand_on(one.call)
+
+    def _refuse(self, reason: str, no_layout: str | None, evidence: Callable | None = None) -> None:
         """Hand on a call that is not read, and why; ``no_layout``: why the weights are not read
-        either (else the first call's evidence still checks them). The heads of a mixed product
-        were mixed from ``q @ kᵀ`` as the matmul gave it: the factor on a head's own ``q·kᵀ`` is
-        what its operands carry (1 after the product), unless ``scale_unknown`` says why not."""
-
-        qk = self.qk
-        evidence = (
-            (lambda: self._evidence(fold(qk[0]), fold(qk[1]), None, 1.0, scale_unknown))
-            if qk
-            else None
-        )
+        either, else ``evidence`` (the first call's) may still check them."""
         self._notify(lambda: UnreadCall(reason, no_layout), None if no_layout else evidence)
+
+    def _refuse_mixed(self, mixed: HeadsMixed) -> None:
+        """Refuse a softmax over logits whose heads were mixed; the weights are still checked by
+        the ``q·kᵀ`` the mixed logits came from, and the factor on each head's own ``q·kᵀ`` is
+        the one between that product and the logits the op mixed (1 where it mixed the product
+        itself, as CaiT's ``proj_l``), or not known, and why."""
+        qk, rows = mixed.qk, mixed.rows
+        evidence = None
+        if qk is not None and rows is not None and qk[0].dim() == 4:
+
+            def evidence() -> LayoutEvidence:
+                q, k = qk
+                scale, why = product_scale(q, k, rows, None)
+                if why is not None:
+                    why = f"its heads are mixed from logits not a multiple of its q·kᵀ: {why}"
+                return self._evidence(q, k, None, scale, why)
+
+        self._refuse(mixed_reason(mixed.how), None, evidence)
 
     def _refuse_split(self, reason: str, q, k, scale) -> None:
         """Refuse a call whose keys are split across ranks (context parallelism) as
@@ -340,23 +399,26 @@ class ForwardCapture:
             self.channel.note_unmasked(lowest)
         return call
 
+    def _place(self, heads: int | None) -> HeadPlacement | str | None:
+        """Where a call's ``heads`` query heads are among the layer's where the forward's
+        projections are split by output features across ranks (tensor parallelism: this rank's
+        part), or why that cannot be told; None where they are not split."""
+        return _placement(self.shards, heads) if self.shards else None
+
     def _notify(
         self, build: Callable, evidence: Callable | None, *, heads: int | None = None
     ) -> None:
-        """Hand one attention call on (its layout evidence with the forward's first). Where the
-        forward's projections are split by output features across ranks (tensor parallelism),
-        ``heads``, the query heads of the call, are this rank's part: the call says where they
-        are among all (``placement``), or is refused where that cannot be told."""
+        """Hand one attention call on, after the softmax calls kept back (its layout evidence
+        with the forward's first; its ``placement`` among the layer's heads under tensor
+        parallelism, or refused where that cannot be told)."""
+        self.flush()
         if not self.channel.observers:
             return
-        placement = None
-        if self.shards:
-            placement = _placement(self.shards, heads)
-            if isinstance(placement, str):
-                self.first = False
-                self.channel.observers.notify(UnreadCall(placement, placement, sharded=True))
-                return
-        first, self.first = self.first, False
+        placement = self._place(heads)
+        if isinstance(placement, str):
+            self._hand_on(UnreadCall(placement, placement, sharded=True))
+            return
+        first = self.first
 
         def build_with_evidence() -> AttentionCall:
             call = build()
@@ -365,7 +427,11 @@ class ForwardCapture:
                 call.evidence = evidence()
             return call
 
-        self.channel.observers.notify(observed(build_with_evidence))
+        self._hand_on(observed(build_with_evidence))
+
+    def _hand_on(self, call: AttentionCall) -> None:
+        self.first = False
+        self.channel.observers.notify(call)
 
     def _evidence(
         self,
@@ -421,25 +487,11 @@ def _replicated(x: Tensor) -> Tensor:
     return x
 
 
-def _mixed_reason(how: str) -> str:
-    return (
-        f"it mixes its heads' logits before the softmax ({how}), so a head's softmax is not over "
-        "its own queries' and keys' logits: its attention statistics are not measured, while "
-        "its kappa, of its own W_Q^h W_K^hᵀ, is a property of the weights and is read"
-    )
+@dataclass
+class _Kept:
+    """A softmax call read and kept until the forward's next call or its end."""
 
-
-def _version(x: Tensor) -> int | None:
-    """A tensor's version counter (bumped by each in-place change), or None where it has none
-    (an inference tensor)."""
-    try:
-        return int(x._version)
-    except (RuntimeError, AttributeError):
-        return None
-
-
-def _same_storage(a: Tensor, b: Tensor) -> bool:
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except RuntimeError:  # a tensor without storage of its own (a subclass): not known the same
-        return False
+    call: AttentionCall  # a ScoresCall (its evidence on it), or the FailedCall of its reading
+    placement: HeadPlacement | str | None
+    shape: tuple[int, ...]  # its logits' (B, H, N, M)
+    from_product: bool  # over the q·kᵀ seen before it

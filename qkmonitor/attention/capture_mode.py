@@ -50,8 +50,14 @@ class Interceptor(TorchFunctionMode):
             call.on_softmax(args, kwargs)
         elif func is F.linear or func is torch.addmm:
             call.on_projection(func, args, kwargs)
-        elif func is F.conv2d and args:
-            call.on_conv(args[0])
+        elif func is F.conv2d:
+            out = func(*args, **kwargs)
+            call.on_conv(args, kwargs, out)
+            return out
+        elif func is torch.einsum:
+            out = func(*args, **kwargs)
+            call.on_einsum(args, out)
+            return out
         elif func in _MATMUL and len(args) == 2:
             out = func(*args, **kwargs)
             call.on_matmul(*args, out)
@@ -80,7 +86,7 @@ _ADD = (
 _MASKED_FILL = (torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_)
 #: every call :meth:`Interceptor.__torch_function__` hands to the capture
 _READ = frozenset(
-    (F.scaled_dot_product_attention, TORCH_SDPA, F.linear, torch.addmm, F.conv2d)
+    (F.scaled_dot_product_attention, TORCH_SDPA, F.linear, torch.addmm, F.conv2d, torch.einsum)
     + _SOFTMAX
     + _MATMUL
     + _ADD

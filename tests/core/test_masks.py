@@ -251,3 +251,152 @@ def sharp_qkv(model: nn.Module, factor: float = 4.0) -> nn.Module:
     with torch.no_grad():
         model[0].qkv.weight[: 2 * D].mul_(factor)
     return model
+
+
+class Mixing(nn.Module):
+    """Scaled q·kᵀ (a matmul, or an einsum as x-transformers' scores) through an op over the
+    heads before the softmax (issue 59): one that mixes them (an einsum over the head index, a
+    1×1 convolution over the heads, as EfficientFormerV2's talking heads), or one that keeps
+    each head its own (a gain per head, by einsum or a grouped convolution)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.proj = (nn.Linear(D, D) for _ in range(4))
+        self.num_heads, self.how = H, how
+        self.mix = nn.Parameter(torch.eye(H) + 0.5 * torch.randn(H, H))
+        self.gain = nn.Parameter(torch.rand(H) + 0.5)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits the op gets: (B, H, T, T), the scale after the product."""
+        b, t, _ = x.shape
+        q, k = (p(x).view(b, t, H, D // H).transpose(1, 2) for p in (self.q, self.k))
+        if self.how.startswith("einsum"):
+            s = torch.einsum("bhid,bhjd->bhij", q, k)
+        else:
+            s = q @ k.transpose(-2, -1)
+        return s * (D // H) ** -0.5
+
+    def op(self, s: torch.Tensor) -> torch.Tensor:
+        mix, gain = self.mix.to(s.dtype), self.gain.to(s.dtype)
+        if self.how == "einsum-mix":
+            return torch.einsum("bhij,hg->bgij", s, mix)
+        if self.how == "einsum-gain":
+            return torch.einsum("bhij,h->bhij", s, gain)
+        if self.how == "conv-mix":
+            return F.conv2d(s, mix.T[:, :, None, None])
+        return F.conv2d(s, gain[:, None, None, None], groups=H)  # conv-gain
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        v = self.v(x).view(b, t, H, D // H).transpose(1, 2)
+        y = self.op(self.logits(x)).softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, D))
+
+
+def qk_sigma(module: nn.Module) -> torch.Tensor:
+    """(H, D) singular values of each head's W_Q^h W_K^hᵀ (separate q/k Linears), float64."""
+    wq, wk = (p.weight.detach().double().view(H, D // H, D) for p in (module.q, module.k))
+    return torch.linalg.svdvals(wq.transpose(1, 2) @ wk)
+
+
+@pytest.mark.parametrize("how", ["einsum-mix", "conv-mix"])
+def test_heads_mixed_by_an_einsum_or_a_convolution_are_refused_by_name(how):
+    """Issue 59: an einsum over the head index and a 1×1 convolution over the heads of scaled
+    q·kᵀ (not the product itself, as CaiT's proj_l gets it) refuse the statistics by name; κ and
+    qk_spectral_norm (σ₁ · the factor on q·kᵀ before the mixing) are read. The old capture
+    measured these heads as if each were its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(sharp(Mixing(how)), sharp(ScoresAttention("none")))
+    spectrum, entropy, said = step(model, torch.randn(B, T, D))
+    for metric in ("entropy_norm", "max_prob", "max_logit"):
+        assert torch.isnan(entropy.latest[metric][0]).all(), (metric, entropy.latest[metric][0])
+    what = "an einsum that sums over the 4 heads" if how == "einsum-mix" else "a convolution"
+    named = [m for m in said if "layer '0'" in m and "mixes its heads' logits" in m]
+    assert len(named) == 1 and what in named[0], said
+    sigma = qk_sigma(model[0])
+    assert_close(
+        spectrum.latest["kappa"][0].double(), sigma[:, 0] / sigma.sum(-1), rtol=0, atol=1e-7
+    )
+    assert_close(
+        spectrum.latest["qk_spectral_norm"][0].double(),
+        sigma[:, 0] * (D // H) ** -0.5,
+        rtol=1e-5,
+        atol=0,
+    )
+    assert torch.isfinite(entropy.latest["entropy_norm"][1]).all()
+
+
+@pytest.mark.parametrize("how", ["einsum-gain", "conv-gain"])
+def test_an_op_over_the_heads_that_keeps_each_its_own_is_measured(how):
+    """A gain per head (an einsum that keeps the head index, a convolution grouped by head)
+    mixes nothing: measured exactly, against the float64 logits the softmax gets."""
+    torch.manual_seed(0)
+    model = nn.Sequential(sharp(Mixing(how)))
+    x = torch.randn(B, T, D)
+    _, entropy, said = step(model, x)
+    with torch.no_grad():
+        s = model[0].op(model[0].logits(x).double())
+    reference = statistics(s, torch.ones_like(s, dtype=torch.bool))
+    for metric in ("entropy_norm", "max_prob"):
+        assert_close(entropy.latest[metric][0].double(), reference[metric], rtol=0, atol=3e-7)
+    assert_close(
+        entropy.latest["max_logit"][0].double(), s.amax(dim=(0, 2, 3)), rtol=1e-5, atol=1e-6
+    )
+    assert not [m for m in said if "mixes its heads" in m], said
+
+
+class Blocks(nn.Module):
+    """timm NesT's Attention, reduced: q/k of (B, H, T, N, d), the heads before T image blocks,
+    here as many blocks as heads; ``contiguous``: q and k copied in that order (no stride tells
+    the heads from the blocks then)."""
+
+    def __init__(self, contiguous: bool) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.num_heads, self.contiguous = H, contiguous
+
+    def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b, t, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, t, n, 3, H, D // H).permute(3, 0, 4, 1, 2, 5)
+        return qkv.unbind(0)
+
+    def forward(self, x):
+        q, k, v = self.qkv_heads(x)
+        if self.contiguous:
+            q, k = q.contiguous(), k.contiguous()
+        y = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, N, d)
+        return self.proj(y.permute(0, 2, 3, 1, 4).flatten(-2)).flatten(1, 2)  # (B, T·N, D)
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_as_many_blocks_as_heads_are_told_apart_by_strides_or_refused_by_name(contiguous):
+    """Issue 59: NesT-like (B, H, T, N, d) queries with T = H. Viewed from the projection, the
+    heads are the dim cut from a token's features: measured exactly, per head; copied
+    contiguous, nothing tells the two dims apart: refused by name (statistics and κ)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Blocks(contiguous), ScoresAttention("none"))
+    with torch.no_grad():
+        model[0].qkv.weight[: 2 * D].mul_(4.0)
+    x = torch.randn(B, H, 4, D)  # T = H blocks of 4 tokens
+    spectrum, entropy, said = step(model, x)
+    if contiguous:
+        assert torch.isnan(entropy.latest["entropy_norm"][0]).all()
+        assert torch.isnan(spectrum.latest["kappa"][0]).all()
+        named = [m for m in said if "layer '0'" in m and "strides do not tell" in m]
+        assert named, said
+        return
+    with torch.no_grad():
+        q, k, _ = (t.double() for t in model[0].qkv_heads(x))
+    s = (q @ k.transpose(-2, -1) / math.sqrt(D // H)).movedim(1, 2).flatten(0, 1)
+    reference = statistics(s, torch.ones_like(s, dtype=torch.bool))
+    for metric in ("entropy_norm", "max_prob"):
+        assert_close(entropy.latest[metric][0].double(), reference[metric], rtol=0, atol=3e-7)
+    assert_close(
+        entropy.latest["max_logit"][0].double(), s.amax(dim=(0, 2, 3)), rtol=1e-5, atol=1e-6
+    )
+    w = model[0].qkv.weight.detach().double()
+    wq, wk = (w[i * D : (i + 1) * D].view(H, D // H, D) for i in (0, 1))
+    sigma = torch.linalg.svdvals(wq.transpose(1, 2) @ wk)
+    assert_close(
+        spectrum.latest["kappa"][0].double(), sigma[:, 0] / sigma.sum(-1), rtol=0, atol=1e-7
+    )
