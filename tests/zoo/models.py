@@ -49,6 +49,14 @@ Layout facts used here (read from the installed sources):
   the class token's query alone.
 * timm XCiT: ``XCA`` ``qkv`` rows ``[3, H, d_h]`` permuted to ``(B, H, d_h, N)``: the softmax is
   over a head's ``d_h`` channels; ``ClassAttn`` as CaiT's.
+* timm NesT: ``Attention`` ``qkv`` rows ``[3, H, d_k]`` over ``(B, T, N, C)`` inputs (T image
+  blocks of N tokens), cut as ``reshape(B, T, N, 3, H, d).permute(3, 0, 4, 1, 2, 5)``: q/k of
+  ``(B, H, T, N, d_k)``, the heads *before* the blocks; SDPA, or ``q * scale @ kᵀ`` and a softmax.
+* timm ConViT: ``GPSA`` ``qk`` rows ``[2, H, d_k]`` (queries and keys alone); two softmaxes, of
+  ``(q @ kᵀ) * scale`` (content) and of ``pos_proj`` of the relative positions, mixed by
+  ``sigmoid(gating_param)`` and renormalised; ``MHSA`` as timm's ``Attention`` (softmax path).
+* x-transformers ``pre_talking_heads``: ``Attend.pre_softmax_talking_heads``, a 1×1 ``Conv2d``
+  over the heads, ``sim + conv(sim)`` on the scaled ``einsum`` scores before the softmax.
 * HF Swinv2: ``query``, ``key`` rows ``[H, d_k]``; cosine logits × ``logit_scale``, a continuous
   relative position bias, and the layer's shifted-window mask (``get_attn_mask``: 0 or -100) added
   to the logits twice before ``softmax``.
@@ -58,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import pytest
@@ -95,6 +103,9 @@ class Built:
     kappa_refused: dict[str, str] = field(default_factory=dict)
     #: layer -> a pattern of the warning that refuses its statistics by name (NaN)
     stats_refused: dict[str, str] = field(default_factory=dict)
+    #: the dim of the modules' own attention calls (SDPA's q, a softmax's logits) that holds
+    #: their heads, from the end: -3 for (..., H, N, D); NesT's (B, H, T, N, D): -4
+    heads_at: int = -3
 
 
 @dataclass(frozen=True)
@@ -934,6 +945,38 @@ def _xtransformers(**attn_kwargs) -> Built:
         qk,
         {"before": "to_q", "after": "to_out"},
     )
+
+
+class Beside(nn.Module):
+    """Models run side by side on one input, their outputs summed."""
+
+    def __init__(self, *models: nn.Module) -> None:
+        super().__init__()
+        self.models = nn.ModuleList(models)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return sum(model(x) for model in self.models)
+
+
+@entry("xtransformers-talking-heads", "x_transformers")
+def _xtransformers_talking() -> Built:
+    """x-transformers with ``pre_talking_heads`` (a 1×1 Conv2d mixing the heads of its einsum
+    scores before the softmax: κ read, statistics refused by name) beside a plain decoder (einsum
+    scores, no mixing: measured)."""
+    from x_transformers.attend import Attend
+
+    plain = _xtransformers()
+    talking = _xtransformers(attn_pre_talking_heads=True)
+    for _, attend in modules_of(talking.model, Attend):  # dirac-initialised: mix for real
+        with torch.no_grad():
+            attend.pre_softmax_talking_heads.weight.add_(0.5 * torch.randn(4, 4, 1, 1))
+    model = Beside(plain.model, talking.model)
+    refused = {
+        n: r"mixes its heads' logits before the softmax \(talking heads: a convolution over the 4"
+        for n in plain.qk(model)
+        if n.startswith("models.1.")
+    }
+    return replace(plain, model=model, stats_refused=refused)
 
 
 entry("xtransformers-softmax", "x_transformers")(lambda: _xtransformers())
@@ -1865,3 +1908,71 @@ def _xcit(fused: bool) -> Built:
 
 entry("timm-xcit-sdpa", "timm")(lambda: _xcit(True))
 entry("timm-xcit-softmax", "timm")(lambda: _xcit(False))
+
+
+def _nest(fused: bool) -> Built:
+    """timm NesT (``nest_tiny``'s structure, tiny): three levels of 16, 4 and 1 image blocks of
+    4 tokens, with 2, 4 and 4 heads: q/k of ``(B, H, T, N, d_k)``, the heads before the blocks,
+    with T ≠ H, T = H and T = 1."""
+    pytest.importorskip("timm")
+    from timm.models.nest import Attention, Nest
+
+    seeded()
+    model = Nest(
+        img_size=16,
+        patch_size=2,
+        num_levels=3,
+        embed_dims=(16, 32, 64),
+        num_heads=(2, 4, 4),
+        depths=(1, 1, 1),
+        num_classes=5,
+        drop_path_rate=0.0,
+    )
+    built = timm_built(model, Attention, 12.0, fused)
+    return replace(built, heads_at=-4, atol=3e-7, kappa_atol=2e-8)
+
+
+entry("timm-nest-sdpa", "timm")(lambda: _nest(True))
+entry("timm-nest-softmax", "timm")(lambda: _nest(False))
+
+
+@entry("timm-convit", "timm")
+def _convit() -> Built:
+    """timm ConViT: a gated positional self-attention block (GPSA: a content and a position
+    softmax mixed by a gate: κ read from its fused ``qk``, statistics refused by name) and a
+    plain one (MHSA, measured). 4 heads of 12: ``qk``'s 96 rows are also 3 × 4 heads of 8 (as
+    ``convit_tiny``'s 4 heads of 48), which only its name tells apart from q, k, v."""
+    pytest.importorskip("timm")
+    from timm.models.convit import GPSA, MHSA, ConVit
+
+    seeded()
+    model = ConVit(
+        img_size=16, patch_size=4, embed_dim=12, depth=2, num_heads=4, local_up_to_layer=1
+    )
+    model.reset_classifier(5)
+    for _, a in modules_of(model, GPSA):
+        scale_rows_(a.qk.weight, slice(None), 12.0)
+    for _, a in modules_of(model, MHSA):
+        scale_rows_(a.qkv.weight, slice(0, 96), 12.0)
+
+    def qk(model):
+        out = {}
+        for n, a in modules_of(model, (GPSA, MHSA)):
+            w = a.qk.weight if isinstance(a, GPSA) else a.qkv.weight
+            c = w.shape[1]  # rows [q | k (| v)], each [H, d_k]
+            out[n] = heads(w[:c], a.num_heads), heads(w[c : 2 * c], a.num_heads)
+        return out
+
+    refused = {
+        n: r"two softmaxes over the same queries' keys .*ConViT's GPSA"
+        for n, _ in modules_of(model, GPSA)
+    }
+    return Built(
+        no_dropout(model).train(),
+        classify,
+        qk,
+        {"before": "qkv", "after": "proj"},  # of the second module, an MHSA
+        atol=3e-7,
+        kappa_atol=2e-8,
+        stats_refused=refused,
+    )
