@@ -29,11 +29,14 @@ engine, on the bundled decoder and a nanoGPT-style model (SDPA through the inter
 
     python benchmarks/host_reads.py
     python benchmarks/host_reads.py --layers 4 --by-site   # where each read comes from
+    python benchmarks/host_reads.py --gpu-paths   # the paths a GPU run takes, counted here
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import sys
 from collections import Counter
@@ -181,6 +184,26 @@ def count_step(step: Callable[[], Any], **mode_args: Any) -> HostReads:
     return reads
 
 
+@contextlib.contextmanager
+def as_on_gpu():
+    """The paths a GPU run takes, on a CPU: the spectrum on its worker thread
+    (``background_weights``) and a probe's values read in one transfer (``to_python``)."""
+    from qkmonitor.engine import QKSpectrum, publishing
+
+    original_read, original_init = publishing.to_python, QKSpectrum.__init__
+
+    def init(self, *args, **kwargs):
+        kwargs.setdefault("background_weights", True)
+        original_init(self, *args, **kwargs)
+
+    publishing.to_python = functools.partial(original_read, one_transfer=True)
+    QKSpectrum.__init__ = init
+    try:
+        yield
+    finally:
+        publishing.to_python, QKSpectrum.__init__ = original_read, original_init
+
+
 def _plain_loop(arch: str, engines: list[str], layers: int, every: int):
     """A model, its batches and a ``Monitoring`` over ``engines``; returns a function that runs
     step ``i`` as a user's plain loop does (``with monitoring.step(i):`` around it)."""
@@ -224,14 +247,22 @@ def _plain_loop(arch: str, engines: list[str], layers: int, every: int):
 
 
 def reads_of_steps(
-    arch: str, engines: list[str], layers: int = 2, every: int = 4, steps: int = 9, **mode_args
+    arch: str,
+    engines: list[str],
+    layers: int = 2,
+    every: int = 4,
+    steps: int = 9,
+    gpu_paths: bool = False,
+    **mode_args,
 ) -> list[HostReads]:
-    """Each step's reads for ``steps`` steps of a plain loop probing every ``every``-th step."""
-    monitoring, step = _plain_loop(arch, engines, layers, every)
-    out = []
-    with monitoring:
-        for i in range(steps):
-            out.append(count_step(lambda i=i: step(i), **mode_args))
+    """Each step's reads for ``steps`` steps of a plain loop probing every ``every``-th step
+    (``gpu_paths``: :func:`as_on_gpu`)."""
+    with as_on_gpu() if gpu_paths else contextlib.nullcontext():
+        monitoring, step = _plain_loop(arch, engines, layers, every)
+        out = []
+        with monitoring:
+            for i in range(steps):
+                out.append(count_step(lambda i=i: step(i), **mode_args))
     return out
 
 
@@ -239,6 +270,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="decoder blocks (default 2)")
     parser.add_argument("--by-site", action="store_true", help="print where each read comes from")
+    parser.add_argument(
+        "--gpu-paths",
+        action="store_true",
+        help="take the paths a GPU run takes (the spectrum on its worker, values read in one "
+        "transfer): what the training thread would wait for on a GPU",
+    )
     args = parser.parse_args(argv)
     every = 4
     print(f"blocking reads on the training thread, plain loop, {args.layers} layers, probe every")
@@ -249,7 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'model':8s} {'engines':22s} {'unprobed':>10s} {'before':>10s} {'probed':>10s}  kinds")
     for arch in ("bundled", "nanogpt"):
         for engines in (["spectrum"], ["entropy"], ["rank"], ["spectrum", "entropy", "rank"]):
-            reads = reads_of_steps(arch, engines, args.layers, every, by_site=args.by_site)
+            reads = reads_of_steps(
+                arch, engines, args.layers, every, gpu_paths=args.gpu_paths, by_site=args.by_site
+            )
             unprobed = max(
                 (r.owned, r.total) for i, r in enumerate(reads) if 0 < i % every < every - 1
             )

@@ -24,6 +24,12 @@ PROBED_BASELINE = {
     ("nanogpt", "spectrum+entropy+rank"): 177,
 }
 BEFORE_PROBE_BASELINE = 18
+#: The same with the paths a GPU run takes (``--gpu-paths``: the spectrum on its worker, a
+#: probe's values read in one transfer a device): what a GPU's training thread would wait for.
+GPU_PATHS_BASELINE = {
+    ("bundled", "spectrum+entropy+rank"): 101,
+    ("nanogpt", "spectrum+entropy+rank"): 93,
+}
 EVERY = 4
 
 
@@ -106,3 +112,13 @@ def test_plain_loop_reads_against_the_baseline(host_reads, arch, engines):
     assert before <= (BEFORE_PROBE_BASELINE if "spectrum" in engines else 0), before
     probed = steps[EVERY].owned
     assert 0 < probed <= PROBED_BASELINE[arch, engines], (probed, steps[EVERY].kinds)
+
+
+@pytest.mark.parametrize("arch, engines", sorted(GPU_PATHS_BASELINE))
+def test_the_gpu_paths_read_less_than_the_cpu_paths(host_reads, arch, engines):
+    steps = host_reads.reads_of_steps(
+        arch, engines.split("+"), every=EVERY, steps=EVERY + 1, gpu_paths=True
+    )
+    probed = steps[EVERY].owned
+    assert 0 < probed <= GPU_PATHS_BASELINE[arch, engines] < PROBED_BASELINE[arch, engines]
+    assert max(r.owned for i, r in enumerate(steps) if 0 < i < EVERY - 1) == 0
