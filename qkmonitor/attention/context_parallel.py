@@ -44,7 +44,14 @@ import torch.nn.functional as F
 if TYPE_CHECKING:  # probes import this module, and layout_check imports probes (via adapters)
     from qkmonitor.attention.layout_check import LayoutEvidence
 
-__all__ = ["CONTEXT_PARALLEL", "TORCH_SDPA", "context_parallel_reason", "first_chunk", "local"]
+__all__ = [
+    "CONTEXT_PARALLEL",
+    "TORCH_SDPA",
+    "context_parallel_reason",
+    "first_chunk",
+    "local",
+    "sequence_split_reason",
+]
 
 #: the words every refusal under context parallelism names
 CONTEXT_PARALLEL = "context parallelism"
@@ -89,6 +96,32 @@ def context_parallel_reason(q: object, k: object, *, seq_dim: int = -2) -> str |
         f"its keys are split {across} ({CONTEXT_PARALLEL}: torch's context_parallel is active, "
         "and takes every SDPA call to be over this rank's chunk of the sequence), so a row's "
         "softmax is over keys other ranks hold; entropy not measured"
+    )
+
+
+def sequence_split_reason(x: object, *, seq_dim: int = -2) -> str | None:
+    """Why ``x``, a tensor along the sequence (a block's output ``(B, N, d)``: the hidden states),
+    holds this rank's part of the sequence alone, or None where nothing says so: it is a DTensor
+    sharded along ``seq_dim`` over more than one rank, or torch's ``context_parallel`` is in
+    place (its buffers, the model's inputs among them, sharded along the sequence in place).
+
+    Returns:
+        The reason, "split across N ranks (context parallelism: ...)", for the caller to name
+        its layer and metrics with.
+    """
+    ranks = _sequence_ranks(x, seq_dim)
+    if ranks > 1:
+        return (
+            f"split across {ranks} ranks ({CONTEXT_PARALLEL}: a DTensor sharded along the "
+            "sequence dim)"
+        )
+    ranks = _patched_sdpa_ranks()
+    if ranks is None or ranks == 1:
+        return None
+    across = f"across {ranks} ranks" if ranks > 1 else "across ranks"
+    return (
+        f"split {across} ({CONTEXT_PARALLEL}: torch's context_parallel is active, its buffers "
+        "sharded along the sequence)"
     )
 
 

@@ -15,6 +15,10 @@ Values are means over the probe sequences of every call in the window (and over 
 torchmetrics). ``max_probe_sequences`` is a total over ranks: rank r of W measures
 ``max // W + (r < max % W)`` of its first sequences, so that with a ``DistributedSampler`` (rank r
 gets samples r, r + W, ...) the ranks together measure the sequences one process would.
+
+Under context parallelism a rank's block output holds its part of each sequence, whose effective
+rank and collapse are not the sequence's: hidden_erank and hidden_collapse are NaN, named once a
+run (the attention metrics are refused with the calls, :mod:`qkmonitor.attention.context_parallel`).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from torchmetrics import Metric
 
 from qkmonitor.alerts import MALIGNANT_COLLAPSE_RULE, RANK_COLLAPSE_RULE
 from qkmonitor.attention.compiled import add_forward_hooks
+from qkmonitor.attention.context_parallel import CONTEXT_PARALLEL, sequence_split_reason
 from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
-from qkmonitor.engine.activation import ActivationEngine, placed
+from qkmonitor.engine.activation import ActivationEngine, Window, placed
+from qkmonitor.engine.host import Host
 from qkmonitor.engine.publishing import AttentionPattern, Images, Values
 from qkmonitor.measures.catalogue import RANK
 from qkmonitor.measures.entropies import normalized_entropy
@@ -105,6 +111,8 @@ class EffectiveRank(ActivationEngine):
         self.blocks: list[nn.Module] = []
         self._hooks: list = []
         self._hidden: dict[int, list[Tensor]] = {}
+        #: layer -> why its block output in the open window is a rank's part of the sequence
+        self._split_hidden: dict[int, str] = {}
         self._mean = HeadMean(1, sync_on_compute=False)  # sized at bind (`_fit`)
 
     def _request(self) -> ProbeRequest:
@@ -170,7 +178,7 @@ class EffectiveRank(ActivationEngine):
         return found
 
     def _open_extra(self) -> None:
-        self._hidden = {}
+        self._hidden, self._split_hidden = {}, {}
         self._hooks = [
             add_forward_hooks(block, post=self._hidden_hook(i))
             for i, block in enumerate(self.blocks)
@@ -195,6 +203,10 @@ class EffectiveRank(ActivationEngine):
                 x = x[None]
             elif not self._batch_first[index]:  # (N, B, d) -> (B, N, d)
                 x = x.transpose(0, 1)
+            split = sequence_split_reason(x)
+            if split is not None:  # this rank's part of each sequence: refused, never kept
+                self._split_hidden.setdefault(index, f"the block output is {split}")
+                return
             cut = x[: self._probe_sequences, : self.max_probe_tokens].detach().clone()
             self._hidden.setdefault(index, []).append(cut)
 
@@ -206,7 +218,7 @@ class EffectiveRank(ActivationEngine):
     def _accumulate(self, results: list[ProbeResult], step: int, *, visuals: bool) -> Images:
         """Add the window's samples to the aggregator; the attention images are carried."""
         images: Images = {}
-        hidden, self._hidden = self._hidden, {}
+        hidden, self._hidden = self._whole_sequences(self._hidden, results), {}
         self._fit_heads(results)
         # the spectra of every layer's cuts in a few batched calls (layers of one shape together)
         streams = [(i, x) for i in sorted(hidden) for x in hidden[i]]
@@ -252,6 +264,42 @@ class EffectiveRank(ActivationEngine):
                     )
         self._update(samples)
         return images
+
+    def _whole_sequences(
+        self, hidden: dict[int, list[Tensor]], results: list[ProbeResult]
+    ) -> dict[int, list[Tensor]]:
+        """The kept block outputs of the layers that hold whole sequences. Under context
+        parallelism a rank's block output holds its part of each sequence, and the effective rank
+        and collapse of a part are not the sequence's (not a sum of parts, as the statistics of
+        rows are): a layer whose attention calls were refused for it, or whose block output was
+        seen split along the sequence (the hook), is left out, NaN, named by
+        :meth:`close_window`."""
+        for i, result in enumerate(results):
+            if any(CONTEXT_PARALLEL in why for why in result.sharded):
+                self._split_hidden.setdefault(
+                    i,
+                    f"its attention's keys are split across ranks ({CONTEXT_PARALLEL}), so the "
+                    "block output is this rank's part of the sequence",
+                )
+        return {i: cuts for i, cuts in hidden.items() if i not in self._split_hidden}
+
+    def close_window(self, host: Host) -> Window | None:
+        """:meth:`ActivationEngine.close_window`; the layers whose hidden states were this rank's
+        part of the sequence (context parallelism) named once a run, on the logging rank: their
+        hidden_erank and hidden_collapse are NaN."""
+        window = super().close_window(host)
+        split, self._split_hidden = self._split_hidden, {}
+        if split:
+            names = [self.layers[i].name for i in sorted(split)]
+            self.warn_once(
+                host,
+                "hidden:sequence split",
+                f"layer(s) {names}: {split[min(split)]}; hidden_erank and hidden_collapse are "
+                "measures of whole sequences, never of part of one: they are NaN. This warning "
+                "is shown once.",
+                logging_rank_only=True,
+            )
+        return window
 
     def _values(self, images: Images) -> tuple[Values, dict[str, Any]]:
         values: Values = {m: [] for m in self.metric_names}

@@ -9,7 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkmonitor.attention.context_parallel import TORCH_SDPA, context_parallel_reason, local
+from qkmonitor.attention.context_parallel import (
+    TORCH_SDPA,
+    context_parallel_reason,
+    local,
+    sequence_split_reason,
+)
 
 
 class _Mesh:
@@ -82,6 +87,16 @@ def test_torch_context_parallel_wrapper_is_recognised():
     assert F.scaled_dot_product_attention is TORCH_SDPA
     assert reason.startswith("its keys are split across 4 ranks (context parallelism: torch's")
     assert context_parallel_reason(q, k) is None
+
+
+def test_hidden_states_split_along_the_sequence_are_told():
+    """A block output ``(B, N, d)`` (the rank monitor's hidden states): its sequence dim is -2."""
+    hidden = torch.zeros(1, 4, 8)
+    assert sequence_split_reason(hidden) is None
+    hidden.placements, hidden.device_mesh = (_Placement(1),), _Mesh(2)
+    assert sequence_split_reason(hidden).startswith("split across 2 ranks (context parallelism: ")
+    hidden.placements = (_Placement(2),)  # its channels: tensor parallelism, not the sequence
+    assert sequence_split_reason(hidden) is None
 
 
 def _families():

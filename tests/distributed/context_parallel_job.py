@@ -1,13 +1,13 @@
 """A LLaMA-style attention under torch's context parallelism, for the distributed test: `python
 context_parallel_job.py OUT_DIR`.
 
-Spawns two gloo ranks. Each trains two steps (SGD) on the same 4 sequences with the spectrum and
-entropy monitors, per head, in a plain loop: first the plain model on the whole sequences (every
-rank alike: one process's values), then the same weights with each step inside torch's
-``context_parallel`` (the input and target sequences sharded over the two ranks, SDPA dispatched
-to DTensors sharded along the sequence), the gradients averaged over the ranks as data
-parallelism beside it would. Each rank saves its losses (the ranks' mean), latest values and
-warnings of both runs to ``OUT_DIR/values_RANK.pt``.
+Starts two gloo ranks, each with its own string hash seed (``jobs.two_ranks``). Each trains two
+steps (SGD) on the same 4 sequences with the spectrum, entropy and rank monitors, per head, in a
+plain loop: first the plain model on the whole sequences (every rank alike: one process's values),
+then the same weights with each step inside torch's ``context_parallel`` (the input and target
+sequences sharded over the two ranks, SDPA dispatched to DTensors sharded along the sequence), the
+gradients averaged over the ranks as data parallelism beside it would. Each rank saves its losses
+(the ranks' mean), latest values and warnings of both runs to ``OUT_DIR/values_RANK.pt``.
 
 On CPU, torch 2.13's ``context_parallel`` runs only where SDPA takes its math path: its ring
 attention handles the CUDA kernels alone (flash, efficient, cuDNN), the CPU's flash kernel has no
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
 
 D, H, HEAD_DIM, T, VOCAB = 32, 4, 8, 8, 16
 
@@ -113,7 +113,8 @@ def train(model: Model, tokens, parallel: bool) -> dict:
     ``parallel``)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     spectrum, entropy = QKSpectrum(per_head=True), AttentionEntropy(per_head=True)
-    monitoring = Monitoring(model, [spectrum, entropy], every_n_steps=1, optimizer=optimizer)
+    rank = EffectiveRank(per_head=True)
+    monitoring = Monitoring(model, [spectrum, entropy, rank], every_n_steps=1, optimizer=optimizer)
     world = dist.get_world_size()
     losses = []
     with warnings.catch_warnings(record=True) as caught:
@@ -144,6 +145,7 @@ def train(model: Model, tokens, parallel: bool) -> dict:
         "stopped": monitoring.should_stop,
         "entropy": {k: [t.clone() for t in v] for k, v in entropy.latest.items()},
         "spectrum": {k: [t.clone() for t in v] for k, v in spectrum.latest.items()},
+        "rank": {k: [t.clone() for t in v] for k, v in rank.latest.items()},
         "warnings": [str(w.message) for w in caught],
     }
 
