@@ -187,6 +187,8 @@ def einsum_mixes(parsed, out, product: Tensor | None, qk) -> HeadsMixed | None:
     if parsed is None or not isinstance(out, Tensor):
         return None
     labels, out_labels, operands = parsed
+    if len(out_labels) != out.dim():
+        return None
     for term, x in zip(labels, operands):
         if len(term) < 4 or x.shape[-3] < 2 or not _like_product(x, product):
             continue
