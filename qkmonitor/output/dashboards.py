@@ -3,8 +3,9 @@
 Everything here turns monitor values into TensorBoard objects; the callbacks decide when to write
 them. The layout is one per run (TensorBoard keeps a single custom-scalars layout per writer):
 
-- a category per monitor family with a *Multiline* chart per metric, one line per layer — the
-  tag regex ``{prefix}/{metric}/layer_\\d+$`` picks every layer's mean;
+- a category per monitor family with a *Multiline* chart per metric, one line per layer, each
+  from the layer's own run (:mod:`qkmonitor.output.layer_runs`), so that TensorBoard, which
+  colours by run, colours them apart;
 - a *Margin* chart per (metric, layer): mean over heads with the band from the lowest to the
   highest head (``{metric}``, ``{metric}_min``, ``{metric}_max``);
 - with AttentionEntropyMonitor, the model's output logits (``{prefix}/run/output_*``);
@@ -32,12 +33,12 @@ import torch
 from torch import Tensor
 
 from qkmonitor.measures.catalogue import FAMILIES, metric
+from qkmonitor.output.layer_runs import overlay_chart
 from qkmonitor.output.tags import (
     LOSS_TAGS,
     VAL_LOSS_TAGS,
     alert_tag,
     layer_tag,
-    layer_tag_regex,
     run_tag,
     worst_tag,
 )
@@ -84,13 +85,18 @@ FAMILY_ORDER = (
 class Layout(dict):
     """A custom-scalars layout (``{category: {chart: [kind, [tags]]}}``) that says which of its
     categories chart tags a run may never write (:attr:`conditional`: the output logits', which
-    only a model whose forward returns logits has). A TensorBoard sink writes such a category only
-    once one of its tags was written (:class:`~qkmonitor.output.sinks.SummaryWriterSink`)."""
+    only a model whose forward returns logits has), and which series its overlays read from the
+    layers' own runs (:attr:`overlays`). A TensorBoard sink writes a conditional category only
+    once one of its tags was written, and each overlay's layers into their runs
+    (:class:`~qkmonitor.output.sinks.SummaryWriterSink`)."""
 
     def __init__(self, *args, conditional: set[str] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         #: the categories written only once a tag they chart was
         self.conditional: set[str] = set(conditional or ())
+        #: ``{prefix}/{metric}`` of each overlay charted from the layers' runs, where the scalars
+        #: ``{prefix}/{metric}/layer_LL`` go too, as ``{prefix}/{metric}``
+        self.overlays: set[str] = set()
 
     def written(self, charted: set[str] | frozenset[str]) -> dict:
         """The layout to write: the conditional categories not in ``charted`` (the ones whose
@@ -129,12 +135,12 @@ def custom_scalars_layout(
     layout lists them last first, as TensorBoard shows a category of margin charts from its last
     chart to its first (its multiline categories in order; tests/browser reads the page).
 
-    A *Multiline* chart colours its lines by run, not by tag: its lines (one per layer) share a
-    colour and are told apart only by hovering (TensorBoard's tooltip names the tag). So each
-    metric also has one chart per layer, named by the layer: a *Margin* chart (the mean over
-    heads, with the band from the lowest to the highest head) for a per-head metric. TensorBoard
-    offers no way to colour a run's lines by tag (a chart's content is a list of tag regexes, or
-    margin series, and nothing else).
+    A *Multiline* chart colours its lines by run, not by tag, so a metric's overlay ("a line per
+    layer") charts ``^{prefix}/{metric}$``, which each layer's own run holds (``layers/layer_LL``,
+    :attr:`Layout.overlays`): a colour a layer, the run named in the tooltip (beyond
+    ``layer_runs.LAYER_RUNS_MAX`` layers, the run's ``{prefix}/{metric}/layer_LL``: one colour).
+    Each per-head metric also has a *Margin* chart per layer (the mean over heads, with the band
+    from the lowest to the highest head).
 
     Sections under the same prefix (the usual three monitors) merge into one set of categories;
     each prefix gets its own. The first category charts the loss: the loss is written by the
@@ -184,7 +190,8 @@ def _add_prefix_layout(
         if not present:
             continue
         layout[title] = {
-            f"{m} (a line per layer)": ["Multiline", [layer_tag_regex(prefix, m)]] for m in present
+            f"{m} (a line per layer)": overlay_chart(layout.overlays, prefix, m, num_layers)
+            for m in present
         }
         margins = {
             f"{m} layer {layer:02d} (heads: min, mean, max)": [

@@ -89,7 +89,9 @@ class TensorBoardSink(LoggerSink):
             self._scalar_writer.log_scalars(scalars, step)
         else:
             super().log_scalars(scalars, step)
-        self._writer.note_scalars([self.tag_prefix + tag for tag in scalars], step)
+        prefixed = {self.tag_prefix + tag: value for tag, value in scalars.items()}
+        self._writer.log_layer_runs(prefixed, step)  # the writer with the layout: its overlays
+        self._writer.note_scalars(prefixed, step)
 
     @property
     def layout_pending(self) -> bool:

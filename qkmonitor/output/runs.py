@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qkmonitor.measures.catalogue import CATALOGUE
+from qkmonitor.output.layer_runs import is_layer_run
 from qkmonitor.output.tags import LOSS_TAGS, layer_prefixes, parse_alert_tag, parse_layer_tag
 
 __all__ = [
@@ -154,7 +155,8 @@ def resolve_run_dir(path: str | Path) -> tuple[Path, str | None]:
 
     ``path`` may be an event file, a folder holding event files (``runs/recall/version_0``), or a
     folder above such folders (``runs/recall``); with several below it, the one whose event files
-    were written last is taken.
+    were written last is taken. The layers' runs inside a run (``version_0/layers/layer_LL``,
+    :mod:`qkmonitor.output.layer_runs`) are part of it: one given is read as its run.
 
     Raises:
         ValueError: ``path`` does not exist or there is no event file in or below it.
@@ -172,12 +174,15 @@ def resolve_run_dir(path: str | Path) -> tuple[Path, str | None]:
             )
         return given, None
     if _has_events(given):
+        run = given.parent.parent
+        if is_layer_run(given) and _has_events(run):
+            return run, f"`{given}` is one layer's run of `{run}`; reporting `{run}`."
         return given, None
     found = sorted(
         (
             Path(root)
             for root, _, files in os.walk(given)
-            if any(_EVENT_MARKER in name for name in files)
+            if any(_EVENT_MARKER in name for name in files) and not is_layer_run(Path(root))
         ),
         key=_natural_key,
     )

@@ -17,6 +17,8 @@ import numpy as np
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch import Tensor
 
+from qkmonitor.output.layer_runs import LayerRuns
+
 __all__ = [
     "MemorySink",
     "Sink",
@@ -85,7 +87,8 @@ class SummaryWriterSink:
     A probe's scalars go into one event (``add_scalar`` writes an event per tag, each through the
     writer's bounded queue), and images are PNGs encoded at zlib level 1 (``add_image`` converts
     to float and back and compresses at level 6). TensorBoard reads both as ``add_scalar`` and
-    ``add_image`` would have written them.
+    ``add_image`` would have written them. The layout's overlays (``Layout.overlays``) go into the
+    layers' own runs too, ``{log_dir}/layers/layer_LL`` (:mod:`qkmonitor.output.layer_runs`).
 
     Args:
         writer: the writer; the run directory is ``writer.log_dir``.
@@ -101,6 +104,7 @@ class SummaryWriterSink:
         self._charted: set[str] = set()  # its conditional categories whose tags were written
         self._layout_pending = False
         self._last_step: int | None = None
+        self._layer_runs: LayerRuns | None = None  # the layout's overlays, a run per layer
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         if self._scalars and scalars:
@@ -108,7 +112,15 @@ class SummaryWriterSink:
                 Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()
             ]
             self.writer._get_file_writer().add_summary(Summary(value=values), step)
+            self.log_layer_runs(scalars, step)
         self.note_scalars(scalars, step)
+
+    def log_layer_runs(self, scalars: dict[str, float], step: int) -> None:
+        """The values of the layout's overlays among ``scalars`` (with the logger's prefix, where
+        a logger writes the scalars) into the layers' runs; nothing before a layout with
+        overlays (``Layout.overlays``)."""
+        if self._layer_runs is not None:
+            self._layer_runs.write(scalars, step)
 
     def note_scalars(self, tags: Any, step: int) -> None:
         """The scalar tags written at ``step`` (with the logger's prefix, where a logger writes
@@ -170,6 +182,9 @@ class SummaryWriterSink:
         forward returns no logits never writes) is held until the first probe's scalars say which
         of them the run writes (:meth:`note_scalars`): one layout a run, without an empty chart.
         """
+        overlays = getattr(layout, "overlays", None)
+        if overlays and self.log_dir is not None:
+            self._layer_runs = LayerRuns(self.log_dir, overlays)
         if getattr(layout, "conditional", None):
             self._layout, self._charted, self._layout_pending = layout, set(), True
             self._last_step = None
@@ -202,6 +217,8 @@ class SummaryWriterSink:
         background thread failed (its directory gone, read-only or full) refuses every later
         write and raises again when flushed or closed; ``SummaryWriter`` opens a new event file
         at its next write (TensorBoard reads every event file of a run directory)."""
+        if self._layer_runs is not None:
+            self._layer_runs.reset()
         writer = self.writer
         failed = getattr(writer, "file_writer", None)
         if failed is None:

@@ -29,20 +29,23 @@ MARGIN_CHARTS = [
     "attn_entropy_norm layer 01 (heads: min, mean, max)",
 ]
 
-# Every custom-scalars card in the page, through the shadow roots: its kind, its title, and how
-# many line and band (area) paths with geometry its chart has drawn.
+# Every custom-scalars card in the page, through the shadow roots: its kind, its title, how many
+# line and band (area) paths with geometry its chart has drawn, and the colours its lines are
+# stroked with as the page paints them (computed style).
 CUSTOM_SCALAR_CARDS = r"""(() => {
   const cards = [], text = [];
-  const paths = (node, kind) => {
-    let n = 0;
+  const drawn = (node, kind) => {
+    const found = [];
     const walk = (m) => { if (m.shadowRoot) walk(m.shadowRoot);
       for (const c of m.children || []) {
         if (c.tagName === 'path' && c.classList.contains(kind)
-            && (c.getAttribute('d') || '').length > 10) n++;
+            && (c.getAttribute('d') || '').length > 10) found.push(c);
         walk(c); } };
     walk(node);
-    return n;
+    return found;
   };
+  const paths = (node, kind) => drawn(node, kind).length;
+  const strokes = (node) => drawn(node, 'line').map(p => getComputedStyle(p).stroke);
   const walk = (node) => { if (node.shadowRoot) walk(node.shadowRoot);
     for (const el of node.children || []) {
       const tag = el.tagName;
@@ -50,7 +53,7 @@ CUSTOM_SCALAR_CARDS = r"""(() => {
           || tag === 'TF-CUSTOM-SCALAR-MARGIN-CHART-CARD') {
         const box = el.getBoundingClientRect();  // where a person sees it
         cards.push({kind: tag.includes('MARGIN') ? 'margin' : 'multiline', title: el.title,
-                    lines: paths(el, 'line'), areas: paths(el, 'area'),
+                    lines: paths(el, 'line'), areas: paths(el, 'area'), strokes: strokes(el),
                     top: box.top + window.scrollY, left: box.left});
       } else walk(el);
     } };
@@ -88,6 +91,25 @@ IMAGE_CARDS = r"""(() => {
   walk(document);
   return cards;
 })()"""
+
+
+# The run selector's colour of each run, as painted (its isolator button takes the run's colour):
+# the legend a person reads a line's colour against.
+RUN_COLOURS = r"""(() => {
+  const colours = {};
+  const walk = (node) => { if (node.shadowRoot) walk(node.shadowRoot);
+    for (const el of node.children || []) {
+      if (el.classList && el.classList.contains('isolator') && el.name)
+        colours[el.name] = getComputedStyle(el).color;
+      walk(el); } };
+  walk(document);
+  return colours;
+})()"""
+
+
+def rgb(colour: str) -> tuple[int, ...]:
+    """``rgb(r, g, b)`` as the page computes a colour, as numbers."""
+    return tuple(int(part) for part in colour.removeprefix("rgb(").rstrip(")").split(","))
 
 
 def check_screenshot(path, size):
@@ -201,3 +223,35 @@ def test_images_dashboard_shows_the_heatmaps_and_attention_patterns(
     for tag in HEATMAPS:
         assert tag in text
     check_screenshot(shot, size)
+
+
+def test_the_overlays_draw_each_layer_in_a_colour_of_its_own(browser, tensorboard):
+    """A metric's overlay ("a line per layer") draws its layers in colours of their own, each its
+    layer's run's colour in the run selector (TensorBoard colours by run: each layer's series is
+    a run of its own, ``layers/layer_LL``), and the series are the run's own values."""
+
+    def drawn(cards):
+        by_title = {card["title"]: card for card in cards or []}
+        return all(len(by_title.get(t, {}).get("strokes", ())) >= 2 for t in LINE_CHARTS)
+
+    browser.open(f"{tensorboard.url}/#custom_scalars&_smoothingWeight=0", 1640, 1320)
+    cards = browser.wait_for(CUSTOM_SCALAR_CARDS, drawn)
+    assert drawn(cards), cards
+    overlays = [card for card in cards if card["title"] in LINE_CHARTS]
+    for card in overlays:  # two layers: two lines, in two colours
+        assert len(card["strokes"]) == 2 and len(set(card["strokes"])) == 2, card
+    layers = [f"{tensorboard.run}/layers/layer_{layer:02d}" for layer in range(2)]
+    colours = browser.wait_for(RUN_COLOURS, lambda found: set(layers) <= set(found or ()))
+    first, second = (rgb(colours[run]) for run in layers)
+    assert sum((a - b) ** 2 for a, b in zip(first, second)) ** 0.5 > 60, colours  # told apart
+    for card in overlays:  # each line in its layer's colour in the run selector
+        assert set(card["strokes"]) == {colours[run] for run in layers}, (card, colours)
+    for layer, run in enumerate(layers):  # the layer's run holds the run's values, step by step
+        charted = tensorboard.get_json(
+            f"/data/plugin/custom_scalars/scalars?run={run}&tag=%5Eqkmonitor/kappa%24"
+        )["tag_to_events"]["qkmonitor/kappa"]
+        own = tensorboard.get_json(
+            f"/data/plugin/scalars/scalars?run={tensorboard.run}"
+            f"&tag=qkmonitor/kappa/layer_{layer:02d}"
+        )
+        assert [e[1:] for e in charted] == [e[1:] for e in own] and len(own) == 4, run

@@ -12,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
@@ -31,6 +32,19 @@ def all_monitors(**kwargs):
         AttentionEntropyMonitor(every_n_steps=2, **kwargs),
         EffectiveRankMonitor(every_n_steps=2, max_probe_tokens=6, pattern_heads=2, **kwargs),
     ]
+
+
+def runs_below(log_dir) -> EventMultiplexer:
+    """Every run TensorBoard finds in ``log_dir``, as it finds them: the run itself (``.``) and
+    its layers' runs (``layers/layer_LL``)."""
+    runs = EventMultiplexer(size_guidance={"scalars": 0}).AddRunsFromDirectory(str(log_dir))
+    runs.Reload()
+    return runs
+
+
+def scalar_tags(log_dir) -> set[str]:
+    """The scalar tags of every run in ``log_dir``: what the custom-scalars charts can find."""
+    return {tag for run in runs_below(log_dir).Runs().values() for tag in run["scalars"]}
 
 
 def fit(tmp_path, make_task, logger, **kwargs):
@@ -79,11 +93,17 @@ def test_run_has_layout_heatmaps_histograms_attention_images_and_thresholds(tmp_
     assert len(layouts) == 1
     layout = layout_pb2.Layout.FromString(layouts[0].tensor_proto.string_val[0])
     charts = {chart.title: chart for category in layout.category for chart in category.chart}
+    # the overlay charts one series a layer, each in the layer's own run (a colour each)
     kappa = charts["kappa (a line per layer)"].multiline.tag[0]
-    assert sorted(t for t in tags["scalars"] if re.search(kappa, t)) == [
-        "qkmonitor/kappa/layer_00",
-        "qkmonitor/kappa/layer_01",
-    ]
+    runs = runs_below(run)
+    assert sorted(runs.Runs()) == [".", "layers/layer_00", "layers/layer_01"]
+    for name, found in runs.Runs().items():
+        charted = [t for t in found["scalars"] if re.search(kappa, t)]
+        assert charted == ([] if name == "." else ["qkmonitor/kappa"]), name
+    for layer in (0, 1):  # the run's own values, step by step
+        own = [(e.step, e.value) for e in acc.Scalars(f"qkmonitor/kappa/layer_{layer:02d}")]
+        read = runs.Scalars(f"layers/layer_{layer:02d}", "qkmonitor/kappa")
+        assert [(e.step, e.value) for e in read] == own and len(own) == 2
     margin = charts["entropy_norm layer 01 (heads: min, mean, max)"].margin.series
     assert [(s.value, s.lower, s.upper) for s in margin] == [
         (
@@ -188,9 +208,10 @@ def test_a_logger_prefix_applies_to_everything_and_every_chart_finds_its_scalars
         acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0]
     )
     charts = [chart for category in layout.category for chart in category.chart]
+    found = scalar_tags(tmp_path / "run" / "version_0")  # the layers' runs too
     for chart in charts:
         if chart.HasField("multiline"):
-            assert all(any(re.search(p, t) for t in scalars) for p in chart.multiline.tag), (
+            assert all(any(re.search(p, t) for t in found) for p in chart.multiline.tag), (
                 chart.title
             )
         else:
@@ -260,6 +281,49 @@ def test_layout_lists_margin_charts_only_for_per_head_metrics():
         "Multiline",
         ["^p/alerts/"],
     ]
+
+
+def test_the_overlays_chart_the_layers_runs_up_to_layer_runs_max_layers(tmp_path):
+    """A metric's overlay charts ``{prefix}/{metric}`` in the layers' runs (TensorBoard colours
+    by run), which the sink writes there, up to ``LAYER_RUNS_MAX`` layers; a deeper model's
+    overlays chart the run's own tags, and no layer's run is written."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from qkmonitor.output.layer_runs import LAYER_RUNS_MAX
+    from qkmonitor.output.sinks import SummaryWriterSink
+
+    for layers in (2, LAYER_RUNS_MAX + 1):
+        layout = custom_scalars_layout([LayoutSection("p", ("kappa", "hidden_erank"), layers)])
+        log_dir = tmp_path / f"{layers}_layers"
+        sink = SummaryWriterSink(SummaryWriter(log_dir))
+        sink.log_layout(layout)
+        for step in (0, 5):
+            sink.log_scalars(
+                {
+                    **{f"p/kappa/layer_{n:02d}": 0.1 * n + step for n in range(layers)},
+                    "p/kappa_max/layer_00": 1.0,  # a band: not an overlay
+                    "p/hidden_erank/layer_00": 2.0,
+                },
+                step,
+            )
+        sink.writer.close()
+        ((_, pattern),) = [layout["p: kappa"]["kappa (a line per layer)"]]
+        runs = runs_below(log_dir)
+        if layers > LAYER_RUNS_MAX:
+            assert layout.overlays == set() and list(runs.Runs()) == ["."]
+            assert [t for t in runs.Runs()["."]["scalars"] if re.search(pattern[0], t)] == [
+                f"p/kappa/layer_{n:02d}" for n in range(layers)
+            ]
+            continue
+        assert layout.overlays == {"p/kappa", "p/hidden_erank"}
+        assert sorted(runs.Runs()) == [".", "layers/layer_00", "layers/layer_01"]
+        assert sorted(runs.Runs()["layers/layer_00"]["scalars"]) == ["p/hidden_erank", "p/kappa"]
+        for n in range(layers):
+            found = [(e.step, e.value) for e in runs.Scalars(f"layers/layer_{n:02d}", "p/kappa")]
+            assert found == [(0, pytest.approx(0.1 * n)), (5, pytest.approx(0.1 * n + 5))]
+            assert re.search(pattern[0], "p/kappa") and not re.search(
+                pattern[0], "p/kappa/layer_00"
+            )
 
 
 def test_the_last_probe_of_a_fit_is_drawn_in_tensorboard(tmp_path, make_task):
@@ -359,7 +423,7 @@ def _layouts_of(tmp_path, model) -> list:
     return [
         layout_pb2.Layout.FromString(e.tensor_proto.string_val[0])
         for e in acc.Tensors("custom_scalars__config__")
-    ], set(acc.Tags()["scalars"])
+    ], scalar_tags(log_dir)
 
 
 def test_a_model_that_returns_no_logits_gets_no_output_logits_chart(tmp_path):

@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
@@ -86,10 +87,15 @@ def test_three_prefixes_in_one_trainer_chart_every_tag_and_resume_each_state(tmp
             *(v for s in chart.margin.series for v in (s.value, s.lower, s.upper)),
         ]
     ]
+    # the overlays' series are in the layers' runs (layers/layer_LL), read as TensorBoard does
+    runs = EventMultiplexer().AddRunsFromDirectory(str(tmp_path / "run" / "version_0"))
+    runs.Reload()
+    everywhere = {tag for run in runs.Runs().values() for tag in run["scalars"]}
+    assert {"enc/kappa", "dec/entropy_norm"} <= set(runs.Runs()["layers/layer_00"]["scalars"])
     unmatched = [
         p
         for p in patterns
-        if not any(re.search(p, t) if p.startswith("^") else p == t for t in scalars)
+        if not any(re.search(p, t) if p.startswith("^") else p == t for t in everywhere)
     ]
     # two charts wait for tags the run may not write: the loss chart (the task's own tag; this task
     # logs none) and a rule's alert counter (written from its first alert on; none fired here)

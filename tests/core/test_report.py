@@ -586,6 +586,23 @@ def test_a_parent_folder_with_several_runs_takes_the_newest_and_says_so(tmp_path
     )
 
 
+def test_the_layers_runs_inside_a_run_are_read_as_that_run(tmp_path):
+    """A run's layers' runs (``layers/layer_LL``: its overlays, one TensorBoard run a layer, here
+    the newest event files below the folder given) are part of the run: neither taken for a run
+    of their own nor counted among the runs, and one given is read as its run."""
+    run = tmp_path / "recall" / "version_0"
+    write_run(run, {"qkmonitor/kappa/layer_00": [0.1, 0.2], "qkmonitor/kappa/layer_01": [0.3]})
+    for event in run.iterdir():
+        os.utime(event, (event.stat().st_atime, event.stat().st_mtime - 100))
+    for layer in (0, 1):
+        write_run(run / "layers" / f"layer_{layer:02d}", {"qkmonitor/kappa": [0.1, 0.2]})
+    report = build_report([tmp_path / "recall"], plots=False)
+    assert report.runs[0].path == run and "note:" not in report.text
+    assert report.runs[0].layers["kappa"][1].final == pytest.approx(0.3)
+    report = build_report([run / "layers" / "layer_01"], plots=False)
+    assert report.runs[0].path == run and "is one layer's run of" in report.text
+
+
 def test_errors_name_the_path_and_what_was_expected(tmp_path):
     with pytest.raises(
         ValueError, match=r"`.*nowhere` does not exist; expected a TensorBoard run folder"
