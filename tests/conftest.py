@@ -1,6 +1,7 @@
 """Shared by every test folder: the float64 attention reference, the ``gpu`` marker's skip,
-``leftovers``: what a probe could have left on a model, and ``train_recall_miniature``: the
-instability miniature of ``benchmarks/miniature.py``.
+``leftovers``: what a probe could have left on a model, ``train_recall_miniature``: the
+instability miniature of ``benchmarks/miniature.py``, and ``read_only_dir``: a folder on a
+read-only mount.
 
 ``reference_attention`` is what the kernel tests (``tests/kernels``, and ``tests/gpu`` on CUDA)
 trust. Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is visible; run
@@ -9,8 +10,12 @@ them with ``pytest -m gpu`` on a GPU machine (``scripts/gpu_check.sh``).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import math
+import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,6 +145,34 @@ def probe_leftovers(model: torch.nn.Module) -> list[str]:
 def leftovers():
     """:func:`probe_leftovers`, for the failure-path tests."""
     return probe_leftovers
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An empty folder on a read-only file system (a tmpfs mounted read-only there, unmounted
+    after the test): every write under it fails with EROFS, also as root, where chmod stops
+    none. Skipped, with the reason, where no mount can be made (not root, no mount permission in
+    a container)."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a read-only mount needs root and mount(8); neither a chmod nor a fake is one")
+    command = ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "qkmonitor-test", str(path)]
+    done = subprocess.run(command, check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"no read-only mount can be made here ({done.stderr.strip()})")
+    try:
+        try:
+            (path / "written").touch()
+        except OSError as err:
+            if err.errno != errno.EROFS:
+                raise
+        else:
+            pytest.skip(f"the mount at {path} took a write: not read-only here")
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 class CountingBackend:

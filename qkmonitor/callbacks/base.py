@@ -32,7 +32,7 @@ from qkmonitor.engine.group import EngineGroup
 from qkmonitor.engine.host import ScalarBatch
 from qkmonitor.engine.publishing import Values
 from qkmonitor.output.guard import GuardedSink, report_write_faults
-from qkmonitor.output.logger_sinks import LoggerSink, guarded_sink
+from qkmonitor.output.logger_sinks import LoggerSink, guarded_sink, made_sink
 from qkmonitor.validation import check_bool
 
 __all__ = ["ActivationMonitor", "AttentionMonitor", "LightningHost"]
@@ -46,19 +46,34 @@ def lost_writes(trainer: pl.Trainer) -> dict[str, int]:
 
 
 class LightningHost(Host):
-    """A Trainer as the engine's host."""
+    """A Trainer as the engine's host.
 
-    def __init__(self, trainer: pl.Trainer, scalar_batch: ScalarBatch | None = None) -> None:
+    Args:
+        trainer: the Trainer.
+        scalar_batch: where the scalars of one probe step are held (:class:`ScalarBatch`).
+        made_only: the sinks made already and no others (:func:`made_sink`): after a failure,
+            where asking a logger for its ``experiment`` may raise again.
+    """
+
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        scalar_batch: ScalarBatch | None = None,
+        *,
+        made_only: bool = False,
+    ) -> None:
         self.trainer = trainer
         self.owner = trainer
         self.scalar_batch = scalar_batch
+        self.made_only = made_only
 
     @property
     def is_logging_rank(self) -> bool:  # type: ignore[override]
         return self.trainer.is_global_zero
 
     def sinks(self) -> list[GuardedSink]:
-        return [sink for logger in self.trainer.loggers if (sink := guarded_sink(logger))]
+        sink_of = made_sink if self.made_only else guarded_sink
+        return [sink for logger in self.trainer.loggers if (sink := sink_of(logger))]
 
     def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
         rank_zero_warn(message, category=category)
@@ -331,14 +346,25 @@ class AttentionMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         # a failed step or Ctrl+C (Lightning calls this for both): the window of the failed step
-        # is closed unlogged, and the last completed probe is drawn, as at a normal end
-        self._end_run(trainer, completed=False)
+        # is closed unlogged, and the last completed probe is drawn, as at a normal end. The
+        # user's error is Lightning's alone: the loggers are reached through the sinks made
+        # already (a logger whose directory cannot be written raises again when asked for its
+        # `experiment`), and what still raises here is warned, never raised on top of it
+        try:
+            self._end_run(trainer, completed=False)
+        except Exception as err:  # noqa: BLE001 -- the fit's own error is the one to raise
+            rank_zero_warn(
+                f"qkmonitor: closing the monitors after the fit's error failed too "
+                f"({type(err).__name__}: {err}); the fit's own error follows.",
+                category=RuntimeWarning,
+            )
 
     def _end_run(self, trainer: pl.Trainer, *, completed: bool) -> None:
         """Close a window left open (unlogged), write the scalars held, draw the last probe's
         visuals if it drew none, take out the switches and wait for the visuals to be written;
-        ``completed``: the fit ended on every rank (what waits to cross the ranks is logged)."""
-        host = self._host(trainer)
+        ``completed``: the fit ended on every rank (what waits to cross the ranks is logged);
+        otherwise only the sinks made already are written to."""
+        host = LightningHost(trainer, self._group.scalars, made_only=not completed)
         self._group.end(host, completed=completed)
         monitors = _monitors(trainer)
         if trainer.is_global_zero and monitors[-1] is self:  # after every monitor's last write

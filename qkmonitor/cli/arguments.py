@@ -18,6 +18,7 @@ __all__ = [
     "positive_float",
     "positive_int",
     "run_name",
+    "unwritable",
 ]
 
 
@@ -75,6 +76,27 @@ def directory_problem(path: str) -> str | None:
         parent = os.path.dirname(parent)
     if parent and not os.path.isdir(parent):
         return f"{parent!r} in it is a file"
+    return None
+
+
+def unwritable(path: str) -> str | None:
+    """Why nothing can be written into the folder ``path``, in words naming where it failed, or
+    None: the folder is made where it is missing (as a run's logger would make it) and a file is
+    made in it and removed. A read-only mount, a folder without write permission, or one whose
+    parent cannot take it; asked before a run starts, rather than learnt from the traceback of
+    the logger's first write."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:  # named by the folder that could not be made
+        where = os.fsdecode(err.filename) if err.filename is not None else path
+        return f"{err.strerror or type(err).__name__}: {where!r}"
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:  # named by the folder, not by the file's made-up name
+        return f"{err.strerror or type(err).__name__}: {path!r}"
     return None
 
 

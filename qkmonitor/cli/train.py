@@ -19,6 +19,7 @@ from qkmonitor.cli.arguments import (
     positive_float,
     positive_int,
     run_name,
+    unwritable,
 )
 from qkmonitor.cli.summary import format_summary
 from qkmonitor.cli.trainer import checkpoint_io_class, guarded_logger_class, step_progress
@@ -293,6 +294,13 @@ def _run_training(args: argparse.Namespace) -> int:
     ]
     trainer = _trainer(args, logger, callbacks, checkpoint_io)
     if trainer is None:
+        return 2
+    problem = unwritable(logger.root_dir)  # where the run's version_N folder is to be made
+    if problem is not None:
+        print(
+            f"qkmonitor train: argument --log-dir: cannot write into {args.log_dir!r} ({problem})",
+            file=sys.stderr,
+        )
         return 2
     threads = _threads(args, task)
     print(_what_trains(args, task, trainer, logger.log_dir, threads), flush=True)

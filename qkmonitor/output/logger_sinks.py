@@ -26,6 +26,7 @@ __all__ = [
     "WandbSink",
     "guarded_sink",
     "logger_sink",
+    "made_sink",
 ]
 
 
@@ -209,3 +210,10 @@ def guarded_sink(logger: Any) -> GuardedSink | None:
             sink, destination, directory=directory, reset=reset, asynchronous=tensorboard
         )
     return guarded
+
+
+def made_sink(logger: Any) -> GuardedSink | None:
+    """The logger's guarded sink if :func:`guarded_sink` made it already, else None; never asks
+    the logger for anything. A fit that failed reaches its loggers through these alone: a logger
+    whose ``experiment`` was never made (its directory cannot be written) would raise again."""
+    return _GUARDED.get(logger)

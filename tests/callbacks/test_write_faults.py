@@ -324,3 +324,85 @@ def test_a_users_tensorboard_logger_that_fails_raises_lightnings_own_error(tmp_p
     for err in (alone, monitored):
         assert type(err) in (NotADirectoryError, ValueError)
         assert isinstance(err, NotADirectoryError) or "you tried to log" in str(err)
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """The error and every exception it carries (``__cause__``, else ``__context__``)."""
+    chain = [err]
+    while (err := err.__cause__ or err.__context__) is not None:
+        chain.append(err)
+    return chain
+
+
+def _fit_into(log_dir, logger_class, monitors):
+    """A fit whose logger's directory lies on a read-only mount: the error it raises, and the
+    warnings given."""
+    from .conftest import tiny_task
+
+    task, data = tiny_task()
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        logger=logger_class(log_dir, name="run"),
+        callbacks=monitors,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    )
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(BaseException) as raised:
+        warnings.simplefilter("always")
+        trainer.fit(task, datamodule=data)
+    return raised.value, [str(w.message) for w in caught if "qkmonitor" in str(w.message)]
+
+
+@pytest.mark.parametrize("logger_class", [TensorBoardLogger, CSVLogger])
+def test_a_read_only_log_directory_fails_a_fit_with_lightnings_error_alone(
+    read_only_dir, logger_class
+):
+    """Issue 59, item 7: Lightning alone raises one OSError (its logger cannot make its folder
+    on the read-only mount); with ``QKMonitor`` the fit raises that same error and nothing else,
+    carrying no exception of qkmonitor's (whose end of the run asked the logger for its
+    ``experiment`` again, which raised again)."""
+    from qkmonitor.callbacks import QKMonitor
+
+    alone, _ = _fit_into(read_only_dir, logger_class, [])
+    monitored, told = _fit_into(read_only_dir, logger_class, [QKMonitor(every_n_steps=EVERY)])
+    for err in (alone, monitored):
+        assert type(err) is OSError and err.errno == errno.EROFS, repr(err)
+        assert err.filename == str(read_only_dir / "run"), err.filename
+    assert [repr(e) for e in _chain(monitored)] == [repr(e) for e in _chain(alone)]
+    assert monitored.__cause__ is None and monitored.__context__ is None
+    assert told == []  # nothing of qkmonitor's failed on the way out
+
+
+class FailAt(pl.Callback):
+    """The user's error: raised as the training batch of ``step`` starts."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise RuntimeError("the user's step failed")
+
+
+def test_what_still_fails_closing_the_monitors_after_a_fits_error_is_warned_not_chained(
+    tmp_path, monkeypatch
+):
+    """Whatever raises while the monitors close after the fit's error is swallowed and warned:
+    the fit raises the user's error alone, as it does without qkmonitor."""
+    from qkmonitor.callbacks import QKMonitor, base
+
+    def fails(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(base, "report_write_faults", fails)
+    monitored, told = _fit_into(tmp_path, CSVLogger, [QKMonitor(every_n_steps=EVERY), FailAt(3)])
+    assert type(monitored) is RuntimeError and str(monitored) == "the user's step failed"
+    assert monitored.__cause__ is None and monitored.__context__ is None
+    assert [message for message in told if "closing" in message] == [
+        (
+            "qkmonitor: closing the monitors after the fit's error failed too (OSError: "
+            "[Errno 5] Input/output error); the fit's own error follows."
+        )
+    ]

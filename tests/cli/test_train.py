@@ -610,3 +610,44 @@ def test_a_file_as_a_directory_and_a_name_that_leaves_the_log_dir_are_one_line(t
         assert exit_.value.code == 2 and "Traceback" not in err
         assert err.strip().splitlines()[-1].endswith(message), (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing made
+
+
+@pytest.mark.parametrize("where", ["the log dir", "the run's folder"])
+def test_a_log_directory_on_a_read_only_mount_is_one_line_naming_it(tmp_path, read_only_dir, where):
+    """Issue 59, item 7: `qkmonitor train --log-dir DIR` where DIR (or the run's folder under it)
+    is a read-only mount, run as a user runs it (the console script, in a process of its own): one
+    line on stderr naming the folder, exit 2, no traceback (it was a 72-line double traceback and
+    exit 1), and nothing trained."""
+    if where == "the log dir":  # its `recall` folder cannot be made
+        log_dir, name, failing = read_only_dir, [], read_only_dir / "recall"
+    else:  # the run's folder exists, on the mount: nothing can be made in it
+        log_dir, name, failing = tmp_path, ["--name", read_only_dir.name], read_only_dir
+    script = shutil.which("qkmonitor", path=str(Path(sys.executable).parent))
+    result = subprocess.run(
+        [script, "train", "--steps", "4", "--log-dir", str(log_dir), "--no-progress-bar", *name],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = f"qkmonitor train: argument --log-dir: cannot write into '{log_dir}' "
+    assert result.stderr.splitlines() == [f"{line}(Read-only file system: '{failing}')"]
+    assert result.stdout == ""
+
+
+def test_every_option_of_every_command_is_named_in_docs_cli_md():
+    """Issue 59, item 11: `train --help` listed `--legend/--no-legend`, which no doc named."""
+    import argparse
+
+    from qkmonitor.cli import build_parser
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [
+        f"{name} {option}"
+        for name, parser in commands.choices.items()
+        for action in parser._actions
+        for option in action.option_strings
+        if option not in ("-h", "--help")
+        and not re.search(rf"`[^`]*{re.escape(option)}(?![\w-])", doc)
+    ]
+    assert missing == []
