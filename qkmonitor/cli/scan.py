@@ -5,7 +5,9 @@ for each model, or one line saying what could not be read."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -56,7 +58,10 @@ def add_scan_parser(
         "--model",
         default=None,
         metavar="package.module:Class",
-        help="the LightningModule of .ckpt files that are not a bundled model's",
+        help=(
+            "the LightningModule of .ckpt files that are not a bundled model's, imported as "
+            "python -m would: from the current folder too"
+        ),
     )
     return parser
 
@@ -76,7 +81,7 @@ def run_scan(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, _importing_from_here(args.model):
             warnings.simplefilter("always")
             write_scan(
                 args.paths,
@@ -93,6 +98,23 @@ def run_scan(args: argparse.Namespace) -> int:
     print(f"\nwritten to {log_dir}\nNext:\n  qkmonitor report {log_dir}")
     print(f"  tensorboard --logdir {log_dir}")
     return 0
+
+
+@contextlib.contextmanager
+def _importing_from_here(model: str | None):
+    """``--model package.module:Class`` imported from the current folder too, as ``python -m``
+    would: the folder is first on ``sys.path`` while the scan runs (the console script's own
+    ``sys.path`` starts at its ``bin`` folder), and taken off after."""
+    here = os.getcwd()
+    if model is None or here in sys.path:
+        yield
+        return
+    sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        if here in sys.path:
+            sys.path.remove(here)
 
 
 def format_scan(scan) -> str:

@@ -232,12 +232,39 @@ def _load(path: Path) -> Any:
         except RuntimeError as err:
             if mmap and "mmap" in str(err):
                 continue
-            raise ScanError(path, f"not a readable torch checkpoint: {_first_line(err)}") from None
+            raise ScanError(path, _unreadable(path, err, "")) from None
         except Exception as err:  # noqa: BLE001 -- an unpickling error names what it refused
-            raise ScanError(
-                path, f"not a readable torch checkpoint (weights only): {_first_line(err)}"
-            ) from None
+            raise ScanError(path, _unreadable(path, err, " (weights only)")) from None
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _unreadable(path: Path, err: BaseException, how: str) -> str:
+    """Why ``torch.load`` could not read ``path``: what the file is where its first bytes begin
+    no torch checkpoint (the legacy reader's error then names a pickle opcode it met, ``101``
+    for a text file's ``e``, which says nothing), else the first line of ``err``."""
+    instead = _not_a_checkpoint(path)
+    if instead is not None:
+        return f"not a torch checkpoint: {instead}"
+    return f"not a readable torch checkpoint{how}: {_first_line(err)}"
+
+
+def _not_a_checkpoint(path: Path) -> str | None:
+    """What ``path`` holds instead of a torch checkpoint, judged by its first bytes, or None where
+    they begin one: a zip archive (``torch.save``'s format) or a pickle (the legacy one)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(64)
+    except OSError as err:
+        return f"it cannot be read ({err.strerror})"
+    if not head:
+        return "the file is empty"
+    if head.startswith((b"PK\x03\x04", b"\x80")):
+        return None
+    neither = "neither a zip archive (torch.save's format) nor a pickle"
+    text = head.decode("utf-8", "replace").rstrip("\ufffd")  # a character cut at the 64th byte
+    if text and "\ufffd" not in text and all(c.isprintable() or c.isspace() for c in text):
+        return f"its first bytes are text ({text[:24]!r}), {neither}"
+    return f"its first bytes ({head[:8].hex(' ')}) are {neither}"
 
 
 def _first_line(err: BaseException) -> str:

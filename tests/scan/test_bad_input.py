@@ -101,3 +101,50 @@ def test_a_log_dir_that_already_holds_a_run(tmp_path, capsys, llama_saver):
     capsys.readouterr()
     line = scan_fails(capsys, str(tmp_path / "model"), "--log-dir", str(tmp_path / "run"))
     assert "already holds a TensorBoard run; expected a new or empty folder" in line
+
+
+def scan_in(folder, *args: str):
+    """``qkmonitor scan ARGS`` as a user runs it: the console script, in ``folder``, in a process
+    of its own (no ``PYTHONPATH``)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = shutil.which("qkmonitor", path=str(Path(sys.executable).parent))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [script, "scan", *args], capture_output=True, text=True, timeout=300, cwd=folder,
+        env=env, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (
+            b"here: loss 1.2 at step 300\n",  # `he`: the legacy reader said 101 (`e`)
+            (
+                "not a torch checkpoint: its first bytes are text ('here: loss 1.2 at step 3'), "
+                "neither a zip archive (torch.save's format) nor a pickle"
+            ),
+        ),
+        (b"", "not a torch checkpoint: the file is empty"),
+        (
+            bytes(range(16)),
+            (
+                "not a torch checkpoint: its first bytes (00 01 02 03 04 05 06 07) are neither a "
+                "zip archive (torch.save's format) nor a pickle"
+            ),
+        ),
+    ],
+    ids=["text", "empty", "binary"],
+)
+def test_a_file_named_ckpt_that_is_no_checkpoint_says_what_it_is(tmp_path, content, said):
+    """Issue 59, item 9: a text file named ``.ckpt`` was "not a readable torch checkpoint
+    (weights only): 101" (the pickle opcode ``e`` the legacy reader met)."""
+    (tmp_path / "notes.ckpt").write_bytes(content)
+    done = scan_in(tmp_path, "notes.ckpt", "--log-dir", "run")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines() == [f"qkmonitor scan: notes.ckpt: {said}"]

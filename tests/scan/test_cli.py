@@ -106,3 +106,40 @@ def test_a_lightning_checkpoint_is_written_at_its_global_step(tmp_path, model):
     for layer, kappa in zip(scanned, spectrum.latest["kappa"], strict=True):
         assert_close(layer.metrics["kappa"], kappa, rtol=1e-6, atol=1e-8)
     assert [e.step for e in events(tmp_path / "run").Scalars("qkmonitor/kappa/layer_01")] == [7]
+
+
+#: a user's LightningModule in a module of the folder the command runs in
+USER_MODULE = """
+import lightning.pytorch as pl
+from torch import nn
+
+
+class Mixer(pl.LightningModule):
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+"""
+
+
+def test_model_is_imported_from_the_current_folder_without_pythonpath(tmp_path):
+    """Issue 59, item 9: ``--model mine:Mixer`` with ``mine.py`` in the folder the command runs in
+    (the console script, no ``PYTHONPATH``) imports it, as ``python -m`` would."""
+    from .test_bad_input import scan_in
+
+    (tmp_path / "mine.py").write_text(USER_MODULE)
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    torch.save(
+        {
+            "state_dict": {f"attn.{k}": v for k, v in attention.state_dict().items()},
+            "global_step": 5,
+            "pytorch-lightning_version": lightning.__version__,
+            "hyper_parameters": {"width": 16, "heads": 2},
+        },
+        tmp_path / "mixer.ckpt",
+    )
+    done = scan_in(tmp_path, "mixer.ckpt", "--log-dir", "run", "--model", "mine:Mixer")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 5: mixer.ckpt (1 attention layers)" in done.stdout, done.stdout
+    assert [e.step for e in events(tmp_path / "run").Scalars("qkmonitor/kappa/layer_00")] == [5]
