@@ -38,3 +38,31 @@ if importlib.util.find_spec("transformers") is None:  # the Trainer callback imp
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: a worker per CPU, at most 4 (each imports torch, Lightning and transformers)."""
     return max(1, min(4, os.cpu_count() or 1))
+
+
+#: How long the whole suite (slow tests included) took on CI's kind of machine, 2 CPUs with nothing
+#: else running, and when (docs/benchmarks.md, "The test suite", has the command and the history).
+SUITE_TIME_ON_TWO_IDLE_CPUS = ("12 min", "2026-12-07")
+
+
+def pytest_report_header(config):
+    """What to expect before a long run: the suite's time on 2 idle CPUs, and this machine's load,
+    which stretches it (a run with another job busy on the CPUs took 40 min)."""
+    minutes, day = SUITE_TIME_ON_TWO_IDLE_CPUS
+    cpus = os.cpu_count() or 1
+    quick = '-m "not slow" leaves out the Triton interpreter and the long training runs'
+    lines = [f"qkmonitor: the whole suite takes about {minutes} on 2 idle CPUs ({day}); {quick}"]
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not every platform has a load average
+        return lines
+    busy = load >= 0.5 * cpus
+    lines.append(
+        f"qkmonitor: this machine: {cpus} CPUs, load {load:.1f} over the last minute"
+        + (
+            ": other work shares the CPUs, expect the suite to take several times longer"
+            if busy
+            else ""
+        )
+    )
+    return lines
