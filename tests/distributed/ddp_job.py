@@ -1,10 +1,12 @@
 """A tiny training job for the distributed test:
-`python ddp_job.py OUT_DIR DEVICES BATCH_PER_DEVICE [clip]`.
+`python ddp_job.py OUT_DIR DEVICES BATCH_PER_DEVICE [clip | qkmonitor | qkmonitor-background]`.
 
 With ``clip``, QKClip alone runs (tau 0.5, below every head's logits) and each rank saves its query
 and key weights after the fit to ``OUT_DIR/qk_rank{R}.pt``. With ``qkmonitor``, one QKMonitor runs
 in place of the three callbacks, and each rank writes to ``OUT_DIR/collectives_rank{R}.json`` the
-collectives ``torch.distributed`` was asked for inside each of its hook calls that probed, by step.
+collectives ``torch.distributed`` was asked for inside each of its hook calls that probed, by step;
+``qkmonitor-background`` the same with the spectrum computed on its worker thread
+(``background_weights=True``, the GPU's path).
 
 Lightning's DDP launcher re-runs this script once per extra rank; every rank sees the same
 generated data, and the DistributedSampler (shuffle off) deals rank r the samples r, r+W, r+2W, ...
@@ -91,11 +93,16 @@ def main() -> None:
         warmup_steps=0,
     )
     clip = len(sys.argv) > 4 and sys.argv[4] == "clip"
-    one = len(sys.argv) > 4 and sys.argv[4] == "qkmonitor"
+    one = len(sys.argv) > 4 and sys.argv[4] in ("qkmonitor", "qkmonitor-background")
+    background = one and sys.argv[4] == "qkmonitor-background"
     monitors = (
         [QKClip(tau=0.5, per_head=True)]
         if clip
-        else [CountedQKMonitor(every_n_steps=2, per_head=True)]
+        else [
+            CountedQKMonitor(
+                every_n_steps=2, per_head=True, spectrum={"background_weights": background}
+            )
+        ]
         if one
         else [
             AttentionEntropyMonitor(every_n_steps=2, per_head=True),

@@ -88,18 +88,20 @@ def test_qk_monitor_under_ddp_reduces_every_probe_in_one_collective(tmp_path):
     import json
 
     run_job(tmp_path / "single", 1, 8, "qkmonitor")
-    run_job(tmp_path / "ddp", 2, 4, "qkmonitor")
-    for rank in (0, 1):
-        counts = json.loads((tmp_path / "ddp" / f"collectives_rank{rank}.json").read_text())
-        assert counts == {"0": {"all_gather": 1}, "2": {"all_gather": 1}}, counts
     single = scalars(tmp_path / "single" / "run" / "version_0")
-    ddp = scalars(tmp_path / "ddp" / "run" / "version_0")
     tags = [t for t in single if t.startswith("qkmonitor/") and "/alerts/" not in t]
     assert "qkmonitor/max_logit/layer_00_head_01" in tags and "qkmonitor/kappa/layer_00" in tags
-    assert sorted(tags) == sorted(
-        t for t in ddp if t.startswith("qkmonitor/") and "/alerts/" not in t
-    )
-    for tag in tags:
-        step, value = single[tag][0]
-        assert ddp[tag][0][0] == step == 0, tag
-        assert ddp[tag][0][1] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), tag
+    # and the same with the spectrum on its worker thread (background_weights, a GPU's path)
+    for mode in ("qkmonitor", "qkmonitor-background"):
+        run_job(tmp_path / mode, 2, 4, mode)
+        for rank in (0, 1):
+            counts = json.loads((tmp_path / mode / f"collectives_rank{rank}.json").read_text())
+            assert counts == {"0": {"all_gather": 1}, "2": {"all_gather": 1}}, (mode, counts)
+        ddp = scalars(tmp_path / mode / "run" / "version_0")
+        assert sorted(tags) == sorted(
+            t for t in ddp if t.startswith("qkmonitor/") and "/alerts/" not in t
+        )
+        for tag in tags:
+            assert [s for s, _ in ddp[tag]] == [s for s, _ in single[tag]], (mode, tag)
+            for (_, got), (_, want) in zip(ddp[tag], single[tag]):
+                assert got == pytest.approx(want, rel=1e-5, abs=1e-6, nan_ok=True), (mode, tag)
