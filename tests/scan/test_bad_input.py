@@ -147,4 +147,6 @@ def test_a_file_named_ckpt_that_is_no_checkpoint_says_what_it_is(tmp_path, conte
     (tmp_path / "notes.ckpt").write_bytes(content)
     done = scan_in(tmp_path, "notes.ckpt", "--log-dir", "run")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.splitlines() == [f"qkmonitor scan: notes.ckpt: {said}"]
+    # qkmonitor's own lines (an older matplotlib, CI's minimums, warns about its styles on stderr)
+    ours = [line for line in done.stderr.splitlines() if line.startswith("qkmonitor")]
+    assert ours == [f"qkmonitor scan: notes.ckpt: {said}"], done.stderr

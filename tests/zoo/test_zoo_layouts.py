@@ -85,6 +85,7 @@ def _efficientformer_v2():
 
 
 def test_efficientformer_v2_talking_heads_are_refused_by_name_and_its_plain_attention_measured():
+    pytest.importorskip("timm")  # a test extra (.ci/zoo_requirements.txt), absent at the minimums
     from timm.models.efficientformer_v2 import Attention2d, Attention2dDownsample
 
     model, loss = _efficientformer_v2()
