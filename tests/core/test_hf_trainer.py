@@ -340,24 +340,14 @@ except KeyboardInterrupt:
 
 
 def test_a_window_an_interrupted_train_left_open_is_closed_at_the_interpreters_exit(tmp_path):
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from tests.engine.test_abandoned_windows import assert_nothing_left_at_exit
 
     root = Path(__file__).resolve().parents[2]
     script = tmp_path / "train.py"
     script.write_text(HF_AT_EXIT.format(root=str(root), tmp=str(tmp_path)))
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "left after the interrupt: True" in done.stdout, done.stdout
-    assert "left at exit: []" in done.stdout, done.stdout
+    assert_nothing_left_at_exit(script)
 
 
 def test_a_trainer_run_leaves_no_reference_cycle_of_qkmonitors(tmp_path):
