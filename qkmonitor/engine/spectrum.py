@@ -202,7 +202,9 @@ class QKSpectrum(MonitorEngine):
                 # a copy of the weights on their device, freed once the worker has read it
                 copies = [_copied(w) for w in weights.values()]
                 future = WEIGHTS_WORKER.submit(spectrum_of_layers, copies)
-                self._in_flight.append(InFlightRead(host, step, list(weights), future, updates))
+                rate = host.learning_rate()  # the rate of the read, which its alerts name
+                read = InFlightRead(host, step, list(weights), future, updates, rate)
+                self._in_flight.append(read)
                 self.schedule.latest_step = step
                 return
             spectra = spectrum_of_layers(list(weights.values()))
@@ -220,17 +222,22 @@ class QKSpectrum(MonitorEngine):
         at the end of the batch after the read, before the activations of that step are logged, at
         a run's end (success or failure) and before a checkpoint takes the engine's state. A job
         that raised leaves its read NaN, with one warning."""
-        in_flight, self._in_flight = self._in_flight, []
-        for read in in_flight:
+        while self._in_flight:  # one at a time: an alert raised leaves the rest to the run's end
+            read = self._in_flight[0]
+            # waited for before it leaves the list (an interrupt here leaves it to the run's end);
+            # its error as it is, not raised again here: a traceback through this frame would hold
+            # the read, and through the worker's frames the copies, in a cycle until a collection
+            err = read.future.exception()
+            self._in_flight.pop(0)
             host = host or read.host
-            try:
-                spectra = read.future.result()
-            except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-                self.warn_failure(host, "computing the query/key spectrum", read.step, err)
-                self._log(host, read.step, _merged(self.layers, {}), read.updates)
-                continue
-            computed = {i: _layer_of(spectra, j) for j, i in enumerate(read.layers)}
-            self._log(host, read.step, _merged(self.layers, computed), read.updates)
+            with read.as_read(host, self.alerting) as then:  # its learning rate and losses
+                computed = {}
+                if err is not None:  # a metric problem must never stop training
+                    self.warn_failure(host, "computing the query/key spectrum", read.step, err)
+                else:
+                    spectra = read.future.result()
+                    computed = {i: _layer_of(spectra, j) for j, i in enumerate(read.layers)}
+                self._log(then, read.step, _merged(self.layers, computed), read.updates)
 
     def state_dict(self) -> dict[str, Any]:
         """The state after every read a worker is computing has been logged (its alerts in it)."""

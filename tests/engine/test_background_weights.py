@@ -5,6 +5,7 @@ is freed once read; waited for at a run's end, on a failure, and before a checkp
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import struct
 import threading
@@ -220,3 +221,32 @@ def test_an_alert_of_a_read_in_flight_names_its_probe_step_and_comes_at_the_step
     # the weights before step 0 are read at its start and settled at its end: the alert is raised
     # there, and says which probe it comes from
     assert raised_at == 0 and "at step 0" in message, message
+
+
+def test_a_job_that_raises_frees_its_copy_once_settled_without_a_collection(monkeypatch):
+    # the job's error holds the worker's frames, and so the copies, as long as it lives: settling
+    # must not put it in a cycle that only the garbage collector breaks (on a GPU, device memory)
+    copies = []
+    original_submit = WEIGHTS_WORKER.submit
+
+    def submit(job, weights):
+        copies.extend(weakref.ref(t) for w in weights for t in (w.w_q, w.w_k))
+        return original_submit(job, weights)
+
+    def broken(weights):
+        raise RuntimeError("no eigenvalues today")
+
+    monkeypatch.setattr(spectrum_module, "spectrum_of_layers", broken)
+    monkeypatch.setattr(WEIGHTS_WORKER, "submit", submit)
+    model = decoder()
+    engine = QKSpectrum(background_weights=True)
+    gc.disable()
+    try:
+        with warnings.catch_warnings(), Monitoring(model, [engine], every_n_steps=1) as monitoring:
+            warnings.simplefilter("ignore")
+            with monitoring.step(0):  # the weights read at its start, settled at its end
+                model(TOKENS).logsumexp(-1).mean().backward()
+            assert copies and not engine.probing
+            assert all(c() is None for c in copies)
+    finally:
+        gc.enable()
