@@ -8,7 +8,9 @@ inside the probed attention forward, out of the interceptor's sight), so that th
 weights are DTensors and FSDP2 hands ``F.linear`` unsharded parameters of its own during the
 forward. Both probe two steps (no optimizer: the weights stay)
 of the same 8 sequences (each of two ranks 4 of them) with the spectrum and entropy monitors in a
-plain loop; rank 0 saves the latest values and the warnings to ``OUT_DIR/values.pt``.
+plain loop; rank 0 saves the latest values and the warnings to ``OUT_DIR/values.pt``. WORLD 2
+without ``projections`` then fits again with ``QKSpectrum(background_weights=True)`` into
+``OUT_DIR/values_background.pt``.
 """
 
 import gc
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
+from qkmonitor.engine.background import WEIGHTS_WORKER
 
 D, H, T = 32, 4, 8
 
@@ -70,6 +73,8 @@ def run(rank: int, world: int, out_dir: str, projections: bool = False) -> None:
             "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world
         )
     fit(rank, world, out_dir, projections)
+    if world > 1 and not projections:  # again with background_weights=True: DTensors stay on
+        fit(rank, world, out_dir, projections, background=True)  # the training thread
     if world > 1:
         # the model's DTensors and FSDP2's state, which hold the group, gone while the interpreter
         # is whole (left to its finalization, gloo's teardown aborted a rank now and then), and
@@ -79,8 +84,10 @@ def run(rank: int, world: int, out_dir: str, projections: bool = False) -> None:
         dist.destroy_process_group()
 
 
-def fit(rank: int, world: int, out_dir: str, projections: bool) -> None:
-    """Two probed steps, and on rank 0 the values saved; what it made is freed on return."""
+def fit(rank: int, world: int, out_dir: str, projections: bool, background: bool = False) -> None:
+    """Two probed steps, and on rank 0 the values saved (``values_background.pt`` with
+    ``background``: ``QKSpectrum(background_weights=True)``, the worker's jobs counted); what it
+    made is freed on return."""
     torch.manual_seed(0)
     model = Model()
     with torch.no_grad():  # sharper heads than at initialisation, so that entropies differ
@@ -97,7 +104,10 @@ def fit(rank: int, world: int, out_dir: str, projections: bool) -> None:
                 fully_shard(block.attn.c_proj, mesh=mesh)
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    spectrum, entropy = QKSpectrum(), AttentionEntropy()
+    spectrum, entropy = QKSpectrum(background_weights=background), AttentionEntropy()
+    jobs = []
+    submit = WEIGHTS_WORKER.submit
+    WEIGHTS_WORKER.submit = lambda *job: jobs.append(job) or submit(*job)  # counted
     monitoring = Monitoring(model, [spectrum, entropy], every_n_steps=1)
     tokens = torch.randint(0, 16, (8, T), generator=torch.Generator().manual_seed(1))
     mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
@@ -112,6 +122,7 @@ def fit(rank: int, world: int, out_dir: str, projections: bool) -> None:
                     kappa_at_0 = [t.clone() for t in spectrum.latest["kappa"]]
         finally:
             monitoring.close()
+            del WEIGHTS_WORKER.submit
     if rank == 0:
         torch.save(
             {
@@ -119,8 +130,9 @@ def fit(rank: int, world: int, out_dir: str, projections: bool) -> None:
                 "kappa_at_0": kappa_at_0,
                 "entropy_norm": [t.clone() for t in entropy.latest["entropy_norm"]],
                 "warnings": [str(w.message) for w in caught],
+                "worker_jobs": len(jobs),
             },
-            f"{out_dir}/values.pt",
+            f"{out_dir}/values{'_background' if background else ''}.pt",
         )
 
 

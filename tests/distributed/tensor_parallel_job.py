@@ -12,7 +12,8 @@ vocabulary projection too (its logits a DTensor split along the vocabulary, the 
 ``loss_parallel``), so that each rank computes H / 2 of the heads (the forward's ``view(b, t, -1,
 head_dim)``). Each rank saves its losses, latest values, QK-Clip counts, warnings and (rank 0, the
 only one that writes) scalars and histograms of both runs, and the query weights after training, to
-``OUT_DIR/values_RANK.pt``.
+``OUT_DIR/values_RANK.pt``; and, under ``("mha", "background")``, the tensor-parallel MHA run again
+with the spectrum on its worker thread (``background_weights=True``).
 """
 
 import gc
@@ -28,6 +29,7 @@ from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClipEngine, QKSpectrum
+from qkmonitor.engine.background import WEIGHTS_WORKER
 from qkmonitor.output.sinks import MemorySink
 
 D, H, HEAD_DIM, T, VOCAB = 32, 4, 8, 8, 16
@@ -140,8 +142,9 @@ def sum_replicated_gradients(model: Model) -> None:
                 c10d.all_reduce(proj.weight.grad)  # not dist.all_reduce: that one is counted
 
 
-def train(model: Model, tokens, parallel: bool) -> dict:
-    """Two monitored SGD steps of ``model`` (its attention tensor-parallel where ``parallel``)."""
+def train(model: Model, tokens, parallel: bool, background: bool = False) -> dict:
+    """Two monitored SGD steps of ``model`` (its attention tensor-parallel where ``parallel``; the
+    spectrum on its worker thread with ``background``)."""
     if parallel:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard
@@ -165,7 +168,7 @@ def train(model: Model, tokens, parallel: bool) -> dict:
         parallelize_module(model, mesh, {"head": vocabulary})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engines = {
-        "spectrum": QKSpectrum(per_head=True),
+        "spectrum": QKSpectrum(per_head=True, background_weights=background),
         "entropy": AttentionEntropy(per_head=True, sink_tokens=2),
         # 4 probe sequences (the batch) measured as one process measures them: the unsharded run
         # is in the 2-rank group too, where the engine deals 8 as 4 + 4 over two data-parallel
@@ -177,7 +180,9 @@ def train(model: Model, tokens, parallel: bool) -> dict:
     monitoring = Monitoring(
         model, list(engines.values()), writer=sink, every_n_steps=1, optimizer=optimizer
     )
-    losses = []
+    losses, jobs = [], []
+    submit = WEIGHTS_WORKER.submit
+    WEIGHTS_WORKER.submit = lambda *job: jobs.append(job) or submit(*job)  # counted
     with warnings.catch_warnings(record=True) as caught, counted_collectives() as collectives:
         warnings.simplefilter("always")
         try:
@@ -194,6 +199,7 @@ def train(model: Model, tokens, parallel: bool) -> dict:
                 losses.append(loss.item())
         finally:
             monitoring.close()
+            del WEIGHTS_WORKER.submit
     q_weights = [layer.attn.q_proj.weight for layer in model.layers]
     return {
         "losses": losses,
@@ -207,6 +213,7 @@ def train(model: Model, tokens, parallel: bool) -> dict:
         "clip_counts": [c.clone() for c in engines["clip"].clip_counts],
         "q_weights": [getattr(w, "full_tensor", w.detach)().detach().clone() for w in q_weights],
         "warnings": [str(w.message) for w in caught],
+        "worker_jobs": len(jobs),
         "scalars": None if sink is None else {(tag, step): v for tag, v, step in sink.scalars},
         "histograms": None if sink is None else [(t, v.clone(), s) for t, v, s in sink.histograms],
     }
@@ -226,6 +233,14 @@ def run(rank: int, world: int, out_dir: str) -> None:
                 for layer in model.layers:
                     layer.attn.q_proj.weight.mul_(3.0)
             runs[case, parallel] = train(model, tokens, parallel)
+    # and the spectrum of each rank's heads on its worker thread (background_weights=True), from
+    # a copy of the rows it computes with, exchanged in the same collective
+    torch.manual_seed(0)
+    model = Model(H)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.q_proj.weight.mul_(3.0)
+    runs["mha", "background"] = train(model, tokens, True, background=True)
     torch.save(runs, f"{out_dir}/values_{rank}.pt")
     del model  # its DTensors hold the group: gone while the interpreter is whole, not at exit
     gc.collect()

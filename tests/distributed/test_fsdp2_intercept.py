@@ -37,6 +37,16 @@ def test_intercepted_layouts_under_fsdp2_measure_as_one_process(tmp_path, single
             assert torch.isfinite(one).all() and torch.isfinite(two).all(), name
             torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-6)
     assert [w for w in sharded["warnings"] if "qkmonitor" in w or "layout" in w] == []
+    # with background_weights=True the DTensors are gathered on the training thread as before
+    # (a collective, in the ranks' common order), and the worker computes the spectrum of the
+    # gathered copy read after step 1 (step 0's waits for the layout check, as without it): the
+    # values are the synchronous run's, bit for bit
+    background = torch.load(tmp_path / "two" / "values_background.pt")
+    assert (background["worker_jobs"], sharded["worker_jobs"]) == (1, 0)
+    assert background["warnings"] == sharded["warnings"]
+    for name in ("kappa_at_0", "kappa", "entropy_norm"):
+        for want, got in zip(sharded[name], background[name], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.slow

@@ -106,3 +106,26 @@ def test_rank_zero_writes_what_one_process_writes(ranks, case):
     for (_, want, _), (_, got, _) in zip(single["histograms"], sharded["histograms"]):
         assert _close(want.sort().values, got.sort().values)
     assert ranks[1][case, True]["scalars"] is None  # rank 1 was given no writer
+
+
+@pytest.mark.slow
+def test_the_spectrum_on_its_worker_under_tensor_parallelism_is_the_synchronous_paths(ranks):
+    """background_weights=True: each rank's heads are computed on the worker from a copy of the
+    rows it computes with (no collective there) and exchanged in the probe's one all_gather, as
+    on the training thread: every value, scalar, histogram and collective is the synchronous
+    run's."""
+    for rank, runs in enumerate(ranks):
+        synchronous, background = runs["mha", True], runs["mha", "background"]
+        assert background["worker_jobs"] > 0 and synchronous["worker_jobs"] == 0
+        assert background["collectives"] == synchronous["collectives"]
+        assert background["warnings"] == synchronous["warnings"]
+        for engine in ENGINES:
+            for name, layers in synchronous[engine].items():
+                for want, got in zip(layers, background[engine][name], strict=True):
+                    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        if rank == 0:
+            assert background["scalars"].keys() == synchronous["scalars"].keys()
+            for key, want in synchronous["scalars"].items():
+                got = background["scalars"][key]
+                assert got == want or (math.isnan(got) and math.isnan(want)), key
+            assert len(background["histograms"]) == len(synchronous["histograms"])
