@@ -81,3 +81,39 @@ def test_prune_drops_tiles_that_spill_at_this_head_dim(kernel, block_d):
     on_sm80 = tuning.prune(configs, named_args, capability=8, BLOCK_D=block_d)
     spilling_on_sm80 = [c for c in on_sm90 if block_d in tuning.limits_of(c).sm80_spills]
     assert len(on_sm80) == len(on_sm90) - len(spilling_on_sm80)
+
+
+def _keys(configs) -> set[tuple]:
+    return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in configs}
+
+
+@pytest.mark.parametrize("n_q, n_k", [(512, 512), (1024, 1024), (2048, 2048), (1000, 2048)])
+@pytest.mark.parametrize("block_d", [64, 128])
+def test_short_sequences_are_offered_their_own_forward_tiles(n_q, n_k, block_d):
+    """N = 512..2048 (the lengths most fine-tuning uses) get the short-sequence tiles (two
+    stages; query blocks of 32 and 64) beside the others, each where it builds without spills on
+    sm_90: every short tile of ``SHORT_FWD_CONFIGS`` whose limits admit this head dim."""
+    named_args = {"N_Q_BUCKET": tuning.bucket(n_q), "N_K_BUCKET": tuning.bucket(n_k)}
+    kept = tuning.prune(tuning.FWD_CONFIGS, named_args, capability=9, BLOCK_D=block_d)
+    fitting = [c for c in tuning.SHORT_FWD_CONFIGS if block_d <= tuning.limits_of(c).max_block_d]
+    assert fitting and _keys(fitting) <= _keys(kept)
+    assert any(c.num_stages == 2 and c.kwargs["BLOCK_M"] <= 64 for c in kept)
+    everywhere = tuning.prune(
+        tuning.FWD_EVERY_LENGTH_CONFIGS, named_args, capability=9, BLOCK_D=block_d
+    )
+    assert _keys(everywhere) < _keys(kept)  # the other tiles are still offered there
+
+
+@pytest.mark.parametrize("n", [16, 128, 4096, 16384])
+@pytest.mark.parametrize("block_d", [64, 128])
+@pytest.mark.parametrize("capability", [8, 9])
+def test_other_lengths_keep_their_forward_tiles(n, block_d, capability):
+    """The short-sequence tiles are offered at no other length: sequences of at most 128 keep
+    their one untuned tile and long ones their own set (no more configurations to benchmark)."""
+    named_args = {"N_Q_BUCKET": n, "N_K_BUCKET": n}
+    kept = tuning.prune(tuning.FWD_CONFIGS, named_args, capability=capability, BLOCK_D=block_d)
+    before = tuning.prune(
+        tuning.FWD_EVERY_LENGTH_CONFIGS, named_args, capability=capability, BLOCK_D=block_d
+    )
+    assert _keys(kept) == _keys(before)
+    assert not _keys(kept) & _keys(tuning.SHORT_FWD_CONFIGS)

@@ -1,9 +1,11 @@
 """Tile sizes and launches: the autotuned configurations, their pruning, the launcher.
 
 On CUDA the tile sizes are autotuned per (bucketed N, M, head dim, causal, statistics) among those
-that fit the GPU's shared memory and build without register spills on it (``_configs``); under
-the interpreter (``TRITON_INTERPRET=1``) one small configuration is used, as autotuning with
-several configurations fails without a GPU.
+that fit the GPU's shared memory and build without register spills on it (``_configs``); the
+forward offers more tiles to sequences of 256 to 2048 (``SHORT_FWD_CONFIGS``), so that short and
+long sequences each get their own choice from their own set. Under the interpreter
+(``TRITON_INTERPRET=1``) one small configuration is used (``INTERPRETER_BLOCKS``), as autotuning
+with several configurations fails without a GPU.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from qkmonitor.kernels._triton.forward import attn_fwd
 
 #: Whether the kernels were decorated for the interpreter (the flag is read at decoration).
 INTERPRETED = bool(knobs.runtime.interpret)
-_INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+#: The one tile of every kernel under the interpreter (tests replace it to run other tiles' code).
+INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 #: Query rows per program of the δ kernel (not autotuned).
 DELTA_BLOCK_M = 16 if INTERPRETED else 64
 
 
-def _configs(shapes: list[tuple]) -> list[triton.Config]:
-    """Tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages, max_block_d, sm80_spills)``.
+def _configs(shapes: list[tuple], lengths: tuple[int, int] | None = None) -> list[triton.Config]:
+    """Tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages, max_block_d, sm80_spills)``, offered at
+    the length buckets ``lengths`` (None: at every length; see :class:`TileLimits`).
 
     ``max_block_d`` is the largest padded head dim the tile is kept for, and ``sm80_spills`` the
     head dims at which it spills on compute capability 8.x only (``mma.sync`` holds its operand
@@ -38,7 +42,8 @@ def _configs(shapes: list[tuple]) -> list[triton.Config]:
     configs = []
     for bm, bn, warps, stages, max_block_d, sm80_spills in shapes:
         config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-        _LIMITS[id(config)] = (config, TileLimits(max_block_d, frozenset(sm80_spills)))
+        limits = TileLimits(max_block_d, frozenset(sm80_spills), lengths)
+        _LIMITS[id(config)] = (config, limits)
         configs.append(config)
     return configs
 
@@ -46,10 +51,17 @@ def _configs(shapes: list[tuple]) -> list[triton.Config]:
 @dataclass(frozen=True)
 class TileLimits:
     """Where a tile spills a register: above ``max_block_d`` (the padded head dim), and at the
-    head dims of ``sm80_spills`` on compute capability 8.x only."""
+    head dims of ``sm80_spills`` on compute capability 8.x only; and where it is offered:
+    ``lengths = (lo, hi)`` while the longer of the two length buckets is in ``[lo, hi]`` (None:
+    at every length)."""
 
     max_block_d: int = 256
     sm80_spills: frozenset[int] = frozenset()
+    lengths: tuple[int, int] | None = None
+
+    def offered_at(self, longest: int) -> bool:
+        """Whether the tile is a candidate when the longer length bucket is ``longest``."""
+        return self.lengths is None or self.lengths[0] <= longest <= self.lengths[1]
 
 
 #: each tile's limits, by the identity of its ``triton.Config`` (kept alive here with it): beside
@@ -105,8 +117,9 @@ def _capability_major(x) -> int | None:
 def prune(configs, named_args, kernel=None, smem_limit=None, capability=None, **kwargs):
     """Drop tiles that cannot fit (large head dims, tiles that spill registers at this head dim or
     on this GPU generation, or, for ``kernel``, the GPU's shared memory at the operands' element
-    size) or exceed a short sequence; sequences of at most 128 get one mid-sized tile without
-    benchmarking (tuning would cost more than it wins, and every new shape would pay it).
+    size) or exceed a short sequence, and tiles kept for other lengths (``TileLimits.lengths``);
+    sequences of at most 128 get one mid-sized tile without benchmarking (tuning would cost more
+    than it wins, and every new shape would pay it).
     ``kernel`` ("fwd", "dkdv", "dq") is bound per autotuned kernel; ``smem_limit`` and
     ``capability`` (the compute capability's major version) default to the device's."""
     block_d = kwargs["BLOCK_D"]
@@ -137,6 +150,7 @@ def prune(configs, named_args, kernel=None, smem_limit=None, capability=None, **
         c
         for c in configs
         if area(c) <= budget
+        and limits_of(c).offered_at(max(n_q, n_k))
         and not spills(c)
         and max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * block_d <= 128 * 128
         and c.kwargs["BLOCK_M"] <= max(n_q, 16)
@@ -157,7 +171,7 @@ _KEY = ["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "CAUSAL", "GROUPS"]
 # dp) once the tile reaches 64×64, and ptxas spills on sm_90; 8 warps halve each thread's share.
 # On sm_80 more tiles spill (some only in one variant, over every variant at D = 64 and 128):
 # they are pruned there.
-FWD_CONFIGS = _configs(
+FWD_EVERY_LENGTH_CONFIGS = _configs(
     [
         (128, 64, 8, 3, 128, (128,)),
         (128, 128, 8, 3, 64, (64,)),
@@ -169,6 +183,25 @@ FWD_CONFIGS = _configs(
         (32, 32, 4, 2, 128, ()),
     ]
 )
+#: Sequences of 256 to 2048 (length buckets; the lengths most fine-tuning uses): a key loop of a
+#: few blocks, where a deep pipeline's prologue is a large part of a program and smaller query
+#: blocks put more programs in flight. Two stages, and query blocks of 32 and 64 beside 128.
+#: Offered there in addition to the tiles above, so that autotuning compares them on the GPU; the
+#: longer sequences keep their own set unchanged. Limits from scripts/compile_kernels.py's builds
+#: (bfloat16, causal+pad+stats+sink, d = 64 and 128): 64×128 with 4 warps spills on sm_90 at
+#: d = 64 and was left out, as was 128×64 with 4 warps.
+SHORT_LENGTHS = (256, 2048)
+SHORT_FWD_CONFIGS = _configs(
+    [
+        (128, 128, 8, 2, 64, (64,)),
+        (128, 64, 8, 2, 128, (128,)),
+        (64, 64, 4, 2, 64, (64,)),
+        (64, 32, 4, 2, 128, (64,)),
+        (32, 64, 4, 2, 128, ()),
+    ],
+    lengths=SHORT_LENGTHS,
+)
+FWD_CONFIGS = FWD_EVERY_LENGTH_CONFIGS + SHORT_FWD_CONFIGS
 DKDV_CONFIGS = _configs(  # BLOCK_N keys per program, BLOCK_M queries per inner step
     [
         (64, 128, 8, 3, 64, (64,)),
@@ -213,7 +246,7 @@ dq_kernel = _tuned(attn_bwd_dq, DQ_CONFIGS, "dq", extra_key=["HAS_PAD"])
 def launch(kernel, grid, *args, **meta) -> None:
     """Launch an autotuned kernel; under the interpreter with the one small tile."""
     if INTERPRETED:
-        meta = {**meta, **_INTERPRETER_BLOCKS}
+        meta = {**meta, **INTERPRETER_BLOCKS}
         kernel[grid(meta)](*args, **meta, num_warps=4)
     else:
         kernel[grid](*args, **meta)
