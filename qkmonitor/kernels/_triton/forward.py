@@ -1,8 +1,10 @@
 """The forward kernel: attention output and per-row statistics in one pass (FlashAttention-2).
 
-One program per block of BLOCK_M query rows of one head. Scores are kept in base 2:
-``t = log2(e) · scale · q kᵀ`` (the factor is folded into one multiply so that ``exp2`` replaces
-``exp``). Over key blocks the program keeps, per row, the running max ``m``,
+One program per block of BLOCK_M query rows of one head; under the causal mask the programs take
+the query blocks last to first, so that the longest rows (the most key blocks) start first and
+the shortest are left for the tail of the launch, as FlashAttention-2 orders them. Scores are
+kept in base 2: ``t = log2(e) · scale · q kᵀ`` (the factor is folded into one multiply so that
+``exp2`` replaces ``exp``). Over key blocks the program keeps, per row, the running max ``m``,
 ``l = Σ_j 2^{t_j − m}``, the output accumulator ``acc = Σ_j 2^{t_j − m} v_j`` and the centered
 ``u = Σ_j 2^{t_j − m}(t_j − m)``. When the max grows from ``m`` to ``m'`` the sums are rescaled by
 ``α = 2^{m − m'}`` and ``u ← α(u + (m − m')·l) + Σ_j 2^{t_j − m'}(t_j − m')``. At the end, in
@@ -153,6 +155,8 @@ def attn_fwd(
     BLOCK_N: tl.constexpr,
 ):
     start_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first: the last programs to start are the shortest ones
+        start_m = tl.num_programs(0) - 1 - start_m
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
