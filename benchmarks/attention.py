@@ -7,7 +7,8 @@ and takes the same statistics from it.
 
 GPU (``--device cuda``): TFLOP/s of the Triton kernels, forward and forward+backward, without and
 with statistics, against ``F.scaled_dot_product_attention`` restricted to the flash backend, in
-bfloat16, for N ∈ {1k, 2k, 4k, 8k, 16k}, D ∈ {64, 128}, causal and not; plus peak memory.
+bfloat16, for N ∈ {1k, 2k, 4k, 8k, 16k}, D ∈ {64, 128}, causal and not; plus peak memory and the
+forward tile autotuning picked (without and with statistics: N ≤ 2048 choose among more tiles).
 
 How memory is measured (CPU): the peak resident set size of this process over the call, read from
 ``VmHWM`` in ``/proc/self/status`` after resetting it (``echo 5 > /proc/self/clear_refs``), minus
@@ -296,7 +297,8 @@ def run_cuda(args) -> list[dict]:
         "stats cost = extra time of the statistics over the same Triton kernel without them."
     )
     header = ["N", "D", "causal", "pass", "sdpa-flash", "triton", "triton+stats", "ratio",
-              "ratio+stats", "stats cost", "mem flash", "mem triton+stats"]  # fmt: skip
+              "ratio+stats", "stats cost", "mem flash", "mem triton+stats", "fwd tile",
+              "fwd tile+stats"]  # fmt: skip
     rows, results = [], []
     start = time.perf_counter()
     for d in head_dims:
@@ -325,7 +327,8 @@ def _cuda_results(args, n, d, causal, repeats) -> list[dict]:
     if args.dry_run:
         nan = math.nan
         return [{**shape, "pass": name, "flops": flops_fwd * factor, "t_flash": nan,
-                 "t_triton": nan, "t_stats": nan, "mem_flash": None, "mem_stats": None}
+                 "t_triton": nan, "t_stats": nan, "mem_flash": None, "mem_stats": None,
+                 "tile": "n/a", "tile_stats": "n/a"}
                 for name, factor in (("fwd", 1.0), ("fwd+bwd", 3.5))]  # fmt: skip
     q, k, v = make_inputs(batch, heads, n, d, torch.bfloat16, "cuda", grad=True)
     dout = torch.randn_like(q)
@@ -338,13 +341,28 @@ def _cuda_results(args, n, d, causal, repeats) -> list[dict]:
         else:
             calls = [forward_backward(fn, q, k, v, causal, dout) for fn in contenders]
             flops = 3.5 * flops_fwd
-        t_flash, t_ours, t_stats = (cuda_time(call, repeats) for call in calls)
+        t_flash, t_ours = cuda_time(calls[0], repeats), cuda_time(calls[1], repeats)
+        tile = forward_tile()
+        t_stats = cuda_time(calls[2], repeats)
+        tile_stats = forward_tile()
         m_flash, m_stats = cuda_peak_bytes(calls[0]), cuda_peak_bytes(calls[2])
         print(f"  done N={n} D={d} causal={causal} {name}", file=sys.stderr, flush=True)
         results.append({**shape, "pass": name, "flops": flops, "t_flash": t_flash,
                         "t_triton": t_ours, "t_stats": t_stats, "mem_flash": m_flash,
-                        "mem_stats": m_stats})  # fmt: skip
+                        "mem_stats": m_stats, "tile": tile,
+                        "tile_stats": tile_stats})  # fmt: skip
     return results
+
+
+def forward_tile() -> str:
+    """The tile autotuning gave the Triton forward's last launch: ``BLOCK_MxBLOCK_N wW sS``."""
+    from qkmonitor.kernels._triton import tuning
+
+    config = getattr(tuning.fwd_kernel, "best_config", None)
+    if config is None:
+        return "n/a"
+    kwargs = config.kwargs
+    return f"{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
 
 
 def _cuda_row(r: dict) -> list[str]:
@@ -355,7 +373,7 @@ def _cuda_row(r: dict) -> list[str]:
         str(r["n"]), str(r["d"]), str(r["causal"]), r["pass"], tflops(r["t_flash"]),
         tflops(r["t_triton"]), tflops(r["t_stats"]), f"{r['t_flash'] / r['t_triton']:.2f}",
         f"{r['t_flash'] / r['t_stats']:.2f}", f"{(r['t_stats'] / r['t_triton'] - 1) * 100:+.1f}%",
-        fmt_bytes(r["mem_flash"]), fmt_bytes(r["mem_stats"]),
+        fmt_bytes(r["mem_flash"]), fmt_bytes(r["mem_stats"]), r["tile"], r["tile_stats"],
     ]  # fmt: skip
 
 

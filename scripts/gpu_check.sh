@@ -11,7 +11,7 @@
 #      then --profile: a probe window against a plain one by engine and phase, host and device,
 #      with the training thread's blocking reads and the runtime's synchronizing calls;
 #   4. one markdown table of it all (scripts/gpu_report.py), the profile after it.
-# Each step runs under `timeout`, so the whole stays within its budget (warm-up 90 s, tests
+# Each step runs under `timeout`, so the whole stays within its budget (warm-up 110 s, tests
 # 180 s, attention 130 s, overhead 75 s, profile 60 s); a step that fails or times out reads "n/a" or FAILED
 # in the table, and the script exits non-zero.
 #
@@ -40,7 +40,7 @@ step "0. warm Triton's cache"
 if [[ ${#DRY[@]} -eq 0 ]]; then
   arch=$("$PY" -c 'import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)')
   if [[ "$arch" == 90 || "$arch" == 80 ]]; then
-    timeout 90 "$PY" scripts/compile_kernels.py --arch "$arch" --set gpu-check --jobs "$(nproc)" \
+    timeout 110 "$PY" scripts/compile_kernels.py --arch "$arch" --set gpu-check --jobs "$(nproc)" \
       --json "$OUT/builds.json" >"$OUT/builds.txt" 2>&1 \
       || echo "warning: the cache warm-up did not finish (see $OUT/builds.txt); going on" >&2
     tail -n 1 "$OUT/builds.txt" >&2
