@@ -10,19 +10,24 @@ what is called, on any machine.
 training thread; the publishing thread and any worker are not counted), every call that reads a
 tensor's values into Python or makes a shape from them:
 
-- ``item``, ``tolist``, ``numpy``, ``cpu``, ``to`` with a CPU device, ``bool``/``float``/``int``/
-  ``complex``/``index`` of a tensor, its ``repr``/``format``;
+- ``item``, ``tolist``, ``numpy``, ``cpu``, ``to("cpu")`` (the host named by the string),
+  ``bool``/``float``/``int``/``complex``/``index`` of a tensor, its ``repr``/``format``;
 - ``torch.equal``, ``allclose``, ``is_nonzero``, whose results are Python values;
 - data-dependent shapes: ``nonzero``, ``argwhere``, ``masked_select``, ``unique``,
   ``unique_consecutive``, ``bincount``, one-argument ``torch.where``, ``repeat_interleave`` with a
   tensor of repeats, indexing with a boolean tensor.
 
-On a CPU every tensor is a host tensor, so a ``.cpu()`` that would be free there is counted as the
-copy it would be on a device, and so is a read of a tensor the code made on the host on purpose
-(an index, ``torch.tensor(3.0)``): the count is an upper bound on what the same code makes a GPU
-run wait for. A read is attributed to the innermost frame of the package named by ``owner``
-(default ``qkmonitor``, its bundled models left out: their forward is the model's), or to
-``"other"`` (the model's own code, the optimizer's, torch's).
+On a CPU every tensor is a host tensor, so the mode tells apart what would be one on a device: a
+tensor made while it is on from Python values without naming a device (``torch.tensor([...])``,
+``torch.full(...)``: a factory makes it on the CPU in any run), one copied to the host (the result
+of a counted ``.cpu()``/``.to("cpu")``), and what is computed from such tensors alone are host
+tensors, whose reads wait for nothing and are not counted. Any other tensor (a parameter, an
+activation, what is computed from one, a factory's output with a ``device`` argument) counts as
+a device tensor: the count is what the same code makes a GPU run wait for, or more (a CPU
+tensor's ``.cpu()`` is the tensor itself, which stays a device tensor to the count). A read is
+attributed to the innermost frame of the package named by ``owner`` (default ``qkmonitor``, its
+bundled models left out: their forward is the model's), or to ``"other"`` (the model's own code,
+the optimizer's, torch's).
 
 Run as a script, it prints the reads of one unprobed and one probed step of a plain loop, per
 engine, on the bundled decoder and a nanoGPT-style model (SDPA through the interception)::
@@ -36,15 +41,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import sys
+import weakref
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["HostReads", "count_step", "main"]
 
@@ -89,9 +96,15 @@ SHAPE_READS: dict[Callable[..., Any], str] = {
 
 
 def _is_cpu_device(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.split(":")[0] == "cpu"
-    return isinstance(value, torch.device) and value.type == "cpu"
+    """Whether ``value`` names the host: the string ``"cpu"``. A ``torch.device`` is taken to be
+    a tensor's own (``x.device``, as the package moves its states with), which on a CPU machine
+    cannot be told from the host; the package names the host with the string."""
+    return isinstance(value, str) and value.split(":")[0] == "cpu"
+
+
+def _names_device(args: tuple) -> bool:
+    """Whether positional arguments of ``Tensor.to`` name a device (not only a dtype)."""
+    return any(isinstance(a, (str, torch.device, int)) and not isinstance(a, bool) for a in args)
 
 
 def _kind(func: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
@@ -122,7 +135,7 @@ NOT_OWNED = ("models",)
 def _site(owner: str) -> str:
     """``module:function:line`` of the innermost frame inside the package ``owner`` (outside its
     :data:`NOT_OWNED` subpackages), or ``"other"``."""
-    frame = sys._getframe(3)
+    frame = sys._getframe(2)  # past _site and __torch_function__: the call, or torch's wrapper
     marker = os.sep + owner + os.sep
     while frame is not None:
         path = frame.f_code.co_filename
@@ -133,6 +146,14 @@ def _site(owner: str) -> str:
             return f"{owner}.{module}:{frame.f_code.co_name}:{frame.f_lineno}"
         frame = frame.f_back
     return "other"
+
+
+#: id -> the tensors any mode has seen made on the host (see :class:`HostReads`)
+_HOST: dict[int, weakref.ReferenceType] = {}
+
+
+def _forget(key: int, _: weakref.ReferenceType) -> None:
+    _HOST.pop(key, None)
 
 
 class HostReads(TorchFunctionMode):
@@ -158,6 +179,7 @@ class HostReads(TorchFunctionMode):
         self.kinds: Counter[str] = Counter()
         self.sites: Counter[str] = Counter()
         self.owned = 0
+        self._host = _HOST  # shared: a host tensor stays one in the modes of later steps
 
     @property
     def total(self) -> int:
@@ -167,14 +189,29 @@ class HostReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = _kind(func, args, kwargs)
-        if kind is not None:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_host = all(self._on_host(t) for t in tensors)
+        if kind is not None and not (tensors and on_host):
             self.kinds[kind] += 1
             site = _site(self.owner)
             if site != "other":
                 self.owned += 1
             if self.by_site:
                 self.sites[f"{site} ({kind})"] += 1
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        moved = "device" in kwargs or (func is _T.to and _names_device(args[1:]))
+        copied = kind in ("cpu", "to_cpu") and not on_host  # a read: its result is on the host
+        if copied or (on_host and not moved):  # (a device named may be the model's)
+            for out in tree_leaves(result):
+                # (a CPU tensor's .cpu() is itself here, a device tensor still to other reads)
+                if isinstance(out, torch.Tensor) and not any(out is t for t in tensors):
+                    self._host[id(out)] = weakref.ref(out, partial(_forget, id(out)))
+        return result
+
+    def _on_host(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a host tensor in any run (:class:`HostReads`)."""
+        ref = self._host.get(id(tensor))
+        return ref is not None and ref() is tensor
 
 
 def count_step(step: Callable[[], Any], **mode_args: Any) -> HostReads:
@@ -187,21 +224,28 @@ def count_step(step: Callable[[], Any], **mode_args: Any) -> HostReads:
 @contextlib.contextmanager
 def as_on_gpu():
     """The paths a GPU run takes, on a CPU: the spectrum on its worker thread
-    (``background_weights``) and a probe's values read in one transfer (``to_python``)."""
-    from qkmonitor.engine import QKSpectrum, publishing
+    (``background_weights``), each probe's values logged at the next step (``defer_reads``), the
+    attention rank's keys not trimmed (:data:`qkmonitor.engine.rank.TRIMMED_ON`)."""
+    from qkmonitor.engine import QKSpectrum, base, rank
 
-    original_read, original_init = publishing.to_python, QKSpectrum.__init__
+    original_init, original_engine_init = QKSpectrum.__init__, base.MonitorEngine.__init__
+    trimmed, rank.TRIMMED_ON = rank.TRIMMED_ON, ()
 
     def init(self, *args, **kwargs):
         kwargs.setdefault("background_weights", True)
         original_init(self, *args, **kwargs)
 
-    publishing.to_python = functools.partial(original_read, one_transfer=True)
-    QKSpectrum.__init__ = init
+    def engine_init(self, *args, **kwargs):
+        if kwargs.get("options") is None:
+            kwargs.setdefault("defer_reads", True)
+        original_engine_init(self, *args, **kwargs)
+
+    QKSpectrum.__init__, base.MonitorEngine.__init__ = init, engine_init
     try:
         yield
     finally:
-        publishing.to_python, QKSpectrum.__init__ = original_read, original_init
+        QKSpectrum.__init__, base.MonitorEngine.__init__ = original_init, original_engine_init
+        rank.TRIMMED_ON = trimmed
 
 
 def _plain_loop(arch: str, engines: list[str], layers: int, every: int):
@@ -273,8 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--gpu-paths",
         action="store_true",
-        help="take the paths a GPU run takes (the spectrum on its worker, values read in one "
-        "transfer): what the training thread would wait for on a GPU",
+        help="take the paths a GPU run takes (the spectrum on its worker, values logged at the "
+        "next step): what the training thread would wait for on a GPU",
     )
     args = parser.parse_args(argv)
     every = 4

@@ -79,6 +79,7 @@ class AttentionEntropyMonitor(ActivationMonitor):
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
         visuals_every_n_probes: int = MonitorOptions.visuals_every_n_probes,
+        defer_reads: bool | None = MonitorOptions.defer_reads,
         probe_validation: bool = False,
         sink_tokens: int = 0,
     ) -> None:

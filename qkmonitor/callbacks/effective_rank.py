@@ -79,6 +79,7 @@ class EffectiveRankMonitor(ActivationMonitor):
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
         visuals_every_n_probes: int = MonitorOptions.visuals_every_n_probes,
+        defer_reads: bool | None = MonitorOptions.defer_reads,
         probe_validation: bool = False,
         max_probe_sequences: int = MAX_PROBE_SEQUENCES,
         max_probe_tokens: int = MAX_PROBE_TOKENS,

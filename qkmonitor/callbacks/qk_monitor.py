@@ -68,6 +68,9 @@ class QKMonitor(AttentionMonitor):
         layers: which attention layers (one module, a list, or a function of the model).
         visuals_every_n_probes: heatmaps, attention images and histograms at every this many
             probes, from the first (default 20; 0: never).
+        defer_reads: log a training probe's values at the end of the next batch, read in one
+            copy started at the probe, so that the probe's step does not wait for the device
+            (alerts then come a step later, naming their probe step); default: on a GPU.
         probe_validation: also measure the first validation batch of each validation run
             (``{prefix}/val/...``).
         spectrum, entropy, rank: each monitor on (``True``), off (``False``), or on with some
@@ -95,6 +98,7 @@ class QKMonitor(AttentionMonitor):
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
         visuals_every_n_probes: int = MonitorOptions.visuals_every_n_probes,
+        defer_reads: bool | None = MonitorOptions.defer_reads,
         probe_validation: bool = False,
         spectrum: bool | Mapping[str, Any] = True,
         entropy: bool | Mapping[str, Any] = True,

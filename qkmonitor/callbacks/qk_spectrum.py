@@ -59,6 +59,9 @@ class QKSpectrumMonitor(AttentionMonitor):
         layers: which attention layers (one module, a list, or a function of the model).
         visuals_every_n_probes: heatmaps, attention images and histograms at every this many
             probes, from the first (default 20; 0: never); scalars and alerts at every probe.
+        defer_reads: log a training probe's values at the end of the next batch, read in one
+            copy started at the probe, so that the probe's step does not wait for the device
+            (alerts then come a step later, naming their probe step); default: on a GPU.
         background_weights: compute the spectrum on a worker thread from a copy of the weights,
             logged at the end of the next batch at its own step (``None``, the default: where the
             weights are on a GPU; on a CPU the worker would compete with training for the cores).
@@ -85,6 +88,7 @@ class QKSpectrumMonitor(AttentionMonitor):
         on_alert: Callable[[pl.Trainer, Alert], None] | None = None,
         layers: LayerSpec | None = None,
         visuals_every_n_probes: int = MonitorOptions.visuals_every_n_probes,
+        defer_reads: bool | None = MonitorOptions.defer_reads,
         background_weights: bool | None = None,
     ) -> None:
         options = MonitorOptions.pick(locals())

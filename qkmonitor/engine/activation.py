@@ -27,7 +27,6 @@ from qkmonitor.engine.discovery import check_statistics, report_missing
 from qkmonitor.engine.failures import guarded
 from qkmonitor.engine.host import Host
 from qkmonitor.engine.publishing import Values
-from qkmonitor.measures.catalogue import metric
 from qkmonitor.measures.metrics import reduce_across_ranks
 from qkmonitor.measures.sharding import HeadPlacement
 
@@ -111,14 +110,11 @@ class ActivationEngine(MonitorEngine):
         self._probes: list[Probe] = []
         self._window: tuple[int, bool] | None = None
         self._measurable: list[bool] = []
-        #: metric -> the layers where the window's data left it undefined by definition (a
-        #: one-token sequence), set by :meth:`_values` and said once a run in :meth:`complete`
-        self._undefined_now: dict[str, list[int]] = {}
 
     @property
     def probing(self) -> bool:
-        """Whether a probe window is open."""
-        return self._window is not None
+        """Whether a probe window is open, or a probe's values wait to be logged."""
+        return self._window is not None or bool(self._readings)
 
     def _prepare(self, model: nn.Module) -> None:
         self._first_window = True  # a first window that reads no layer is an error, later ones not
@@ -223,21 +219,7 @@ class ActivationEngine(MonitorEngine):
         the values, recorded (alerts, tags) at the window's step."""
         with torch.no_grad():
             values, extra = self._values(window.carried)
-        notes, self._undefined_now = self._undefined_now, {}
-        for name, layers in notes.items():
-            self.warn_undefined(host, window.step, name, layers)
         self.record(host, values, window.step, validation=window.validation, **extra)
-
-    def warn_undefined(self, host: Host, step: int, name: str, layers: list[int]) -> None:
-        """Say once a run that ``name`` is NaN by definition for the data seen (never a silent
-        NaN): the layers, and the catalogue's reason."""
-        names = [self.layers[i].name for i in layers]
-        self.warn_once(
-            host,
-            f"undefined:{name}",
-            f"{name} is undefined at step {step} for layer(s) {names}: {metric(name).undefined}. "
-            "It is logged as NaN and fires no alert. This warning is shown once.",
-        )
 
     def _accumulate(self, results: list[ProbeResult], step: int, *, visuals: bool) -> Any:
         """Add the closed probes' results to the aggregators; what :meth:`_values` needs after the

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 
 from qkmonitor.alerts import (
@@ -29,87 +27,13 @@ from qkmonitor.alerts import (
     AlertTracker,
     run_signals,
 )
+from qkmonitor.engine.losses import LossHistory
 from qkmonitor.measures.catalogue import CATALOGUE, metric
-from qkmonitor.validation import is_real
 
 if TYPE_CHECKING:
     from qkmonitor.engine.host import Host
 
-__all__ = ["AlertPolicy", "Beside", "LossHistory", "check_loss"]
-
-
-def check_loss(loss: object) -> None:
-    """Raise ``ValueError`` unless ``loss`` is one training loss: a real number (NaN and inf
-    included: a diverged loss is a loss) or a real tensor of one element. Read nothing from the
-    device."""
-    if isinstance(loss, Tensor):
-        ok = loss.numel() == 1 and not (loss.dtype == torch.bool or loss.is_complex())
-    else:
-        ok = is_real(loss)
-    if not ok:
-        got = (
-            f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
-            if isinstance(loss, Tensor)
-            else f"{type(loss).__name__} {loss!r}"
-        )
-        raise ValueError(
-            f"Expected `loss` to be a number or a tensor of one element (the step's mean loss), "
-            f"got {got}"
-        )
-
-
-class LossHistory:
-    """The training losses kept for the rules that read them: the last ``maxlen`` as ``(step,
-    loss)``, and the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING`. A loss is kept as the
-    tensor it came as, without autograd history, and read from the device only when a probe needs
-    it, every unread one in one stack."""
-
-    def __init__(self, maxlen: int) -> None:
-        self.maxlen = maxlen
-        self._losses: deque[tuple[int, Tensor | float]] = deque(maxlen=maxlen)
-        self._first: list[Tensor | float] = []
-
-    def __len__(self) -> int:
-        return len(self._losses)
-
-    def clear(self) -> None:
-        self._losses.clear()
-        self._first = []
-
-    def add(self, step: int, loss: Tensor | float) -> None:
-        """Keep the loss of ``step`` (Lightning's loss is already detached, and kept as it is)."""
-        if isinstance(loss, Tensor):
-            loss = loss.detach() if loss.requires_grad else loss
-        else:
-            loss = float(loss)
-        self.append(step, loss)
-
-    def append(self, step: int, loss: Tensor | float) -> None:
-        """Keep ``loss``, a float or a tensor without autograd history, as it is."""
-        self._losses.append((step, loss))
-        if len(self._first) < LOSS_SMOOTHING:
-            self._first.append(loss)
-
-    def first(self) -> float | None:
-        """The mean of the first finite losses kept."""
-        self._first = _as_floats(self._first)
-        values = [v for v in self._first if math.isfinite(v)]
-        return sum(values) / len(values) if values else None
-
-    def history(self) -> list[tuple[int, float]]:
-        """The kept ``(step, loss)`` pairs as floats, oldest first."""
-        if any(isinstance(v, Tensor) for _, v in self._losses):
-            steps = [s for s, _ in self._losses]
-            floats = _as_floats([v for _, v in self._losses])
-            self._losses.clear()
-            self._losses.extend(zip(steps, floats))
-        return list(self._losses)
-
-    def restore(self, losses: list, first: float | None) -> None:
-        """The state of a checkpoint: the kept pairs and the first losses' mean."""
-        self._losses.clear()
-        self._losses.extend((int(s), float(v)) for s, v in losses)
-        self._first = [] if first is None else [float(first)] * LOSS_SMOOTHING
+__all__ = ["AlertPolicy", "Beside"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,15 +184,15 @@ class AlertPolicy:
             )
         self.losses = history
 
-    def first_loss(self) -> float | None:
+    def first_loss(self, up_to: int | None = None) -> float | None:
         """The mean of the run's first :data:`~qkmonitor.alerts.LOSS_SMOOTHING` finite losses seen
-        (each read from the device once)."""
-        return self.losses.first()
+        (of the steps up to ``up_to``; each read from the device once)."""
+        return self.losses.first(up_to)
 
-    def loss_history(self) -> list[tuple[int, float]]:
-        """The kept ``(step, loss)`` pairs as floats, oldest first (each tensor read once, in one
-        stack with the others not read yet)."""
-        return self.losses.history()
+    def loss_history(self, up_to: int | None = None) -> list[tuple[int, float]]:
+        """The kept ``(step, loss)`` pairs (of the steps up to ``up_to``) as floats, oldest first
+        (each tensor read once, in one copy with the others not read yet)."""
+        return self.losses.history(up_to)
 
     # -- one probe ---------------------------------------------------------------------------
 
@@ -280,14 +204,18 @@ class AlertPolicy:
         qk_norm_layers: frozenset[int],
         evidence: dict[str, list[list[float]]] | None = None,
         run_values: dict[str, float] | None = None,
+        *,
+        losses_up_to: int | None = None,
     ) -> list[Alert]:
         """Feed one probe's values (metric -> per layer, the heads' values) to the tracker; return
         the alerts that fired. ``evidence``: the :attr:`borrowed` metrics of the same step, from
         the monitors beside the engine, in the same layout (a rule whose metric is absent is
         skipped); ``run_values``: the measured run signals of the step (the output logits'); the
         loss signals are computed from the loss history. A signal without a value is NaN, which
-        fires nothing."""
-        losses = self.loss_history() if self.reads_loss else []
+        fires nothing. The loss signals read the losses of the steps up to ``losses_up_to``
+        (default ``step``)."""
+        up_to = step if losses_up_to is None else losses_up_to
+        losses = self.loss_history(up_to) if self.reads_loss else []
         grids = {**rows, **(evidence or {})}
         if self.signals and rows:
             signals = dict(run_values or {})
@@ -306,7 +234,7 @@ class AlertPolicy:
             layer_names,
             qk_norm_layers=qk_norm_layers,
             losses=losses,
-            first_loss=self.first_loss() if self.reads_loss else None,
+            first_loss=self.first_loss(up_to) if self.reads_loss else None,
         )
 
     def evidence(
@@ -470,16 +398,3 @@ def _grid(source: Beside, name: str, layer_names: list[str], heads: list[int]) -
         values = source.values[name][j].tolist() if name in source.values and j is not None else []
         grid.append(values if len(values) == count else [math.nan] * count)
     return grid
-
-
-def _as_floats(values: list[Tensor | float]) -> list[float]:
-    """``values`` as Python floats; the tensors among them read from an accelerator in one stack
-    (one synchronization), on the CPU one by one (a stack costs ten times more there)."""
-    tensors = [v for v in values if isinstance(v, Tensor)]
-    if not tensors:
-        return list(values)  # type: ignore[arg-type]
-    if all(t.device.type == "cpu" for t in tensors):
-        read = iter([float(t) for t in tensors])
-    else:
-        read = iter(torch.stack([t.reshape(()).float() for t in tensors]).tolist())
-    return [next(read) if isinstance(v, Tensor) else v for v in values]

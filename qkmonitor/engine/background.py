@@ -16,22 +16,18 @@ says otherwise (``QKSpectrumMonitor(background_weights=...)``).
 
 from __future__ import annotations
 
-import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch import Tensor
 
-from qkmonitor.alerts import LOSS_SMOOTHING
-from qkmonitor.engine.alerting import AlertPolicy, LossHistory
 from qkmonitor.engine.host import Host
 
-__all__ = ["WEIGHTS_WORKER", "AtRead", "InFlightRead", "Worker", "losses_at_read", "use_worker"]
+__all__ = ["WEIGHTS_WORKER", "InFlightRead", "Worker", "use_worker"]
 
 T = TypeVar("T")
 
@@ -91,52 +87,3 @@ class InFlightRead:
     future: Future
     updates: tuple[dict, dict]
     learning_rate: float | None = None
-
-    @contextmanager
-    def as_read(self, host: Host, policy: AlertPolicy) -> Iterator[Host]:
-        """``host`` and ``policy`` as the read saw them on the training thread, for its record
-        at the end of the next batch (:class:`AtRead`, :func:`losses_at_read`): what its alerts
-        say is what the synchronous path's say."""
-        with losses_at_read(policy, self.step):
-            yield AtRead(host, self.learning_rate)  # type: ignore[misc]
-
-
-class AtRead:
-    """A host as its read saw it, for the read's record at the end of the next batch: the learning
-    rate of the read (an alert's message names the rate of its probe step, not the one a
-    scheduler has set since), everything else the host's now."""
-
-    def __init__(self, host: Host, learning_rate: float | None) -> None:
-        self._host, self._learning_rate = host, learning_rate
-
-    def learning_rate(self) -> float | None:
-        return self._learning_rate
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._host, name)
-
-
-@contextmanager
-def losses_at_read(policy: AlertPolicy, step: int) -> Iterator[None]:
-    """``policy``'s losses as a read of the weights after ``step`` updates saw them on the
-    training thread: the losses of earlier steps. The read came before the loss of its own step
-    (whose forward ran on these weights) on the synchronous path, so the rules that read the loss
-    test the same losses, and the run's first loss (the mean of the first
-    :data:`~qkmonitor.alerts.LOSS_SMOOTHING`) is that of the losses then where they were fewer."""
-    if not policy.reads_loss:
-        yield
-        return
-    kept = policy.losses
-    earlier = [(s, v) for s, v in kept.history() if s < step]
-    if len(earlier) < LOSS_SMOOTHING:
-        finite = [v for _, v in earlier if math.isfinite(v)]
-        first = sum(finite) / len(finite) if finite else None
-    else:
-        first = kept.first()
-    view = LossHistory(kept.maxlen)
-    view.restore(earlier, first)
-    policy.losses = view
-    try:
-        yield
-    finally:
-        policy.losses = kept

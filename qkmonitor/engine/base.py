@@ -17,7 +17,6 @@ is :mod:`qkmonitor.engine.discovery`'s; the engines of the forward pass are
 
 from __future__ import annotations
 
-import math
 import traceback
 import weakref
 from collections.abc import Callable
@@ -25,14 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from qkmonitor.alerts import LOSS_SMOOTHING, Alert, AlertRule
+from qkmonitor.alerts import LOSS_SMOOTHING, AlertRule
 from qkmonitor.attention.adapters import AttentionLayer, find_attention_layers
 from qkmonitor.attention.intercept import unmeasured_attention_like
 from qkmonitor.engine import discovery
-from qkmonitor.engine.alerting import AlertPolicy, Beside, check_loss
+from qkmonitor.engine.alerting import AlertPolicy
 from qkmonitor.engine.host import Host
+from qkmonitor.engine.losses import check_loss
 from qkmonitor.engine.options import MonitorOptions, check_prefix
-from qkmonitor.engine.publishing import Histograms, Images, ValuePublisher, Values, as_rows
+from qkmonitor.engine.publishing import ValuePublisher, Values
+from qkmonitor.engine.reading import ProbeReading
+from qkmonitor.engine.recording import ProbeRecorder
 from qkmonitor.engine.schedule import ProbeSchedule
 from qkmonitor.engine.switches import CompileSwitches
 from qkmonitor.measures.catalogue import MetricSpec, metric, names_of
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["MonitorEngine", "MonitorOptions", "Values", "check_prefix"]
 
 
-class MonitorEngine:
+class MonitorEngine(ProbeRecorder):
     """Base of the engines: binding to a model, measuring and resume state.
 
     When it probes is :attr:`schedule` (a :class:`~qkmonitor.engine.schedule.ProbeSchedule`); each
@@ -101,8 +103,12 @@ class MonitorEngine:
         self.layers: list[AttentionLayer] = []
         #: Indices of the layers with QK-norm (rules with ``skip_qk_norm`` leave them out).
         self.qk_norm_layers: frozenset[int] = frozenset()
-        #: The last probe's values: metric -> one (num_heads,) float CPU tensor per layer.
+        #: The last probe's values: metric -> one (num_heads,) float CPU tensor per layer, and
+        #: the step they were measured at.
         self.latest: Values = {}
+        self.latest_at: int | None = None
+        #: the probes whose values are on their way to the host (:meth:`record`, :meth:`settle`)
+        self._readings: list[tuple[Host, ProbeReading]] = []
         #: the last training probe's run values (``record(run_values=)``), by name
         self.latest_run: dict[str, float] = {}
         #: the engines beside this one in its driver (set by the driver: ``EngineGroup.bound``,
@@ -229,6 +235,7 @@ class MonitorEngine:
         state = self.__dict__.copy()
         state["_session"] = None  # a weak reference to the Monitoring holding it: not carried along
         state["_model"] = None  # nor one to the bound model
+        state["_readings"] = []  # copies on their way to a device's host (settled before saving)
         return state
 
     def _start_run(self) -> None:
@@ -237,8 +244,8 @@ class MonitorEngine:
         self.schedule.every_n_steps = self.options.every_n_steps
         self.schedule.latest_step = None
         self.alerting.start_run()
-        self.latest, self.latest_validation = {}, {}
-        self.latest_run = {}
+        self.latest, self.latest_validation, self.latest_at = {}, {}, None
+        self.latest_run, self._readings = {}, []
         shared = self.run_warnings is not self._warned  # a driver's set, renewed by the driver
         self._warned = set()
         if not shared:
@@ -310,9 +317,6 @@ class MonitorEngine:
     def drop_exchanges(self) -> None:
         """Forget the values waiting for the exchange (the ranks may not meet again)."""
 
-    def settle(self, host: Host | None = None) -> None:
-        """Log the values computed off the training thread (:mod:`qkmonitor.engine.background`)."""
-
     def close_window(self, host: Host) -> Window | None:
         """Close the open window and hold what it measured until the aggregators of every engine
         closed with it are reduced across processes
@@ -324,118 +328,6 @@ class MonitorEngine:
 
     def abort(self) -> None:
         """Close the open probes without logging (a failed step, teardown)."""
-
-    # -- logging ---------------------------------------------------------------------------------
-
-    def record(
-        self,
-        host: Host,
-        values: Values,
-        step: int,
-        *,
-        validation: bool = False,
-        undefined: dict[str, list[Tensor]] | None = None,
-        images: Images | None = None,
-        histograms: Histograms | None = None,
-        run_values: dict[str, float] | None = None,
-    ) -> list[Alert]:
-        """Log one probe's values at ``step``, fire and act on alerts (not for validation).
-
-        Args:
-            values: metric -> one tensor per layer.
-            validation: log under ``{prefix}/val``; no alerts.
-            undefined: metric -> per-layer bool tensors, True where a NaN is NaN by definition.
-            images, histograms: extra visuals of this probe, by tag (an image may be a function
-                that draws it; the histograms a function that makes them). Visuals are drawn and
-                written on the publisher's thread (:mod:`qkmonitor.output.publisher`); ``release``
-                waits for them. A probe that draws none keeps them for
-                :meth:`~qkmonitor.engine.publishing.ValuePublisher.draw_final`.
-            run_values: values of the run rather than of a head (the output logits'), logged
-                under ``{prefix}/run/{name}`` and read by the rules as run signals (training
-                probes only).
-
-        Returns:
-            The alerts that fired.
-        """
-        rows = as_rows(values)  # every tensor read once; the rest is in Python
-        names = [layer.name for layer in self.layers]
-        self.alerting.warn_nonfinite(host, rows, as_rows(undefined or {}), step, names)
-        alerts: list[Alert] = []
-        if validation:
-            self.latest_validation = values
-        else:
-            self.latest, self.schedule.latest_step = values, step
-            self._keep_run_values(host, step, run_values or {})
-            alerts = self._alerts(host, rows, step, names)
-        self.publishing.publish(
-            host,
-            values,
-            rows,
-            step,
-            validation=validation,
-            draw=self.schedule.draws_visuals(step),
-            alert_counts={} if validation else self.alerting.counts(),
-            images=images or {},
-            histograms=histograms or {},
-            run_values={} if validation else self.latest_run,
-        )
-        for alert in alerts:
-            self.alerting.act(host, alert, self.publishing.write_alert)
-        return alerts
-
-    def _keep_run_values(self, host: Host, step: int, run_values: dict[str, float]) -> None:
-        """Keep a training probe's run values (:attr:`latest_run`); one that is not finite is
-        warned about once a run."""
-        self.latest_run = dict(run_values)
-        for name, value in self.latest_run.items():
-            if not math.isfinite(value):
-                self.warn_once(
-                    host,
-                    f"run:{name}",
-                    f"{name} is {value} at step {step} (the model's output logits are not "
-                    "finite); it is logged as it is and fires no alert. Warned once.",
-                )
-
-    def _alerts(
-        self, host: Host, rows: dict[str, list[list[float]]], step: int, names: list[str]
-    ) -> list[Alert]:
-        """Feed a training probe to the alert policy, with what the engines beside this one
-        measured at ``step`` (:meth:`~qkmonitor.engine.alerting.AlertPolicy.evidence`); the alerts
-        that fired, each with its layer's kind (for the advice)."""
-        beside = [
-            Beside(
-                e.metric_names,
-                [layer.name for layer in e.layers],
-                e.latest if now else {},
-                e.latest_run if now else {},
-            )
-            for e in self.siblings
-            for now in [e.schedule.latest_step == step]
-        ]
-        evidence, signals = self.alerting.evidence(host, rows, step, names, beside)
-        alerts = self.alerting.update(
-            rows, step, names, self.qk_norm_layers, evidence, {**signals, **self.latest_run}
-        )
-        return [a.with_layer_kind(self.layers[a.layer].kind) for a in alerts]
-
-    def warn_once(
-        self,
-        host: Host,
-        key: str,
-        message: str,
-        *,
-        shared: bool = False,
-        logging_rank_only: bool = False,
-    ) -> None:
-        """Warn once per ``key`` per run (a new fit warns again); ``shared``: once for every engine
-        of the driver (:attr:`run_warnings`: a failure two engines meet on one layer);
-        ``logging_rank_only``: on the logging rank alone (what every rank meets alike, as a
-        layer refused under tensor parallelism)."""
-        given = self.run_warnings if shared else self._warned
-        if key not in given:
-            given.add(key)
-            if not logging_rank_only or (host.is_logging_rank and _process_rank() == 0):
-                host.warn(f"{type(self).__name__}: {message}", RuntimeWarning)
 
     # -- metric problems (engine/failures.py) ---------------------------------------------------
 
@@ -480,6 +372,9 @@ class MonitorEngine:
     # -- resume ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """The resume state, after the probes still on their way to the host are logged (their
+        alerts in it)."""
+        self.settle()
         return {"latest_step": self.schedule.latest_step, **self.alerting.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -487,11 +382,3 @@ class MonitorEngine:
         self.schedule.latest_step = state.get("latest_step")
         self.schedule.forget_plan()
         self.alerting.load_state_dict(state)
-
-
-def _process_rank() -> int:
-    """This process's rank in torch.distributed's default group; 0 where none is initialised (a
-    plain loop's host says it logs on every rank)."""
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -211,39 +211,37 @@ class AttentionEntropy(ActivationEngine):
 
     def _values(self, carried: None) -> tuple[Values, dict[str, Any]]:
         # the states hold every rank's rows (reduced by the caller: a rank that saw no rows adds
-        # zeros; no rows at all gives NaN)
+        # zeros; no rows at all gives NaN); everything stays on the aggregator's device, read by
+        # the host in the probe's one copy (`record`)
         aggregator = self._aggregator
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
             computed = aggregator.compute()
         aggregator.reset()
-        run: dict[str, float] = {}
+        run: dict[str, Tensor] = {}
         if self._logits_source is not None:  # (none found: nothing logged, said once)
-            run = {k: float(v.reshape(-1)[0]) for k, v in self._output.values().items()}
+            run = {k: v.reshape(-1)[0] for k, v in self._output.values().items()}
         self._output.reset()
-        nan = torch.full((aggregator.num_heads,), math.nan)
         # (torchmetrics makes a one-slot result a scalar)
-        computed = {name: value.float().cpu().reshape(-1) for name, value in computed.items()}
+        computed = {name: value.float().reshape(-1) for name, value in computed.items()}
         no_rows, no_spread = computed["rows"] == 0, computed["norm_rows"] == 0
-        one_key = no_spread & ~no_rows  # rows, none of them with two keys: said once
-        self._undefined_now = {
-            "entropy_norm": [i for i, h in enumerate(self._heads) if bool(one_key[h].any())]
-        }
-        if not self._undefined_now["entropy_norm"]:
-            self._undefined_now = {}
+        nan = torch.full_like(computed["rows"], math.nan)
         values: Values = {}
         undefined: dict[str, list[Tensor]] = {}
+        broken = [i in self._broken for i in range(len(self._heads))]
         for name in self.metric_names:
             # no row (an empty batch), or no row with two keys (one-token sequences): NaN by
             # definition
             blank = no_spread | no_rows if name == "entropy_norm" else no_rows
             values[name] = [
-                nan[h] if i in self._broken else computed.get(name, nan)[h]
-                for i, h in enumerate(self._heads)
+                nan[h] if out else computed.get(name, nan)[h] for out, h in zip(broken, self._heads)
             ]
             # a layer whose aggregation failed is NaN, warned about already (not as non-finite)
-            undefined[name] = [blank[h] | (i in self._broken) for i, h in enumerate(self._heads)]
-        return values, {"undefined": undefined, "run_values": run}
+            undefined[name] = [blank[h] | out for out, h in zip(broken, self._heads)]
+        # rows, none of them with two keys: entropy_norm undefined for the data seen (said once)
+        one_key = no_spread & ~no_rows
+        notes = {"entropy_norm": [one_key[h] for h in self._heads]}
+        return values, {"undefined": undefined, "notes": notes, "run_values": run}
 
 
 def logits_of(output: Any) -> Tensor | None:

@@ -17,11 +17,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from qkmonitor.engine.activation import finish_windows
-from qkmonitor.engine.alerting import LossHistory, check_loss
 from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.discovery import report_discovery
 from qkmonitor.engine.failures import MeasuresNothingError, guarded
 from qkmonitor.engine.host import Host, ScalarBatch
+from qkmonitor.engine.losses import LossHistory, check_loss
 from qkmonitor.engine.schedule import NO_STEPS
 
 __all__ = ["EngineGroup"]
@@ -179,6 +179,7 @@ class EngineGroup:
         """The end of the batch at ``step``: close and log the open windows, measure the weights
         after the batch's update (at ``after``, where the driver reads them there), plan the steps
         ahead, and write the scalars held up to ``step``."""
+        self.settle(host)
         finish_windows(host, [e for e in self.engines if e.probing], self.engines)
         if after is not None and after > 0:
             self.observe_weights(host, after, **kwargs)
@@ -187,6 +188,12 @@ class EngineGroup:
         self.between = _common([e.schedule.between_probes for e in self.engines])
         self.quiet = _common([e.schedule.quiet for e in self.engines])
         self.scalars.flush(host, up_to=step)
+
+    def settle(self, host: Host) -> None:
+        """Log the probes of earlier steps still on their way to the host (a deferred copy, a
+        worker's spectrum), each engine's in order."""
+        for engine in self.engines:
+            guarded(host, engine, "reading a probe", None, partial(engine.settle, host))
 
     def finish_validation(self, host: Host, step: int | None = None) -> None:
         """Close and log a validation window, and write what waits up to ``step`` (all of it with
@@ -210,8 +217,7 @@ class EngineGroup:
         switches and wait for the visuals to be written."""
         try:
             self.abort(host)
-            for engine in self.weights:  # a read a worker computes is waited for, on any end
-                guarded(host, engine, "reading the weights", None, partial(engine.settle, host))
+            self.settle(host)  # a probe on its way to the host is waited for, on any end
             if completed:
                 finish_windows(host, [], self.engines)
             for engine in self.engines:

@@ -70,6 +70,11 @@ class MonitorOptions:
             0); ``0`` never. Scalars and alerts come at every probe. Drawing and encoding an
             image costs more than measuring a small model, so the default (20) keeps them to one
             probe in twenty: at ``every_n_steps=50``, one set every 1000 steps.
+        defer_reads: log a training probe's values at the end of the next batch, so that the
+            host reads them (one copy a device, started at the probe) without making the probe's
+            step wait for the device; its alerts then come a step later and name their probe
+            step. ``None`` (the default): where the values are on a CUDA device; on a CPU
+            nothing would wait, and they come at once.
     """
 
     every_n_steps: int | None = None
@@ -80,11 +85,14 @@ class MonitorOptions:
     on_alert: Callable[[Any, Alert], None] | None = None
     layers: LayerSpec | nn.Module | AttentionLayer | None = None
     visuals_every_n_probes: int = 20
+    defer_reads: bool | None = None
 
     def __post_init__(self) -> None:
         check_optional_positive_int("every_n_steps", self.every_n_steps)
         check_non_negative_int("visuals_every_n_probes", self.visuals_every_n_probes)
         check_bool("per_head", self.per_head)
+        if self.defer_reads is not None:
+            check_bool("defer_reads", self.defer_reads)
         if self.alert_action not in ALERT_ACTIONS:
             raise ValueError(
                 f"Expected `alert_action` to be one of {ALERT_ACTIONS}, got {self.alert_action!r}"

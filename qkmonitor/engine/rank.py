@@ -257,7 +257,8 @@ class EffectiveRank(ActivationEngine):
             if (
                 result.probs and result.probs[0].numel()
             ):  # drawn when published (visuals, or the run's end)
-                shown = result.probs[0][0, : max(self.pattern_heads - first, 0)].cpu()
+                # (to the host in the probe's one copy: record)
+                shown = result.probs[0][0, : max(self.pattern_heads - first, 0)].detach()
                 for h, probs in enumerate(shown, start=first):  # h: the head's global index
                     images[image_tag(self.prefix, "attention", i, h)] = AttentionPattern(
                         probs, title=f"layer {i}, head {h}, step {step}, sequence 0"
@@ -304,13 +305,13 @@ class EffectiveRank(ActivationEngine):
     def _values(self, images: Images) -> tuple[Values, dict[str, Any]]:
         values: Values = {m: [] for m in self.metric_names}
         undefined: dict[str, list[Tensor]] = {m: [] for m in self.metric_names}
+        notes: dict[str, list[Tensor]] = {}
         with warnings.catch_warnings():  # the states hold every rank's samples (reduced before)
             warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
-            means = self._mean.compute().float().cpu().reshape(-1)  # one slot: a scalar
-        counted = self._mean.count.cpu() > 0  # no sample (an empty batch, one token): undefined
+            means = self._mean.compute().float().reshape(-1)  # one slot: a scalar
+        counted = self._mean.count > 0  # no sample (an empty batch, one token): undefined
         self._mean.reset()
-        self._undefined_now = {}
-        for i, layer_columns in enumerate(self._columns):
+        for layer_columns in self._columns:
             for name, columns in layer_columns.items():
                 values[name].append(means[columns])
                 undefined[name].append(~counted[columns])
@@ -319,13 +320,15 @@ class EffectiveRank(ActivationEngine):
                 ("hidden_collapse", "hidden_erank"),
                 ("attn_entropy_norm", "attn_erank"),
             ):
-                if bool(counted[layer_columns[beside]].any()) and not bool(
-                    counted[layer_columns[name]].any()
-                ):
-                    self._undefined_now.setdefault(name, []).append(i)
+                none = counted[layer_columns[beside]].any() & ~counted[layer_columns[name]].any()
+                notes.setdefault(name, []).append(none)
         return (
             {name: values[name] for name in self.metric_names},
-            {"images": images, "undefined": {name: undefined[name] for name in self.metric_names}},
+            {
+                "images": images,
+                "undefined": {name: undefined[name] for name in self.metric_names},
+                "notes": notes,
+            },
         )
 
     def _update(self, samples: list[tuple[slice, Tensor, Tensor | None]]) -> None:
@@ -383,11 +386,20 @@ def _attention_erank(probs: Tensor) -> tuple[Tensor]:
     The trailing keys no row of any matrix attends (those after the slice's last row under a
     causal mask: half the keys of a 128-row slice of 256 tokens) are left out first: a zero column
     adds nothing to the Gram matrix, so the singular values that are not zero, and the effective
-    rank, are the same, for half the products. A NaN is not zero: its column stays."""
-    mass = probs.sum(dim=tuple(range(probs.dim() - 1)))  # (M,): 0 only where no row attends
-    attended = mass != 0  # (probabilities are >= 0; a NaN sums to NaN, which is not 0)
-    keys = int(attended.nonzero().max()) + 1 if bool(attended.any()) else probs.shape[-1]
-    return (effective_rank(gram_singular_values(probs[..., :keys])),)
+    rank, are the same, for half the products (where the host reads them without waiting:
+    :data:`TRIMMED_ON`). A NaN is not zero: its column stays."""
+    if probs.device.type in TRIMMED_ON:
+        mass = probs.sum(dim=tuple(range(probs.dim() - 1)))  # (M,): 0 only where no row attends
+        attended = mass != 0  # (probabilities are >= 0; a NaN sums to NaN, which is not 0)
+        keys = int(attended.nonzero().max()) + 1 if bool(attended.any()) else probs.shape[-1]
+        probs = probs[..., :keys]
+    return (effective_rank(gram_singular_values(probs)),)
+
+
+#: The devices where :func:`_attention_erank` finds the attended keys first: the CPU, where the
+#: host reads them without waiting. On an accelerator that read would make the training step
+#: wait; the zero columns cost a product twice the size there instead.
+TRIMMED_ON = ("cpu",)
 
 
 def _batched(

@@ -21,10 +21,10 @@ import torch
 from torch import Tensor, nn
 
 from qkmonitor.attention.compiled import guard_interrupts
-from qkmonitor.engine.alerting import check_loss
 from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.group import EngineGroup
 from qkmonitor.engine.host import PlainHost
+from qkmonitor.engine.losses import check_loss
 from qkmonitor.output.dashboards import LayoutSection, custom_scalars_layout
 from qkmonitor.output.guard import GuardedSink, report_write_faults
 from qkmonitor.output.publisher import PUBLISHER

@@ -28,11 +28,17 @@ from qkmonitor.engine.background import WEIGHTS_WORKER, InFlightRead, use_worker
 from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.failures import MeasuresNothingError
 from qkmonitor.engine.host import Host
-from qkmonitor.engine.spectrum_read import SpectrumRead, split_layers
+from qkmonitor.engine.reading import AtProbe
+from qkmonitor.engine.spectrum_read import (
+    SpectrumRead,
+    heads_of,
+    layer_of,
+    merged_layers,
+    split_layers,
+)
 from qkmonitor.engine.updates import UPDATE_METRICS, UpdateSnapshot, take_snapshot, update_metrics
 from qkmonitor.measures.catalogue import SPECTRUM
 from qkmonitor.measures.layer_spectra import (
-    SPECTRUM_METRICS,
     LayerSpectra,
     QKWeights,
     full_parameters,
@@ -110,7 +116,12 @@ class QKSpectrum(MonitorEngine):
 
     @property
     def probing(self) -> bool:
-        return bool(self._checks) or self._pending is not None or bool(self._in_flight)
+        return (
+            bool(self._checks)
+            or self._pending is not None
+            or bool(self._in_flight)
+            or bool(self._readings)
+        )
 
     def steps_after(self, step: int) -> tuple[range, range]:
         """As :meth:`MonitorEngine.steps_after`, and none while a layer may wait for its layout
@@ -146,7 +157,7 @@ class QKSpectrum(MonitorEngine):
         if self._pending is not None:
             step, spectra, copies, updates = self._pending
             self._pending = None
-            merged = _merged(self.layers, spectra, self._spectra_of_copies(host, copies))
+            merged = merged_layers(self.layers, spectra, self._spectra_of_copies(host, copies))
             self._log(host, step, merged, updates)
 
     def _check_layouts(self, host: Host) -> None:
@@ -210,18 +221,19 @@ class QKSpectrum(MonitorEngine):
             spectra = spectrum_of_layers(list(weights.values()))
             copies = self._copies(host, waiting)
         ready = weights
-        spectra = {i: _layer_of(spectra, j) for j, i in enumerate(ready)}
+        spectra = {i: layer_of(spectra, j) for j, i in enumerate(ready)}
         if copies:  # logged once the first forward has checked their layouts (finish)
             self.schedule.latest_step = step
             self._pending = (step, spectra, copies, updates)
             return
-        self._log(host, step, _merged(self.layers, spectra, {}), updates)
+        self._log(host, step, merged_layers(self.layers, spectra, {}), updates)
 
     def settle(self, host: Host | None = None) -> None:
         """Log the reads a worker computed, in the order read (waiting for a job still running):
         at the end of the batch after the read, before the activations of that step are logged, at
         a run's end (success or failure) and before a checkpoint takes the engine's state. A job
         that raised leaves its read NaN, with one warning."""
+        super().settle(host)
         while self._in_flight:  # one at a time: an alert raised leaves the rest to the run's end
             read = self._in_flight[0]
             # waited for before it leaves the list (an interrupt here leaves it to the run's end);
@@ -230,14 +242,15 @@ class QKSpectrum(MonitorEngine):
             err = read.future.exception()
             self._in_flight.pop(0)
             host = host or read.host
-            with read.as_read(host, self.alerting) as then:  # its learning rate and losses
-                computed = {}
-                if err is not None:  # a metric problem must never stop training
-                    self.warn_failure(host, "computing the query/key spectrum", read.step, err)
-                else:
-                    spectra = read.future.result()
-                    computed = {i: _layer_of(spectra, j) for j, i in enumerate(read.layers)}
-                self._log(then, read.step, _merged(self.layers, computed), read.updates)
+            computed = {}
+            if err is not None:  # a metric problem must never stop training
+                self.warn_failure(host, "computing the query/key spectrum", read.step, err)
+            else:
+                spectra = read.future.result()
+                computed = {i: layer_of(spectra, j) for j, i in enumerate(read.layers)}
+            then = AtProbe(host, read.learning_rate)  # its alerts name the rate of the read
+            merged = merged_layers(self.layers, computed)
+            self._log(then, read.step, merged, read.updates, defer=False)  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, Any]:
         """The state after every read a worker is computing has been logged (its alerts in it)."""
@@ -287,7 +300,7 @@ class QKSpectrum(MonitorEngine):
         metric -> one (H,) tensor per layer): from the snapshot taken before the last update, NaN
         and undefined without one."""
         snapshot, self._snapshot = self._snapshot, None
-        heads = [_heads_of(layer) for layer in self.layers]
+        heads = [heads_of(layer) for layer in self.layers]
         values = None
         if snapshot is not None and snapshot.step == step - 1:
             try:
@@ -336,7 +349,7 @@ class QKSpectrum(MonitorEngine):
                     )
                 continue
             with torch.no_grad():
-                out[i] = _layer_of(spectrum_of_layers([layer.layout.qk_weights(copy)]), 0)
+                out[i] = layer_of(spectrum_of_layers([layer.layout.qk_weights(copy)]), 0)
         return out
 
     def _copies(self, host: Host, layers: dict[int, AttentionLayer]) -> dict[int, Any]:
@@ -383,7 +396,13 @@ class QKSpectrum(MonitorEngine):
         return out
 
     def _log(
-        self, host: Host, step: int, spectra: LayerSpectra, updates: tuple[dict, dict]
+        self,
+        host: Host,
+        step: int,
+        spectra: LayerSpectra,
+        updates: tuple[dict, dict],
+        *,
+        defer: bool | None = None,
     ) -> None:
         values, undefined = updates
         for i, kappa in enumerate(spectra.metrics["kappa"]):
@@ -397,9 +416,16 @@ class QKSpectrum(MonitorEngine):
         if read.split and distributed():  # every head's values wait for the ranks' exchange
             self._exchanges.append(read)
             return
-        self._record(host, read, gather_heads(read.parts()))
+        self._record(host, read, gather_heads(read.parts()), defer=defer)
 
-    def _record(self, host: Host, read: SpectrumRead, merged: list[list[Tensor]]) -> None:
+    def _record(
+        self,
+        host: Host,
+        read: SpectrumRead,
+        merged: list[list[Tensor]],
+        *,
+        defer: bool | None = None,
+    ) -> None:
         read.merge(merged)
         spectra, values = read.spectra, read.values
         histograms = partial(self._histograms, spectra.singular_values)  # made when drawn
@@ -409,6 +435,8 @@ class QKSpectrum(MonitorEngine):
             read.step,
             undefined={**spectra.undefined, **read.undefined},
             histograms=histograms,
+            losses_up_to=read.step - 1,  # read before the loss of its step (on these weights)
+            defer=defer,
         )
 
     # -- heads split across ranks ----------------------------------------------------------------
@@ -449,47 +477,9 @@ def _copied(weights: QKWeights) -> QKWeights:
     )
 
 
-def _layer_of(spectra: LayerSpectra, j: int) -> tuple[dict, dict, Tensor]:
-    return (
-        {name: values[j] for name, values in spectra.metrics.items()},
-        {name: values[j] for name, values in spectra.undefined.items()},
-        spectra.singular_values[j],
-    )
-
-
-def _merged(layers: list[AttentionLayer], *parts: dict[int, tuple]) -> LayerSpectra:
-    """One :class:`LayerSpectra` in layer order; a layer no part has is NaN (and marked undefined:
-    the warning that names it has been given)."""
-    out = LayerSpectra()
-    for i, layer in enumerate(layers):
-        found = next((part[i] for part in parts if i in part), None)
-        if found is None:
-            heads = _heads_of(layer)
-            found = (
-                {m: torch.full((heads,), float("nan")) for m in SPECTRUM_METRICS},
-                {m: torch.ones(heads, dtype=torch.bool) for m in SPECTRUM_METRICS},
-                torch.full((heads, 1), float("nan")),
-            )
-        metrics, undefined, sv = found
-        for name in SPECTRUM_METRICS:
-            out.metrics[name].append(metrics[name])
-            out.undefined[name].append(undefined[name])
-        out.singular_values.append(sv)
-    return out
-
-
 def _blind_message(names: list[str]) -> str:
     return (
         f"the query/key weights of layer(s) {names} are not found (no projection of a known name, "
         "or a layout that no rule places); describe them with qkmonitor.AttentionSpec (README, "
         "'Use it on your model': q=/k= or qkv= with its order and head counts)"
     )
-
-
-def _heads_of(layer: AttentionLayer) -> int:
-    """The layer's head count for its NaN values: 1 where reading it raises (a layer whose weights
-    cannot be read, warned about where the read failed)."""
-    try:
-        return layer.num_heads_hint
-    except Exception:  # noqa: BLE001 -- a metric problem must never stop training
-        return 1

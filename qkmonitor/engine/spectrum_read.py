@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
 from torch import Tensor
 
 from qkmonitor.attention.adapters import AttentionLayer
@@ -14,7 +15,7 @@ from qkmonitor.engine.updates import UPDATE_METRICS
 from qkmonitor.measures.layer_spectra import SPECTRUM_METRICS, LayerSpectra
 from qkmonitor.measures.sharding import HeadPlacement, apart, side_by_side
 
-__all__ = ["SpectrumRead", "split_layers"]
+__all__ = ["SpectrumRead", "heads_of", "layer_of", "merged_layers", "split_layers"]
 
 
 def split_layers(layers: list[AttentionLayer]) -> list[tuple[int, HeadPlacement]]:
@@ -85,3 +86,42 @@ def _own_heads(values: Tensor, placement: HeadPlacement) -> Tensor:
     return (
         values[placement.slots] if values.shape[0] == placement.total != placement.count else values
     )
+
+
+def layer_of(spectra: LayerSpectra, j: int) -> tuple[dict, dict, Tensor]:
+    """The ``j``-th layer of ``spectra``: (metrics, undefined flags, singular values)."""
+    return (
+        {name: values[j] for name, values in spectra.metrics.items()},
+        {name: values[j] for name, values in spectra.undefined.items()},
+        spectra.singular_values[j],
+    )
+
+
+def merged_layers(layers: list[AttentionLayer], *parts: dict[int, tuple]) -> LayerSpectra:
+    """One :class:`LayerSpectra` in layer order; a layer no part has is NaN (and marked undefined:
+    the warning that names it has been given)."""
+    out = LayerSpectra()
+    for i, layer in enumerate(layers):
+        found = next((part[i] for part in parts if i in part), None)
+        if found is None:
+            heads = heads_of(layer)
+            found = (
+                {m: torch.full((heads,), float("nan")) for m in SPECTRUM_METRICS},
+                {m: torch.ones(heads, dtype=torch.bool) for m in SPECTRUM_METRICS},
+                torch.full((heads, 1), float("nan")),
+            )
+        metrics, undefined, sv = found
+        for name in SPECTRUM_METRICS:
+            out.metrics[name].append(metrics[name])
+            out.undefined[name].append(undefined[name])
+        out.singular_values.append(sv)
+    return out
+
+
+def heads_of(layer: AttentionLayer) -> int:
+    """The layer's head count for its NaN values: 1 where reading it raises (a layer whose weights
+    cannot be read, warned about where the read failed)."""
+    try:
+        return layer.num_heads_hint
+    except Exception:  # noqa: BLE001 -- a metric problem must never stop training
+        return 1

@@ -191,8 +191,9 @@ def _head_rows(weight: Tensor, rows: Tensor) -> Tensor:
 
 
 def _head_norms(x: Tensor) -> Tensor:
-    """(..., heads, d_k, in) -> (..., heads) Frobenius norms, summed in float64, on the CPU."""
-    return torch.linalg.vector_norm(x.flatten(-2), dim=-1, dtype=torch.float64).cpu()
+    """(..., heads, d_k, in) -> (..., heads) Frobenius norms, summed in float64, on ``x``'s
+    device (read by the host with the probe's values)."""
+    return torch.linalg.vector_norm(x.flatten(-2), dim=-1, dtype=torch.float64)
 
 
 def gradient_of(weight: Tensor) -> Tensor | None:

@@ -120,8 +120,9 @@ def _gram_singular_values(x: Tensor) -> Tensor:
     # below overflow (a NaN or Inf entry of x makes its row's diagonal NaN or Inf)
     diagonal = gram.diagonal(dim1=-2, dim2=-1)
     finite = (diagonal <= torch.finfo(torch.float64).max / 2).all(-1)  # NaN compares False
-    if not bool(finite.all()):  # LAPACK never sees a NaN: those matrices are solved as zeros
-        gram = torch.where(finite[..., None, None], gram, 0.0)
+    # LAPACK never sees a NaN: those matrices are solved as zeros (selected on the device,
+    # without asking the host whether any is)
+    gram = torch.where(finite[..., None, None], gram, 0.0)
     squares = torch.linalg.eigvalsh(gram).flip(-1)
     noise = squares <= squares[..., :1] * (gram.shape[-1] * torch.finfo(torch.float64).eps)
     return torch.where(finite[..., None], torch.where(noise, 0.0, squares).sqrt(), float("nan"))

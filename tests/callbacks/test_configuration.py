@@ -31,6 +31,7 @@ COMMON = [
     "on_alert",
     "layers",
     "visuals_every_n_probes",
+    "defer_reads",
 ]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from qkmonitor.engine.publishing import as_rows
@@ -26,10 +25,9 @@ def mixed() -> list[torch.Tensor]:
     ]
 
 
-@pytest.mark.parametrize("one_transfer", [True, False, None])
-def test_each_tensors_values_as_reading_it_alone(one_transfer):
+def test_each_tensors_values_as_reading_it_alone():
     tensors = mixed()
-    got = to_python(tensors, one_transfer=one_transfer)
+    got = to_python(tensors)
     want = [t.reshape(-1).tolist() for t in tensors]
     assert len(got) == len(want)
     for g, w in zip(got, want):
