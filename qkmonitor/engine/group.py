@@ -221,7 +221,16 @@ class EngineGroup:
             if completed:
                 finish_windows(host, [], self.engines)
             for engine in self.engines:
+                dropped = [step for step, _ in engine.exchange_parts()]
                 engine.drop_exchanges()
+                if dropped:  # a run that failed: the ranks may not meet again (said, not lost)
+                    engine.warn_once(
+                        host,
+                        "exchanges dropped",
+                        f"the run ended in a failure before the values of step(s) {dropped} "
+                        "crossed the ranks (heads split across ranks); they are not logged.",
+                        logging_rank_only=True,
+                    )
             self.scalars.flush(host)
             for engine in self.engines:
                 guarded(

@@ -115,8 +115,8 @@ class ProbeRecorder:
         way): at the end of the batch after the probe, at a run's end (success or failure) and
         before a checkpoint takes the engine's state."""
         readings, self._readings = self._readings, []
-        for first_host, reading in readings:
-            self._log_probe(host or first_host, reading)
+        for then, reading in readings:  # (the host now, with the learning rate of then)
+            self._log_probe(then if host is None else AtProbe(host, then.learning_rate()), reading)
 
     def _log_probe(self, host: Host, reading: ProbeReading) -> list[Alert]:
         """Read a probe (:meth:`ProbeReading.read`) and log it: its undefined layers and

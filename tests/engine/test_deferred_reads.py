@@ -165,3 +165,27 @@ def test_a_reading_gives_every_tensor_back_on_the_host_exactly():
     assert read.noted == {"kappa": [1]} and read.run_values == {"r": 7.0}
     assert read.losses == [2.5, 2.25]
     assert read.rows["kappa"][0] != [0.0] * 4
+
+
+def test_values_that_never_crossed_the_ranks_are_said_when_a_failed_run_drops_them():
+    from qkmonitor.engine.group import EngineGroup
+    from qkmonitor.engine.host import Host
+
+    class Waiting(QKSpectrum):  # a read of heads split across ranks, waiting for the exchange
+        def __init__(self):
+            super().__init__()
+            self.waiting = [(4, []), (6, [])]
+
+        def exchange_parts(self):
+            return self.waiting
+
+        def drop_exchanges(self):
+            self.waiting = []
+
+    engine = Waiting()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        EngineGroup([engine]).end(Host(), completed=False)
+        EngineGroup([engine]).end(Host(), completed=False)  # nothing left: nothing said
+    said = [str(w.message) for w in caught if "crossed the ranks" in str(w.message)]
+    assert len(said) == 1 and "step(s) [4, 6]" in said[0] and not engine.waiting
