@@ -23,7 +23,7 @@ from qkmonitor.engine import Monitoring, QKSpectrum
 from qkmonitor.engine.background import WEIGHTS_WORKER, use_worker
 from qkmonitor.output.sinks import MemorySink
 
-from .tiny import TOKENS, TinyTask, decoder
+from .tiny import TOKENS, TinyTask, decoder, first_raised
 
 
 def plain_loop(background: bool | None, steps: int = 7, every: int = 2):
@@ -203,21 +203,8 @@ def test_an_alert_of_a_read_in_flight_names_its_probe_step_and_comes_at_the_step
     rule = AlertRule(name="any_kappa", metric="kappa", threshold=0.0, above=True, patience=1,
                      margin=0.0, warning=OverLocalizationWarning, meaning="test",
                      advice="test")  # fmt: skip
-    model = decoder()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     engine = QKSpectrum(background_weights=True, alerts=[rule], alert_action="raise")
-    monitoring = Monitoring(model, [engine], every_n_steps=2, optimizer=optimizer)
-    raised_at = message = None
-    with monitoring:
-        for step in range(4):
-            try:
-                with monitoring.step(step):
-                    model(TOKENS).logsumexp(-1).mean().backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-            except OverLocalizationWarning as alert:  # alert_action="raise", at the step's end
-                raised_at, message = step, str(alert)
-                break
+    raised_at, message = first_raised([engine], OverLocalizationWarning)
     # the weights before step 0 are read at its start and settled at its end: the alert is raised
     # there, and says which probe it comes from
     assert raised_at == 0 and "at step 0" in message, message

@@ -37,3 +37,22 @@ class TinyTask(pl.LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader([TOKENS[0]] * 8, batch_size=2)
+
+
+def first_raised(engines, warning: type[Warning], steps: int = 4, every: int = 2):
+    """Train ``decoder()`` with AdamW in a plain loop under ``engines`` (``alert_action="raise"``)
+    until an alert of class ``warning`` is raised: ``(step, message)``, or None if none is."""
+    from qkmonitor.engine import Monitoring
+
+    model = decoder()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    with Monitoring(model, engines, every_n_steps=every, optimizer=optimizer) as monitoring:
+        for step in range(steps):
+            try:
+                with monitoring.step(step):
+                    model(TOKENS).logsumexp(-1).mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            except warning as alert:  # alert_action="raise", at the step's end
+                return step, str(alert)
+    return None
