@@ -6,6 +6,10 @@ import dataclasses
 
 import torch
 
+#: ``attention``'s ``pv_rounding``: how the softmax weights are rounded before ``P·V``
+#: (docs/kernel.md, "Rounding of the softmax weights").
+PV_ROUNDINGS = ("auto", "float32", "kernel", "unbiased")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AttentionOptions:
@@ -17,6 +21,13 @@ class AttentionOptions:
         scale: the factor on ``q · k``.
         return_stats: also compute the statistics.
         sink_tokens: number of leading keys whose attention mass is reported (0 for none).
+        pv_rounding: how the weights ``p = e^{s − m}`` meet the values in ``P·V``, resolved
+            (never "auto"): "float32" (not rounded: the exact reference), "kernel" (rounded to
+            the values' dtype, accumulated in float32, as FlashAttention's GPU kernels do; the
+            output then leans toward the values' common direction where keys tie near a row's
+            max) or "unbiased" (rounded as "kernel", and the output normalized by the rounded
+            weights' own sum, so that a direction common to the values passes unrounded). For
+            float32 and float64 values the three are the same computation.
     """
 
     causal: bool
@@ -24,3 +35,9 @@ class AttentionOptions:
     scale: float
     return_stats: bool
     sink_tokens: int
+    pv_rounding: str = "float32"
+
+    @property
+    def rounds_pv(self) -> bool:
+        """Whether ``P·V`` rounds the weights ("kernel" or "unbiased")."""
+        return self.pv_rounding != "float32"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qkmonitor.kernels._options import PV_ROUNDINGS
 from qkmonitor.validation import check_positive_int
 
 __all__ = ["ATTENTION_SCALES", "POSITIONAL", "TransformerConfig"]
@@ -61,6 +62,11 @@ class TransformerConfig:
     grid_size: tuple[int, ...] | None = None  # vision: patches per axis, e.g. (4, 4) or (2, 4, 4)
     patch_dim: int | None = None  # vision: values per patch (channels * patch pixels)
     attention_backend: str = "auto"  # qkmonitor.kernels backend: "auto", "torch" or "triton"
+    # how the kernel rounds the softmax weights before P·V (kernels.attention's `pv_rounding`):
+    # "auto" (the backend's default), "float32" (no rounding: the exact reference), "kernel" (to
+    # the values' dtype, as FlashAttention's GPU kernels do: biased, Qiu & Yao 2025) or "unbiased"
+    # (rounded weights normalized by their own sum); only 2-byte inputs (autocast) are rounded
+    attention_rounding: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
@@ -95,6 +101,7 @@ class TransformerConfig:
         _check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
         _check_choice("attention_scale", self.attention_scale, ATTENTION_SCALES)
         _check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
+        _check_choice("attention_rounding", self.attention_rounding, PV_ROUNDINGS)
         if self.positional.startswith("rope") and self.head_dim % 2:
             raise ValueError(
                 f"Expected an even head dim for RoPE, got d_model / n_heads = {self.head_dim}"
