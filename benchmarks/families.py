@@ -20,6 +20,18 @@ steps, generated from a seed (nothing is downloaded):
   4 layers, 4 heads) writing a sequence of 12 symbols out of 16 in sorted order after a
   separator, trained without warmup only, at rates from healthy to divergent.
 
+Two **fault families** (issue 61, item 2: :data:`FAULTS`), held out from every fit and from the
+validation figures: a healthy run of a task above (its best rate, with warmup) and the same run,
+same seed, with a fault from a step drawn per seed within a window after its heads formed:
+
+- ``numfault``: a numerical fault in attention on the char-LM decoder. A fixed random low-rank
+  error, consistently signed, added to the gradients of every layer's W_Q and W_K (a hook on
+  their backward: the same direction for both, so the drift it causes grows q . k), its Frobenius
+  norm a fraction of the gradient's (:attr:`Fault.magnitudes`), as Huang et al. 2026 inject the
+  low-rank bias Qiu & Yao 2025 found in flash attention's bf16 arithmetic.
+- ``lrjump``: a learning-rate fault mid-run on the induction decoder: a scheduler bug multiplies
+  the rate by 10, 30 or 100 from the drawn step on, after the induction heads formed.
+
 Every family trains with AdamW (betas 0.9 / 0.98, weight decay on matrices only), optionally
 after a linear warmup. :meth:`Family.score_losses` is the loss the sweep's definitions (failed,
 healthy, separation) are about: the training loss where every batch is fresh (a held-out
@@ -29,7 +41,7 @@ estimate), the held-out loss where the training set repeats.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -43,7 +55,7 @@ from qkmonitor.models.tasks.copy_reverse import NUM_SPECIAL, PAD, make_copy_batc
 from qkmonitor.models.tasks.grid import NUM_CLASSES, PATCH_DIM, make_grid_batch
 from qkmonitor.models.tasks.modular import make_modular_addition
 
-__all__ = ["FAMILIES", "Family"]
+__all__ = ["FAMILIES", "FAULTS", "Family", "Fault", "fault_start"]
 
 Batch = tuple[Tensor, ...]
 
@@ -78,7 +90,10 @@ class Family:
     held_out_every: int = 1
     warmups: tuple[int, ...] | None = None
 
-    def config(self, qk_norm: bool) -> TransformerConfig:
+    def config(self, qk_norm: bool, rounding: str = "auto") -> TransformerConfig:
+        """The model's config; ``rounding``: its ``attention_rounding`` where not ``"auto"`` (the
+        ``numfault`` family's bf16 arms)."""
+        extra = {} if rounding == "auto" else {"attention_rounding": rounding}
         return TransformerConfig(
             vocab_size=self.vocab_size,
             d_model=self.d_model,
@@ -88,10 +103,11 @@ class Family:
             qk_norm=qk_norm,
             attention_backend="torch",
             **self.config_extra(),
+            **extra,
         )
 
-    def model(self, qk_norm: bool = False) -> nn.Module:
-        return DecoderLM(self.config(qk_norm))
+    def model(self, qk_norm: bool = False, rounding: str = "auto") -> nn.Module:
+        return DecoderLM(self.config(qk_norm, rounding))
 
     def batches(self, seed: int) -> Iterator[Batch]:
         """Training batches from the run's seed (fresh ones, except where a family repeats a
@@ -196,8 +212,8 @@ class Seq2Seq(Family):
     def seq_len(self) -> int:
         return self.max_len + 1
 
-    def model(self, qk_norm: bool = False) -> nn.Module:
-        return EncoderDecoder(self.config(qk_norm))
+    def model(self, qk_norm: bool = False, rounding: str = "auto") -> nn.Module:
+        return EncoderDecoder(self.config(qk_norm, rounding))
 
     def batches(self, seed: int) -> Iterator[Batch]:
         gen = torch.Generator().manual_seed(10_000 + seed)
@@ -231,8 +247,8 @@ class Vision(Family):
             "num_classes": NUM_CLASSES,
         }
 
-    def model(self, qk_norm: bool = False) -> nn.Module:
-        return VisionEncoder(self.config(qk_norm))
+    def model(self, qk_norm: bool = False, rounding: str = "auto") -> nn.Module:
+        return VisionEncoder(self.config(qk_norm, rounding))
 
     def batches(self, seed: int) -> Iterator[Batch]:
         gen = torch.Generator().manual_seed(10_000 + seed)
@@ -334,3 +350,80 @@ FAMILIES: dict[str, Family] = {
         ),
     )
 }
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault family: a task family's healthy run and its faulted twins (issue 61, item 2).
+
+    Attributes:
+        kind: ``"inject"`` (a biased low-rank error added to the W_Q and W_K gradients) or
+            ``"lr_jump"`` (the learning rate multiplied from the fault's step on).
+        base: the task family it is built on (its model, batches and loss).
+        lr: the peak rate of every run (the base family's best with warmup in the sweep).
+        warmup: the linear warmup of every run.
+        steps: optimizer steps per run.
+        magnitudes: one faulted run per value, beside the twin: for ``"inject"`` the error's
+            Frobenius norm as a fraction of the gradient's, per projection and step; for
+            ``"lr_jump"`` the factor.
+        window: the first and last step a fault may start at (inclusive), drawn per seed by
+            :func:`fault_start`; after the heads formed in the healthy runs.
+        seeds: the seeds of the family's runs (the full sweep's).
+        rank: the injected error's rank.
+        roundings: arms trained in bf16 from the fault's step on (``torch.autocast`` on the CPU,
+            the torch backend) with the model's ``attention_rounding`` set to each: ``"kernel"``
+            rounds the softmax weights to bf16 before P.V as the GPU kernel does (Qiu & Yao's
+            biased path), ``"unbiased"`` is its cure.
+    """
+
+    kind: str
+    base: str
+    lr: float
+    warmup: int
+    steps: int
+    magnitudes: tuple[float, ...]
+    window: tuple[int, int]
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    rank: int = 1
+    roundings: tuple[str, ...] = ()
+
+    def arms(self, quick: bool = False) -> list[tuple[str | None, float | None]]:
+        """``(fault, magnitude)`` of each run of a seed: the twin ``(None, None)`` first, then each
+        magnitude, then each bf16 rounding (``("bf16_kernel", None)``, ...). ``quick``: the twin
+        and the middle magnitude."""
+        if quick:
+            return [(None, None), (self.kind, self.magnitudes[len(self.magnitudes) // 2])]
+        return [
+            (None, None),
+            *((self.kind, m) for m in self.magnitudes),
+            *((f"bf16_{r}", None) for r in self.roundings),
+        ]
+
+
+def fault_start(fault: Fault, seed: int) -> int:
+    """The step the fault starts at in the runs of ``seed``, drawn uniformly within its window
+    from a generator seeded by the seed alone: every faulted run of a seed (each magnitude) starts
+    at the same step, and the twin runs on unchanged."""
+    first, last = fault.window
+    gen = torch.Generator().manual_seed(20_000 + seed)
+    return first + int(torch.randint(last - first + 1, (1,), generator=gen))
+
+
+#: The fault families (issue 61, item 2), held out: no rule is fitted on them, and they are not
+#: in the validation figures. Written before any of them was trained or any rule of round 4 fitted.
+FAULTS: dict[str, Fault] = {
+    "numfault": Fault(
+        "inject", "charlm", lr=1e-2, warmup=50, steps=400, magnitudes=(0.3, 1.0, 3.0),
+        window=(150, 200), roundings=("kernel", "unbiased"),
+    ),
+    "lrjump": Fault(
+        "lr_jump", "induction", lr=1e-2, warmup=50, steps=400, magnitudes=(10.0, 30.0, 100.0),
+        window=(150, 200),
+    ),
+}  # fmt: skip
+FAMILIES.update(
+    {
+        name: replace(FAMILIES[f.base], name=name, steps=f.steps, lrs=(f.lr,), warmups=(f.warmup,))
+        for name, f in FAULTS.items()
+    }
+)

@@ -14,6 +14,15 @@ calibration set only (round 3: seeds 0, 1 and 2 of the six families above); the 
 of them was trained) is the one whose figures count, per seed. Rounds 1 and 2's splits, whose
 validation sets have since been read, are described there for the record.
 
+Two **fault families** (issue 61, item 2; ``families.FAULTS``) are held out (:data:`HELD_OUT`): no
+rule is fitted on them and they are not in the validation figures. Per seed, a healthy run (the
+**twin**) and the same run with a fault from a step drawn within a window after its heads formed:
+``numfault``, a biased rank-one error added to the W_Q and W_K gradients (:class:`Injection`;
+magnitudes 0.3, 1 and 3 x the gradient's norm) and the model moved to bf16 with the kernel's
+rounding or the unbiased one; ``lrjump``, the learning rate x10, x30 or x100 (a scheduler bug).
+A faulted run is scored against its twin (:func:`score_faults`), its alerts from the fault's step
+on, and written apart: ``docs/instability_faults.png`` and ``.json`` (:func:`fault_summary`).
+
 Per run it records the training loss of every step, the scored loss (the training loss where
 every batch is fresh, the held-out loss for grokking), every probe's values (every metric, layer
 and head) and every alert. The summary then says, per family (losses plus the family's floor,
@@ -42,6 +51,8 @@ it warn in time?"). ``--quick`` writes its figure and JSON next to the cache ins
 Usage::
 
     python benchmarks/instability.py            # 7 families x 3-5 rates x warmup arms x 5 seeds
+    # the two fault families alone (held out), seeds 0-2: docs/instability_faults.*
+    python benchmarks/instability.py --families numfault lrjump --seeds 0 1 2
     python benchmarks/instability.py --quick    # 2 rates, seed 0, 60 % of the steps
     python benchmarks/instability.py --replay   # re-score the cached runs with the current rules
     # one calibration run's evidence, probe by probe (for fitting rules)
@@ -53,13 +64,15 @@ Usage::
     # an earlier round's defaults on the same runs
     python benchmarks/instability.py --replay --round-rules 2
 
-The full sweep (240 runs) takes about 22 min on 2 cores, ``--quick`` about 2 min, ``--replay`` about
-40 s.
+The full sweep (240 runs, and the fault families' 50) takes about 22 min on 2 cores (and about 15
+more for the fault families), ``--quick`` about 3 min (4 of its 31 runs are the fault families'
+seed 0, twin and middle magnitude, at full length), ``--replay`` about 40 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -76,13 +89,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from qkmonitor.models.tasks.base import lr_factor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/families.py
 
-from families import FAMILIES, Family
+from families import FAMILIES, FAULTS, Family, Fault, fault_start
 
 from qkmonitor.alerts import (
     DEFAULT_RULES,
@@ -99,6 +112,7 @@ from qkmonitor.alerts import (
     AlertRule,
 )
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClipEngine, QKSpectrum
+from qkmonitor.models.attention import MultiHeadAttention
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY = 10  # probe interval (steps) of every monitor
@@ -139,8 +153,14 @@ VALIDATION_SEEDS = (3, 4)
 #: families in the validation set only (their calibration seeds are not run)
 UNSEEN = frozenset({"sorting"})
 CALIBRATION = {
-    (family, seed) for family in FAMILIES if family not in UNSEEN for seed in CALIBRATION_SEEDS
+    (family, seed)
+    for family in FAMILIES
+    if family not in UNSEEN and family not in FAULTS
+    for seed in CALIBRATION_SEEDS
 }
+#: the split of the fault families (``families.FAULTS``; issue 61, item 2): held out from every
+#: fit, and scored apart from the validation set (``docs/instability_faults.json``)
+HELD_OUT = "held-out"
 SEEDS = CALIBRATION_SEEDS + VALIDATION_SEEDS
 #: the seed of the QK-Clip arms (``--arms``; docs/qk_clip.md)
 ARMS_SEED = 2
@@ -179,7 +199,9 @@ EARLIER_RULES = {1: round_1_rules, 2: round_2_rules}
 
 
 def split_of(family: str, seed: int) -> str:
-    """``"calibration"`` or ``"validation"``."""
+    """``"calibration"``, ``"validation"``, or :data:`HELD_OUT` (a fault family)."""
+    if family in FAULTS:
+        return HELD_OUT
     return "calibration" if (family, seed) in CALIBRATION else "validation"
 
 
@@ -195,12 +217,17 @@ class RunSpec:
     steps: int
     optimizer: str = "adamw"  # or "muon" (the --arms sweep)
     clip_tau: float | None = None  # QK-Clip (tau) at every step (the --arms sweep)
+    #: a fault family's fault (``families.Fault.kind``), None for its healthy twin and elsewhere
+    fault: str | None = None
+    magnitude: float | None = None  # the fault's magnitude (``families.Fault.magnitudes``)
 
     @property
     def key(self) -> str:
         arm = ("" if self.optimizer == "adamw" else f"-{self.optimizer}") + (
             "" if self.clip_tau is None else f"-clip{self.clip_tau:g}"
         )
+        if self.fault is not None:
+            arm += f"-{self.fault}" + ("" if self.magnitude is None else f"{self.magnitude:g}")
         return (
             f"{self.family}-lr{self.lr:g}-qk{int(self.qk_norm)}-s{self.seed}-w{self.warmup}"
             f"-n{self.steps}{arm}"
@@ -219,6 +246,13 @@ class RunSpec:
     @property
     def task(self) -> Family:
         return FAMILIES[self.family]
+
+    @property
+    def fault_step(self) -> int | None:
+        """The step a fault family's fault starts at (its twin's too: the step it is compared
+        from); None outside the fault families."""
+        fault = FAULTS.get(self.family)
+        return None if fault is None else fault_start(fault, self.seed)
 
 
 @dataclass
@@ -304,12 +338,10 @@ def train_run(spec: RunSpec) -> RunRecord:
     )  # the discovery line, once per run: noise here
     torch.manual_seed(spec.seed)
     family = spec.task
-    model = family.model(spec.qk_norm)
+    model = family.model(spec.qk_norm, **_rounding(spec))
     optimizers = _optimizers(model, spec)
-    schedules = [
-        torch.optim.lr_scheduler.LambdaLR(o, lambda step: lr_factor(step, spec.warmup))
-        for o in optimizers
-    ]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, _lr_lambda(spec)) for o in optimizers]
+    injection = Injection(model, spec) if spec.fault == "inject" else None
     fired: list[Alert] = []
     engines = _engines(on_alert=lambda owner, alert: fired.append(alert))
     clip = None if spec.clip_tau is None else QKClipEngine(tau=spec.clip_tau, every_n_steps=1)
@@ -326,8 +358,11 @@ def train_run(spec: RunSpec) -> RunRecord:
         )  # the alerts are collected by on_alert; non-finite values are recorded
         for step in range(spec.steps):
             batch = next(batches)
+            if injection is not None:
+                injection.step = step
             with monitoring.step(step):
-                loss = family.loss(model, batch)
+                with _precision(spec, step):
+                    loss = family.loss(model, batch)
                 monitoring.observe_loss(loss)
                 loss.backward()
                 for optimizer in optimizers:
@@ -353,6 +388,66 @@ def train_run(spec: RunSpec) -> RunRecord:
     alerts = [_alert_row(a) for a in fired]
     clips = sum(int(c.sum()) for c in clip.clip_counts) if clip else 0
     return RunRecord(spec, losses, scored, probes, alerts, time.perf_counter() - start, clips=clips)
+
+
+def _rounding(spec: RunSpec) -> dict[str, str]:
+    """The model's ``attention_rounding`` in a bf16 arm (``"bf16_kernel"``: ``"kernel"``), none
+    elsewhere (the config's default)."""
+    if spec.fault is None or not spec.fault.startswith("bf16_"):
+        return {}
+    return {"rounding": spec.fault.removeprefix("bf16_")}
+
+
+def _precision(spec: RunSpec, step: int):
+    """The forward's precision: bf16 autocast in a bf16 arm from the fault's step on (the torch
+    backend then computes attention from bf16 inputs, rounding as the model's config says);
+    float32 elsewhere."""
+    if _rounding(spec) and step >= spec.fault_step:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _lr_lambda(spec: RunSpec):
+    """The learning-rate factor of optimizer step ``step``: the warmup, and in the ``lr_jump``
+    fault the factor ``spec.magnitude`` from the fault's step on (a scheduler bug)."""
+    if spec.fault != "lr_jump":
+        return lambda step: lr_factor(step, spec.warmup)
+    start, jump = spec.fault_step, spec.magnitude
+    return lambda step: lr_factor(step, spec.warmup) * (jump if step >= start else 1.0)
+
+
+class Injection:
+    """The ``inject`` fault (``families.Fault``): from the fault's step on, a hook on the backward
+    of every attention layer's W_Q and W_K adds to their gradient ``G`` the error
+    ``magnitude * ||G||_F * D``: ``D`` a fixed random direction of the fault's rank and unit
+    Frobenius norm per layer (drawn from a generator seeded by the run's seed), the same for W_Q
+    and W_K and of one sign throughout: a small, consistently biased low-rank error in the
+    attention's weight updates (Huang et al. 2026's injection; Qiu & Yao 2025's bias). Its drift
+    ``-aD`` of both weights adds ``a^2 (v.x)(v.y) |u_h|^2`` to a head's logits: they grow.
+
+    ``step`` is set by the training loop before each step's backward; before the fault's step
+    the hooks change nothing (the run is its twin's, bit for bit)."""
+
+    def __init__(self, model: nn.Module, spec: RunSpec) -> None:
+        fault: Fault = FAULTS[spec.family]
+        self.start, self.magnitude, self.step = spec.fault_step, spec.magnitude, -1
+        gen = torch.Generator().manual_seed(30_000 + spec.seed)
+        for layer in (m for m in model.modules() if isinstance(m, MultiHeadAttention)):
+            rows, cols = layer.q_proj.weight.shape
+            u = torch.randn(rows, fault.rank, generator=gen)
+            v = torch.randn(cols, fault.rank, generator=gen)
+            direction = u @ v.T
+            for weight in (layer.q_proj.weight, layer.k_proj.weight):
+                part = direction[: weight.shape[0]]
+                weight.register_hook(self._hook(part / part.norm()))
+
+    def _hook(self, direction: Tensor):
+        def add_error(grad: Tensor) -> Tensor | None:
+            if self.step < self.start:
+                return None
+            return grad + self.magnitude * grad.norm() * direction.to(grad.dtype)
+
+        return add_error
 
 
 def _optimizers(model: nn.Module, spec: RunSpec) -> list[torch.optim.Optimizer]:
@@ -524,6 +619,9 @@ def score(records: list[RunRecord]) -> list[Scored]:
     out = []
     for family in sorted({r.spec.family for r in records}):
         runs = [r for r in records if r.spec.family == family]
+        if family in FAULTS:
+            out += score_faults(runs)
+            continue
         floor = FAMILIES[family].floor
         best = min(runs, key=lambda r: r.final_loss)
         best_lr = {}
@@ -546,6 +644,33 @@ def score(records: list[RunRecord]) -> list[Scored]:
             )
             first = min((a["step"] for a in r.alerts), default=None)
             out.append(Scored(r, status, separation_step(r, reference), first))
+    return out
+
+
+def score_faults(runs: list[RunRecord]) -> list[Scored]:
+    """Verdicts in a fault family: each faulted run against its **twin** (same seed and QK-norm,
+    no fault). It **failed** when its final loss is >= ``FAIL_RATIO`` x the twin's (plus the
+    floor), else it **survived**; its loss separates where it stays above ``SEPARATION_RATIO`` x
+    the twin's; its first alert is the first at or after the fault's step (before it the run is
+    its twin, whose alerts are the twin's). A twin is **healthy** within ``HEALTHY_RATIO`` x the
+    family's best twin, else ``between``; any alert on it is a false alarm."""
+    floor = runs[0].spec.task.floor
+    twins = {(r.spec.seed, r.spec.qk_norm): r for r in runs if r.spec.fault is None}
+    best = min(twins.values(), key=lambda r: r.final_loss, default=None)
+    out = []
+    for r in runs:
+        twin = twins.get((r.spec.seed, r.spec.qk_norm))
+        if r.spec.fault is None:
+            healthy = _ratio(r.final_loss, best.final_loss, floor) <= HEALTHY_RATIO
+            first = min((a["step"] for a in r.alerts), default=None)
+            out.append(Scored(r, "healthy" if healthy else "between", None, first))
+            continue
+        if twin is None:
+            raise ValueError(f"{r.spec.key}: its twin (no fault) is not in the sweep")
+        failed = _ratio(r.final_loss, twin.final_loss, floor) >= FAIL_RATIO
+        first = min((a["step"] for a in r.alerts if a["step"] >= r.spec.fault_step), default=None)
+        status = "failed" if failed else "survived"
+        out.append(Scored(r, status, separation_step(r, twin), first))
     return out
 
 
@@ -599,7 +724,7 @@ def summary(scored: list[Scored]) -> dict[str, Any]:
             for seed in sorted({s.record.spec.seed for s in validation})
         },
         "calibration": block([s for s in scored if s.record.spec.split == "calibration"]),
-        "all": block(scored),
+        "all": block([s for s in scored if s.record.spec.split != HELD_OUT]),
     }
     out.update({f: block([s for s in scored if s.record.spec.family == f]) for f in families})
     return out
@@ -838,6 +963,9 @@ def sweep(args: argparse.Namespace) -> list[RunSpec]:
     (an :data:`UNSEEN` family's validation seeds only) (x QK-norm with ``--qk-norm``)."""
     specs = []
     for name in args.families:
+        if name in FAULTS:
+            specs += fault_specs(name, args)
+            continue
         family = FAMILIES[name]
         steps = int(family.steps * 0.6) if args.quick else family.steps
         lrs = (
@@ -853,6 +981,169 @@ def sweep(args: argparse.Namespace) -> list[RunSpec]:
                 for qk in (False, True) if args.qk_norm else (False,):
                     specs += [RunSpec(name, lr, qk, seed, warmup, steps) for lr in lrs]
     return specs
+
+
+def fault_specs(name: str, args: argparse.Namespace) -> list[RunSpec]:
+    """A fault family's runs: per seed of its own that ``--seeds`` names (with ``--quick``, seed
+    0), its twin and each faulted arm (``Fault.arms``), at its rate, warmup and full length (its
+    fault starts after the heads formed: a shorter run would cut it), x QK-norm with
+    ``--qk-norm``."""
+    fault = FAULTS[name]
+    seeds = [s for s in args.seeds if s in fault.seeds]
+    return [
+        RunSpec(name, fault.lr, qk, seed, fault.warmup, fault.steps, fault=f, magnitude=m)
+        for seed in seeds
+        for qk in ((False, True) if args.qk_norm else (False,))
+        for f, m in fault.arms(args.quick)
+    ]
+
+
+# -- the fault families (held out; issue 61, item 2) ---------------------------------------------
+
+
+def fault_row(s: Scored) -> dict[str, Any]:
+    """One run of a fault family: its fault, verdict, separation from its twin, first alert after
+    the fault's step (and each rule's), lead, ``in_time`` (the sweep's definition),
+    ``by_next_probe`` (flagged by the first probe at or after its separation: all a monitor can
+    do for a loss that jumps at the fault) and ``halfway`` (flagged no later than halfway between
+    the fault's step and the separation: issue 61's target for numerical faults)."""
+    spec, start = s.record.spec, s.record.spec.fault_step
+    rules: dict[str, int] = {}
+    for a in sorted(s.record.alerts, key=lambda a: a["step"]):
+        if spec.fault is None or a["step"] >= start:
+            rules.setdefault(a["rule"], a["step"])
+    separation, first = s.separation, s.first_alert
+    return {
+        "key": spec.key, "family": spec.family, "seed": spec.seed, "qk_norm": spec.qk_norm,
+        "fault": spec.fault, "magnitude": spec.magnitude, "fault_step": start,
+        "final_loss": s.record.final_loss, "max_logit": s.record.max_logit, "status": s.status,
+        "separation": separation, "first_alert": first, "lead": s.lead, "in_time": s.in_time,
+        "by_next_probe": None if separation is None or first is None
+        else first <= -(-separation // EVERY) * EVERY,
+        "halfway": None if separation is None or first is None
+        else first <= start + (separation - start) / 2,
+        "rules": rules, "seconds": s.record.seconds,
+    }  # fmt: skip
+
+
+def fault_summary(scored: list[Scored]) -> dict[str, Any]:
+    """Per fault family: the sweep's block (failed, in time, lead, healthy twins alerted) and per
+    arm (fault and magnitude): runs, failed, flagged, in time, by the next probe, halfway, and the
+    median lead; every run's row (:func:`fault_row`)."""
+    out: dict[str, Any] = {"families": {}, "runs": [fault_row(s) for s in scored]}
+    for family in sorted({s.record.spec.family for s in scored}):
+        runs = [s for s in scored if s.record.spec.family == family]
+        arms: dict[str, Any] = {}
+        for fault, magnitude in FAULTS[family].arms():
+            rows = [
+                fault_row(s) for s in runs
+                if (s.record.spec.fault, s.record.spec.magnitude) == (fault, magnitude)
+            ]  # fmt: skip
+            if not rows:
+                continue
+            failed = [r for r in rows if r["status"] == "failed"]
+            leads = [r["lead"] for r in failed if r["lead"] is not None]
+            arms[_arm_name(fault, magnitude)] = {
+                "runs": len(rows), "failed": len(failed),
+                "alerted": sum(r["first_alert"] is not None for r in rows),
+                "failed_flagged": sum(r["first_alert"] is not None for r in failed),
+                "in_time": sum(bool(r["in_time"]) for r in failed),
+                "by_next_probe": sum(bool(r["by_next_probe"]) for r in failed),
+                "halfway": sum(bool(r["halfway"]) for r in failed),
+                "median_lead": statistics.median(leads) if leads else None,
+            }  # fmt: skip
+        out["families"][family] = {"sweep": summary(runs)[family], "arms": arms}
+    return out
+
+
+def _arm_name(fault: str | None, magnitude: float | None) -> str:
+    """``"twin"``, ``"inject 0.3"``, ``"lr_jump 10"``, ``"bf16_kernel"``."""
+    if fault is None:
+        return "twin"
+    return fault if magnitude is None else f"{fault} {magnitude:g}"
+
+
+def fault_tables(stats: dict[str, Any]) -> str:
+    """Markdown: every fault-family run, then per family and arm the counts."""
+    lines = [
+        (
+            "| run | fault step | final loss | max logit | status | separates at | first alert "
+            "(after the fault) | lead | in time | by next probe | halfway | rules (first step) |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in stats["runs"]:
+        rules = ", ".join(f"{k} {v}" for k, v in sorted(r["rules"].items(), key=lambda x: x[1]))
+        cells = (
+            r["key"], r["fault_step"], f"{r['final_loss']:.3f}", f"{r['max_logit']:.3g}",
+            r["status"], r["separation"], r["first_alert"], r["lead"], r["in_time"] or "—",
+            r["by_next_probe"], r["halfway"], rules or "—",
+        )  # fmt: skip
+        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    lines += [
+        "",
+        (
+            "| family | arm | runs | failed | failed flagged | in time (>= 10 steps ahead) | by "
+            "the next probe | halfway | median lead | runs alerted |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for family, f in stats["families"].items():
+        for arm, a in f["arms"].items():
+            lines.append(
+                f"| {family} | {arm} | {a['runs']} | {a['failed']} | {a['failed_flagged']} | "
+                f"{a['in_time']} | {a['by_next_probe']} | {a['halfway']} | "
+                f"{_fmt(a['median_lead'])} | {a['alerted']} |"
+            )
+    return "\n".join(lines)
+
+
+def report_faults(scored: list[Scored], args: argparse.Namespace, suffix: str) -> dict[str, Any]:
+    """The fault families' figure, JSON (``instability_faults{suffix}.*``) and tables."""
+    stats = fault_summary(scored)
+    draw_faults(scored, args.out / f"instability_faults{suffix}.png")
+    settings = {
+        "faults": {n: dataclasses.asdict(FAULTS[n]) for n in args.families if n in FAULTS},
+        "seeds": args.seeds, "qk_norm": args.qk_norm, "every_n_steps": EVERY,
+        "quick": args.quick,
+    }  # fmt: skip
+    path = args.out / f"instability_faults{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings, "summary": stats}, indent=1) + "\n")
+    print(fault_tables(stats) + "\n")
+    return stats
+
+
+def draw_faults(scored: list[Scored], path: Path) -> None:
+    """Per fault family and seed: the scored loss (10-step mean) and the largest attention logit
+    of the twin and each arm against the step; the fault's step dotted, first alerts marked X."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    groups = sorted({(s.record.spec.family, s.record.spec.seed) for s in scored})
+    figure = Figure(figsize=(10, 2.4 * len(groups)), dpi=90, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(groups), 2, squeeze=False)
+    for (family, seed), (loss_ax, logit_ax) in zip(groups, axes):
+        for s in (
+            s for s in scored if (s.record.spec.family, s.record.spec.seed) == (family, seed)
+        ):
+            label = _arm_name(s.record.spec.fault, s.record.spec.magnitude)
+            smooth = s.record.smoothed()
+            steps = sorted(s.record.probes)
+            logits = [max(max(row) for row in s.record.probes[t]["max_logit"]) for t in steps]
+            line = loss_ax.plot(smooth, lw=1, label=label)[0]
+            logit_ax.plot(steps, logits, lw=1, color=line.get_color())
+            if s.first_alert is not None:
+                loss_ax.plot(s.first_alert, smooth[s.first_alert], "X", color=line.get_color())
+        for ax in (loss_ax, logit_ax):
+            ax.axvline(s.record.spec.fault_step, color="grey", ls=":", lw=0.8)
+        loss_ax.set(yscale="log", xlabel="step", ylabel="loss (10-step mean)")
+        loss_ax.set_title(f"{family}, seed {seed}: X first alert after the fault", fontsize=9)
+        logit_ax.set(yscale="log", xlabel="step", ylabel="max attention logit")
+        loss_ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
 
 
 # -- the QK-Clip arms (--arms) ---------------------------------------------------------------------
@@ -1114,16 +1405,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{record.spec.key}: the replay fired {again}, the live run {live}"
                 )
     scored = score(ordered)
-    stats = summary(scored)
-    stats["opt_in"] = {rule.name: opt_in_stats(ordered, rule, monitor) for rule, monitor in OPT_IN}
     suffix = ("_quick" if args.quick else "") + (
         f"_round{args.round_rules}" if args.round_rules else ""
     )
     if args.out is None:
         args.out = args.cache if args.quick or args.round_rules else ROOT / "docs"
+    # the fault families (held out) are scored and written apart: instability_faults*.json
+    faults = [s for s in scored if s.record.spec.split == HELD_OUT]
+    fault_stats = report_faults(faults, args, suffix) if faults else {}
+    scored = [s for s in scored if s.record.spec.split != HELD_OUT]
+    ordered = [r for r in ordered if r.spec.split != HELD_OUT]
+    if not scored:
+        print(
+            f"\n{len(specs)} runs ({len(fresh)} trained now) in {time.perf_counter() - start:.0f} s"
+        )
+        return fault_stats
+    stats = summary(scored)
+    stats["opt_in"] = {rule.name: opt_in_stats(ordered, rule, monitor) for rule, monitor in OPT_IN}
     draw(scored, args.out / f"instability{suffix}.png")
     settings = {
-        "families": {n: dataclasses.asdict(FAMILIES[n]) for n in args.families},
+        "families": {n: dataclasses.asdict(FAMILIES[n]) for n in args.families if n not in FAULTS},
         "seeds": args.seeds,
         "warmups": args.warmups,
         "qk_norm": args.qk_norm,
