@@ -5,8 +5,9 @@ With ``clip``, QKClip alone runs (tau 0.5, below every head's logits) and each r
 and key weights after the fit to ``OUT_DIR/qk_rank{R}.pt``. With ``qkmonitor``, one QKMonitor runs
 in place of the three callbacks, and each rank writes to ``OUT_DIR/collectives_rank{R}.json`` the
 collectives ``torch.distributed`` was asked for inside each of its hook calls that probed, by step;
-``qkmonitor-background`` the same with the spectrum computed on its worker thread
-(``background_weights=True``, the GPU's path).
+``qkmonitor-background`` the same on a GPU's paths: the spectrum computed on its worker thread
+(``background_weights=True``) and each probe logged at the end of the next batch
+(``defer_reads=True``).
 
 Lightning's DDP launcher re-runs this script once per extra rank; every rank sees the same
 generated data, and the DistributedSampler (shuffle off) deals rank r the samples r, r+W, r+2W, ...
@@ -100,7 +101,10 @@ def main() -> None:
         if clip
         else [
             CountedQKMonitor(
-                every_n_steps=2, per_head=True, spectrum={"background_weights": background}
+                every_n_steps=2,
+                per_head=True,
+                spectrum={"background_weights": background},
+                defer_reads=background or None,
             )
         ]
         if one

@@ -91,7 +91,8 @@ def test_qk_monitor_under_ddp_reduces_every_probe_in_one_collective(tmp_path):
     single = scalars(tmp_path / "single" / "run" / "version_0")
     tags = [t for t in single if t.startswith("qkmonitor/") and "/alerts/" not in t]
     assert "qkmonitor/max_logit/layer_00_head_01" in tags and "qkmonitor/kappa/layer_00" in tags
-    # and the same with the spectrum on its worker thread (background_weights, a GPU's path)
+    # and the same on a GPU's paths: the spectrum on its worker thread (background_weights), each
+    # probe logged at the end of the next batch (defer_reads), the collectives where they were
     for mode in ("qkmonitor", "qkmonitor-background"):
         run_job(tmp_path / mode, 2, 4, mode)
         for rank in (0, 1):
