@@ -7,12 +7,13 @@
 #      (score_mod and block mask; its backward exists on CUDA only), on CUDA;
 #   2. benchmarks/attention.py: Triton forward and forward+backward TFLOP/s, with and without
 #      statistics, against SDPA's flash backend (bf16, causal, N = 1k..16k, D = 64 and 128);
+#   2b. benchmarks/rounding.py: what pv_rounding="unbiased" (the default) costs against "kernel";
 #   3. benchmarks/overhead.py: training steps/s of a GPT-2-small-sized model, monitors vs none;
 #      then --profile: a probe window against a plain one by engine and phase, host and device,
 #      with the training thread's blocking reads and the runtime's synchronizing calls;
 #   4. one markdown table of it all (scripts/gpu_report.py), the profile after it.
 # Each step runs under `timeout`, so the whole stays within its budget (warm-up 110 s, tests
-# 180 s, attention 130 s, overhead 75 s, profile 60 s); a step that fails or times out reads "n/a" or FAILED
+# 180 s, attention 130 s, rounding 40 s, overhead 75 s, profile 60 s); a step that fails or times out reads "n/a" or FAILED
 # in the table, and the script exits non-zero.
 #
 # Usage: scripts/gpu_check.sh [--dry-run]
@@ -61,6 +62,10 @@ tests_rc=$?
 step "2. attention benchmark"
 timeout 130 "$PY" benchmarks/attention.py --device cuda --causal true --repeats 5 \
   --budget-s 100 --json "$OUT/attention.json" "${DRY[@]}" || failed=1
+
+step "2b. the unbiased rounding's cost (pv_rounding unbiased / kernel, Triton, bf16)"
+timeout 40 "$PY" benchmarks/rounding.py --device cuda --causal --lengths 1024 4096 --rounds 10 \
+  "${DRY[@]}" | tee "$OUT/rounding.txt" || failed=1
 
 step "3. monitor overhead"
 timeout 75 "$PY" benchmarks/overhead.py --device cuda --model gpt2-small --precision bf16-mixed \

@@ -16,6 +16,18 @@ Under autocast (``torch.autocast`` for the tensors' device, as Lightning's ``"bf
 them, to the autocast dtype, and the kernels then run with autocast off: the output comes back in
 the autocast dtype, and the statistics are still accumulated and returned in float32.
 
+Example: ``out, stats = attention(q, k, v, causal=True, return_stats=True)``, then
+``stats.entropy`` is (B, H, N), nats per query row.
+
+Rounding (``pv_rounding``; docs/kernel.md, "Rounding of the softmax weights"), for float16 and
+bfloat16 inputs only (float32 and float64 are never rounded): ``"float32"``, the weights
+``e^{s − m}`` not rounded (the exact reference); ``"kernel"``, rounded to the values' dtype for
+``P·V`` with float32 accumulation, as FlashAttention's GPU kernels do (biased where keys tie near
+a row's max: Qiu & Yao 2025); ``"unbiased"``, rounded once and used rounded for the row sum, the
+output and the statistics alike, so that the output is an exact average of the values;
+``"auto"``, the backend's own: ``"kernel"`` on triton, on torch SDPA's (which rounds as
+``"kernel"``) where it is exact and ``"float32"`` elsewhere.
+
 Non-finite scores on allowed keys (docs/architecture.md, "Precision and non-finite values";
 ``attended`` always counts the allowed keys):
 
@@ -47,12 +59,13 @@ import warnings
 import torch
 
 from qkmonitor.kernels._autocast import autocast_off
-from qkmonitor.kernels._options import AttentionOptions
+from qkmonitor.kernels._options import PV_ROUNDINGS, AttentionOptions
 from qkmonitor.kernels._stats import AttentionStats, attended_keys
 from qkmonitor.kernels._torch import max_logits, torch_attention
 from qkmonitor.validation import check_bool, is_int, is_real
 
 __all__ = [
+    "PV_ROUNDINGS",
     "AttentionStats",
     "attended_keys",
     "attention",
@@ -81,6 +94,7 @@ def attention(
     return_stats: bool = False,
     sink_tokens: int = 0,
     backend: str = "auto",
+    pv_rounding: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, AttentionStats]:
     """Softmax attention ``out_i = Σ_j p_ij v_j``, ``p_ij = exp(s_ij) / Σ_{j'∈A_i} exp(s_ij')``.
 
@@ -107,6 +121,8 @@ def attention(
         sink_tokens: report the attention mass on the first ``sink_tokens`` keys as
             ``stats.sink_mass`` (0: don't, and ``sink_mass`` is None).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        pv_rounding: ``"auto"``, ``"float32"``, ``"kernel"`` or ``"unbiased"``: how float16
+            and bfloat16 weights are rounded before ``P·V`` (the module docstring).
 
     Returns:
         ``out`` of shape (B, H, N, D) in q's dtype (under autocast: in the autocast dtype, as
@@ -123,13 +139,9 @@ def attention(
             argument, what was expected and what was received), if ``backend="triton"`` is asked
             for CPU tensors without ``TRITON_INTERPRET=1`` or without triton installed, or for a
             head dim above 256.
-
-    Example::
-
-        out, stats = attention(q, k, v, causal=True, return_stats=True)
-        stats.entropy  # (B, H, N) nats per query row
     """
-    return _attention(q, k, v, causal, key_padding_mask, scale, return_stats, sink_tokens, backend)
+    options = (causal, key_padding_mask, scale, return_stats, sink_tokens, backend, pv_rounding)
+    return _attention(q, k, v, *options)
 
 
 def attention_stats(
@@ -182,10 +194,22 @@ def attention_max_logits(
 
 
 def _attention(
-    q, k, v, causal, key_padding_mask, scale, return_stats, sink_tokens, backend, output=True
+    q,
+    k,
+    v,
+    causal,
+    key_padding_mask,
+    scale,
+    return_stats,
+    sink_tokens,
+    backend,
+    pv_rounding="auto",
+    output=True,
 ):
     q, k, v = _autocast_inputs(q, k, v)
     _check_inputs(q, k, v, key_padding_mask, causal, scale, return_stats, sink_tokens)
+    if pv_rounding not in PV_ROUNDINGS:
+        raise ValueError(f"Expected `pv_rounding` to be one of {PV_ROUNDINGS}, got {pv_rounding!r}")
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -197,7 +221,7 @@ def _attention(
     else:
         run = functools.partial(torch_attention, output=output)
     options = AttentionOptions(
-        bool(causal), key_padding_mask, scale, bool(return_stats), int(sink_tokens)
+        bool(causal), key_padding_mask, scale, bool(return_stats), int(sink_tokens), pv_rounding
     )
     with autocast_off(q.device.type):  # the kernels pick their own precision (float32 sums)
         out, raw = run(q, k, v, options)

@@ -21,6 +21,12 @@ broadcasting each key/value block over G, so the repeated keys and values are ne
 most one block's broadcast, O(G·block·D), inside a matmul). With ``causal``, query rows that see
 none of a key block's keys are skipped, which halves the work.
 
+Rounding (``options.pv_rounding`` for 2-byte inputs, docs/kernel.md): "kernel" rounds ``p`` to the
+values' dtype for ``p @ v`` alone (float32 sums, as the GPU kernel's ``tl.dot``); "unbiased" rounds
+``p`` once after the exponential and uses the rounded weights for ``l``, ``u`` and ``acc`` alike.
+Both round the backward's ``p`` (for dV) and ``dS`` (for dQ, dK) to the inputs' dtype, as the
+GPU kernel's dots do.
+
 Memory is O(B·H·N·block_size) in both directions instead of O(B·H·N·M). Where no row can be fully
 masked, ``F.scaled_dot_product_attention`` gives the output instead: without statistics, alone;
 with statistics, SDPA gives the output (and its gradient) while the blockwise forward runs under
@@ -92,15 +98,21 @@ def torch_attention(
     rows = (q, k, v, mask, options.causal, options.scale, options.sink_tokens)
     if return_stats and not output and not needs_grad:
         return None, _statistics(*rows, block_size)
+    # The weights' rounding before P·V: SDPA's own (as "kernel" on CPU and CUDA) only for "auto";
+    # an explicit choice for 2-byte inputs runs blockwise ("auto" blockwise: float32, exact).
+    rounding = options.weight_rounding(v.dtype, auto="float32")
+    low_precision = v.dtype in (torch.float16, torch.bfloat16)
+    sdpa_rounds_alike = options.pv_rounding == "auto" or not low_precision
     # The output comes from where an unprobed call takes it, with or without a gradient to take
     # (a reentrant checkpoint's first forward runs under no_grad and is recomputed with grad).
-    if (not return_stats or SDPA_WITH_STATS) and _sdpa_is_exact(q, k, options.causal, mask):
+    exact = sdpa_rounds_alike and _sdpa_is_exact(q, k, options.causal, mask)
+    if (not return_stats or SDPA_WITH_STATS) and exact:
         out = _sdpa(q, k, v, options)
         if not return_stats:
             return out, None
         with torch.no_grad():
             return out, _statistics(*rows, block_size)
-    out, *stats = BlockwiseAttention.apply(*rows, return_stats, block_size)
+    out, *stats = BlockwiseAttention.apply(*rows, return_stats, block_size, rounding)
     return out, _returned_stats(*stats, options.sink_tokens) if return_stats else None
 
 

@@ -24,15 +24,18 @@ class BlockwiseAttention(torch.autograd.Function):
     """Autograd wrapper: blockwise forward with statistics, blockwise FlashAttention-2 backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size):
+    def forward(
+        ctx, q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size, rounding=None
+    ):
         out, lse, entropy, max_prob, max_logit, sink = forward_blocks(
-            q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size
+            q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size, rounding
         )
         out = out.to(q.dtype)
         # Empty rows get lse = +inf in the backward so that p = e^{s − lse} = 0 there.
         lse_bwd = torch.where(torch.isneginf(lse), float("inf"), lse)
         ctx.save_for_backward(q, k, v, out, lse_bwd, key_padding_mask)
         ctx.causal, ctx.scale, ctx.block_size = causal, scale, block_size
+        ctx.rounds = rounding is not None
         ctx.mark_non_differentiable(
             *(x for x in (lse, entropy, max_prob, max_logit, sink) if x is not None)
         )
@@ -45,13 +48,18 @@ class BlockwiseAttention(torch.autograd.Function):
         # The backward may run under the caller's autocast (loss.backward() inside the context).
         with autocast_off(q.device.type):
             dq, dk, dv = backward_blocks(
-                q, k, v, out, lse, dout, key_padding_mask, ctx.causal, ctx.scale, ctx.block_size
-            )
-        return dq, dk, dv, None, None, None, None, None, None
+                q, k, v, out, lse, dout, key_padding_mask, ctx.causal, ctx.scale, ctx.block_size,
+                ctx.rounds,
+            )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def backward_blocks(q, k, v, out, lse, dout, key_padding_mask, causal, scale, block_size):
-    """Gradients of q, k, v from recomputed blocks; ``lse`` is +inf on fully masked rows."""
+def backward_blocks(
+    q, k, v, out, lse, dout, key_padding_mask, causal, scale, block_size, rounds=False
+):
+    """Gradients of q, k, v from recomputed blocks; ``lse`` is +inf on fully masked rows. With
+    ``rounds``, ``p`` (for dV) and ``dS`` (for dQ, dK) are rounded to the inputs' dtype before
+    their products, as the GPU kernel's dots take them."""
     kv_heads, m_keys = k.shape[1], k.shape[2]
     n = q.shape[2]
     diag = m_keys - n
@@ -77,8 +85,11 @@ def backward_blocks(q, k, v, out, lse, dout, key_padding_mask, causal, scale, bl
         if allowed is not None:
             s.masked_fill_(~allowed, NEG_INF)
         p = torch.exp_(s - lse_g[..., r0:, :])
-        dv[:, :, start:stop] = (p.transpose(-1, -2) @ do_r).sum(dim=2)
+        p_dv = p.to(v.dtype).to(cd) if rounds else p
+        dv[:, :, start:stop] = (p_dv.transpose(-1, -2) @ do_r).sum(dim=2)
         ds = (do_r @ v_blk.transpose(-1, -2)).sub_(delta[..., r0:, :]).mul_(p)
+        if rounds:
+            ds = ds.to(q.dtype).to(cd)
         dq[..., r0:, :] += ds @ k_blk
         dk[:, :, start:stop] = (ds.transpose(-1, -2) @ q_r).sum(dim=2)
     dq = (dq * scale).reshape(q.shape)

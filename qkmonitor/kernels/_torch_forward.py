@@ -26,10 +26,12 @@ __all__ = ["forward_blocks", "one_block_stats"]
 
 
 def forward_blocks(
-    q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size, output=True
-):
+    q, k, v, key_padding_mask, causal, scale, sink_tokens, stats, block_size, rounding=None,
+    output=True,
+):  # fmt: skip
     """The online forward; returns out in the compute dtype (None unless ``output``) and float32
-    (B, H, N) statistics (all None but lse when ``stats`` is False)."""
+    (B, H, N) statistics (all None but lse when ``stats`` is False); ``rounding``: the weights'
+    (``AttentionOptions.weight_rounding``)."""
     batch, heads, n, _ = q.shape
     kv_heads, m_keys = k.shape[1], k.shape[2]
     diag = m_keys - n
@@ -62,7 +64,7 @@ def forward_blocks(
         # ∞ − ∞; clamped, masked keys stay at e^{−inf} = 0 and an infinite score makes l = +inf.
         m_safe = m_new.clamp(-largest, largest)
         s -= m_safe[..., None]  # s − m', −inf where masked
-        p = exp_shifted_(s.clone())
+        p, p_v = _weights(exp_shifted_(s.clone()), rounding)
         alpha = torch.exp(m_old - m_safe)
         if stats:
             shift = torch.where(l_old > 0, m_old - m_safe, 0.0) * l_old  # no (−inf)·0
@@ -75,7 +77,7 @@ def forward_blocks(
         l[..., r0:] = alpha * l_old + p.sum(dim=-1)
         if acc is not None:
             v_blk = v[:, :, None, start:stop].to(cd)
-            acc[..., r0:, :] = alpha[..., None] * acc[..., r0:, :] + p @ v_blk
+            acc[..., r0:, :] = alpha[..., None] * acc[..., r0:, :] + p_v @ v_blk
         m[..., r0:] = m_new
     l_safe = torch.where(l == 0, 1.0, l)
     out = None if acc is None else (acc / l_safe[..., None]).reshape(batch, heads, n, v.shape[-1])
@@ -83,6 +85,16 @@ def forward_blocks(
         lse = torch.where(l == 0, NEG_INF, m + torch.log(l_safe))
         return out, lse.reshape(batch, heads, n).to(torch.float32), None, None, None, None
     return out, *row_stats(m, l, u, sink, heads)
+
+
+def _weights(p: torch.Tensor, rounding) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights for the sums and for ``P·V``: ``p`` for both (no rounding); the rounded ``p``
+    for ``P·V`` alone ("kernel"); the rounded ``p`` for both ("unbiased")."""
+    if rounding is None:
+        return p, p
+    dtype, unbiased = rounding
+    rounded = p.to(dtype).to(p.dtype)
+    return (rounded if unbiased else p), rounded
 
 
 #: The most scores :func:`_one_block_sums` holds at once (2 MiB in float32): its ten passes over

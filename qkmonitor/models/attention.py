@@ -55,6 +55,7 @@ class MultiHeadAttention(nn.Module):
             config.head_dim,
         )
         self.causal, self.cross, self.backend = causal, cross, config.attention_backend
+        self.pv_rounding = config.attention_rounding
         kv_width = self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.k_proj = nn.Linear(config.d_model, kv_width, bias=config.bias)
@@ -140,7 +141,11 @@ class MultiHeadAttention(nn.Module):
         """The kernel's output; while probed, with the statistics the observers read, handed to
         them as a :class:`~qkmonitor.attention.probes.KernelCall`."""
         kwargs = dict(
-            causal=self.causal, key_padding_mask=key_padding_mask, scale=scale, backend=self.backend
+            causal=self.causal,
+            key_padding_mask=key_padding_mask,
+            scale=scale,
+            backend=self.backend,
+            pv_rounding=self.pv_rounding,
         )
         if not self._observers:
             return attention(q, k, v, **kwargs)

@@ -46,7 +46,9 @@ class TritonAttention(torch.autograd.Function):
     max_logit, sink)``; the statistics are None without ``stats`` and not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pad, causal, scale, sink_tokens, stats):
+    def forward(
+        ctx, q, k, v, pad, causal, scale, sink_tokens, stats, pv_unbiased=False, emulate=False
+    ):
         batch, heads, n, d = q.shape
         kv_heads, m = k.shape[1], k.shape[2]
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -78,6 +80,9 @@ class TritonAttention(torch.autograd.Function):
             STATS=stats,
             SINK=stats and sink_tokens > 0,
             DOT_PRECISION=_dot_precision(q.dtype),
+            # float32 values: rounding to them changes nothing (one build for both)
+            PV_UNBIASED=pv_unbiased and (emulate or q.dtype != torch.float32),
+            EMULATE_BF16=emulate,
         )
         ctx.save_for_backward(q, k, v, out, lse2, pad)
         ctx.causal, ctx.scale = causal, scale
@@ -150,7 +155,7 @@ class TritonAttention(torch.autograd.Function):
             *dq_sizes,
             **common,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _block_d(d: int) -> int:
@@ -196,14 +201,22 @@ def triton_attention(
 
         return torch_attention(q, k, v, options)
     dtype = q.dtype
-    if INTERPRETED and dtype == torch.bfloat16:  # the interpreter's bfloat16 math is wrong
+    # "auto": the kernel's own rounding (docs/kernel.md: the unbiased one spills registers on
+    # sm_90 with statistics, so it is not the default before a GPU measures it); "float32": the
+    # kernel in float32
+    rounding = options.weight_rounding(dtype, auto="kernel")
+    if rounding is None and dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    emulate = INTERPRETED and dtype == torch.bfloat16 and rounding is not None
+    if emulate:  # the interpreter's bfloat16 math is wrong: float32, with p rounded on its bits
         q, k, v = q.float(), k.float(), v.float()
     mask = options.key_padding_mask
     pad = None if mask is None else mask.to(torch.int8)
     with _on_device(q):
         out, lse, entropy, max_prob, max_logit, sink = TritonAttention.apply(
-            q, k, v, pad, options.causal, options.scale, options.sink_tokens, options.return_stats
-        )
+            q, k, v, pad, options.causal, options.scale, options.sink_tokens,
+            options.return_stats, rounding is not None and rounding[1], emulate,
+        )  # fmt: skip
     out = out.to(dtype)
     if not options.return_stats:
         return out, None

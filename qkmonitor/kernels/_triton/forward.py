@@ -13,6 +13,13 @@ natural units (``ln 2`` converts):
     out = acc / l,  lse = ln2·(m + log2 l),  entropy = ln2·(log2 l − u / l) ≥ 0,
     max_prob = 1 / l,  max_logit = ln2·m,  sink_mass = (Σ_{j<S} 2^{t_j − m}) / l.
 
+The weights meet the values as ``tl.dot(p.to(v.dtype), v, acc)``: rounded to the values' dtype,
+accumulated in float32. With ``PV_UNBIASED`` (``pv_rounding="unbiased"``; not the default: it
+spills registers on sm_90 with statistics) ``p`` is rounded once, right after ``exp2``, and ``l``,
+``u`` and ``acc`` all sum the rounded weights: the output is then an exact average of the values
+(docs/kernel.md, "Rounding of the softmax weights"). ``EMULATE_BF16`` rounds to bfloat16 on the
+bits where the interpreter runs bfloat16 inputs as float32 (never on a GPU).
+
 The sink sum is not carried through the loop: after it, the first S keys are scored again and
 summed with the final ``m`` (usually one extra block; a third running sum makes the loop spill
 registers on sm_90). Masked scores are −inf; a row whose keys are all masked keeps ``m = −inf``
@@ -66,6 +73,8 @@ def _fwd_inner(
     HAS_PAD: tl.constexpr,
     STATS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PV_UNBIASED: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     """The online softmax over the key blocks ``[lo, hi)``: the updated ``acc, m, l, u``."""
     diag = n_ctx_k - n_ctx_q
@@ -83,6 +92,8 @@ def _fwd_inner(
         m_use = tl.clamp(m_new, -_FLT_MAX, _FLT_MAX)
         t = t - m_use[:, None]
         p = tl.math.exp2(t)
+        if PV_UNBIASED:  # the rounded weights for l, u and acc alike
+            p = round_weights(p, q.dtype, EMULATE_BF16)
         alpha = tl.math.exp2(m_i - m_use)
         if STATS:
             if MASKED or HAS_PAD:
@@ -94,9 +105,24 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_tile, start_n, n_ctx_k, BLOCK_N, HEAD_DIM, BLOCK_D, MASKED)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        if EMULATE_BF16 and not PV_UNBIASED:
+            acc = tl.dot(round_weights(p, q.dtype, True), v, acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i, u_i
+
+
+@triton.jit
+def round_weights(p, dtype, EMULATE_BF16: tl.constexpr):
+    """``p`` (float32) rounded to ``dtype`` (to nearest, ties to even), back in float32. With
+    ``EMULATE_BF16`` (the interpreter, whose bfloat16 runs as float32 and whose cast to bfloat16
+    truncates) the rounding to bfloat16 is done on the bits."""
+    if EMULATE_BF16:
+        bits = p.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return p.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -151,6 +177,8 @@ def attn_fwd(
     STATS: tl.constexpr,
     SINK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PV_UNBIASED: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -202,6 +230,8 @@ def attn_fwd(
             HAS_PAD=HAS_PAD,
             STATS=STATS,
             DOT_PRECISION=DOT_PRECISION,
+            PV_UNBIASED=PV_UNBIASED,
+            EMULATE_BF16=EMULATE_BF16,
         )
 
     # l = 0: no key (fully masked row); l = NaN: a NaN score; l = +inf: a +inf score.
