@@ -79,6 +79,9 @@ class InFlightRead:
         future: the job: the layers' :class:`~qkmonitor.measures.layer_spectra.LayerSpectra`.
         updates: the update metrics read beside it, on the training thread.
         learning_rate: the host's learning rate at the read, which its alerts name.
+        update_job: the spectrum of the update before the read
+            (:func:`~qkmonitor.measures.update_spectra.update_spectra`), merged into ``updates``
+            when logged; None where there is none to compute.
     """
 
     host: Host
@@ -87,3 +90,4 @@ class InFlightRead:
     future: Future
     updates: tuple[dict, dict]
     learning_rate: float | None = None
+    update_job: Future | None = None

@@ -28,15 +28,15 @@ from qkmonitor.engine.background import WEIGHTS_WORKER, InFlightRead, use_worker
 from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.failures import MeasuresNothingError
 from qkmonitor.engine.host import Host
+from qkmonitor.engine.optimizer_view import OptimizerView, merge_update_spectrum
 from qkmonitor.engine.reading import AtProbe
 from qkmonitor.engine.spectrum_read import (
     SpectrumRead,
-    heads_of,
     layer_of,
     merged_layers,
     split_layers,
 )
-from qkmonitor.engine.updates import UPDATE_METRICS, UpdateSnapshot, take_snapshot, update_metrics
+from qkmonitor.engine.updates import UPDATE_METRICS, UpdateSnapshot
 from qkmonitor.measures.catalogue import SPECTRUM
 from qkmonitor.measures.layer_spectra import (
     LayerSpectra,
@@ -56,7 +56,7 @@ from qkmonitor.validation import check_bool
 __all__ = ["QKSpectrum"]
 
 
-class QKSpectrum(MonitorEngine):
+class QKSpectrum(OptimizerView, MonitorEngine):
     """Logs κ, κ_eig, eig_mean, eig_var, qk_erank and qk_spectral_norm per layer and head, a κ
     heatmap and a histogram of each layer's singular values
     (``{prefix}/qk_singular_values/layer_LL``).
@@ -99,6 +99,8 @@ class QKSpectrum(MonitorEngine):
         self._pending: tuple[int, dict[int, tuple], dict[int, Any], dict] | None = None
         self._layouts_waiting = True  # whether some layer may still wait for its layout check
         self._snapshot: UpdateSnapshot | None = None  # the heads before the update of a probe
+        self._weights_before: list = []  # each layer's W_Q/W_K then (OptimizerView)
+        self._read_before: list = []  # those of the read being made
         self._updates_seen = False  # whether a driver has announced an update this run
         self._told_no_updates = False  # whether the run was told the update metrics are off
         self._exchanges: list[SpectrumRead] = []  # reads waiting for the heads of the other ranks
@@ -108,6 +110,7 @@ class QKSpectrum(MonitorEngine):
         self._pending, self._exchanges, self._in_flight = None, [], []
         self._layouts_waiting = True
         self._snapshot, self._updates_seen, self._told_no_updates = None, False, False
+        self._weights_before, self._read_before = [], []
         blind = [layer.name for layer in self.layers if not layer.supports_weights]
         if len(blind) == len(self.layers):
             raise MeasuresNothingError(f"{type(self).__name__}: {_blind_message(blind)}")
@@ -213,12 +216,14 @@ class QKSpectrum(MonitorEngine):
                 # a copy of the weights on their device, freed once the worker has read it
                 copies = [_copied(w) for w in weights.values()]
                 future = WEIGHTS_WORKER.submit(spectrum_of_layers, copies)
+                job = self._update_spectrum_job(dict(zip(weights, copies)))
                 rate = host.learning_rate()  # the rate of the read, which its alerts name
-                read = InFlightRead(host, step, list(weights), future, updates, rate)
+                read = InFlightRead(host, step, list(weights), future, updates, rate, job)
                 self._in_flight.append(read)
                 self.schedule.latest_step = step
                 return
             spectra = spectrum_of_layers(list(weights.values()))
+            self._update_spectrum_now(host, step, updates, weights)
             copies = self._copies(host, waiting)
         ready = weights
         spectra = {i: layer_of(spectra, j) for j, i in enumerate(ready)}
@@ -248,6 +253,12 @@ class QKSpectrum(MonitorEngine):
             else:
                 spectra = read.future.result()
                 computed = {i: layer_of(spectra, j) for j, i in enumerate(read.layers)}
+            if read.update_job is not None:  # the update spectrum, computed beside it
+                if read.update_job.exception() is None:
+                    merge_update_spectrum(read.updates, read.update_job.result())
+                else:
+                    stage = "computing the query/key update spectrum"
+                    self.warn_failure(host, stage, read.step, read.update_job.exception())
             then = AtProbe(host, read.learning_rate)  # its alerts name the rate of the read
             merged = merged_layers(self.layers, computed)
             self._log(then, read.step, merged, read.updates, defer=False)  # type: ignore[arg-type]
@@ -256,82 +267,6 @@ class QKSpectrum(MonitorEngine):
         """The state after every read a worker is computing has been logged (its alerts in it)."""
         self.settle()
         return super().state_dict()
-
-    # -- the optimizer's view ----------------------------------------------------------------
-
-    def before_update(self, host: Host, step: int) -> None:
-        """An optimizer is about to apply the update after ``step`` updates (the driver says so
-        before each optimizer step): where the weights after it are read (a probe step), copy
-        every head's query/key rows and read their gradients. Once per step, however many
-        optimizers step in it; a failure warns and leaves the update metrics NaN."""
-        self._updates_seen = True
-        if not self.layers or not self.schedule.is_probe_step(step + 1) or self.without_data():
-            return
-        self._check_layouts(host)  # the first forward has run: the rows of its layout are known
-        if self._snapshot is not None and self._snapshot.step == step:
-            return
-        self._snapshot = None
-        try:
-            self._snapshot, skipped = take_snapshot(self.layers, step)
-        except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-            self.warn_once(
-                host,
-                "updates",
-                f"the query/key update metrics could not be read ({type(err).__name__}: {err}); "
-                f"they are NaN at step {step + 1} and read again at the next probe (shown once)",
-            )
-            return
-        for name, (why, whole_run) in skipped.items():
-            when = (
-                "for the whole run"
-                if whole_run
-                else f"at step {step + 1}, and read again at the next probe (shown once)"
-            )
-            self.warn_once(
-                host,
-                f"updates:{name}",
-                f"the query/key update and gradient metrics of layer {name!r} are NaN {when}: "
-                f"{why}",
-                logging_rank_only=TENSOR_PARALLEL in why,
-            )
-
-    def _updates_after(self, host: Host, step: int) -> tuple[dict, dict]:
-        """The update metrics of the weights after ``step`` updates (``(values, undefined)``, each
-        metric -> one (H,) tensor per layer): from the snapshot taken before the last update, NaN
-        and undefined without one."""
-        snapshot, self._snapshot = self._snapshot, None
-        heads = [heads_of(layer) for layer in self.layers]
-        values = None
-        if snapshot is not None and snapshot.step == step - 1:
-            try:
-                values = update_metrics(snapshot, heads)
-            except Exception as err:  # noqa: BLE001 -- a metric problem must never stop training
-                self.warn_once(
-                    host,
-                    "updates",
-                    f"the query/key update metrics could not be read ({type(err).__name__}: "
-                    f"{err}); they are NaN at step {step} and read again at the next probe "
-                    "(shown once)",
-                )
-        if values is not None:
-            undefined = {
-                name: [
-                    torch.full((h,), part is None, dtype=torch.bool)
-                    for part, h in zip(snapshot.layers, heads)
-                ]
-                for name in UPDATE_METRICS
-            }
-            return values, undefined
-        if step > 0 and not self._updates_seen and not self._told_no_updates:
-            self._told_no_updates = True  # a capability left unused, not a fault: one line
-            host.info(
-                f"qkmonitor: {type(self).__name__} ({self.prefix}): no optimizer step was "
-                "announced before the weights were read, so the query/key update and gradient "
-                "metrics are NaN (undefined); in a plain loop, pass Monitoring(optimizer=...)"
-            )
-        nan = {name: [torch.full((h,), float("nan")) for h in heads] for name in UPDATE_METRICS}
-        undefined = {name: [torch.ones(h, dtype=torch.bool) for h in heads] for name in nan}
-        return nan, undefined
 
     def _spectra_of_copies(self, host: Host, copies: dict[int, Any]) -> dict[int, tuple]:
         out = {}

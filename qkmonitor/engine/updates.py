@@ -34,11 +34,15 @@ from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.intercept import LayoutUnknownError
 from qkmonitor.measures.sharding import SplitHeadsError, is_dtensor, local_whole, partitioned
+from qkmonitor.measures.update_spectra import UPDATE_SPECTRUM_METRICS
 
-__all__ = ["UPDATE_METRICS", "UpdateSnapshot", "take_snapshot", "update_metrics"]
+__all__ = ["ROW_METRICS", "UPDATE_METRICS", "UpdateSnapshot", "take_snapshot", "update_metrics"]
 
 #: what :func:`update_metrics` gives, per layer one (H,) tensor each
-UPDATE_METRICS = ("q_update_ratio", "k_update_ratio", "q_grad_norm", "k_grad_norm")
+ROW_METRICS = ("q_update_ratio", "k_update_ratio", "q_grad_norm", "k_grad_norm")
+#: every metric of the update before a read: the rows' and the spectrum of the update to each
+#: head's query-key form (:mod:`qkmonitor.measures.update_spectra`)
+UPDATE_METRICS = ROW_METRICS + UPDATE_SPECTRUM_METRICS
 
 
 @dataclass
@@ -157,10 +161,10 @@ def update_metrics(snapshot: UpdateSnapshot, num_heads: list[int]) -> dict[str, 
             ratio = torch.where(group.size > 0, change / group.size, math.nan)
             for i, row in zip(group.members, ratio):
                 ratios[i] = row
-    out: dict[str, list[Tensor]] = {name: [] for name in UPDATE_METRICS}
+    out: dict[str, list[Tensor]] = {name: [] for name in ROW_METRICS}
     for mapped, heads in zip(snapshot.layers, num_heads):
         if mapped is None:
-            for name in UPDATE_METRICS:
+            for name in ROW_METRICS:
                 out[name].append(torch.full((heads,), math.nan, dtype=torch.float64))
             continue
         q, kv_index = mapped

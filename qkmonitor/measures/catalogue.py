@@ -96,6 +96,7 @@ _NO_UPDATE = (
     "no optimizer update was seen before the read (step 0; a plain loop's Monitoring without "
     "optimizer=), or the layer's family gives no query/key rows"
 )
+_ZERO_UPDATE = "the update moved neither W_Q^h nor W_K^g (a frozen step, a rate of 0): 0/0"
 
 CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -217,6 +218,31 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "optimizer's view",
         "||grad of W_K^g||_F, of the key head the head reads",
         undefined=_NO_UPDATE,
+    ),
+    MetricSpec(
+        "qk_update_entropy",
+        SPECTRUM,
+        True,
+        "fraction of log r",
+        (0.0, 1.0),
+        "low",
+        "optimizer's view",
+        "-sum p_i log p_i / log r, p_i = sigma_i / sum_j sigma_j over the singular values of the "
+        "update before the read to W_QK^h, its first-order term dW_Q W_K^T + W_Q dW_K^T; r = "
+        "min(2 d_k, d, d'): 1 = spread over every direction it can take, 0 = one (Huang et al. "
+        "2026)",
+        undefined=f"{_NO_UPDATE}; {_ZERO_UPDATE}",
+    ),
+    MetricSpec(
+        "qk_update_top_share",
+        SPECTRUM,
+        True,
+        "ratio",
+        (0.0, 1.0),
+        "high",
+        "optimizer's view",
+        "sigma_1 / sum_i sigma_i of that update: 1 = one direction carries it all",
+        undefined=f"{_NO_UPDATE}; {_ZERO_UPDATE}",
     ),
     MetricSpec(
         "entropy",

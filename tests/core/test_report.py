@@ -226,7 +226,8 @@ def test_table_final_min_max_match_event_accumulator(runs):
         "qk_spectral_norm",
     ]
     assert run.metrics[6:10] == ["q_update_ratio", "k_update_ratio", "q_grad_norm", "k_grad_norm"]
-    assert run.metrics[10:14] == ["entropy", "entropy_norm", "max_prob", "max_logit"]
+    assert run.metrics[10:12] == ["qk_update_entropy", "qk_update_top_share"]
+    assert run.metrics[12:16] == ["entropy", "entropy_norm", "max_prob", "max_logit"]
     assert {"hidden_erank", "hidden_collapse", "attn_erank"} <= set(run.metrics)
     assert run.final_step == max(events[-1][0] for events in expected.values())
     assert f"steps 0-{run.final_step}, 2 layer(s)" in report.text

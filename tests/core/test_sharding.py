@@ -210,7 +210,7 @@ class _Projections(nn.Module):
 
 def _update_metrics(mesh=None) -> dict[str, torch.Tensor]:
     """Two probed AdamW steps of ``_Projections`` (parallelized on ``mesh`` where given): the
-    spectrum's update and gradient metrics of the second."""
+    spectrum's update and gradient metrics of the second, and its update's spectrum."""
     import warnings
 
     from qkmonitor.engine import Monitoring, QKSpectrum
@@ -239,6 +239,7 @@ def _update_metrics(mesh=None) -> dict[str, torch.Tensor]:
                 optimizer.zero_grad()
     monitoring.close()
     names = ("q_update_ratio", "k_update_ratio", "q_grad_norm", "k_grad_norm")
+    names += ("qk_update_entropy", "qk_update_top_share")  # the update's spectrum likewise
     return {name: torch.stack(spectrum.latest[name]) for name in names}
 
 

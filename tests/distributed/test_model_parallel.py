@@ -52,6 +52,7 @@ def test_rank_zero_writes_what_one_process_writes(fits):
         "train_loss",
         "qkmonitor/q_update_ratio/layer_00_head_03",  # a head rank 1 computes
         "qkmonitor/k_grad_norm/layer_01_head_03",
+        "qkmonitor/qk_update_entropy/layer_01_head_03",  # the update's spectrum: rank 1's too
         "qkmonitor/entropy/layer_01_head_03",
         "qkmonitor/clip_factor/layer_00_head_03",
     ):

@@ -80,9 +80,11 @@ def copies_seen(monkeypatch):
     refs: list[weakref.ref] = []
     submit = WEIGHTS_WORKER.submit
 
-    def recording(job, weights):
-        refs.extend(weakref.ref(t) for w in weights for t in (w.w_q, w.w_k))
-        return submit(job, weights)
+    def recording(job, weights, *args):
+        # the spectrum's job (the weights), then the update spectrum's (pairs: before, after)
+        held = [w for item in weights for w in (item if isinstance(item, tuple) else (item,))]
+        refs.extend(weakref.ref(t) for w in held for t in (w.w_q, w.w_k))
+        return submit(job, weights, *args)
 
     monkeypatch.setattr(WEIGHTS_WORKER, "submit", recording)
     gc.disable()

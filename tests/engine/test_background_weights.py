@@ -60,7 +60,7 @@ def test_the_worker_logs_what_the_synchronous_path_logs_bit_for_bit():
 
 
 def test_the_spectrum_is_computed_on_the_worker_from_a_copy_freed_once_read(monkeypatch):
-    threads, copies, pointers = [], [], set()
+    threads, copies, pointers, jobs = [], [], set(), []
     original_submit = WEIGHTS_WORKER.submit
     original_spectrum = spectrum_module.spectrum_of_layers
 
@@ -68,10 +68,13 @@ def test_the_spectrum_is_computed_on_the_worker_from_a_copy_freed_once_read(monk
         threads.append(threading.current_thread().name)
         return original_spectrum(weights)
 
-    def submit(job, weights):
-        copies.extend(weakref.ref(t) for w in weights for t in (w.w_q, w.w_k))
-        pointers.update(t.data_ptr() for w in weights for t in (w.w_q, w.w_k))
-        return original_submit(job, weights)
+    def submit(job, weights, *args):
+        # the spectrum's job (the weights), then the update spectrum's (pairs: before, after)
+        held = [w for item in weights for w in (item if isinstance(item, tuple) else (item,))]
+        copies.extend(weakref.ref(t) for w in held for t in (w.w_q, w.w_k))
+        pointers.update(t.data_ptr() for w in held for t in (w.w_q, w.w_k))
+        jobs.append(job.__name__)
+        return original_submit(job, weights, *args)
 
     monkeypatch.setattr(spectrum_module, "spectrum_of_layers", spectrum_on_record)
     monkeypatch.setattr(WEIGHTS_WORKER, "submit", submit)
@@ -89,6 +92,8 @@ def test_the_spectrum_is_computed_on_the_worker_from_a_copy_freed_once_read(monk
                 assert engine.schedule.latest_step == 0 and not engine.probing
                 assert copies and all(c() is None for c in copies)
     assert pointers and not pointers & parameters  # the worker read copies, not the parameters
+    assert jobs == ["spectrum_on_record", "spectrum_on_record", "update_spectra"]  # step 2's
+    assert all(c() is None for c in copies)  # the update spectrum's copies went with its job
     assert threads and all(name.startswith("qkmonitor-weights") for name in threads)
 
 

@@ -254,12 +254,12 @@ def test_lightning_fit_reads_the_update_before_each_probe(tmp_path):
 
 
 def test_a_comparison_that_fails_warns_once_and_training_goes_on(monkeypatch):
-    import qkmonitor.engine.spectrum as spectrum_module
+    import qkmonitor.engine.optimizer_view as view_module
 
     def broken(snapshot, heads):
         raise RuntimeError("unreadable")
 
-    monkeypatch.setattr(spectrum_module, "update_metrics", broken)
+    monkeypatch.setattr(view_module, "update_metrics", broken)
     model = decoder()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     engine = QKSpectrum()
