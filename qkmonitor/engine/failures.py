@@ -3,8 +3,8 @@
 A monitor never stops a fit for a metric problem: an exception raised while measuring, aggregating,
 reading weights, computing or recording becomes one warning naming the engine's layers
 (:func:`guarded`, used by :class:`~qkmonitor.engine.group.EngineGroup` and
-:func:`~qkmonitor.engine.activation.finish_windows` around each engine's part of every hook), and the
-engine's open window is dropped. What passes through (:func:`passes_through`) is what the user
+:func:`~qkmonitor.engine.activation.finish_windows` around each engine's part of every hook), and
+the engine's open window is dropped. What passes through (:func:`passes_through`) is what the user
 asked for or must fix: an alert with ``alert_action="raise"``, an exception of the user's own
 ``on_alert``, a configuration error (a ``ValueError`` or ``TypeError`` while binding, a monitor
 that can read none of its layers: :class:`MeasuresNothingError`), and anything that is not an
