@@ -96,6 +96,7 @@ from qkmonitor.models.tasks.base import lr_factor
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/families.py
 
 from families import FAMILIES, FAULTS, Family, Fault, fault_start
+from intervals import fmt_share, median_interval, share
 
 from qkmonitor.alerts import (
     DEFAULT_RULES,
@@ -111,6 +112,7 @@ from qkmonitor.alerts import (
     Alert,
     AlertRule,
 )
+from qkmonitor.alerts.rules import LOSS_SIGNALS
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClipEngine, QKSpectrum
 from qkmonitor.models.attention import MultiHeadAttention
 
@@ -124,6 +126,8 @@ WARMUP = 50  # linear warmup steps of the warmup arm
 #: bumped when what a run records changes; a cached run of another version is trained again
 #: (3: the spectrum's q/k update and gradient metrics, the output logits' run values; issue 31)
 RECORD_VERSION = 3
+#: environment variable: torch threads per run (default 1)
+THREADS_ENV = "QKMONITOR_SWEEP_THREADS"
 #: a probe's key for its run values (``{name: value}``), beside its metrics
 RUN = "run"
 #: where the bundled models keep their transformer blocks (Muon's 2-D weights, ``--arms``)
@@ -330,9 +334,9 @@ def _alert_row(alert: Alert) -> dict[str, Any]:
 
 def train_run(spec: RunSpec) -> RunRecord:
     """Train one run with the monitors and their default rules; record losses, probes and alerts."""
-    torch.set_num_threads(
-        1
-    )  # one process per core: threads only fight each other on a shared machine
+    # one process per core: threads only fight each other on a shared machine; THREADS_ENV
+    # (benchmarks/margins.py) trains in another environment, two threads per run
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
     logging.getLogger("qkmonitor").setLevel(
         logging.WARNING
     )  # the discovery line, once per run: noise here
@@ -712,6 +716,7 @@ def summary(scored: list[Scored]) -> dict[str, Any]:
             "healthy_alerted": sum(s.first_alert is not None for s in healthy),
             "false_alarm_runs": len(alerted) - len(hits),
             "per_rule": {rule: _rule_stats(runs, rule) for rule in rules},
+            "intervals": detector_figures([_verdict(s) for s in runs]),
         }
 
     families = sorted({s.record.spec.family for s in scored})
@@ -727,6 +732,59 @@ def summary(scored: list[Scored]) -> dict[str, Any]:
         "all": block([s for s in scored if s.record.spec.split != HELD_OUT]),
     }
     out.update({f: block([s for s in scored if s.record.spec.family == f]) for f in families})
+    return out
+
+
+#: issue 61's targets: late failures flagged in time, healthy runs alerted
+TARGET_IN_TIME = 0.8
+TARGET_HEALTHY_ALERTED = 1 / 40
+
+
+def _verdict(s: Scored) -> dict[str, Any]:
+    """The fields of a run's verdict that :func:`detector_figures` reads (as the JSON has them)."""
+    return {"status": s.status, "separation": s.separation, "first_alert": s.first_alert,
+            "lead": s.lead, "in_time": s.in_time}  # fmt: skip
+
+
+def detector_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 61's figures of a set of runs (verdicts as :func:`_verdict` or the JSON's run rows
+    give them), each proportion with its 95 % Wilson interval (``intervals.share``): late
+    failures flagged in time, early ones by the next probe, healthy runs alerted; the median lead
+    of the failed runs flagged, with its order-statistic interval and that interval's coverage;
+    whether each target is met (by the share itself) and by how much it is missed."""
+    failed = [r for r in rows if r["status"] == "failed"]
+    late = [r for r in failed if r["separation"] is not None and r["separation"] > EARLY]
+    early = [r for r in failed if r["separation"] is not None and r["separation"] <= EARLY]
+    healthy = [r for r in rows if r["status"] == "healthy"]
+    leads = [r["lead"] for r in failed if r["lead"] is not None]
+    interval = median_interval(leads)
+    in_time = share(sum(bool(r["in_time"]) for r in late), len(late))
+    alerted = share(sum(r["first_alert"] is not None for r in healthy), len(healthy))
+    return {
+        "late_in_time": in_time,
+        "early_in_time": share(sum(bool(r["in_time"]) for r in early), len(early)),
+        "healthy_alerted": alerted,
+        "median_lead": {
+            "median": statistics.median(leads) if leads else None,
+            "interval": None if interval is None else list(interval[:2]),
+            "coverage": None if interval is None else round(interval[2], 4),
+            "method": "order statistics (binomial)",
+        },
+        "targets": _targets(in_time, alerted),
+    }
+
+
+def _targets(in_time: dict[str, Any], alerted: dict[str, Any]) -> dict[str, Any]:
+    """Each target met or not (by the share), and the points it is missed by."""
+    out = {}
+    for name, figure, target, better in (
+        ("late_in_time >= 0.8", in_time, TARGET_IN_TIME, 1),
+        ("healthy_alerted <= 1/40", alerted, TARGET_HEALTHY_ALERTED, -1),
+    ):
+        if figure["share"] is None:
+            continue
+        missed_by = max(0.0, better * (target - figure["share"]))
+        out[name] = {"met": missed_by == 0, "missed_by": round(missed_by, 4)}
     return out
 
 
@@ -1022,8 +1080,25 @@ def fault_row(s: Scored) -> dict[str, Any]:
         else first <= -(-separation // EVERY) * EVERY,
         "halfway": None if separation is None or first is None
         else first <= start + (separation - start) / 2,
+        "halfway_rule": None if separation is None else _halfway_rule(rules, start, separation),
         "rules": rules, "seconds": s.record.seconds,
     }  # fmt: skip
+
+
+#: rules that wait for the loss to go wrong (a condition on the loss itself, e.g. loss_vs_best:
+#: logit_plateau); a loss gate, which only keeps a rule quiet while the loss falls, does not count
+LOSS_RULES = frozenset(
+    r.name for r in (*DEFAULT_RULES, *(rule for rule, _ in OPT_IN))
+    if any(c.metric in LOSS_SIGNALS for c in r.also)
+)  # fmt: skip
+
+
+def _halfway_rule(rules: dict[str, int], start: int, separation: int) -> str | None:
+    """The first rule that reads the weights or the attention (not one of :data:`LOSS_RULES`)
+    to fire no later than halfway from the fault's step to the separation; None if none did."""
+    early = [(step, rule) for rule, step in rules.items() if rule not in LOSS_RULES]
+    early = [(step, rule) for step, rule in early if step <= start + (separation - start) / 2]
+    return min(early)[1] if early else None
 
 
 def fault_summary(scored: list[Scored]) -> dict[str, Any]:
@@ -1051,9 +1126,41 @@ def fault_summary(scored: list[Scored]) -> dict[str, Any]:
                 "by_next_probe": sum(bool(r["by_next_probe"]) for r in failed),
                 "halfway": sum(bool(r["halfway"]) for r in failed),
                 "median_lead": statistics.median(leads) if leads else None,
+                "intervals": fault_figures(rows),
             }  # fmt: skip
-        out["families"][family] = {"sweep": summary(runs)[family], "arms": arms}
+        groups = {
+            fault: fault_figures([fault_row(s) for s in runs if s.record.spec.fault == fault])
+            for fault in dict.fromkeys(s.record.spec.fault for s in runs)
+        }
+        out["families"][family] = {"sweep": summary(runs)[family], "arms": arms, "faults": groups}
     return out
+
+
+def fault_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 61's figures of fault-family runs (:func:`fault_row`), each proportion with its 95 %
+    Wilson interval: of the failed runs, flagged in time (>= 10 steps ahead), by the next probe,
+    by halfway, and by halfway by a rule that reads the weights or the attention (not one that
+    waits for the loss: :data:`LOSS_RULES`), with the rules that did; of all the runs, those
+    alerted (for a twin: a healthy run alerted); the median lead with its order-statistic
+    interval."""
+    failed = [r for r in rows if r["status"] == "failed"]
+    leads = [r["lead"] for r in failed if r["lead"] is not None]
+    interval = median_interval(leads)
+    return {
+        "in_time": share(sum(bool(r["in_time"]) for r in failed), len(failed)),
+        "by_next_probe": share(sum(bool(r["by_next_probe"]) for r in failed), len(failed)),
+        "halfway": share(sum(bool(r["halfway"]) for r in failed), len(failed)),
+        "halfway_weights_or_attention": share(
+            sum(r["halfway_rule"] is not None for r in failed), len(failed)
+        ),
+        "halfway_rules": sorted({r["halfway_rule"] for r in failed} - {None}),
+        "alerted": share(sum(r["first_alert"] is not None for r in rows), len(rows)),
+        "median_lead": {
+            "median": statistics.median(leads) if leads else None,
+            "interval": None if interval is None else list(interval[:2]),
+            "coverage": None if interval is None else round(interval[2], 4),
+        },
+    }
 
 
 def _arm_name(fault: str | None, magnitude: float | None) -> str:
@@ -1098,6 +1205,67 @@ def fault_tables(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _cell(figure: dict[str, Any]) -> str:
+    """A :func:`intervals.share` as a table cell: ``"16/27 (59 %; 41–75 %)"``."""
+    return fmt_share(figure["k"], figure["n"]) if figure["n"] else "—"
+
+
+def _lead_cell(lead: dict[str, Any]) -> str:
+    """A median lead with its order-statistic interval and coverage, or ``—``."""
+    if lead["median"] is None:
+        return "—"
+    low, high = lead["interval"]
+    return f"{lead['median']:g} ({low:g} to {high:g}, {100 * lead['coverage']:.0f} %)"
+
+
+def figures_table(stats: dict[str, Any]) -> str:
+    """Markdown: issue 61's detector figures of the sweep's sets (validation, each of its seeds,
+    calibration), each proportion with its 95 % Wilson interval, and the targets."""
+    lines = [
+        (
+            "| set | late failures flagged >= 10 steps ahead | early failures flagged by the next "
+            "probe | median lead (steps; interval, coverage) | healthy runs alerted | targets met |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
+    for name in [k for k in stats if k.startswith("validation") or k == "calibration"]:
+        f = stats[name]["intervals"]
+        targets = ", ".join(
+            f"{t}: " + ("yes" if v["met"] else f"no, by {100 * v['missed_by']:.1f} points")
+            for t, v in f["targets"].items()
+        )
+        cells = (name, _cell(f["late_in_time"]), _cell(f["early_in_time"]),
+                 _lead_cell(f["median_lead"]), _cell(f["healthy_alerted"]), targets)  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def fault_figures_table(stats: dict[str, Any]) -> str:
+    """Markdown: issue 61's detector figures of each fault family, per fault (all its arms) and
+    per arm, each proportion with its 95 % Wilson interval."""
+    lines = [
+        (
+            "| family | arms | failed / runs | failed flagged >= 10 steps ahead | by the next "
+            "probe | by halfway | by halfway, by a weight or attention rule (which) | median lead "
+            "(steps; interval, coverage) | runs alerted |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for family, fam in stats["families"].items():
+        rows = [(f"{fault or 'twin'} (all)", g) for fault, g in fam["faults"].items()]
+        rows += [(arm, a["intervals"]) for arm, a in fam["arms"].items() if arm != "twin"]
+        for arm, f in rows:
+            which = ", ".join(f"`{r}`" for r in f["halfway_rules"])
+            cells = (
+                family, arm, f"{f['in_time']['n']} / {f['alerted']['n']}", _cell(f["in_time"]),
+                _cell(f["by_next_probe"]), _cell(f["halfway"]),
+                _cell(f["halfway_weights_or_attention"]) + (f": {which}" if which else ""),
+                _lead_cell(f["median_lead"]), _cell(f["alerted"]),
+            )  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report_faults(scored: list[Scored], args: argparse.Namespace, suffix: str) -> dict[str, Any]:
     """The fault families' figure, JSON (``instability_faults{suffix}.*``) and tables."""
     stats = fault_summary(scored)
@@ -1111,6 +1279,7 @@ def report_faults(scored: list[Scored], args: argparse.Namespace, suffix: str) -
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"settings": settings, "summary": stats}, indent=1) + "\n")
     print(fault_tables(stats) + "\n")
+    print(fault_figures_table(stats) + "\n")
     return stats
 
 
@@ -1354,7 +1523,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="train nothing: print the evidence of cached runs probe by probe (their keys, e.g. "
         "charlm-lr0.03-qk0-s0-w0-n250), for fitting rules on the calibration set",
     )
+    parser.add_argument(
+        "--intervals-from-json",
+        type=Path,
+        metavar="JSON",
+        help="train nothing: add the 95 %% intervals to a written sweep JSON from its run rows "
+        "(e.g. docs/instability.json, whose runs are not cached here) and print their table",
+    )
     args = parser.parse_args(argv)
+    if args.intervals_from_json:
+        stats = intervals_from_json(args.intervals_from_json)
+        print(figures_table(stats))
+        return stats
     if args.trajectory:
         for key in args.trajectory:
             print(trajectory(key, args.cache))
@@ -1434,11 +1614,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     write_json(scored, stats, args.out / f"instability{suffix}.json", settings)
     print(tables(scored, stats))
+    print("\n" + figures_table(stats))
     print(
         f"\n{len(specs)} runs ({len(fresh)} trained now) in {time.perf_counter() - start:.0f} s; "
         f"figure {args.out / f'instability{suffix}.png'}"
     )
     return stats
+
+
+def intervals_from_json(path: Path) -> dict[str, Any]:
+    """Add :func:`detector_figures` (``"intervals"``) to each block of a written sweep JSON from
+    its run rows (each run's verdict is there), for a JSON whose cached runs are not at hand;
+    ``--replay`` writes the same from the runs. Checks each block's counts against the ones it
+    holds first; the rest of the file is left as it is."""
+    data = json.loads(path.read_text())
+    runs = data["runs"]
+    for name, block in data["summary"].items():
+        if name == "opt_in":
+            continue
+        if name.startswith("validation, seed "):
+            seed = int(name.removeprefix("validation, seed "))
+            rows = [r for r in runs if r["split"] == "validation" and r["seed"] == seed]
+        elif name in ("validation", "calibration"):
+            rows = [r for r in runs if r["split"] == name]
+        elif name == "all":
+            rows = [r for r in runs if r["split"] != HELD_OUT]
+        else:
+            rows = [r for r in runs if r["family"] == name]
+        f = detector_figures(rows)
+        counts = (
+            (f["late_in_time"]["k"], f["late_in_time"]["n"]),
+            (f["early_in_time"]["k"], f["early_in_time"]["n"]),
+            (f["healthy_alerted"]["k"], f["healthy_alerted"]["n"]),
+            f["median_lead"]["median"],
+        )
+        held = (
+            (block["late_in_time"], block["late_separating"]),
+            (block["early_in_time"], block["early_separating"]),
+            (block["healthy_alerted"], block["healthy"]),
+            block["median_lead"],
+        )
+        if counts != held:
+            raise ValueError(f"{path}: block {name!r} holds {held}, its runs give {counts}")
+        block["intervals"] = f
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data["summary"]
 
 
 #: what ``--trajectory`` prints a probe: the largest head's value of each metric, the run values
