@@ -1129,7 +1129,9 @@ def fault_summary(scored: list[Scored]) -> dict[str, Any]:
                 "intervals": fault_figures(rows),
             }  # fmt: skip
         groups = {
-            fault: fault_figures([fault_row(s) for s in runs if s.record.spec.fault == fault])
+            fault or "twin": fault_figures(
+                [fault_row(s) for s in runs if s.record.spec.fault == fault]
+            )
             for fault in dict.fromkeys(s.record.spec.fault for s in runs)
         }
         out["families"][family] = {"sweep": summary(runs)[family], "arms": arms, "faults": groups}
@@ -1252,7 +1254,7 @@ def fault_figures_table(stats: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for family, fam in stats["families"].items():
-        rows = [(f"{fault or 'twin'} (all)", g) for fault, g in fam["faults"].items()]
+        rows = [(f"{fault} (all)", g) for fault, g in fam["faults"].items()]
         rows += [(arm, a["intervals"]) for arm, a in fam["arms"].items() if arm != "twin"]
         for arm, f in rows:
             which = ", ".join(f"`{r}`" for r in f["halfway_rules"])
