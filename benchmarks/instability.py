@@ -63,6 +63,12 @@ Usage::
     python benchmarks/instability.py --arms --clip-tau 30
     # an earlier round's defaults on the same runs
     python benchmarks/instability.py --replay --round-rules 2
+    # issue 61's 95 % intervals added to a written JSON from its run rows (no cached runs needed)
+    python benchmarks/instability.py --intervals-from-json docs/instability.json
+
+Every summary block (and fault arm) carries ``"intervals"``: each proportion with its 95 % Wilson
+interval and the median lead with its order-statistic interval (``intervals.py``).
+``QKMONITOR_SWEEP_THREADS=2`` trains with two torch threads a run (``margins.py``).
 
 The full sweep (240 runs) takes about 22 min on 2 cores, and the fault families' 50 runs 15 min on
 2 shared ones; ``--quick`` about 2 min, and 1.5 min more for its 4 fault-family runs (seed 0's twin
@@ -1476,7 +1482,8 @@ def draw_arms(records: list[RunRecord], tau: float, path: Path) -> None:
     figure.savefig(path)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rates, 1 seed, 60 %% of the steps")
     parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
@@ -1532,7 +1539,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="train nothing: add the 95 %% intervals to a written sweep JSON from its run rows "
         "(e.g. docs/instability.json, whose runs are not cached here) and print their table",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
     if args.intervals_from_json:
         stats = intervals_from_json(args.intervals_from_json)
         print(figures_table(stats))
