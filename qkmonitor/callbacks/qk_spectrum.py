@@ -65,6 +65,8 @@ class QKSpectrumMonitor(AttentionMonitor):
         background_weights: compute the spectrum on a worker thread from a copy of the weights,
             logged at the end of the next batch at its own step (``None``, the default: where the
             weights are on a GPU; on a CPU the worker would compete with training for the cores).
+        update_spectrum: also log the spectrum of each head's query-key update over the step
+            before each read (``qk_update_entropy``, ``qk_update_top_share``; off by default).
 
     Example::
 
@@ -90,8 +92,14 @@ class QKSpectrumMonitor(AttentionMonitor):
         visuals_every_n_probes: int = MonitorOptions.visuals_every_n_probes,
         defer_reads: bool | None = MonitorOptions.defer_reads,
         background_weights: bool | None = None,
+        update_spectrum: bool = False,
     ) -> None:
         options = MonitorOptions.pick(locals())
-        super().__init__(QKSpectrum(options=options, background_weights=background_weights))
+        engine = QKSpectrum(
+            options=options,
+            background_weights=background_weights,
+            update_spectrum=update_spectrum,
+        )
+        super().__init__(engine)
         # the hooks are AttentionMonitor's: the weights are read at step 0 and after the update
         # that ends each n-th step, the first batch checks the layouts of layers read by name

@@ -74,7 +74,8 @@ class OptimizerView:
                 f"{why}",
                 logging_rank_only=TENSOR_PARALLEL in why,
             )
-        self._weights_before = self._copy_weights(host, snapshot.layers, step)
+        if self.update_spectrum:  # (off: no copy of the weights)
+            self._weights_before = self._copy_weights(host, snapshot.layers, step)
 
     def _copy_weights(self, host: Host, mapped: list, step: int) -> list[QKWeights | None]:
         """Each layer's W_Q/W_K as the spectrum reads them, copied, where the snapshot reads its

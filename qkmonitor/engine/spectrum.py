@@ -51,6 +51,7 @@ from qkmonitor.measures.sharding import (
     gather_heads,
     gathered,
 )
+from qkmonitor.measures.update_spectra import UPDATE_SPECTRUM_METRICS
 from qkmonitor.validation import check_bool
 
 __all__ = ["QKSpectrum"]
@@ -77,6 +78,11 @@ class QKSpectrum(OptimizerView, MonitorEngine):
     weights, until that check has kept a layout; a layer whose layout fails the check, or whose
     weights are not found at all, is logged as NaN with one warning naming it.
 
+    ``update_spectrum``: also log ``qk_update_entropy`` and ``qk_update_top_share``, the spectrum
+    of each head's query-key update over the step before the read (off by default: it copies
+    W_Q/W_K before the update and solves as many eigenproblems again as the spectrum, which on a
+    CPU is more than the default probe's budget; no default rule reads it yet).
+
     ``background_weights``: compute the spectrum on a worker thread from a copy of the weights
     taken at the read, and log it at the end of the next batch, at its own step
     (:mod:`qkmonitor.engine.background`); ``None`` (the default) does so where the weights are on
@@ -87,11 +93,27 @@ class QKSpectrum(OptimizerView, MonitorEngine):
     monitor = SPECTRUM
     default_rules = (KAPPA_RULE,)
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The spectrum's metrics, the update spectrum's only with ``update_spectrum``."""
+        names = super().metric_names
+        if self.update_spectrum:
+            return names
+        return tuple(n for n in names if n not in UPDATE_SPECTRUM_METRICS)
+
     reads_weights = True
 
-    def __init__(self, *, background_weights: bool | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        background_weights: bool | None = None,
+        update_spectrum: bool = False,
+        **kwargs: Any,
+    ) -> None:
         if background_weights is not None:
             check_bool("background_weights", background_weights)
+        check_bool("update_spectrum", update_spectrum)
+        self.update_spectrum = update_spectrum  # (before the base reads metric_names)
         super().__init__(**kwargs)
         self.background_weights = background_weights
         self._in_flight: list[InFlightRead] = []  # reads whose spectrum a worker computes
@@ -362,11 +384,14 @@ class QKSpectrum(OptimizerView, MonitorEngine):
         defer: bool | None = None,
     ) -> None:
         read.merge(merged)
-        spectra, values = read.spectra, read.values
+        spectra, values, logged = read.spectra, read.values, self.metric_names
         histograms = partial(self._histograms, spectra.singular_values)  # made when drawn
         self.record(
             host,
-            {**spectra.metrics, **{m: [v.float() for v in values[m]] for m in UPDATE_METRICS}},
+            {
+                **spectra.metrics,
+                **{m: [v.float() for v in values[m]] for m in UPDATE_METRICS if m in logged},
+            },
             read.step,
             undefined={**spectra.undefined, **read.undefined},
             histograms=histograms,

@@ -38,7 +38,7 @@ COMMON = [
 @pytest.mark.parametrize(
     "cls, extra",
     [
-        (QKSpectrumMonitor, ["background_weights"]),
+        (QKSpectrumMonitor, ["background_weights", "update_spectrum"]),
         (AttentionEntropyMonitor, ["probe_validation", "sink_tokens"]),
         (
             EffectiveRankMonitor,

@@ -91,7 +91,7 @@ def runs(tmp_path_factory):
         root,
         "plain",
         [
-            QKSpectrumMonitor(every_n_steps=1, per_head=True),
+            QKSpectrumMonitor(every_n_steps=1, per_head=True, update_spectrum=True),
             AttentionEntropyMonitor(every_n_steps=1, per_head=True),
             EffectiveRankMonitor(every_n_steps=2),
         ],

@@ -227,7 +227,7 @@ def _update_metrics(mesh=None) -> dict[str, torch.Tensor]:
         plan = {f"0.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
         parallelize_module(model, mesh, plan | {"0.o_proj": RowwiseParallel()})
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    spectrum = QKSpectrum(per_head=True)
+    spectrum = QKSpectrum(per_head=True, update_spectrum=True)
     monitoring = Monitoring(model, [spectrum], every_n_steps=1, optimizer=optimizer)
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():

@@ -106,7 +106,7 @@ def fit(out_dir: str, kv_heads: int, parallel: bool, named: bool = False) -> Non
         callbacks=[
             # the rank engine's default 4 probe sequences: the whole batch, on each of the
             # tensor-parallel ranks (one data-parallel replica), as in one process
-            QKMonitor(every_n_steps=1, per_head=True),
+            QKMonitor(every_n_steps=1, per_head=True, spectrum={"update_spectrum": True}),
             QKClip(tau=TAU, per_head=True),
         ],
         log_every_n_steps=1,

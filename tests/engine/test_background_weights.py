@@ -80,7 +80,7 @@ def test_the_spectrum_is_computed_on_the_worker_from_a_copy_freed_once_read(monk
     monkeypatch.setattr(WEIGHTS_WORKER, "submit", submit)
     model = decoder()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    engine = QKSpectrum(background_weights=True)
+    engine = QKSpectrum(background_weights=True, update_spectrum=True)
     parameters = {p.data_ptr() for p in model.parameters()}
     with Monitoring(model, [engine], every_n_steps=2, optimizer=optimizer) as monitoring:
         for step in range(3):

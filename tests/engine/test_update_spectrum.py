@@ -32,7 +32,8 @@ def run(model, weights_of, *, lr=0.05, background=False, steps=3, every=2):
     read after the last probed update, from ``weights_of(model)`` (per layer (w_q, w_k, H, H_kv))
     copied before and after it."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    engine, sink = QKSpectrum(per_head=True, background_weights=background), MemorySink()
+    engine = QKSpectrum(per_head=True, background_weights=background, update_spectrum=True)
+    sink = MemorySink()
     truth = {}
     with Monitoring(model, [engine], writer=sink, every_n_steps=every, optimizer=optimizer) as m:
         for step in range(steps):
@@ -118,3 +119,23 @@ def test_the_dashboards_chart_them_with_the_optimizers_view():
         "qk_update_entropy (a line per layer)",
         "qk_update_top_share (a line per layer)",
     ]
+
+
+def test_off_by_default_it_logs_nothing_of_it_and_copies_no_weights():
+    model = decoder()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    engine, sink = QKSpectrum(per_head=True), MemorySink()
+    copies = []
+    with Monitoring(model, [engine], writer=sink, every_n_steps=2, optimizer=optimizer) as m:
+        for step in range(3):
+            with m.step(step):
+                model(TOKENS).logsumexp(-1).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                copies.append(list(engine._weights_before))  # taken before the update, if at all
+    assert not engine.update_spectrum and not any(copies)
+    assert not set(NAMES) & set(engine.metric_names) and not set(NAMES) & set(engine.latest)
+    assert not [tag for tag, _, _ in sink.scalars if "qk_update" in tag]
+    assert [tag for tag, _, _ in sink.scalars if "q_update_ratio" in tag]  # the rest is there
+    with pytest.raises(ValueError, match="Expected `update_spectrum` to be a bool"):
+        QKSpectrum(update_spectrum="yes")
