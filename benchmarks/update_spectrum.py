@@ -14,10 +14,17 @@ and the memory the update's spectrum holds for one step (its copy of W_Q and W_K
 update, as large as the update ratios' copy of the rows), with the largest difference of the top
 singular values from the dense float64 reference, relative to σ_1. Best of ``--repeats``.
 
+With ``--probed-step``: what turning it on (``QKSpectrum(update_spectrum=True)``) adds to a probe
+of a plain loop on the default model (d 64, 2 layers, 4 heads, one torch thread): two
+``Monitoring`` loops, with and without it, stepped in turns in one process; a probe's time is its
+two batches' (the one whose update is copied before it, and the probe's, whose start reads the
+weights after it), the median over the probes.
+
 Usage::
 
     python benchmarks/update_spectrum.py
     python benchmarks/update_spectrum.py --quick    # smaller shapes, a few seconds
+    python benchmarks/update_spectrum.py --probed-step
 """
 
 from __future__ import annotations
@@ -99,13 +106,58 @@ def run_case(case, repeats: int, dense_heads: int) -> None:
     )
 
 
+def probed_step(steps: int = 200, every: int = 2) -> None:
+    """Print the median time of a probe's two batches in two plain loops stepped in turns, with
+    and without the update spectrum (see the module docstring)."""
+    import statistics
+
+    from qkmonitor.engine import Monitoring, QKSpectrum
+    from qkmonitor.models import DecoderLM, TransformerConfig
+
+    torch.set_num_threads(1)
+    tokens = torch.randint(0, 64, (16, 64), generator=torch.Generator().manual_seed(0))
+    loops = {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        config = TransformerConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+        model = DecoderLM(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        monitoring = Monitoring(model, [QKSpectrum(update_spectrum=on)], every_n_steps=every,
+                                optimizer=optimizer)  # fmt: skip
+        loops[on] = (model, optimizer, monitoring.__enter__())
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for step in range(steps):
+        for on in (False, True) if step % 2 else (True, False):  # each first in turn
+            model, optimizer, monitoring = loops[on]
+            start = time.perf_counter()
+            with monitoring.step(step):
+                model(tokens).logsumexp(-1).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            times[on].append(time.perf_counter() - start)
+    for _, _, monitoring in loops.values():
+        monitoring.__exit__(None, None, None)
+    probes = range(2 * every, steps, every)  # the batch before copies, the probe's start reads
+    off, on = (
+        statistics.median(times[k][s - 1] + times[k][s] for s in probes) * 1e3 for k in (0, 1)
+    )
+    print(f"a probe's two batches, median of {len(probes)}: without the update spectrum "
+          f"{off:.2f} ms, with it {on:.2f} ms: +{on - off:.2f} ms")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dense-heads", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument(
+        "--probed-step", action="store_true", help="what it adds to a probe when on"
+    )
     args = parser.parse_args()
+    if args.probed_step:
+        probed_step()
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 weights, CPU")
