@@ -5,29 +5,13 @@ the twin."""
 
 from __future__ import annotations
 
-import argparse
-
-import pytest
 import torch
 
 from qkmonitor.models import DecoderLM, TransformerConfig
 
 
-@pytest.fixture(scope="module")
-def instability(benchmark_module):
-    return benchmark_module("instability")
-
-
-def args(instability, **changes) -> argparse.Namespace:
-    base = {
-        "families": list(instability.FAMILIES), "quick": False,
-        "seeds": list(instability.SEEDS), "warmups": [instability.WARMUP, 0], "qk_norm": False,
-    }  # fmt: skip
-    return argparse.Namespace(**{**base, **changes})
-
-
-def test_the_fault_families_are_held_out_with_a_twin_per_seed(instability):
-    specs = instability.sweep(args(instability))
+def test_the_fault_families_are_held_out_with_a_twin_per_seed(instability, sweep_args):
+    specs = instability.sweep(sweep_args())
     for name, fault in instability.FAULTS.items():
         runs = [s for s in specs if s.family == name]
         assert {s.split for s in runs} == {instability.HELD_OUT}
@@ -41,7 +25,7 @@ def test_the_fault_families_are_held_out_with_a_twin_per_seed(instability):
     assert len({s.key for s in specs}) == len(specs)
     # the rest of the sweep is the 240 runs it was (calibration and validation)
     assert sum(s.split != instability.HELD_OUT for s in specs) == 240
-    quick = instability.sweep(args(instability, quick=True, seeds=[0]))
+    quick = instability.sweep(sweep_args(quick=True, seeds=[0]))
     numfault = [(s.fault, s.magnitude) for s in quick if s.family == "numfault"]
     assert numfault == [(None, None), ("inject", 1.0)]
 

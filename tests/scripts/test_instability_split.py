@@ -4,28 +4,15 @@ probe's run values (the output logits') reach the rules again when the run is re
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from qkmonitor.alerts import AlertRule, Condition, LogitGrowthWarning
 
 
-@pytest.fixture(scope="module")
-def instability(benchmark_module):
-    return benchmark_module("instability")
-
-
-def args(instability, **changes) -> argparse.Namespace:
-    base = {
-        "families": list(instability.FAMILIES), "quick": False,
-        "seeds": list(instability.SEEDS), "warmups": [instability.WARMUP, 0], "qk_norm": False,
-    }  # fmt: skip
-    return argparse.Namespace(**{**base, **changes})
-
-
-def test_the_split_keeps_seeds_3_and_4_and_the_unseen_family_for_validation(instability):
-    specs = instability.sweep(args(instability))
+def test_the_split_keeps_seeds_3_and_4_and_the_unseen_family_for_validation(
+    instability, sweep_args
+):
+    specs = instability.sweep(sweep_args())
     calibration = {(s.family, s.seed) for s in specs if s.split == "calibration"}
     validation = {(s.family, s.seed) for s in specs if s.split == "validation"}
     assert {seed for _, seed in calibration} == {0, 1, 2}
@@ -34,7 +21,7 @@ def test_the_split_keeps_seeds_3_and_4_and_the_unseen_family_for_validation(inst
     sorting = [s for s in specs if s.family == "sorting"]
     assert {s.seed for s in sorting} == {3, 4} and {s.warmup for s in sorting} == {0}
     assert len(sorting) == 2 * len(instability.FAMILIES["sorting"].lrs)
-    quick = instability.sweep(args(instability, quick=True, seeds=[0]))
+    quick = instability.sweep(sweep_args(quick=True, seeds=[0]))
     assert {s.seed for s in quick if s.family == "sorting"} == {3}
 
 
