@@ -25,7 +25,7 @@ from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.engine.background import WEIGHTS_WORKER
 from qkmonitor.engine.host import Host
 from qkmonitor.engine.spectrum_read import heads_of
-from qkmonitor.engine.updates import UPDATE_METRICS, take_snapshot, update_metrics
+from qkmonitor.engine.updates import ROW_METRICS, UPDATE_METRICS, take_snapshot, update_metrics
 from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.measures.sharding import is_dtensor, local_whole
 from qkmonitor.measures.update_spectra import UPDATE_SPECTRUM_METRICS, update_spectra
@@ -122,7 +122,8 @@ class OptimizerView:
                     "(shown once)",
                 )
         self._read_before = before if values is not None else []
-        nan = {name: [torch.full((h,), math.nan) for h in heads] for name in UPDATE_METRICS}
+        names = UPDATE_METRICS if self.update_spectrum else ROW_METRICS  # (those it logs)
+        nan = {name: [torch.full((h,), math.nan) for h in heads] for name in names}
         undefined = {name: [torch.ones(h, dtype=torch.bool) for h in heads] for name in nan}
         if values is not None:
             for name, per_layer in values.items():

@@ -37,7 +37,7 @@ from qkmonitor.engine.spectrum_read import (
     split_layers,
 )
 from qkmonitor.engine.updates import UPDATE_METRICS, UpdateSnapshot
-from qkmonitor.measures.catalogue import SPECTRUM
+from qkmonitor.measures.catalogue import SPECTRUM, names_of
 from qkmonitor.measures.layer_spectra import (
     LayerSpectra,
     QKWeights,
@@ -51,7 +51,6 @@ from qkmonitor.measures.sharding import (
     gather_heads,
     gathered,
 )
-from qkmonitor.measures.update_spectra import UPDATE_SPECTRUM_METRICS
 from qkmonitor.validation import check_bool
 
 __all__ = ["QKSpectrum"]
@@ -95,11 +94,9 @@ class QKSpectrum(OptimizerView, MonitorEngine):
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        """The spectrum's metrics, the update spectrum's only with ``update_spectrum``."""
-        names = super().metric_names
-        if self.update_spectrum:
-            return names
-        return tuple(n for n in names if n not in UPDATE_SPECTRUM_METRICS)
+        """The spectrum's metrics, the update spectrum's (optional in the catalogue) only with
+        ``update_spectrum``, in catalogue order."""
+        return names_of(self.monitor, optional=self.update_spectrum)
 
     reads_weights = True
 
@@ -365,7 +362,7 @@ class QKSpectrum(OptimizerView, MonitorEngine):
         for i, kappa in enumerate(spectra.metrics["kappa"]):
             # read before the layer's first forward told its head count: undefined, as many as
             # the spectrum's
-            for name in UPDATE_METRICS:
+            for name in values:
                 if values[name][i].shape != kappa.shape and bool(undefined[name][i].all()):
                     values[name][i] = torch.full(kappa.shape, float("nan"))
                     undefined[name][i] = torch.ones(kappa.shape, dtype=torch.bool)
@@ -384,13 +381,13 @@ class QKSpectrum(OptimizerView, MonitorEngine):
         defer: bool | None = None,
     ) -> None:
         read.merge(merged)
-        spectra, values, logged = read.spectra, read.values, self.metric_names
+        spectra, values = read.spectra, read.values
         histograms = partial(self._histograms, spectra.singular_values)  # made when drawn
         self.record(
             host,
             {
                 **spectra.metrics,
-                **{m: [v.float() for v in values[m]] for m in UPDATE_METRICS if m in logged},
+                **{m: [v.float() for v in values[m]] for m in UPDATE_METRICS if m in values},
             },
             read.step,
             undefined={**spectra.undefined, **read.undefined},

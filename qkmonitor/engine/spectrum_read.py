@@ -44,9 +44,9 @@ class SpectrumRead:
         return [
             [spectra.metrics[m] for m in SPECTRUM_METRICS],
             [*(spectra.undefined[m] for m in SPECTRUM_METRICS)]
-            + [self.undefined[m] for m in UPDATE_METRICS],
+            + [self.undefined[m] for m in UPDATE_METRICS if m in self.undefined],
             [spectra.singular_values],
-            [self.values[m] for m in UPDATE_METRICS],
+            [self.values[m] for m in UPDATE_METRICS if m in self.values],
         ]
 
     @cached_property

@@ -230,8 +230,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "-sum p_i log p_i / log r, p_i = sigma_i / sum_j sigma_j over the singular values of the "
         "update before the read to W_QK^h, its first-order term dW_Q W_K^T + W_Q dW_K^T; r = "
         "min(2 d_k, d, d'): 1 = spread over every direction it can take, 0 = one (Huang et al. "
-        "2026)",
+        "2026), with update_spectrum=True",
         undefined=f"{_NO_UPDATE}; {_ZERO_UPDATE}",
+        optional=True,
     ),
     MetricSpec(
         "qk_update_top_share",
@@ -241,8 +242,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         (0.0, 1.0),
         "high",
         "optimizer's view",
-        "sigma_1 / sum_i sigma_i of that update: 1 = one direction carries it all",
+        "sigma_1 / sum_i sigma_i of that update: 1 = one direction carries it all, with "
+        "update_spectrum=True",
         undefined=f"{_NO_UPDATE}; {_ZERO_UPDATE}",
+        optional=True,
     ),
     MetricSpec(
         "entropy",

@@ -14,7 +14,6 @@ import torch
 from torch.testing import assert_close
 
 from qkmonitor.engine import Monitoring, QKSpectrum
-from qkmonitor.measures.catalogue import SPECTRUM, names_of
 from qkmonitor.measures.layer_spectra import QKWeights
 from qkmonitor.output.dashboards import LayoutSection, custom_scalars_layout
 from qkmonitor.output.sinks import MemorySink
@@ -113,7 +112,8 @@ def test_latent_attention_updates_its_products():
 
 
 def test_the_dashboards_chart_them_with_the_optimizers_view():
-    layout = custom_scalars_layout([LayoutSection("qkmonitor", names_of(SPECTRUM), 2)])
+    names = QKSpectrum(update_spectrum=True).metric_names  # what a layout is made of
+    layout = custom_scalars_layout([LayoutSection("qkmonitor", names, 2)])
     charts = layout["qkmonitor: optimizer's view"]
     assert [c for c in charts if "qk_update" in c] == [
         "qk_update_entropy (a line per layer)",
