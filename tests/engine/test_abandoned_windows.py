@@ -114,14 +114,24 @@ def assert_nothing_left_at_exit(script: Path) -> None:
     """Run ``script`` (which interrupts a probed step and prints what it left, then what was left
     when the interpreter exited) in a process of its own: something left after the interrupt,
     nothing at exit."""
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=script.parent,
-    )
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(script)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=script.parent,
+        )
+
+    done = run()
+    if done.returncode == -6 and "terminate called without an active exception" in done.stderr:
+        # seen once in 2026-12-07's CI at the minimums (the HF Trainer's script, SIGABRT in C++
+        # teardown after the interrupted backward) and in none of 9 reruns, alone or six at once:
+        # run once more, and say so, until its cause is found
+        print(f"the script aborted at teardown; once more. stdout: {done.stdout[-500:]!r}")
+        done = run()
     assert done.returncode == 0, done.stderr[-3000:]
     assert "left after the interrupt: True" in done.stdout, done.stdout
     assert "left at exit: []" in done.stdout, done.stdout
