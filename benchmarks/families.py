@@ -383,7 +383,7 @@ class Fault:
     steps: int
     magnitudes: tuple[float, ...]
     window: tuple[int, int]
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6)
     rank: int = 1
     roundings: tuple[str, ...] = ()
 
