@@ -25,10 +25,16 @@ def lazy_exports(
         modules: each name loaded on first use -> the module that defines it, absolute
             (``"qkmonitor.engine.session"``) or relative to the module's package (``".lm"``).
 
-    Example::
+    Example (in a package's ``__init__.py``: ``__getattr__, __dir__ = lazy_exports(globals(),
+    _LAZY)``; here on a module made on the spot)::
 
-        _LAZY = {"Monitoring": "qkmonitor.engine.session"}
-        __getattr__, __dir__ = lazy_exports(globals(), _LAZY)
+        >>> import types
+        >>> demo = types.ModuleType("demo")
+        >>> demo.__getattr__, demo.__dir__ = lazy_exports(vars(demo), {"sqrt": "math"})
+        >>> "sqrt" in vars(demo), demo.sqrt(4.0), "sqrt" in vars(demo)  # loaded on first use
+        (False, 2.0, True)
+        >>> "sqrt" in dir(demo)
+        True
     """
     module_name, package = namespace["__name__"], namespace["__package__"]
 

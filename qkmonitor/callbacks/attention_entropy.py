@@ -62,7 +62,23 @@ class AttentionEntropyMonitor(ActivationMonitor):
 
     Example::
 
-        trainer = Trainer(callbacks=[AttentionEntropyMonitor(every_n_steps=50)])
+        >>> from lightning.pytorch import Trainer
+        >>> from qkmonitor.callbacks import AttentionEntropyMonitor
+        >>> from qkmonitor.models import TransformerConfig
+        >>> from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
+        >>> data = AssociativeRecallDataModule(num_pairs=2, num_queries=2, batch_size=4,
+        ...                                    train_size=8, val_size=4)
+        >>> model = CausalLMTask(TransformerConfig(vocab_size=data.vocab_size, d_model=16,
+        ...                                        n_heads=2, max_seq_len=data.seq_len))
+        >>> monitor = AttentionEntropyMonitor(every_n_steps=1)
+        >>> trainer = Trainer(max_steps=2, callbacks=[monitor], logger=False,
+        ...                   enable_checkpointing=False, enable_progress_bar=False,
+        ...                   enable_model_summary=False)
+        >>> trainer.fit(model, data)
+        >>> sorted(monitor.latest)
+        ['entropy', 'entropy_norm', 'max_logit', 'max_prob']
+        >>> all(0 <= h.min() and h.max() <= 1 for h in monitor.latest["entropy_norm"])
+        True
     """
 
     engine: AttentionEntropy

@@ -62,7 +62,23 @@ class EffectiveRankMonitor(ActivationMonitor):
 
     Example::
 
-        trainer = Trainer(callbacks=[EffectiveRankMonitor(every_n_steps=100, max_probe_tokens=256)])
+        >>> from lightning.pytorch import Trainer
+        >>> from qkmonitor.callbacks import EffectiveRankMonitor
+        >>> from qkmonitor.models import TransformerConfig
+        >>> from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
+        >>> data = AssociativeRecallDataModule(num_pairs=2, num_queries=2, batch_size=4,
+        ...                                    train_size=8, val_size=4)
+        >>> model = CausalLMTask(TransformerConfig(vocab_size=data.vocab_size, d_model=16,
+        ...                                        n_heads=2, max_seq_len=data.seq_len))
+        >>> monitor = EffectiveRankMonitor(every_n_steps=1, max_probe_tokens=256)
+        >>> trainer = Trainer(max_steps=2, callbacks=[monitor], logger=False,
+        ...                   enable_checkpointing=False, enable_progress_bar=False,
+        ...                   enable_model_summary=False)
+        >>> trainer.fit(model, data)
+        >>> sorted(monitor.latest)
+        ['attn_entropy_norm', 'attn_erank', 'attn_erank_norm', 'hidden_collapse', 'hidden_erank']
+        >>> all(1 <= r.item() <= 16 for r in monitor.latest["hidden_erank"])  # d_model = 16
+        True
     """
 
     engine: EffectiveRank

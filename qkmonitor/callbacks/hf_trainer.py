@@ -55,11 +55,26 @@ class HFQKMonitorCallback(TrainerCallback):
 
     Example::
 
-        from transformers import Trainer
-        from qkmonitor.callbacks.hf_trainer import HFQKMonitorCallback
-
-        with HFQKMonitorCallback() as monitor:
-            Trainer(model, args, train_dataset=data, callbacks=[monitor]).train()
+        >>> import tempfile
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+        >>> from qkmonitor.callbacks.hf_trainer import HFQKMonitorCallback
+        >>> model = LlamaForCausalLM(LlamaConfig(
+        ...     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, max_position_embeddings=8))
+        >>> tokens = torch.randint(32, (8, 8), generator=torch.Generator().manual_seed(0))
+        >>> data = [{"input_ids": t, "labels": t} for t in tokens]
+        >>> with tempfile.TemporaryDirectory() as out:  # doctest: +ELLIPSIS
+        ...     args = TrainingArguments(out, max_steps=2, per_device_train_batch_size=4,
+        ...                              logging_strategy="no", save_strategy="no", report_to=[],
+        ...                              use_cpu=True, disable_tqdm=True)
+        ...     with HFQKMonitorCallback(every_n_steps=1) as monitor:
+        ...         _ = Trainer(model, args, train_dataset=data, callbacks=[monitor]).train()
+        {'train_runtime': ...}
+        >>> # the TensorBoard run went to out/runs/qkmonitor; the values stay with each engine
+        >>> spectrum = monitor.engines[0]  # QKSpectrum, AttentionEntropy, EffectiveRank
+        >>> len(spectrum.latest["kappa"]), spectrum.latest["kappa"][0].shape  # layers; heads
+        (2, torch.Size([2]))
     """
 
     def __init__(

@@ -38,7 +38,23 @@ class QKClip(ActivationMonitor):
 
     Example::
 
-        trainer = Trainer(callbacks=[QKClip(tau=100.0), AttentionEntropyMonitor(every_n_steps=50)])
+        >>> from lightning.pytorch import Trainer
+        >>> from qkmonitor.callbacks import AttentionEntropyMonitor, QKClip
+        >>> from qkmonitor.models import TransformerConfig
+        >>> from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
+        >>> data = AssociativeRecallDataModule(num_pairs=2, num_queries=2, batch_size=4,
+        ...                                    train_size=8, val_size=4)
+        >>> model = CausalLMTask(TransformerConfig(vocab_size=data.vocab_size, d_model=16,
+        ...                                        n_heads=2, max_seq_len=data.seq_len))
+        >>> clip, entropy = QKClip(tau=100.0), AttentionEntropyMonitor(every_n_steps=1)
+        >>> trainer = Trainer(max_steps=2, callbacks=[clip, entropy], logger=False,
+        ...                   enable_checkpointing=False, enable_progress_bar=False,
+        ...                   enable_model_summary=False)
+        >>> trainer.fit(model, data)
+        >>> clip.latest["clip_factor"]  # a fresh model's logits are far below tau: no head scaled
+        [tensor([1., 1.]), tensor([1., 1.])]
+        >>> clip.latest["clip_count"]
+        [tensor([0., 0.]), tensor([0., 0.])]
     """
 
     engine: QKClipEngine

@@ -80,10 +80,21 @@ class QKMonitor(AttentionMonitor):
 
     Example::
 
-        from lightning.pytorch import Trainer
-        from qkmonitor.callbacks import QKMonitor
-
-        trainer = Trainer(callbacks=[QKMonitor(every_n_steps=50, per_head=True)])
+        >>> from lightning.pytorch import Trainer
+        >>> from qkmonitor.callbacks import QKMonitor
+        >>> from qkmonitor.models import TransformerConfig
+        >>> from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
+        >>> data = AssociativeRecallDataModule(num_pairs=2, num_queries=2, batch_size=4,
+        ...                                    train_size=8, val_size=4)
+        >>> model = CausalLMTask(TransformerConfig(vocab_size=data.vocab_size, d_model=16,
+        ...                                        n_heads=2, max_seq_len=data.seq_len))
+        >>> monitor = QKMonitor(every_n_steps=1, per_head=True)
+        >>> trainer = Trainer(max_steps=2, callbacks=[monitor], logger=False,
+        ...                   enable_checkpointing=False, enable_progress_bar=False,
+        ...                   enable_model_summary=False)
+        >>> trainer.fit(model, data)
+        >>> {"kappa", "entropy", "hidden_erank"} <= set(monitor.latest)  # all three engines
+        True
     """
 
     @keyword_only

@@ -70,10 +70,23 @@ class QKSpectrumMonitor(AttentionMonitor):
 
     Example::
 
-        from lightning.pytorch import Trainer
-        from qkmonitor.callbacks import QKSpectrumMonitor
-
-        trainer = Trainer(callbacks=[QKSpectrumMonitor(every_n_steps=50, per_head=True)])
+        >>> from lightning.pytorch import Trainer
+        >>> from qkmonitor.callbacks import QKSpectrumMonitor
+        >>> from qkmonitor.models import TransformerConfig
+        >>> from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
+        >>> data = AssociativeRecallDataModule(num_pairs=2, num_queries=2, batch_size=4,
+        ...                                    train_size=8, val_size=4)
+        >>> model = CausalLMTask(TransformerConfig(vocab_size=data.vocab_size, d_model=16,
+        ...                                        n_heads=2, max_seq_len=data.seq_len))
+        >>> monitor = QKSpectrumMonitor(every_n_steps=1, per_head=True)
+        >>> trainer = Trainer(max_steps=2, callbacks=[monitor], logger=False,
+        ...                   enable_checkpointing=False, enable_progress_bar=False,
+        ...                   enable_model_summary=False)
+        >>> trainer.fit(model, data)
+        >>> len(monitor.latest["kappa"]), monitor.latest["kappa"][0].shape  # layers; heads
+        (2, torch.Size([2]))
+        >>> all(0 <= kappa.max() <= 1 for kappa in monitor.latest["kappa"])
+        True
     """
 
     engine: QKSpectrum

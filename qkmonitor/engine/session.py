@@ -211,27 +211,39 @@ class Monitoring:
 
     Example::
 
-        from torch.utils.tensorboard import SummaryWriter
-        from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
-
-        monitoring = Monitoring(
-            model,
-            [QKSpectrum(), AttentionEntropy()],
-            writer=SummaryWriter("runs/x"),
-            hparams={"lr": 3e-4},
-            optimizer=optimizer,
-            every_n_steps=50,
-        )
-        for step, batch in enumerate(loader):
-            with monitoring.step(step):  # measures this step's forward on probe steps
-                loss = model(batch).loss
-                monitoring.observe_loss(loss)  # the trend alerts stay quiet while the loss falls
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            if monitoring.should_stop:  # an alert with alert_action="stop" fired
-                break
-        monitoring.close()
+        >>> import tempfile
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from torch.utils.tensorboard import SummaryWriter
+        >>> from qkmonitor.engine import AttentionEntropy, Monitoring, QKSpectrum
+        >>> from qkmonitor.models import DecoderLM, TransformerConfig
+        >>> model = DecoderLM(TransformerConfig(vocab_size=16, d_model=16, n_heads=2))
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> loader = torch.randint(16, (4, 2, 8)).unbind()  # four batches of two sequences
+        >>> runs = tempfile.TemporaryDirectory()
+        >>> monitoring = Monitoring(
+        ...     model,
+        ...     [QKSpectrum(), AttentionEntropy()],
+        ...     writer=SummaryWriter(runs.name),
+        ...     hparams={"lr": 3e-4},
+        ...     optimizer=optimizer,
+        ...     every_n_steps=2,
+        ... )
+        >>> for step, batch in enumerate(loader):
+        ...     with monitoring.step(step):  # measures this step's forward on probe steps
+        ...         logits = model(batch[:, :-1])
+        ...         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        ...         monitoring.observe_loss(loss)  # trend alerts stay quiet while the loss falls
+        ...         loss.backward()
+        ...         optimizer.step()
+        ...         optimizer.zero_grad()
+        ...     if monitoring.should_stop:  # an alert with alert_action="stop" fired
+        ...         break
+        >>> monitoring.close()
+        >>> spectrum, entropy = monitoring.engines
+        >>> spectrum.latest_at, len(spectrum.latest["kappa"])  # the probe step; a grid per layer
+        (2, 2)
+        >>> runs.cleanup()
     """
 
     #: the window with probes that :meth:`begin` opened and nothing closed yet, in words

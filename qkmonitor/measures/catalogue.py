@@ -83,11 +83,6 @@ class MetricSpec:
     summary: tuple[str, ...] = ()
     reading: str = ""
 
-    @property
-    def worst_band(self) -> str | None:
-        """``"max"`` or ``"min"``: the band tag that holds the worst head, if an end is worse."""
-        return {"high": "max", "low": "min"}.get(self.worse)
-
 
 _INF = math.inf
 _SQUARE = "W_QK is not square (key input width != query input width): no eigenvalues"

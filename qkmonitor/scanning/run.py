@@ -153,10 +153,26 @@ def scan(path: str | Path, *, model: str | None = None) -> list[LayerScan]:
 
     Example::
 
-        import qkmonitor
-
-        for layer in qkmonitor.scan("checkpoints/checkpoint-500"):
-            print(layer.name, layer.metrics["kappa"].max().item())
+        >>> import tempfile
+        >>> from lightning.pytorch import Trainer
+        >>> import qkmonitor
+        >>> from qkmonitor.models import TransformerConfig
+        >>> from qkmonitor.models.tasks import AssociativeRecallDataModule, CausalLMTask
+        >>> data = AssociativeRecallDataModule(num_pairs=2, num_queries=2, batch_size=4,
+        ...                                    train_size=8, val_size=4)
+        >>> model = CausalLMTask(TransformerConfig(vocab_size=data.vocab_size, d_model=16,
+        ...                                        n_heads=2, max_seq_len=data.seq_len))
+        >>> trainer = Trainer(max_steps=1, logger=False, enable_checkpointing=False,
+        ...                   enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(model, data)
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> trainer.save_checkpoint(f"{folder.name}/last.ckpt")
+        >>> for layer in qkmonitor.scan(f"{folder.name}/last.ckpt"):
+        ...     kappa = layer.metrics["kappa"]  # one value per head, in [0, 1]
+        ...     print(layer.name, kappa.shape, bool(0 <= kappa.min() and kappa.max() <= 1))
+        blocks.0.attn torch.Size([2]) True
+        blocks.1.attn torch.Size([2]) True
+        >>> folder.cleanup()
     """
     found = expand([path])
     if len(found) != 1:
