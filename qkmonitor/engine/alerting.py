@@ -1,12 +1,14 @@
-"""An engine's alert policy: what its rules read, when they fire, and what is done then.
+"""An engine's alert policy: what its rules read, when they fire, and what is to be done then.
 
 :class:`AlertPolicy` holds the :class:`~qkmonitor.alerts.AlertTracker` of an engine's rules, the
 training losses the rules with a loss gate read, and the layers already warned about for
-non-finite values. :meth:`AlertPolicy.update` feeds one probe to the tracker;
-:meth:`AlertPolicy.act` carries out the action of an alert that fired: warn (and write its text),
-call ``on_alert``, ask the loop to stop, or raise. :meth:`AlertPolicy.evidence` gathers what the
-rules read from the engines beside this one at the same step (:class:`Beside`): their metrics and
-their measured run signals.
+non-finite values. A probe enters it once, through :meth:`AlertPolicy.judge`: the losses it
+carried kept, its non-finite heads named, and (a training probe) the evidence gathered from the
+engines beside this one at the same step (:class:`Beside`: their metrics and measured run
+signals), the tracker fed (:meth:`AlertPolicy.update`), and each alert's message made. What comes
+out is a :class:`Verdict`: the alerts, their texts, the rules' counts and the action (warn, call
+``on_alert``, stop, raise), which the engine's output path carries on to the publisher and then
+carries out (:mod:`qkmonitor.engine.recording`); nothing here calls the publisher.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from qkmonitor.measures.catalogue import CATALOGUE, metric
 if TYPE_CHECKING:
     from qkmonitor.engine.host import Host
 
-__all__ = ["AlertPolicy", "Beside"]
+__all__ = ["AlertPolicy", "Beside", "Verdict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,30 @@ class Beside:
     layer_names: list[str]
     values: dict[str, list[Tensor]]
     run_values: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the rules made of one probe (:meth:`AlertPolicy.judge`), handed on down the output
+    path: the publisher writes :attr:`counts` and :attr:`texts`, then the engine carries out
+    :attr:`action` for each alert.
+
+    Attributes:
+        alerts: the alerts that fired, in the tracker's order, each with its layer's kind.
+        messages: each alert's message (with the host's learning rate at the probe).
+        counts: rule -> how many alerts it has fired in the run (empty for a validation probe).
+        texts: ``(rule, message, step)`` of each alert written as text; none where the action
+            raises (the run stops at the first alert, whose message is the exception's).
+        action: ``"warn"``, ``"stop"`` or ``"raise"``.
+        on_alert: called as ``on_alert(owner, alert)`` for every alert, or None.
+    """
+
+    alerts: tuple[Alert, ...] = ()
+    messages: tuple[str, ...] = ()
+    counts: dict[str, float] = dataclasses.field(default_factory=dict)
+    texts: tuple[tuple[str, str, int], ...] = ()
+    action: str = "warn"
+    on_alert: Callable[[Any, Alert], None] | None = None
 
 
 class AlertPolicy:
@@ -290,20 +316,55 @@ class AlertPolicy:
         """How many alerts each rule has fired, in rule order."""
         return {rule.name: float(self.tracker.counts[rule.name]) for rule in self.tracker.rules}
 
-    def act(
-        self, host: Host, alert: Alert, write_text: Callable[[Host, str, str, int], None]
-    ) -> None:
-        """Carry out ``alert``: raise (``"raise"``), or warn and write its text (``write_text(host,
-        rule name, message, step)``), call ``on_alert``, and ask the loop to stop (``"stop"``)."""
-        message = alert.message(host.learning_rate())
-        if self.action == "raise":
-            raise alert.rule.warning(message)
-        host.warn(message, alert.rule.warning)
-        write_text(host, alert.rule.name, message, alert.step)
-        if self.on_alert is not None:
-            self.on_alert(host.owner, alert)
-        if self.action == "stop":
-            host.stop()
+    def judge(
+        self,
+        host: Host,
+        rows: dict[str, list[list[float]]],
+        undefined: dict[str, list[list]],
+        step: int,
+        layer_names: list[str],
+        *,
+        losses: Sequence[tuple[int, float]] = (),
+        validation: bool = False,
+        qk_norm_layers: frozenset[int] = frozenset(),
+        beside: Sequence[Beside] = (),
+        run_values: dict[str, float] | None = None,
+        losses_up_to: int | None = None,
+        layer_kinds: Sequence[str] = (),
+    ) -> Verdict:
+        """One probe through the rules, the only call a probe makes to the policy: ``losses``
+        (``(step, loss)`` pairs copied with the probe) kept, the non-finite heads of ``rows`` named
+        (:meth:`warn_nonfinite`, ``undefined`` left out); then, for a training probe, what the
+        rules read from the engines ``beside`` this one (:meth:`evidence`) and the probe's
+        measured ``run_values``, fed to the tracker (:meth:`update`, losses up to
+        ``losses_up_to``), each alert given its layer's kind (``layer_kinds``, for the advice)
+        and its message. A validation probe fires nothing: an empty :class:`Verdict`."""
+        self.losses.fill(list(losses))
+        self.warn_nonfinite(host, rows, undefined, step, layer_names)
+        if validation:
+            return Verdict(action=self.action, on_alert=self.on_alert)
+        evidence, signals = self.evidence(host, rows, step, layer_names, beside)
+        fired = self.update(
+            rows,
+            step,
+            layer_names,
+            qk_norm_layers,
+            evidence,
+            {**signals, **(run_values or {})},
+            losses_up_to=losses_up_to,
+        )
+        alerts = tuple(a.with_layer_kind(layer_kinds[a.layer]) for a in fired)
+        rate = host.learning_rate()
+        messages = tuple(alert.message(rate) for alert in alerts)
+        texts = [(a.rule.name, m, a.step) for a, m in zip(alerts, messages)]
+        return Verdict(
+            alerts,
+            messages,
+            self.counts(),
+            () if self.action == "raise" else tuple(texts),
+            self.action,
+            self.on_alert,
+        )
 
     def warn_nonfinite(
         self,

@@ -155,13 +155,16 @@ class ValuePublisher:
         images: Images,
         histograms: Histograms,
         run_values: dict[str, float] | None = None,
+        alert_texts: Sequence[tuple[str, str, int]] = (),
     ) -> None:
-        """Write one probe at ``step`` on the logging rank: its scalars (``rows``, the values read
-        once, and ``run_values`` under ``{prefix}/run/{name}``) and, for training probes, the
-        rules' ``alert_counts`` to every sink; its visuals to
-        the sinks that draw when ``draw``, else kept for :meth:`draw_final`. A validation probe
-        goes under ``{prefix}/val`` and has no visuals. Nothing is made where nothing is written
-        (another rank, or no sink: a plain loop without a writer)."""
+        """Write one probe at ``step`` on the logging rank, the only call a probe makes to the
+        publisher: its scalars (``rows``, the values read once, and ``run_values`` under
+        ``{prefix}/run/{name}``) and, for training probes, the rules' ``alert_counts`` to every
+        sink; the texts of the alerts that fired (``alert_texts``: ``(rule, message, step)``,
+        under ``{prefix}/alerts/{rule}``) to the sinks that take texts; its visuals to the sinks
+        that draw when ``draw``, else kept for :meth:`draw_final`. A validation probe goes under
+        ``{prefix}/val`` and has no visuals. Nothing is made where nothing is written (another
+        rank, or no sink: a plain loop without a writer)."""
         sinks = host.sinks() if host.is_logging_rank else []
         if not sinks:
             return
@@ -169,6 +172,9 @@ class ValuePublisher:
         scalars.update({run_tag(self.prefix, name): v for name, v in (run_values or {}).items()})
         scalars.update(alert_scalars(self.prefix, alert_counts))  # the rules that have fired
         host.write_scalars(scalars, step)  # now, or with the other engines' (ScalarBatch)
+        for rule, message, at in alert_texts:
+            for sink in sinks:
+                sink.log_text(alert_tag(self.prefix, rule), message, at)
         drawing = [sink for sink in sinks if sink.draws]
         if not drawing or validation:
             return
@@ -178,12 +184,6 @@ class ValuePublisher:
             self._undrawn = None
         elif self.visuals_every_n_probes:
             self._undrawn = (values, step, images, histograms)  # drawn at the run's end
-
-    def write_alert(self, host: Host, rule: str, message: str, step: int) -> None:
-        """An alert's text under ``{prefix}/alerts/{rule}``, on the logging rank."""
-        if host.is_logging_rank:
-            for sink in host.sinks():
-                sink.log_text(alert_tag(self.prefix, rule), message, step)
 
     # -- visuals -------------------------------------------------------------------------------
 

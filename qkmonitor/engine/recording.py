@@ -1,11 +1,16 @@
-"""An engine's output path: a probe's values read by the host once, then alerts, then the sinks.
+"""An engine's output path: a probe's values go one way, measure -> alert -> publish -> sinks.
 
 :class:`ProbeRecorder`, the base of :class:`~qkmonitor.engine.base.MonitorEngine`, takes a
 probe's tensors (:meth:`~ProbeRecorder.record`), copies everything the host will read of them in
 one copy a device (:mod:`qkmonitor.engine.reading`), at once or, deferred, at the end of the next
-batch (:meth:`~ProbeRecorder.settle`), and then, in this order: says which values are undefined
-or not finite, feeds the rules (:mod:`qkmonitor.engine.alerting`), writes the scalars and hands
-the visuals to the sinks (:mod:`qkmonitor.engine.publishing`), and acts on the alerts.
+batch (:meth:`~ProbeRecorder.settle`), and then, in this order, entering each module once: says
+which layers are undefined for the data seen; hands the values to the rules
+(:meth:`~qkmonitor.engine.alerting.AlertPolicy.judge`, which names the non-finite heads and
+returns a :class:`~qkmonitor.engine.alerting.Verdict`); hands the values and the verdict's counts
+and texts to the publisher (:meth:`~qkmonitor.engine.publishing.ValuePublisher.publish`, which
+writes to the host's sinks); and carries out the verdict's action through the host (warn,
+``on_alert``, stop, raise). Neither the policy nor the publisher calls the other, or back into the
+engine.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from qkmonitor.alerts import Alert
-from qkmonitor.engine.alerting import AlertPolicy, Beside
+from qkmonitor.engine.alerting import AlertPolicy, Beside, Verdict
 from qkmonitor.engine.host import Host
 from qkmonitor.engine.publishing import Histograms, Images, ValuePublisher, Values
 from qkmonitor.engine.reading import AtProbe, ProbeReading, defers, start_reading
@@ -119,38 +124,64 @@ class ProbeRecorder:
             self._log_probe(then if host is None else AtProbe(host, then.learning_rate()), reading)
 
     def _log_probe(self, host: Host, reading: ProbeReading) -> list[Alert]:
-        """Read a probe (:meth:`ProbeReading.read`) and log it: its undefined layers and
-        non-finite heads said, its alerts fired and acted on, its scalars and visuals to the
-        sinks."""
-        read, step = reading.read(), reading.step
-        self.alerting.losses.fill(list(zip(reading.loss_steps, read.losses)))
+        """Log a probe, one way: read it (:meth:`ProbeReading.read`), say its undefined layers
+        and run values that are not finite, judge it (:meth:`AlertPolicy.judge`: its non-finite
+        heads named, its alerts fired), publish it (:meth:`ValuePublisher.publish`: scalars,
+        alert counts and texts, visuals, to the host's sinks), then act on its alerts
+        (:meth:`_act`). Each of alerting and publishing is entered once, and neither calls the
+        other or back into the engine."""
+        read, step, validation = reading.read(), reading.step, reading.validation
         names = [layer.name for layer in self.layers]
         for name, layers in read.noted.items():
             if layers:
                 self.warn_undefined(host, step, name, layers)
-        self.alerting.warn_nonfinite(host, read.rows, read.undefined, step, names)
-        alerts: list[Alert] = []
-        if reading.validation:
+        if validation:
             self.latest_validation = read.values
         else:
             self.latest, self.latest_at, self.schedule.latest_step = read.values, step, step
             self._keep_run_values(host, step, read.run_values)
-            alerts = self._alerts(host, read.rows, step, names, reading.losses_up_to)
+        verdict = self.alerting.judge(
+            host,
+            read.rows,
+            read.undefined,
+            step,
+            names,
+            losses=list(zip(reading.loss_steps, read.losses)),
+            validation=validation,
+            qk_norm_layers=self.qk_norm_layers,
+            beside=[] if validation else self._beside(step),
+            run_values=self.latest_run,
+            losses_up_to=reading.losses_up_to,
+            layer_kinds=[layer.kind for layer in self.layers],
+        )
         self.publishing.publish(
             host,
             read.values,
             read.rows,
             step,
-            validation=reading.validation,
+            validation=validation,
             draw=self.schedule.draws_visuals(step),
-            alert_counts={} if reading.validation else self.alerting.counts(),
+            alert_counts=verdict.counts,
             images=reading.images,
             histograms=reading.histograms,
-            run_values={} if reading.validation else self.latest_run,
+            run_values={} if validation else self.latest_run,
+            alert_texts=verdict.texts,
         )
-        for alert in alerts:
-            self.alerting.act(host, alert, self.publishing.write_alert)
-        return alerts
+        self._act(host, verdict)
+        return list(verdict.alerts)
+
+    @staticmethod
+    def _act(host: Host, verdict: Verdict) -> None:
+        """Carry out each alert of ``verdict`` through the host, its text already written: raise
+        (``"raise"``), or warn, call ``on_alert`` and ask the loop to stop (``"stop"``)."""
+        for alert, message in zip(verdict.alerts, verdict.messages):
+            if verdict.action == "raise":
+                raise alert.rule.warning(message)
+            host.warn(message, alert.rule.warning)
+            if verdict.on_alert is not None:
+                verdict.on_alert(host.owner, alert)
+            if verdict.action == "stop":
+                host.stop()
 
     def warn_undefined(self, host: Host, step: int, name: str, layers: list[int]) -> None:
         """Say once a run that ``name`` is NaN by definition for the data seen (never a silent
@@ -176,19 +207,11 @@ class ProbeRecorder:
                     "finite); it is logged as it is and fires no alert. Warned once.",
                 )
 
-    def _alerts(
-        self,
-        host: Host,
-        rows: dict[str, list[list[float]]],
-        step: int,
-        names: list[str],
-        losses_up_to: int,
-    ) -> list[Alert]:
-        """Feed a training probe to the alert policy, with what the engines beside this one
-        measured at ``step`` (:meth:`~qkmonitor.engine.alerting.AlertPolicy.evidence`) and the
-        losses up to ``losses_up_to``; the alerts that fired, each with its layer's kind (for the
-        advice)."""
-        beside = [
+    def _beside(self, step: int) -> list[Beside]:
+        """What the engines beside this one measured at ``step``, for the rules that read it
+        (:meth:`~qkmonitor.engine.alerting.AlertPolicy.evidence`): an engine whose last probe was
+        at another step gives its names alone."""
+        return [
             Beside(
                 e.metric_names,
                 [layer.name for layer in e.layers],
@@ -198,17 +221,6 @@ class ProbeRecorder:
             for e in self.siblings
             for now in [e.latest_at == step]
         ]
-        evidence, signals = self.alerting.evidence(host, rows, step, names, beside)
-        alerts = self.alerting.update(
-            rows,
-            step,
-            names,
-            self.qk_norm_layers,
-            evidence,
-            {**signals, **self.latest_run},
-            losses_up_to=losses_up_to,
-        )
-        return [a.with_layer_kind(self.layers[a.layer].kind) for a in alerts]
 
     def warn_once(
         self,
