@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkmonitor import private_apis
 from qkmonitor.attention.calls import TENSOR_PARALLEL, ScoresCall, UnreadCall
 from qkmonitor.attention.capture_builders import (
     flex_call,
@@ -182,7 +183,7 @@ class ForwardCapture:
         if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
             return
         if self.watch:
-            weight = b if id(b) in self.watch else b._base
+            weight = b if id(b) in self.watch else private_apis.view_base(b)
             if weight is not None and id(weight) in self.watch:
                 self.inputs.setdefault(id(weight), a.detach())
                 return

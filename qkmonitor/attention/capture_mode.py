@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from qkmonitor import private_apis
 from qkmonitor.attention.compiled import own_class
 from qkmonitor.attention.context_parallel import TORCH_SDPA
 from qkmonitor.attention.probes import in_side_computation
@@ -195,7 +196,7 @@ def _flex_function():
 
 def _compiled_of(value) -> object | None:
     """What ``torch.compile(f)`` compiled (``f``), for a compiled function; else None."""
-    return getattr(value, "_torchdynamo_orig_callable", None)
+    return private_apis.compiled_function_original(value)
 
 
 def _observing(flex: Callable) -> Callable:

@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from qkmonitor import private_apis
 from qkmonitor.attention.installs import add_hooks, set_attribute
 
 __all__ = [
@@ -61,24 +62,16 @@ def compiled_roots(model: nn.Module) -> list[nn.Module]:
     """The modules at the top of the compiled regions of ``model``, as the model shows them: what a
     ``torch.compile``'d module (``OptimizedModule``) inside it wraps, a module compiled in place
     (``nn.Module.compile()``), a LightningModule that Lightning compiles (its ``_compiler_ctx``)."""
-    optimized = _optimized_module_type()
+    optimized = private_apis.optimized_module_type()
     roots: list[nn.Module] = []
     for module in model.modules():
         if optimized is not None and isinstance(module, optimized):
-            roots.append(module._orig_mod)
-        elif getattr(module, "_compiled_call_impl", None) is not None or getattr(
-            module, "_compiler_ctx", None
-        ):
+            original = private_apis.compiled_original(module)
+            if original is not None:
+                roots.append(original)
+        elif private_apis.compiled_in_place(module) or private_apis.lightning_compiler_ctx(module):
             roots.append(module)
     return list({id(m): m for m in roots}.values())
-
-
-def _optimized_module_type() -> type | None:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # a torch without dynamo
-        return None
-    return OptimizedModule
 
 
 class SwitchedForward:
@@ -295,7 +288,7 @@ class UncompiledForward:
         """Put the originals in place until the returned function is called (windows nest)."""
         self._holders += 1
         if self._holders == 1:
-            context = getattr(self.module, "_compiler_ctx", None) or {}
+            context = private_apis.lightning_compiler_ctx(self.module) or {}
             for name in self.METHODS:
                 original, compiled = context.get(f"original_{name}"), self.module.__dict__.get(name)
                 if original is not None and compiled is not None:  # a copy keeps the compiled

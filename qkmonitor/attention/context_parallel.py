@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from qkmonitor import private_apis
+
 if TYPE_CHECKING:  # probes import this module, and layout_check imports probes (via adapters)
     from qkmonitor.attention.layout_check import LayoutEvidence
 
@@ -58,7 +60,7 @@ CONTEXT_PARALLEL = "context parallelism"
 
 #: torch's own SDPA: what a ``TorchFunctionMode`` is handed for an SDPA call, also inside
 #: ``context_parallel``, whose wrapper replaces ``F.scaled_dot_product_attention`` meanwhile
-TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
+TORCH_SDPA = private_apis.torch_sdpa()
 
 
 def context_parallel_reason(q: object, k: object, *, seq_dim: int = -2) -> str | None:
@@ -207,10 +209,7 @@ def _patched_sdpa_ranks() -> int | None:
     sdpa = F.scaled_dot_product_attention
     if sdpa is TORCH_SDPA:
         return None
-    module = getattr(sdpa, "__module__", None) or ""
-    if not module.startswith("torch.distributed") or "_distribute_function" not in getattr(
-        sdpa, "__qualname__", ""
-    ):
+    if not private_apis.is_context_parallel_wrapper(sdpa):
         return None
     code, cells = getattr(sdpa, "__code__", None), getattr(sdpa, "__closure__", None) or ()
     names = getattr(code, "co_freevars", ())

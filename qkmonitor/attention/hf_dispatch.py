@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
+from qkmonitor import private_apis
 from qkmonitor.attention import _hf_compat
 from qkmonitor.attention.calls import MaskedCall, UnreadCall
 from qkmonitor.attention.installs import set_attribute
@@ -65,7 +66,7 @@ def route_module(layer: HFAttentionLayer) -> Callable[[], None] | None:
     """Point the module (alone) at the probe; return what undoes it, or None (with a warning)."""
     module = layer.module
     config = module.config
-    original = config._attn_implementation
+    original = private_apis.attn_implementation(config)
     if original in (None, "eager") and getattr(module, "reorder_and_upcast_attn", False):
         return _route_gpt2_upcast(layer)  # this path never reaches the dispatch
     if original in (None, "eager") and _eager_default(module) is None:
@@ -78,19 +79,27 @@ def route_module(layer: HFAttentionLayer) -> Callable[[], None] | None:
     probe_config = copy.copy(
         config
     )  # shallow: only this module's view of the implementation changes
-    probe_config.__dict__["_attn_implementation_internal"] = PROBE_IMPLEMENTATION
     probe_config.__dict__[_ORIGINAL_KEY] = original
-    if probe_config._attn_implementation != PROBE_IMPLEMENTATION:
+    if not private_apis.route_config(probe_config, PROBE_IMPLEMENTATION):
         warn_no_stats(
-            layer.name, "this transformers version keeps `config._attn_implementation` elsewhere"
+            layer.name,
+            private_apis.missing_message(
+                "transformers.PretrainedConfig._attn_implementation_internal",
+                "this transformers version keeps `config._attn_implementation` elsewhere",
+            ),
         )
         return None
     return set_attribute(module, "config", probe_config)  # a copy keeps the model's own config
 
 
-def _route_gpt2_upcast(layer: HFAttentionLayer) -> Callable[[], None]:
+def _route_gpt2_upcast(layer: HFAttentionLayer) -> Callable[[], None] | None:
     module = layer.module
-    own = type(module)._upcast_and_reordered_attn.__get__(module)
+    upcast = private_apis.gpt2_upcast(type(module))
+    if upcast is None:
+        name = "transformers.models.gpt2.modeling_gpt2.GPT2Attention._upcast_and_reordered_attn"
+        warn_no_stats(layer.name, private_apis.missing_message(name))
+        return None
+    own = upcast.__get__(module)
 
     def upcast_and_reordered_attn(query, key, value, attention_mask=None, *args, **kwargs):
         mask, seen = _hf_compat.as_applied(
@@ -100,12 +109,12 @@ def _route_gpt2_upcast(layer: HFAttentionLayer) -> Callable[[], None]:
             attention_mask,
             {"scaling": getattr(module, "scaling", None)},
             "eager",
-            eager=type(module)._upcast_and_reordered_attn,
+            eager=upcast,
         )
         _capture(module, query, key, mask, seen, original="eager")
         return own(query, key, value, attention_mask, *args, **kwargs)  # head_mask before 5.0
 
-    return set_attribute(module, "_upcast_and_reordered_attn", upcast_and_reordered_attn)
+    return set_attribute(module, private_apis.GPT2_UPCAST, upcast_and_reordered_attn)
 
 
 def _probe_attention(

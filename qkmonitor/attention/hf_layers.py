@@ -10,6 +10,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
+from qkmonitor import private_apis
 from qkmonitor.attention import _hf_compat
 from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.calls import TENSOR_PARALLEL
@@ -133,7 +134,7 @@ class HFAttentionLayer(AttentionLayer):
         if not _hf_compat.dispatches(self.module):  # e.g. BERT before transformers 5.0
             warn_no_stats(self.name, _hf_compat.why_no_dispatch(self.module))
             return False
-        if not hasattr(getattr(self.module, "config", None), "_attn_implementation"):
+        if not private_apis.has_attn_implementation(getattr(self.module, "config", None)):
             warn_no_stats(
                 self.name,
                 f"transformers {_hf_compat.transformers_version()}: {type(self.module).__name__} "

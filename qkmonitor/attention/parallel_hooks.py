@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from torch import nn
-from torch.overrides import _get_current_function_mode, _pop_mode, _push_mode
 
+from qkmonitor import private_apis
 from qkmonitor.attention.capture_mode import Interceptor
 
 __all__ = ["ParallelHooks"]
@@ -56,18 +56,18 @@ def _defined_by_torch_distributed(hook: Callable) -> bool:
 _MARK = "_qkmonitor_out_of_sight"
 
 
-def _out_of_sight(hook: Callable) -> Callable:
+def _out_of_sight(hook: Callable, stack: private_apis.FunctionModeOps) -> Callable:
     """``hook``, run with the interceptor taken off the top of the mode stack (if it is there)."""
 
     def wrapped(*args, **kwargs):
-        mode = _get_current_function_mode()
+        mode = stack.current()
         if not isinstance(mode, Interceptor):  # not probing, or a mode of the model's own above
             return hook(*args, **kwargs)
-        _pop_mode()
+        stack.pop()
         try:
             return hook(*args, **kwargs)
         finally:
-            _push_mode(mode)
+            stack.push(mode)
 
     wrapped.__wrapped__ = hook  # what it runs, and under which name a reader looks
     wrapped.__module__ = getattr(hook, "__module__", None)
@@ -79,15 +79,19 @@ def _swaps(module: nn.Module) -> list[_Swap]:
     """The torch.distributed hooks of ``module``'s submodules as they are now, each with a wrapper
     of its own (found and made at each probe: a hook the model added or removed since the last
     one counts, and nothing outlives the probe: a wrapper kept beside its hook would hold it,
-    and the module its closure names, for the life of the process)."""
+    and the module its closure names, for the life of the process). None where this torch lacks
+    the private names it needs (:mod:`qkmonitor.private_apis`): the hooks stay in sight."""
+    stack = private_apis.function_mode_ops()
+    if stack is None:
+        return []
     swaps = []
     for sub in module.modules():
         if sub is module:
             continue
-        for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
+        for hooks in private_apis.forward_hook_dicts(sub):
             for key, hook in hooks.items():
                 if _defined_by_torch_distributed(hook):
-                    swaps.append(_Swap(hooks, key, hook, _out_of_sight(hook)))
+                    swaps.append(_Swap(hooks, key, hook, _out_of_sight(hook, stack)))
     return swaps
 
 

@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from qkmonitor import private_apis
 from qkmonitor.attention.compiled import NeverCompiled
 from qkmonitor.attention.context_parallel import context_parallel_reason
 from qkmonitor.kernels import AttentionStats, attention_max_logits, attention_stats, autocast_off
@@ -66,7 +67,7 @@ def recomputing() -> bool:
     """Whether autograd is running a backward on this thread. A forward there is activation
     checkpointing recomputing one that already ran (reentrant or not: the same call again, same
     inputs), so probes do not count it twice."""
-    return torch._C._current_graph_task_id() != -1
+    return private_apis.in_backward()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qkmonitor import private_apis
 from qkmonitor.attention.compiled import guard_interrupts
 from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.group import EngineGroup
@@ -173,8 +174,8 @@ def _hookable(optimizer: object) -> torch.optim.Optimizer | None:
     """The torch optimizer that steps, under wrappers that hold it as ``.optimizer`` (accelerate's
     ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``); None where there is none."""
     for _ in range(4):
-        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(
-            optimizer, "_optimizer_step_pre_hooks"
+        if isinstance(optimizer, torch.optim.Optimizer) and private_apis.takes_step_pre_hooks(
+            optimizer
         ):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)

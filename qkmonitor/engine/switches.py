@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from qkmonitor import private_apis
 from qkmonitor.attention.compiled import SwitchedForward, UncompiledForward, compiled_roots
 
 __all__ = ["CompileSwitches"]
@@ -54,7 +55,7 @@ class CompileSwitches:
                 self._switches.append(switch)
                 held.add(id(module))
         for root in roots:
-            if getattr(root, "_compiler_ctx", None):  # Lightning compiles its forward: put aside
+            if private_apis.lightning_compiler_ctx(root):  # Lightning compiles it: put aside
                 self._roots.append(UncompiledForward.of(root))
             elif (switch := SwitchedForward.attach(root)) is not None:
                 self._switches.append(switch)

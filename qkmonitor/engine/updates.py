@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from qkmonitor import private_apis
 from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.clip import ProjectionRows, QKRows
 from qkmonitor.attention.intercept import LayoutUnknownError
@@ -204,7 +205,8 @@ def gradient_of(weight: Tensor) -> Tensor | None:
     """The gradient of ``weight``, a parameter or a view of one (a transposed ``Conv1D`` weight):
     the parameter's ``.grad`` seen through the same view; None without one (or where the gradient
     is laid out unlike its parameter)."""
-    base = weight if weight._base is None else weight._base
+    base = private_apis.view_base(weight)
+    base = weight if base is None else base
     grad = base.grad
     if grad is None:
         return None

@@ -346,7 +346,7 @@ def reduce_across_ranks(
     if not distributed() or not (metrics or heads):
         return unpack_heads(heads, pack_heads(heads)[None])
     world = dist.get_world_size()
-    states = [(m, name) for m in metrics for name in m._defaults]
+    states = [(m, name) for m in metrics for name in m.metric_state]
     device = getattr(metrics[0], states[0][1]).device if states else collective_device()
     packed = pack_heads(heads).to(device)
     flat = torch.cat(

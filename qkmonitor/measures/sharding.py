@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from qkmonitor import private_apis
+
 __all__ = [
     "HeadPlacement",
     "PartitionedWeightError",
@@ -67,10 +69,8 @@ __all__ = [
 
 def is_dtensor(tensor: object) -> bool:
     """Whether ``tensor`` is a DTensor (or a view of one)."""
-    if callable(getattr(tensor, "full_tensor", None)):
-        return True
-    base = getattr(tensor, "_base", None)
-    return base is not None and callable(getattr(base, "full_tensor", None))
+    view_of = private_apis.view_base(tensor)
+    return any(callable(getattr(t, "full_tensor", None)) for t in (tensor, view_of))
 
 
 def local_whole(tensor: object) -> Tensor | None:

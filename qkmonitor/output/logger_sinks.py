@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogg
 from lightning.pytorch.loggers.logger import DummyLogger
 from torch import Tensor
 
+from qkmonitor import private_apis
 from qkmonitor.output.guard import GuardedSink
 from qkmonitor.output.sinks import SummaryWriterSink, is_summary_writer
 
@@ -43,7 +44,7 @@ class LoggerSink:
 
     def __init__(self, logger: Any) -> None:
         self.logger = logger
-        prefix = getattr(logger, "_prefix", "") or ""
+        prefix = private_apis.logger_prefix(logger)
         #: what the logger's ``log_metrics`` puts before every tag ("" without a prefix)
         self.tag_prefix = f"{prefix}{getattr(logger, 'LOGGER_JOIN_CHAR', '-')}" if prefix else ""
 

@@ -17,6 +17,7 @@ import numpy as np
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch import Tensor
 
+from qkmonitor import private_apis
 from qkmonitor.output.layer_runs import LayerRuns
 
 __all__ = [
@@ -111,7 +112,9 @@ class SummaryWriterSink:
             values = [
                 Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()
             ]
-            self.writer._get_file_writer().add_summary(Summary(value=values), step)
+            private_apis.tensorboard_file_writer(self.writer).add_summary(
+                Summary(value=values), step
+            )
             self.log_layer_runs(scalars, step)
         self.note_scalars(scalars, step)
 
@@ -169,7 +172,7 @@ class SummaryWriterSink:
             colorspace=3,
             encoded_image_string=png.getvalue(),
         )
-        self.writer._get_file_writer().add_summary(
+        private_apis.tensorboard_file_writer(self.writer).add_summary(
             Summary(value=[Summary.Value(tag=tag, image=encoded)]), step
         )
 
@@ -200,7 +203,7 @@ class SummaryWriterSink:
         from torch.utils.tensorboard.summary import hparams
 
         experiment, start, end = hparams(flatten_hparams(params), metrics)
-        file_writer = self.writer._get_file_writer()
+        file_writer = private_apis.tensorboard_file_writer(self.writer)
         for summary in (experiment, start, end):
             file_writer.add_summary(summary)
 

@@ -292,7 +292,7 @@ def _stand_in(plans: list[LayerPlan], model: ModelFiles, model_class: str | None
         owner = root
         *parents, leaf = plan.name.split(".") if plan.name else ["attention"]
         for part in parents:
-            child = owner._modules.get(part)
+            child = dict(owner.named_children()).get(part)
             if child is None:
                 child = nn.Module()
                 owner.add_module(part, child)
