@@ -12,6 +12,7 @@ from qkmonitor.engine.activation import ActivationEngine
 from qkmonitor.engine.base import MonitorEngine
 from qkmonitor.engine.clip import QKClipEngine
 from qkmonitor.engine.entropy import AttentionEntropy
+from qkmonitor.engine.head_metrics import HeadMetric
 from qkmonitor.engine.host import Host, PlainHost
 from qkmonitor.engine.options import MonitorOptions
 from qkmonitor.engine.rank import EffectiveRank
@@ -22,6 +23,7 @@ __all__ = [
     "ActivationEngine",
     "AttentionEntropy",
     "EffectiveRank",
+    "HeadMetric",
     "Host",
     "MonitorEngine",
     "MonitorOptions",

@@ -52,28 +52,28 @@ class Window:
 
 
 def finish_windows(
-    host: Host, engines: Sequence[ActivationEngine], beside: Sequence[MonitorEngine] = ()
+    host: Host, engines: Sequence[MonitorEngine], beside: Sequence[MonitorEngine] = ()
 ) -> None:
-    """Close the open windows of ``engines`` and log them, their aggregators reduced across
-    processes together: one collective for all of them under DDP
-    (:func:`~qkmonitor.measures.metrics.reduce_across_ranks`). An engine alone may have its own
-    :meth:`~MonitorEngine.finish` (QKClipEngine's); several must split theirs
-    (:meth:`ActivationEngine.close_window`, :meth:`ActivationEngine.complete`). ``beside``: every
-    engine of the driver (an engine that reads none of its layers beside others that do is turned
-    off, not an error: :func:`~qkmonitor.engine.failures.guarded`)."""
+    """Close the open windows of ``engines`` and log them, the aggregators of the activation
+    engines among them reduced across processes together: one collective for all of them under
+    DDP (:func:`~qkmonitor.measures.metrics.reduce_across_ranks`). Each splits its finish in two
+    (:meth:`ActivationEngine.close_window`, :meth:`ActivationEngine.complete`); an engine of the
+    weights (``reads_weights``) finishes whole (:meth:`~MonitorEngine.finish`: its layout probes,
+    a read a worker computes), and its values of heads split across ranks
+    (``exchange_parts``) ride in the same collective. ``beside``: every engine of the driver (an
+    engine that reads none of its layers beside others that do is turned off, not an error:
+    :func:`~qkmonitor.engine.failures.guarded`)."""
     # each engine's part guarded: a metric problem is one warning naming its layers, never the
     # end of the run (engine/failures.py)
-    windows = [
-        (
-            engine,
-            guarded(host, engine, "measuring", step, partial(engine.close_window, host), beside),
-        )
-        for engine in engines
-        for step in [engine.window_step]
-    ]
+    windows = [(engine, _close(host, engine, beside)) for engine in engines]
     closed = [(engine, window) for engine, window in windows if window is not None]
     # the reads whose heads are split across ranks cross them in the same collective
-    reads = [(engine, step, parts) for engine in beside for step, parts in engine.exchange_parts()]
+    reads = [
+        (engine, step, parts)
+        for engine in beside
+        if engine.reads_weights
+        for step, parts in engine.exchange_parts()
+    ]
     try:
         merged = reduce_across_ranks(
             [m for engine, _ in closed for m in engine.aggregators()],
@@ -97,12 +97,24 @@ def finish_windows(
         guarded(host, engine, "computing", step, complete)
 
 
+def _close(host: Host, engine: MonitorEngine, beside: Sequence[MonitorEngine]) -> Window | None:
+    """Close ``engine``'s window, guarded: an activation engine's probes closed and added to its
+    aggregators (the :class:`Window` to complete after the reduction); any other engine finished
+    whole (None)."""
+    if isinstance(engine, ActivationEngine):
+        work, step = partial(engine.close_window, host), engine.window_step
+    else:
+        work, step = partial(engine.finish, host), None
+    return guarded(host, engine, "measuring", step, work, beside)
+
+
 class ActivationEngine(MonitorEngine):
     """An engine that measures the forward pass through probes (:mod:`qkmonitor.attention.probes`).
 
     Subclasses say what they want (:meth:`_request`), may install more for the window
-    (:meth:`_open_extra` / :meth:`_close_extra`, e.g. block hooks) and turn the probes' results
-    into values (:meth:`_measure`).
+    (:meth:`_open_extra` / :meth:`_close_extra`, e.g. block hooks), add the probes' results to
+    their aggregators (:meth:`_accumulate`) and turn those, once reduced across processes, into
+    values (:meth:`_values`).
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -222,20 +234,14 @@ class ActivationEngine(MonitorEngine):
         self.record(host, values, window.step, validation=window.validation, **extra)
 
     def _accumulate(self, results: list[ProbeResult], step: int, *, visuals: bool) -> Any:
-        """Add the closed probes' results to the aggregators; what :meth:`_values` needs after the
-        reduction. By default the whole :meth:`_measure` (engines without aggregators)."""
-        return self._measure(results, step, visuals=visuals)
+        """Add the closed probes' results (one per layer, of the window at ``step``) to the
+        aggregators; return what :meth:`_values` needs after the reduction (an engine without
+        aggregators: the values themselves). Images only where ``visuals``."""
+        raise NotImplementedError
 
     def _values(self, carried: Any) -> tuple[Values, dict[str, Any]]:
-        """The values and extra ``record`` arguments, from the reduced aggregators and what
-        :meth:`_accumulate` carried."""
-        return carried
-
-    def _measure(
-        self, results: list[ProbeResult], step: int, *, visuals: bool
-    ) -> tuple[Values, dict[str, Any]]:
-        """Values from the closed probes' results (one per layer, of the window at ``step``), plus
-        extra ``record`` arguments; images only where ``visuals``."""
+        """The values (metric -> one ``(num_heads,)`` tensor per layer) and extra ``record``
+        arguments, from the reduced aggregators and what :meth:`_accumulate` carried."""
         raise NotImplementedError
 
 

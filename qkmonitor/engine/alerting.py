@@ -30,7 +30,7 @@ from qkmonitor.alerts import (
     run_signals,
 )
 from qkmonitor.engine.losses import LossHistory
-from qkmonitor.measures.catalogue import CATALOGUE, metric
+from qkmonitor.measures.catalogue import CATALOGUE, MetricSpec
 
 if TYPE_CHECKING:
     from qkmonitor.engine.host import Host
@@ -95,6 +95,8 @@ class AlertPolicy:
             conditions may also read another monitor's metric (:attr:`borrowed`: the engine
             hands the values of a monitor beside it, ``evidence``) or a run signal
             (:data:`~qkmonitor.alerts.RUN_SIGNALS`, from the training loss).
+        specs: the specs of the metrics the catalogue does not hold (a user's own), for what
+            the warnings say of them.
         defaults: the engine's default rules (a default rule whose evidence is missing is one
             INFO line, a rule the user gave one warning).
         prefix: the engine's ``log_key_prefix``, which names it in those lines.
@@ -113,6 +115,7 @@ class AlertPolicy:
         owner: str,
         monitor: str,
         metric_names: Sequence[str],
+        specs: Sequence[MetricSpec] = (),
         defaults: Sequence[AlertRule] = (),
         prefix: str = "",
     ) -> None:
@@ -132,6 +135,7 @@ class AlertPolicy:
                 )
             self.borrowed.update({m: logged_anywhere[m] for m in others if m in logged_anywhere})
         self.tracker = AlertTracker(list(rules))
+        self._per_head = {spec.name: spec.per_head for spec in specs}
         self.action = action
         self.on_alert = on_alert
         self.owner = owner
@@ -399,7 +403,7 @@ class AlertPolicy:
         for layer in new:
             name = layer_names[layer] if layer < len(layer_names) else ""
             cells = "; ".join(
-                f"{m}" + (f" heads {h}" if metric(m).per_head else "")
+                f"{m}" + (f" heads {h}" if self._per_head.get(m, True) else "")
                 for m, h in bad[layer].items()
             )
             parts.append(f"layer {layer}{f' ({name})' if name else ''}: {cells}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import traceback
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -38,9 +38,6 @@ from qkmonitor.engine.recording import ProbeRecorder
 from qkmonitor.engine.schedule import ProbeSchedule
 from qkmonitor.engine.switches import CompileSwitches
 from qkmonitor.measures.catalogue import MetricSpec, metric, names_of
-
-if TYPE_CHECKING:
-    from qkmonitor.engine.activation import Window
 
 __all__ = ["MonitorEngine", "MonitorOptions", "Values", "check_prefix"]
 
@@ -61,9 +58,17 @@ class MonitorEngine(ProbeRecorder):
     #: the catalogue's name of the monitor whose metrics this engine computes
     monitor: str = ""
     default_rules: tuple[AlertRule, ...] = ()
-    #: whether it measures the weights after a step's update (:meth:`observe_weights`), which a
-    #: host reads at the end of the step before a probe step
+    #: whether it measures the weights after a step's update; such an engine
+    #: (:class:`~qkmonitor.engine.QKSpectrum`) also answers ``observe_weights(host, step,
+    #: **kwargs)`` (the read, at the end of the step before a probe step), ``before_update(host,
+    #: step)`` (before the update a read follows) and ``exchange_parts()``,
+    #: ``complete_exchange(host, step, merged)``, ``drop_exchanges()`` (its values of heads split
+    #: across ranks, :func:`~qkmonitor.engine.activation.finish_windows`): a driver asks them of
+    #: these engines alone
     reads_weights: bool = False
+    #: the metrics this engine logs that the catalogue does not hold, by name: the specs of a
+    #: user's :class:`~qkmonitor.engine.head_metrics.HeadMetric` (set before ``__init__`` runs)
+    own_specs: dict[str, MetricSpec] = {}  # noqa: RUF012 -- replaced, never mutated
 
     def __init__(self, *, options: MonitorOptions | None = None, **fields: Any) -> None:
         if options is None:
@@ -90,6 +95,7 @@ class MonitorEngine(ProbeRecorder):
             owner=type(self).__name__,
             monitor=self.monitor,
             metric_names=self.metric_names,
+            specs=self.specs,
             defaults=self.default_rules,
             prefix=options.log_key_prefix,
         )
@@ -97,7 +103,7 @@ class MonitorEngine(ProbeRecorder):
             type(self).__name__,
             options.log_key_prefix,
             per_head=options.per_head,
-            metric_names=self.metric_names,
+            specs=self.specs,
             visuals_every_n_probes=options.visuals_every_n_probes,
         )
         self.layers: list[AttentionLayer] = []
@@ -155,12 +161,15 @@ class MonitorEngine(ProbeRecorder):
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        """Every metric this engine logs, in catalogue order."""
-        return names_of(self.monitor)
+        """Every metric this engine logs, in catalogue order, then its :attr:`own_specs`."""
+        return names_of(self.monitor) + tuple(self.own_specs)
 
     @property
     def specs(self) -> tuple[MetricSpec, ...]:
-        return tuple(metric(name) for name in self.metric_names)
+        """The :class:`~qkmonitor.measures.catalogue.MetricSpec` of each of :attr:`metric_names`:
+        the catalogue's, or the engine's own."""
+        own = self.own_specs
+        return tuple(own[name] if name in own else metric(name) for name in self.metric_names)
 
     def thresholds(self) -> dict[str, float | int | str]:
         """The rules and the probe interval, as hyper-parameters of the run."""
@@ -209,10 +218,6 @@ class MonitorEngine(ProbeRecorder):
         return self._model() if self._model is not None else None
 
     # -- torch.compile (engine/switches.py) ------------------------------------------------------
-
-    def _probed_modules(self) -> list[nn.Module]:
-        """The modules this engine's probes install on (switched under compile)."""
-        return []
 
     @property
     def switch_model_in_windows(self) -> bool:
@@ -282,21 +287,13 @@ class MonitorEngine(ProbeRecorder):
             loss_smoothing=LOSS_SMOOTHING,
         )
 
-    # -- the probe window (weights engines ignore it) -------------------------------------------
+    # -- the probe window: what a driver asks of every engine ----------------------------------
 
     @property
     def probing(self) -> bool:
         """Whether :meth:`finish` may have work (a window is open); hosts skip it when False. True
         here, so that an engine that does not say is always finished."""
         return True
-
-    def observe_weights(self, host: Host, step: int, **kwargs: Any) -> None:
-        """Measure the weights as they are after ``step`` optimizer steps, if that is a probe
-        step."""
-
-    def before_update(self, host: Host, step: int) -> None:
-        """An optimizer is about to apply the update after ``step`` updates (engines that compare
-        the weights across it take their copy here)."""
 
     def open(self, step: int, *, validation: bool = False) -> bool:
         """Open the probes of a probe window; True if any were opened."""
@@ -305,36 +302,10 @@ class MonitorEngine(ProbeRecorder):
     def finish(self, host: Host) -> None:
         """Close the open probes and log what they measured."""
 
-    def exchange_parts(self) -> list[tuple[int, list]]:
-        """Values that wait to cross the ranks before they are logged, ``(step, parts)`` each
-        (:func:`~qkmonitor.measures.sharding.gather_heads`' parts): the weights' values of heads
-        split across ranks (:meth:`QKSpectrum.exchange_parts`); none by default."""
-        return []
-
-    def complete_exchange(self, host: Host, step: int, merged: list) -> None:
-        """Log the values of ``step`` that waited for the exchange, every rank's merged in."""
-
-    def drop_exchanges(self) -> None:
-        """Forget the values waiting for the exchange (the ranks may not meet again)."""
-
-    def close_window(self, host: Host) -> Window | None:
-        """Close the open window and hold what it measured until the aggregators of every engine
-        closed with it are reduced across processes
-        (:func:`~qkmonitor.engine.activation.finish_windows`), then
-        :meth:`~qkmonitor.engine.activation.ActivationEngine.complete`; an engine without
-        aggregators finishes here and returns None."""
-        self.finish(host)
-        return None
-
     def abort(self) -> None:
         """Close the open probes without logging (a failed step, teardown)."""
 
     # -- metric problems (engine/failures.py) ---------------------------------------------------
-
-    @property
-    def window_step(self) -> int | None:
-        """The step of the open probe window (None when none is open)."""
-        return None
 
     def discard(self) -> None:
         """Drop what a failed stage left: the open window (unlogged) and the aggregators' sums."""

@@ -135,9 +135,17 @@ class QKClipEngine(ActivationEngine):
             for key, message in messages:
                 self.warn_once(host, key, message)
 
-    def _measure(
+    def _values(self, carried: tuple[Values, dict[str, Any]]) -> tuple[Values, dict[str, Any]]:
+        """The values :meth:`_accumulate` made (no aggregator: its maxima crossed the ranks in
+        their own ``all_reduce``)."""
+        return carried
+
+    def _accumulate(
         self, results: list[ProbeResult], step: int, *, visuals: bool
     ) -> tuple[Values, dict[str, Any]]:
+        """Each head's largest logit over the ranks, its factor, the heads above ``tau`` scaled
+        in place, and the values with their ``undefined`` flags (NaN where the layer did not run
+        or the ranks disagree on its heads)."""
         s, disagree = _largest_over_ranks(
             [self._largest(i, result) for i, result in enumerate(results)]
         )

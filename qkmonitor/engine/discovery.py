@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import nn
 
@@ -24,10 +24,8 @@ from qkmonitor.attention.probes import ProbeResult
 from qkmonitor.engine.failures import MeasuresNothingError
 from qkmonitor.engine.host import Host
 
-if TYPE_CHECKING:
-    from qkmonitor.engine.base import MonitorEngine
-
 __all__ = [
+    "Reporting",
     "check_statistics",
     "lazy",
     "qk_norm_layers",
@@ -37,7 +35,29 @@ __all__ = [
 ]
 
 
-def report_discovery(engine: MonitorEngine, host: Host) -> None:
+class Reporting(Protocol):
+    """What the reports here ask of an engine (:class:`~qkmonitor.engine.base.MonitorEngine`
+    answers it; this module imports no engine, which imports it)."""
+
+    @property
+    def prefix(self) -> str: ...
+
+    layers: list[AttentionLayer]
+    #: the attention-like modules no rule reads: ``(name, class name)``
+    unmeasured: list[tuple[str, str]]
+
+    def warn_once(
+        self,
+        host: Host,
+        key: str,
+        message: str,
+        *,
+        shared: bool = False,
+        logging_rank_only: bool = False,
+    ) -> None: ...
+
+
+def report_discovery(engine: Reporting, host: Host) -> None:
     """One line of what ``engine`` found (at fit start), and a warning per attention-like module
     that is not measured."""
     owner = f"qkmonitor: {type(engine).__name__} ({engine.prefix})"
@@ -149,7 +169,7 @@ def check_statistics(owner: str, layers: Sequence[AttentionLayer]) -> list[bool]
 
 
 def report_missing(
-    engine: MonitorEngine,
+    engine: Reporting,
     host: Host,
     results: list[ProbeResult],
     measurable: list[bool],
@@ -177,9 +197,7 @@ def report_missing(
         _warn_layer(engine, host, layer, result, measurable=ok)
 
 
-def _refuse_unread(
-    engine: MonitorEngine, results: list[ProbeResult], measurable: list[bool]
-) -> None:
+def _refuse_unread(engine: Reporting, results: list[ProbeResult], measurable: list[bool]) -> None:
     """Raise where the layers ran in the first probed forward but none of their calls was read."""
     layers = engine.layers
     unread = [
@@ -202,7 +220,7 @@ def _refuse_unread(
 
 
 def _warn_layer(
-    engine: MonitorEngine,
+    engine: Reporting,
     host: Host,
     layer: AttentionLayer,
     result: ProbeResult,

@@ -14,15 +14,12 @@ that can read none of its layers: :class:`MeasuresNothingError`), and anything t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from qkmonitor.alerts import QKMonitorWarning
+from qkmonitor.engine.host import Host
 
-if TYPE_CHECKING:
-    from qkmonitor.engine.base import MonitorEngine
-    from qkmonitor.engine.host import Host
-
-__all__ = ["MeasuresNothingError", "guarded", "let_through", "passes_through"]
+__all__ = ["Guarded", "MeasuresNothingError", "guarded", "let_through", "passes_through"]
 
 T = TypeVar("T")
 
@@ -34,6 +31,27 @@ class MeasuresNothingError(ValueError):
     first probed forward): a configuration error. Alone it stops the run; beside monitors that
     measure something (``QKMonitor``, a ``Monitoring`` of several engines) it is one warning and
     that monitor measures nothing."""
+
+
+class Guarded(Protocol):
+    """What :func:`guarded` asks of an engine (:class:`~qkmonitor.engine.base.MonitorEngine`
+    answers it; this module imports no engine, whose modules import it)."""
+
+    #: its attention layers (none: it measures nothing)
+    layers: Sequence[Any]
+
+    def discard(self) -> None: ...
+
+    def warn_failure(
+        self,
+        host: Host,
+        stage: str,
+        step: int | None,
+        err: BaseException,
+        layers: Sequence[str] | None = None,
+    ) -> None: ...
+
+    def measure_nothing(self, host: Host, reason: str) -> None: ...
 
 
 def let_through(err: BaseException) -> BaseException:
@@ -53,11 +71,11 @@ def passes_through(err: BaseException) -> bool:
 
 def guarded(
     host: Host,
-    engine: MonitorEngine,
+    engine: Guarded,
     stage: str,
     step: int | None,
     work: Callable[[], T],
-    beside: Sequence[MonitorEngine] = (),
+    beside: Sequence[Guarded] = (),
 ) -> T | None:
     """``work()``, or, where it raises a metric problem, None: the engine's window dropped
     (:meth:`~qkmonitor.engine.base.MonitorEngine.discard`) and one warning per engine and stage

@@ -220,7 +220,7 @@ class EngineGroup:
             self.settle(host)  # a probe on its way to the host is waited for, on any end
             if completed:
                 finish_windows(host, [], self.engines)
-            for engine in self.engines:
+            for engine in self.weights:  # (only the weights' engines exchange)
                 dropped = [step for step, _ in engine.exchange_parts()]
                 engine.drop_exchanges()
                 if dropped:  # a run that failed: the ranks may not meet again (said, not lost)

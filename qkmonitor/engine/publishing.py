@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import Tensor
 
-from qkmonitor.measures.catalogue import metric
+from qkmonitor.measures.catalogue import MetricSpec, metric
 from qkmonitor.measures.transfer import to_python
 from qkmonitor.output.dashboards import HeatmapScale, attention_image, grid_of, heatmap_image
 from qkmonitor.output.publisher import PUBLISHER
@@ -81,7 +81,8 @@ class ValuePublisher:
         owner: the engine's name, which starts its warnings.
         prefix: the first part of every tag (``log_key_prefix``).
         per_head: also write each head's value.
-        metric_names: the metrics the engine logs, in catalogue order (the heatmaps' order).
+        specs: the metrics the engine logs, in its order (the heatmaps' order): whether each is
+            per head, its heatmap's bounds.
         visuals_every_n_probes: the visuals' cadence; ``0``: no visuals, none kept for the end.
     """
 
@@ -91,13 +92,14 @@ class ValuePublisher:
         prefix: str,
         *,
         per_head: bool,
-        metric_names: Sequence[str],
+        specs: Sequence[MetricSpec],
         visuals_every_n_probes: int,
     ) -> None:
         self.owner = owner
         self.prefix = prefix
         self.per_head = per_head
-        self.metric_names = tuple(metric_names)
+        self.specs = tuple(specs)
+        self._by_name = {spec.name: spec for spec in self.specs}
         self.visuals_every_n_probes = visuals_every_n_probes
         #: the last probe's visual inputs when it drew none: (values, step, images, histograms)
         self._undrawn: tuple | None = None
@@ -111,6 +113,10 @@ class ValuePublisher:
         self._undrawn = None
         self._scales = {}
 
+    def spec(self, name: str) -> MetricSpec:
+        """The spec of ``name``: the engine's (:attr:`specs`), else the catalogue's."""
+        return self._by_name.get(name) or metric(name)
+
     # -- scalars -------------------------------------------------------------------------------
 
     def scalars(self, values: Values | dict[str, list[list]], prefix: str) -> dict[str, float]:
@@ -123,7 +129,7 @@ class ValuePublisher:
         """
         out: dict[str, float] = {}
         for name, grid in as_rows(values).items():
-            per_head = metric(name).per_head
+            per_head = self.spec(name).per_head
             for layer, row in enumerate(grid):
                 nan = any(math.isnan(v) for v in row)  # a NaN head makes mean and band NaN
                 out[layer_tag(prefix, name, layer)] = (
@@ -223,10 +229,9 @@ class ValuePublisher:
                 sink.log_histogram(tag, data, step)
 
     def _heatmaps(self, values: Values, step: int) -> dict[str, np.ndarray]:
-        specs = (metric(name) for name in self.metric_names)
         return {
             f"{self.prefix}/heatmap/{spec.name}": self._heatmap(spec, values[spec.name], step)
-            for spec in specs
+            for spec in self.specs
             if spec.heatmap is not None and spec.name in values
         }
 

@@ -37,6 +37,7 @@ from qkmonitor.attention.compiled import add_forward_hooks
 from qkmonitor.attention.context_parallel import CONTEXT_PARALLEL, sequence_split_reason
 from qkmonitor.attention.probes import ProbeRequest, ProbeResult, recomputing
 from qkmonitor.engine.activation import ActivationEngine, Window, placed
+from qkmonitor.engine.head_metrics import HeadMetric, measure_heads
 from qkmonitor.engine.host import Host
 from qkmonitor.engine.publishing import AttentionPattern, Images, Values
 from qkmonitor.measures.catalogue import RANK
@@ -71,6 +72,9 @@ class EffectiveRank(ActivationEngine):
         blocks: the modules whose outputs are the residual stream after each layer, in layer
             order (a list, or a function of the model); default: derived from the layers.
         pattern_heads: heads per layer whose attention pattern is logged as an image (0: none).
+        head_metrics: per-head metrics of your own, each measured on the same probability slice
+            (:class:`~qkmonitor.engine.head_metrics.HeadMetric`) and logged, charted, reported
+            and read by the rules as the engine's own, after them.
         **kwargs: ``options`` or the fields of :class:`~qkmonitor.engine.MonitorOptions`.
     """
 
@@ -84,6 +88,7 @@ class EffectiveRank(ActivationEngine):
         max_probe_tokens: int = MAX_PROBE_TOKENS,
         blocks: BlocksSpec | None = None,
         pattern_heads: int = PATTERN_HEADS,
+        head_metrics: Sequence[HeadMetric] = (),
         **kwargs: Any,
     ) -> None:
         check_positive_int("max_probe_sequences", max_probe_sequences)
@@ -102,6 +107,8 @@ class EffectiveRank(ActivationEngine):
                 "Expected `blocks` to be a list of modules, a function of the model or None, "
                 f"got {type(blocks).__name__} {reprlib.repr(blocks)}"
             )
+        self.head_metrics = _checked_head_metrics(head_metrics)
+        self.own_specs = {m.spec.name: m.spec for m in self.head_metrics}  # before the rules' check
         super().__init__(**kwargs)
         self.max_probe_sequences = max_probe_sequences
         self._probe_sequences = max_probe_sequences  # this rank's share, set at bind
@@ -245,6 +252,10 @@ class EffectiveRank(ActivationEngine):
                 (placed(slots[i]["attn_erank"], where), rank, None),
                 (placed(slots[i]["attn_erank_norm"], where), rank / min(probs.shape[-2:]), None),
             ]
+            samples += [
+                (placed(slots[i][m.spec.name], where), measure_heads(m, probs), None)
+                for m in self.head_metrics
+            ]
         for i, result in enumerate(results):
             first = 0 if result.placement is None else result.placement.offset
             for stats in result.stats:
@@ -365,6 +376,21 @@ class EffectiveRank(ActivationEngine):
             if aggregate.device != block.device:
                 aggregate.to(block.device)
             aggregate.update(block, kept)
+
+
+def _checked_head_metrics(head_metrics: Sequence[HeadMetric]) -> tuple[HeadMetric, ...]:
+    """``head_metrics`` as a tuple, each a :class:`HeadMetric` and no name twice."""
+    if isinstance(head_metrics, HeadMetric) or not all(
+        isinstance(m, HeadMetric) for m in head_metrics
+    ):
+        raise ValueError(
+            "Expected `head_metrics` to be a list of qkmonitor.engine.HeadMetric, got "
+            f"{reprlib.repr(head_metrics)}"
+        )
+    names = [m.spec.name for m in head_metrics]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Expected `head_metrics` with distinct names, got {names}")
+    return tuple(head_metrics)
 
 
 def _share_of_this_rank(total: int, tensor_parallel: int = 1) -> int:

@@ -26,7 +26,7 @@ from qkmonitor.engine.host import Host
 from qkmonitor.engine.publishing import Histograms, Images, ValuePublisher, Values
 from qkmonitor.engine.reading import AtProbe, ProbeReading, defers, start_reading
 from qkmonitor.engine.schedule import ProbeSchedule
-from qkmonitor.measures.catalogue import metric
+from qkmonitor.measures.catalogue import MetricSpec, metric
 
 if TYPE_CHECKING:
     from qkmonitor.attention.adapters import AttentionLayer
@@ -40,6 +40,7 @@ class ProbeRecorder:
     below; the methods here are the only ones that read a probe's values into Python."""
 
     options: MonitorOptions
+    specs: tuple[MetricSpec, ...]  # the metrics it logs (MonitorEngine.specs)
     schedule: ProbeSchedule
     alerting: AlertPolicy
     publishing: ValuePublisher
@@ -187,10 +188,11 @@ class ProbeRecorder:
         """Say once a run that ``name`` is NaN by definition for the data seen (never a silent
         NaN): the layers, and the catalogue's reason."""
         names = [self.layers[i].name for i in layers]
+        spec = next((s for s in self.specs if s.name == name), None) or metric(name)
         self.warn_once(
             host,
             f"undefined:{name}",
-            f"{name} is undefined at step {step} for layer(s) {names}: {metric(name).undefined}. "
+            f"{name} is undefined at step {step} for layer(s) {names}: {spec.undefined}. "
             "It is logged as NaN and fires no alert. This warning is shown once.",
         )
 

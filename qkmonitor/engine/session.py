@@ -80,6 +80,7 @@ def write_run_header(
                 e.metric_names,
                 len(e.layers),
                 tuple(r.name for r in e.alerting.tracker.rules),
+                tuple(e.own_specs.values()),
             )
             for e in engines
         ]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from qkmonitor.measures.catalogue import FAMILIES, metric
+from qkmonitor.measures.catalogue import CATALOGUE, FAMILIES, MetricSpec
 from qkmonitor.output.layer_runs import overlay_chart
 from qkmonitor.output.tags import (
     LOSS_TAGS,
@@ -59,12 +59,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LayoutSection:
-    """What one monitor charts: its prefix, metrics, layer count and alert rules."""
+    """What one monitor charts: its prefix, metrics, layer count, alert rules, and the specs of
+    its metrics the catalogue lacks (a user's: charted in their ``family``'s category)."""
 
     prefix: str
     metrics: tuple[str, ...]
     num_layers: int
     alert_rules: tuple[str, ...] = ()
+    own: tuple[MetricSpec, ...] = ()
 
 
 #: the metrics charted first, after the loss: what to look at first (the catalogue's families
@@ -161,6 +163,7 @@ def custom_scalars_layout(
     for section in sections:
         merged = by_prefix.setdefault(section.prefix, {"metrics": [], "num_layers": 0, "rules": []})
         merged["metrics"] += [m for m in section.metrics if m not in merged["metrics"]]
+        merged.setdefault("own", {}).update({spec.name: spec for spec in section.own})
         merged["num_layers"] = max(merged["num_layers"], section.num_layers)
         merged["rules"] += [r for r in section.alert_rules if r not in merged["rules"]]
     layout = Layout()
@@ -168,23 +171,28 @@ def custom_scalars_layout(
         names = "|".join(re.escape(tag_prefix + tag) for tag in loss_tags)
         layout["training"] = {"loss (training and validation)": ["Multiline", [f"^({names})$"]]}
     for prefix, merged in by_prefix.items():
-        _add_prefix_layout(layout, prefix, merged["metrics"], merged["num_layers"], merged["rules"])
+        _add_prefix_layout(layout, prefix, **merged)
     return layout
 
 
-def _add_prefix_layout(
-    layout: Layout, prefix: str, metrics: list[str], num_layers: int, rules: list[str]
-) -> None:
-    known = {m for names in FAMILIES.values() for m in names}
+def _add_prefix_layout(layout: Layout, prefix: str, metrics, num_layers, rules, own) -> None:
+    grouped = {family: list(names) for family, names in FAMILIES.items()}
+    for spec in own.values():  # a user's metrics join their family's category, after its own
+        grouped.setdefault(spec.family, []).append(spec.name)
+    known = {m for names in grouped.values() for m in names}
     headline = tuple(m for m in HEADLINE if m in metrics)
     families = [(f"{prefix}: {', '.join(headline)}", headline)] if headline else []
-    order = [*FAMILY_ORDER, *(f for f in FAMILIES if f not in FAMILY_ORDER)]
+    order = [*FAMILY_ORDER, *(f for f in grouped if f not in FAMILY_ORDER)]
     families += [
-        (f"{prefix}: {family}", tuple(m for m in FAMILIES[family] if m not in HEADLINE))
+        (f"{prefix}: {family}", tuple(m for m in grouped[family] if m not in HEADLINE))
         for family in order
-        if family in FAMILIES
+        if family in grouped
     ]
     families.append((f"{prefix}: other", tuple(m for m in metrics if m not in known)))
+    # per head: a catalogue metric as it says, a user's as its spec says; one of an engine of a
+    # user's own without a spec: assumed
+    per_head = {m: True for m in metrics} | {s.name: s.per_head for s in CATALOGUE}
+    per_head |= {name: spec.per_head for name, spec in own.items()}
     for title, names in families:
         present = [m for m in names if m in metrics]
         if not present:
@@ -203,7 +211,7 @@ def _add_prefix_layout(
                 ],
             ]
             for m in present
-            if _per_head(m)
+            if per_head[m]
             for layer in range(num_layers)
         }
         if margins:  # last first: TensorBoard shows a category of margin charts from its last
@@ -286,13 +294,6 @@ class HeatmapScale:
             min(self.bounds[1], round(math.ceil(hi / step - slack) * step, 12)),
         )
         return self.range
-
-
-def _per_head(name: str) -> bool:
-    try:
-        return metric(name).per_head
-    except KeyError:  # a metric of a user's own engine: assume heads
-        return True
 
 
 def _colormap(values: np.ndarray, vmin: float, vmax: float) -> np.ndarray:
