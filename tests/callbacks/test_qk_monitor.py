@@ -145,7 +145,8 @@ def test_unprobed_steps_reach_no_engine(tmp_path, make_task, monkeypatch):
     engine is asked anything; on the others, each engine whose rules read the loss gets it once."""
     calls: Counter = Counter()
     for cls in (QKSpectrum, AttentionEntropy, EffectiveRank):
-        for name in ("open", "observe_loss", "plan", "observe_weights"):
+        weights = ("observe_weights",) if cls.reads_weights else ()  # (the spectrum's alone)
+        for name in ("open", "observe_loss", "plan", *weights):
             original = getattr(cls, name)
 
             def counted(self, *args, _original=original, _name=name, **kwargs):
