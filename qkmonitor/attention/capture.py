@@ -43,7 +43,9 @@ product, which the queries and keys alone do not show.
 This module holds the channel (:class:`InterceptChannel`: the hooks, the open forwards, the
 warnings) and :func:`route_probe`; the mode is :mod:`.capture_mode`, a forward's state
 :mod:`.capture_call`, the calls it builds :mod:`.capture_builders`, and tensor parallelism's own
-hooks on the module's projections, run with the mode off, :mod:`.parallel_hooks`.
+hooks on the module's projections, run with the mode off, :mod:`.parallel_hooks`. None of them
+imports this module: a forward's capture names what it reads of its channel by a protocol
+(:class:`~qkmonitor.attention.capture_call.CaptureChannel`).
 """
 
 from __future__ import annotations

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.nn.functional as F
 from torch import Tensor
 
 from qkmonitor import private_apis
-from qkmonitor.attention.calls import TENSOR_PARALLEL, ScoresCall, UnreadCall
+from qkmonitor.attention.calls import ScoresCall, UnreadCall
 from qkmonitor.attention.capture_builders import (
     flex_call,
     fold,
@@ -37,23 +37,34 @@ from qkmonitor.attention.capture_heads import (
     linear_mixes,
     mixed_reason,
     over_channels,
+    placement_of,
 )
 from qkmonitor.attention.context_parallel import context_parallel_reason, first_chunk, local
 from qkmonitor.attention.layout_check import LayoutEvidence, product_scale
 from qkmonitor.attention.masks import AdditiveMasks
-from qkmonitor.attention.probes import AttentionCall
+from qkmonitor.attention.probes import AttentionCall, ObserverSet
 from qkmonitor.attention.route import observed
 from qkmonitor.measures.sharding import HeadPlacement, RowShard, row_shard
-
-if TYPE_CHECKING:  # the channel makes each forward's capture: a type named here only
-    from qkmonitor.attention.capture import InterceptChannel
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 #: flex_attention's arguments after (query, key, value)
 _FLEX_ARGS = ("score_mod", "block_mask", "scale", "enable_gqa")
 
 
-def _watched(channel: InterceptChannel) -> set[int]:
+class CaptureChannel(Protocol):
+    """What a forward's capture reads of the channel that made it
+    (:class:`~qkmonitor.attention.capture.InterceptChannel`): named here by its shape, so that the
+    channel imports the capture and the capture nothing of the channel's module."""
+
+    heads: int | None  # the query heads, where the layer knows them before a call
+    split_heads: int | None  # the head count a 3-D (B·H, N, M) softmax is split by
+    sources: dict[object, Callable[[], list[Tensor]]]  # the weights layout probes ask for
+    observers: ObserverSet
+
+    def note_unmasked(self, lowest: float) -> None: ...
+
+
+def _watched(channel: CaptureChannel) -> set[int]:
     """The ids of the weights the channel's layout probes ask for, as the module holds them now."""
     watch: set[int] = set()
     for sources in channel.sources.values():
@@ -72,7 +83,7 @@ class ForwardCapture:
     heads mixed), the token counts and widths the projections saw, and whether an attention call
     was already handed on (the first carries the layout evidence)."""
 
-    def __init__(self, channel: InterceptChannel) -> None:
+    def __init__(self, channel: CaptureChannel) -> None:
         self.channel = channel
         #: ids of the weights whose inputs are kept (the objects of this forward)
         self.watch = _watched(channel)
@@ -404,7 +415,7 @@ class ForwardCapture:
         """Where a call's ``heads`` query heads are among the layer's where the forward's
         projections are split by output features across ranks (tensor parallelism: this rank's
         part), or why that cannot be told; None where they are not split."""
-        return _placement(self.shards, heads) if self.shards else None
+        return placement_of(self.shards, heads) if self.shards else None
 
     def _notify(
         self, build: Callable, evidence: Callable | None, *, heads: int | None = None
@@ -458,25 +469,6 @@ class ForwardCapture:
             scale_unknown,
             {i: s for i, s in self.shards.items() if isinstance(s, RowShard)},
         )
-
-
-def _placement(shards: dict[int, RowShard | str], heads: int | None) -> HeadPlacement | str:
-    """Where this rank's ``heads`` query heads are among the layer's, from how the forward's
-    projections are split across ranks (every split projection in equal chunks, all alike: the
-    query heads of chunk c are ``c·heads ..``); else why they cannot be placed."""
-    refused = [s for s in shards.values() if isinstance(s, str)]
-    splits = {(s.index, s.ranks) for s in shards.values() if isinstance(s, RowShard)}
-    if not refused and heads is not None and len(splits) > 1:
-        refused = [f"its projections are split in different ways across ranks ({sorted(splits)})"]
-    if not refused and heads is None:
-        refused = ["its attention call's heads are not known"]
-    if refused:
-        return (
-            f"its projections are sharded by rows across ranks ({TENSOR_PARALLEL}), and "
-            f"{refused[0]}; its attention statistics are not measured"
-        )
-    (index, ranks), *_ = splits
-    return HeadPlacement(index * heads, heads, ranks * heads)
 
 
 def _replicated(x: Tensor) -> Tensor:

@@ -15,7 +15,8 @@ strides and the equations that made them, never by a module's name:
   sums over the heads (:class:`HeadsMixed`). A softmax over logits so mixed is refused by name.
 
 And the ``q·kᵀ`` an ``einsum`` computes (:func:`einsum_qk`, x-transformers' scores), which the
-capture reads as it reads ``q @ kᵀ``.
+capture reads as it reads ``q @ kᵀ``; and where a tensor-parallel rank's heads are among the
+layer's, from how the forward's projections are split across ranks (:func:`placement_of`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import math
 from dataclasses import dataclass
 
 from torch import Tensor
+
+from qkmonitor.attention.calls import TENSOR_PARALLEL
+from qkmonitor.measures.sharding import HeadPlacement, RowShard
 
 #: the first query rows of logits kept to measure the factor on q·kᵀ (as many as
 #: :func:`~qkmonitor.attention.layout_check.product_scale` reads)
@@ -245,3 +249,22 @@ def over_channels(
         "contracts the tokens), so there is no W_QK over tokens to read"
     )
     return reason, no_layout
+
+
+def placement_of(shards: dict[int, RowShard | str], heads: int | None) -> HeadPlacement | str:
+    """Where this rank's ``heads`` query heads are among the layer's, from how the forward's
+    projections are split across ranks (every split projection in equal chunks, all alike: the
+    query heads of chunk c are ``c·heads ..``); else why they cannot be placed."""
+    refused = [s for s in shards.values() if isinstance(s, str)]
+    splits = {(s.index, s.ranks) for s in shards.values() if isinstance(s, RowShard)}
+    if not refused and heads is not None and len(splits) > 1:
+        refused = [f"its projections are split in different ways across ranks ({sorted(splits)})"]
+    if not refused and heads is None:
+        refused = ["its attention call's heads are not known"]
+    if refused:
+        return (
+            f"its projections are sharded by rows across ranks ({TENSOR_PARALLEL}), and "
+            f"{refused[0]}; its attention statistics are not measured"
+        )
+    (index, ranks), *_ = splits
+    return HeadPlacement(index * heads, heads, ranks * heads)

@@ -10,7 +10,6 @@ import functools
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +17,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from qkmonitor import private_apis
+from qkmonitor.attention.capture_call import ForwardCapture
 from qkmonitor.attention.compiled import own_class
 from qkmonitor.attention.context_parallel import TORCH_SDPA
 from qkmonitor.attention.probes import in_side_computation
-
-if TYPE_CHECKING:  # the channel pairs each capture with its interceptor: a type named here only
-    from qkmonitor.attention.capture_call import ForwardCapture
 
 #: the ways a softmax is called from Python (``F.softmax``, ``torch.softmax``, ``x.softmax``)
 _SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
@@ -19,9 +18,6 @@ from qkmonitor.attention.calls import MaskedCall, UnreadCall
 from qkmonitor.attention.installs import set_attribute
 from qkmonitor.attention.route import Channel, Route, observed
 from qkmonitor.measures.sharding import HeadPlacement
-
-if TYPE_CHECKING:  # the layers route their modules here: a type named here only
-    from qkmonitor.attention.hf_layers import HFAttentionLayer
 
 __all__ = ["PROBE_IMPLEMENTATION", "DispatchChannel", "route_module"]
 
@@ -62,16 +58,16 @@ def _register() -> None:
     _hf_compat.register(PROBE_IMPLEMENTATION, _probe_attention)
 
 
-def route_module(layer: HFAttentionLayer) -> Callable[[], None] | None:
-    """Point the module (alone) at the probe; return what undoes it, or None (with a warning)."""
-    module = layer.module
+def route_module(module: nn.Module, name: str) -> Callable[[], None] | None:
+    """Point ``module`` (alone) at the probe; return what undoes it, or None (with a warning
+    naming the layer, ``name``)."""
     config = module.config
     original = private_apis.attn_implementation(config)
     if original in (None, "eager") and getattr(module, "reorder_and_upcast_attn", False):
-        return _route_gpt2_upcast(layer)  # this path never reaches the dispatch
+        return _route_gpt2_upcast(module, name)  # this path never reaches the dispatch
     if original in (None, "eager") and _eager_default(module) is None:
         warn_no_stats(
-            layer.name,
+            name,
             f"no `eager_attention_forward` next to {type(module).__name__} to hand the call to",
         )
         return None
@@ -82,7 +78,7 @@ def route_module(layer: HFAttentionLayer) -> Callable[[], None] | None:
     probe_config.__dict__[_ORIGINAL_KEY] = original
     if not private_apis.route_config(probe_config, PROBE_IMPLEMENTATION):
         warn_no_stats(
-            layer.name,
+            name,
             private_apis.missing_message(
                 "transformers.PretrainedConfig._attn_implementation_internal",
                 "this transformers version keeps `config._attn_implementation` elsewhere",
@@ -92,12 +88,11 @@ def route_module(layer: HFAttentionLayer) -> Callable[[], None] | None:
     return set_attribute(module, "config", probe_config)  # a copy keeps the model's own config
 
 
-def _route_gpt2_upcast(layer: HFAttentionLayer) -> Callable[[], None] | None:
-    module = layer.module
+def _route_gpt2_upcast(module: nn.Module, name: str) -> Callable[[], None] | None:
     upcast = private_apis.gpt2_upcast(type(module))
     if upcast is None:
-        name = "transformers.models.gpt2.modeling_gpt2.GPT2Attention._upcast_and_reordered_attn"
-        warn_no_stats(layer.name, private_apis.missing_message(name))
+        private = "transformers.models.gpt2.modeling_gpt2.GPT2Attention._upcast_and_reordered_attn"
+        warn_no_stats(name, private_apis.missing_message(private))
         return None
     own = upcast.__get__(module)
 

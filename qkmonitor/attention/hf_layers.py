@@ -145,7 +145,7 @@ class HFAttentionLayer(AttentionLayer):
 
     def install(self, probe: Probe) -> Callable[[], None]:
         def make() -> DispatchChannel | None:
-            restore = route_module(self)
+            restore = route_module(self.module, self.name)
             # None: warned; the probe sees no call, and the monitor says so
             if restore is None:
                 return None

@@ -10,19 +10,18 @@ the command that needs them.
 
 Its modules: :mod:`~qkmonitor.cli.train` (``train``'s arguments and the run; the tasks are
 :mod:`qkmonitor.models.tasks.registry`'s), :mod:`~qkmonitor.cli.trainer` (the Lightning pieces the
-run is made of), :mod:`~qkmonitor.cli.summary` (the table printed at its end),
-:mod:`~qkmonitor.cli.report` (``report``'s arguments), :mod:`~qkmonitor.cli.scan` (``scan``:
-the QK spectrum of saved models) and :mod:`~qkmonitor.cli.arguments` (the
-argument types and the help formatter).
+run is made of, and :func:`quiet_lightning`, exported here), :mod:`~qkmonitor.cli.summary` (the
+table printed at its end), :mod:`~qkmonitor.cli.report` (``report``'s arguments),
+:mod:`~qkmonitor.cli.scan` (``scan``: the QK spectrum of saved models) and
+:mod:`~qkmonitor.cli.arguments` (the argument types and the help formatter).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
-import warnings
 from collections.abc import Sequence
+
+from qkmonitor.cli.trainer import quiet_lightning
 
 __all__ = ["build_parser", "main", "quiet_lightning"]
 
@@ -68,34 +67,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_scan(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
-
-
-@contextlib.contextmanager
-def quiet_lightning():
-    """Turn Lightning's chatter down while the block runs: its info lines (tips, the device report,
-    why ``fit`` stopped) and one known deprecation warning from torch's pytree that Lightning
-    triggers (filtered by its message). Warnings (qkmonitor's alerts among them) and the progress
-    bar stay; qkmonitor's own info lines under Lightning (the layers it found) go through
-    Lightning's logger and are turned down too. ``qkmonitor train`` and the examples run in it.
-
-    Example::
-
-        with quiet_lightning():
-            trainer = pl.Trainer(max_steps=100, callbacks=[QKSpectrumMonitor()])
-            trainer.fit(model)
-    """
-    import lightning.pytorch  # noqa: F401 -- its import sets its loggers' levels: set ours after it
-
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*"
-            )
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)

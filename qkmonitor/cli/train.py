@@ -9,7 +9,6 @@ import shlex
 import sys
 from typing import Any
 
-from qkmonitor.cli import quiet_lightning
 from qkmonitor.cli.arguments import (
     HelpFormatter,
     any_int,
@@ -22,7 +21,12 @@ from qkmonitor.cli.arguments import (
     unwritable,
 )
 from qkmonitor.cli.summary import format_summary
-from qkmonitor.cli.trainer import checkpoint_io_class, guarded_logger_class, step_progress
+from qkmonitor.cli.trainer import (
+    checkpoint_io_class,
+    guarded_logger_class,
+    quiet_lightning,
+    step_progress,
+)
 from qkmonitor.models.tasks.registry import TASKS as TASK_REGISTRY
 
 __all__ = ["PRECISIONS", "SMALL_MODEL", "TASKS", "add_train_parser", "run_train"]

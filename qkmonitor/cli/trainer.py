@@ -1,13 +1,24 @@
 """The Lightning pieces ``qkmonitor train`` runs with: its logger (whose own writes go through the
 monitors' guard), its checkpoints (saved only into a writable run directory) and its progress bar
-(counted in optimizer steps). Each class is made when first asked for, so importing this module
-loads no Lightning."""
+(counted in optimizer steps); and :func:`quiet_lightning`, the chatter turned down around the run
+(exported by :mod:`qkmonitor.cli`, where users import it). Each class is made when first asked
+for, and Lightning imported when the quiet block is entered, so importing this module loads no
+Lightning."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
+import warnings
 
-__all__ = ["checkpoint_io_class", "guarded_logger_class", "step_progress", "step_progress_class"]
+__all__ = [
+    "checkpoint_io_class",
+    "guarded_logger_class",
+    "quiet_lightning",
+    "step_progress",
+    "step_progress_class",
+]
 
 
 def guarded_logger_class():
@@ -120,3 +131,34 @@ def step_progress_class():
 def step_progress():
     """A new progress bar of ``qkmonitor train``."""
     return step_progress_class()()
+
+
+@contextlib.contextmanager
+def quiet_lightning():
+    """Turn Lightning's chatter down while the block runs: its info lines (tips, the device report,
+    why ``fit`` stopped) and one known deprecation warning from torch's pytree that Lightning
+    triggers (filtered by its message). Warnings (qkmonitor's alerts among them) and the progress
+    bar stay; qkmonitor's own info lines under Lightning (the layers it found) go through
+    Lightning's logger and are turned down too. ``qkmonitor train`` and the examples run in it.
+
+    Example::
+
+        with quiet_lightning():
+            trainer = pl.Trainer(max_steps=100, callbacks=[QKSpectrumMonitor()])
+            trainer.fit(model)
+    """
+    import lightning.pytorch  # noqa: F401 -- its import sets its loggers' levels: set ours after it
+
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*"
+            )
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
