@@ -88,7 +88,9 @@ def _imports(node: ast.AST, where: str) -> Iterator[tuple[ast.Import | ast.Impor
         elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
             yield from _imports(child, f"in {child.name}()")
         elif isinstance(child, ast.If) and _is_type_checking(child.test):
-            yield from _imports(child, "TYPE_CHECKING" if where == "module level" else where)
+            checking = "TYPE_CHECKING" if where == "module level" else where
+            yield from _imports(ast.Module(body=child.body, type_ignores=[]), checking)
+            yield from _imports(ast.Module(body=child.orelse, type_ignores=[]), where)
         else:
             yield from _imports(child, where)
 
@@ -178,12 +180,14 @@ def test_the_check_reads_the_package():
 
 def test_the_check_finds_each_kind_of_circle(tmp_path):
     """A circle closed at module level, one closed under ``TYPE_CHECKING`` by a relative import,
-    one closed inside a function: each found, with where it is closed; a package that imports its
-    own submodules, and a name imported from a package that does not import back, are none."""
+    one closed inside a function: each found, with where it is closed (the ``else`` of a
+    ``TYPE_CHECKING`` block at module level); a package that imports its own submodules, and a
+    name imported from a package that does not import back, are none."""
     files = {
         "__init__.py": "from pkg import a\nNAME = 1\n",
         "a.py": "from pkg import b\n",
-        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import X\n",
+        "b.py": "import typing\nif typing.TYPE_CHECKING:\n    from .a import X\n"
+        "else:\n    import pkg.sub\n",
         "c.py": "def f():\n    import pkg.sub.d\n",
         "sub/__init__.py": "",
         "sub/d.py": "from ..c import f\nfrom pkg import NAME\n",
@@ -194,6 +198,6 @@ def test_the_check_finds_each_kind_of_circle(tmp_path):
         (tmp_path / name).write_text(text)
     graph = import_graph(tmp_path, "pkg")
     assert cycles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.sub.d"]]
-    assert ("pkg.a", 3, "TYPE_CHECKING") in graph["pkg.b"]
+    assert graph["pkg.b"] == [("pkg.a", 3, "TYPE_CHECKING"), ("pkg.sub", 5, "module level")]
     assert ("pkg.sub.d", 2, "in f()") in graph["pkg.c"]
     assert ("pkg", 2, "module level") in graph["pkg.sub.d"]
