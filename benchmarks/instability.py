@@ -566,12 +566,17 @@ def _save(record: RunRecord, cache: Path) -> None:
     (cache / f"{record.spec.key}.json").write_text(json.dumps(data))
 
 
-def _load(spec: RunSpec, cache: Path) -> RunRecord | None:
+def _load(
+    spec: RunSpec, cache: Path, versions: tuple[int, ...] = (RECORD_VERSION,)
+) -> RunRecord | None:
+    """The cached run of ``spec``, or None (absent, or recorded by a ``RECORD_VERSION`` not in
+    ``versions``: an older record lacks the metrics added since, which a caller that reads none of
+    them may accept)."""
     path = cache / f"{spec.key}.json"
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    if data.get("version") != RECORD_VERSION or data.get("family") != json.loads(
+    if data.get("version") not in versions or data.get("family") != json.loads(
         json.dumps(dataclasses.asdict(spec.task))
     ):
         return None

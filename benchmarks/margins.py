@@ -6,8 +6,9 @@ gate: what decides whether the rule fires), and the margin to the test's thresho
 margin: at its closest (run, layer, head, probe), how far the test furthest from firing still was
 (``max`` over tests of the relative shortfall, ``min`` over probes). Relative shortfall: ``1 -
 value / threshold`` for a level above, ``value / threshold - 1`` below, ``1 - rate / growth`` for a
-trend; negative where the rule fired. Patience and hysteresis are left out (a rule that needs two
-probes in a row is counted as near at one): the margins err on the small side.
+trend; negative where the rule fired. Patience is honoured (a rule that needs two probes in a row
+is as near as the farther of the two); hysteresis is left out (a rule that fired once fires again
+here): the margins err on the small side.
 
 The healthy runs: the fault families' healthy twins in ``runs/instability/`` (5 seeds, one torch
 thread: the sweep's environment), and :data:`SUBSET`, healthy runs of the sweep nearest the
@@ -45,6 +46,8 @@ SUBSET = (("induction", 0.03, 0), ("induction", 0.03, 50), ("recall", 0.03, 50))
 SEEDS = (0, 1, 2)
 ENVIRONMENTS = {"1 thread": 1, "2 threads": 2}
 WITHIN = 0.2  # issue 61: no healthy run within 20 % of a default rule's threshold
+#: the group of healthy seeds at settings where another seed failed (not held to WITHIN)
+BESIDE = "healthy beside failures"
 
 
 def subset_specs() -> list[sweep.RunSpec]:
@@ -55,13 +58,14 @@ def subset_specs() -> list[sweep.RunSpec]:
     ]
 
 
-def twin_specs(seeds=None) -> list[sweep.RunSpec]:
-    """The fault families' healthy twins (every seed, or ``seeds``)."""
+def twin_specs(seeds=sweep.FAULT_READ_SEEDS) -> list[sweep.RunSpec]:
+    """The fault families' healthy twins of ``seeds`` (default: those read before round 4 was
+    fitted; seeds 5 and 6 are its validation)."""
     return [
         sweep.RunSpec(name, f.lr, False, seed, f.warmup, f.steps)
         for name, f in sorted(sweep.FAULTS.items())
         for seed in f.seeds
-        if seeds is None or seed in seeds
+        if seed in seeds
     ]
 
 
@@ -140,7 +144,20 @@ def probe_cells(record: sweep.RunRecord, rule: AlertRule):
                     if math.isfinite(value):
                         history.setdefault(key, []).append((step, value))
                 if open_gate:
-                    yield record.spec.key, step, cell
+                    yield record.spec.key, step, cell, (layer, head)
+
+
+def _with_patience(
+    recent: list[tuple[int, float]], steps: list[int], step: int, worst: float, rule: AlertRule
+) -> float:
+    """The cell's shortfall at ``step`` as the rule sees it: a rule of ``patience`` p fires where
+    its tests held at p probes in a row, so the largest shortfall over this probe and the p - 1
+    probes before it (a probe where the gate was closed, or missing, counts as never)."""
+    recent.append((step, worst))
+    index = steps.index(step)
+    before = steps[max(0, index - rule.patience + 1) : index + 1]
+    seen = dict(recent[-rule.patience :])
+    return max(seen.get(s, math.inf) for s in before)
 
 
 def rule_margins(records: list[sweep.RunRecord], rule: AlertRule) -> dict[str, Any]:
@@ -148,10 +165,14 @@ def rule_margins(records: list[sweep.RunRecord], rule: AlertRule) -> dict[str, A
     probe with the gate open and where every other test holds; the rule's closest probe."""
     tests: dict[str, dict[str, Any]] = {}
     closest: dict[str, Any] = {"margin": math.inf}
+    per_run: dict[str, float] = {}
     for record in records:
-        for key, step, cell in probe_cells(record, rule):
+        recent: dict[tuple[int, int], list[tuple[int, float]]] = {}
+        steps = sorted(record.probes)
+        for key, step, cell, where in probe_cells(record, rule):
             gaps = [gap for _, gap, _ in cell]
-            worst = max(gaps)
+            worst = _with_patience(recent.setdefault(where, []), steps, step, max(gaps), rule)
+            per_run[key] = min(per_run.get(key, math.inf), worst)
             if worst < closest["margin"]:
                 closest = {"margin": worst, "run": key, "step": step,
                            "values": {name: value for name, _, value in cell}}  # fmt: skip
@@ -162,46 +183,73 @@ def rule_margins(records: list[sweep.RunRecord], rule: AlertRule) -> dict[str, A
                 others = max((g for j, g in enumerate(gaps) if j != i), default=-math.inf)
                 if others <= 0 and (entry["joint_margin"] is None or gap < entry["joint_margin"]):
                     entry.update(joint_margin=gap, joint_value=value, joint_run=key)
-    return {"tests": tests, "closest": closest}
+    fired = sorted(key for key, margin in per_run.items() if margin < 0)
+    return {"tests": tests, "closest": closest, "fired": fired}
 
 
-def margins(groups: dict[str, list[sweep.RunRecord]]) -> dict[str, Any]:
-    """Per environment group of healthy runs and default rule: :func:`rule_margins`, and whether
-    a healthy run comes within :data:`WITHIN` of firing it (closest margin < WITHIN)."""
+def margins(
+    groups: dict[str, list[sweep.RunRecord]], rules: list[AlertRule] | None = None
+) -> dict[str, Any]:
+    """Per environment group of healthy runs and rule (default: the default rules):
+    :func:`rule_margins`, and whether a healthy run comes within :data:`WITHIN` of firing it
+    (closest margin < WITHIN)."""
     out: dict[str, Any] = {}
     for group, records in groups.items():
         out[group] = {"runs": [r.spec.key for r in records], "rules": {}}
-        for rule in DEFAULT_RULES:
+        for rule in DEFAULT_RULES if rules is None else rules:
             m = rule_margins(records, rule)
             m["within_20"] = m["closest"]["margin"] < WITHIN
             out[group]["rules"][rule.name] = m
     return out
 
 
-def fired_on_healthy(path: Path) -> dict[str, Any]:
-    """Per default rule, the healthy runs of the sweep (``docs/instability.json``: calibration and
-    validation, 5 seeds, one thread) it fired on, as ``family lr warmup seed``: there its margin
-    is below 0. The count of healthy runs is under ``"healthy_runs"``."""
-    runs = [r for r in json.loads(path.read_text())["runs"] if r["status"] == "healthy"]
-    out: dict[str, Any] = {"healthy_runs": len(runs), "seeds": sorted({r["seed"] for r in runs})}
-    for rule in DEFAULT_RULES:
-        out[rule.name] = [
-            f"{r['family']} lr {r['lr']:g} w{r['warmup']} s{r['seed']}"
-            for r in runs
-            if any(a["rule"] == rule.name for a in r["alerts"])
-        ]
-    return out
+def sweep_healthy(cache: Path) -> dict[str, list[sweep.RunRecord]]:
+    """The calibration set's healthy runs (seeds 0-4 of the sweep, one thread, as cached), in two
+    groups: at a **safe setting** (no seed of the same family, rate and warmup failed) and
+    **beside failures** (a healthy seed of a setting where another seed failed: a run at a rate
+    that usually fails, where an alert is the right advice; reported apart, not held to the 20 %
+    margin)."""
+    specs = [
+        s for s in sweep.sweep(_sweep_args()) if s.split == "calibration" and s.family not in
+        sweep.FAULTS
+    ]  # fmt: skip
+    records = [r for r in (sweep._load(s, cache) for s in specs) if r is not None]
+    if not records:
+        return {}
+    scored = sweep.score(records)
+    failed = {_setting(s.record.spec) for s in scored if s.status == "failed"}
+    healthy = [s.record for s in scored if s.status == "healthy"]
+    return {
+        "sweep healthy, safe settings, 1 thread": [
+            r for r in healthy if _setting(r.spec) not in failed
+        ],
+        f"sweep {BESIDE}, 1 thread": [r for r in healthy if _setting(r.spec) in failed],
+    }
+
+
+def _setting(spec: sweep.RunSpec) -> tuple[str, float, int]:
+    return spec.family, spec.lr, spec.warmup
+
+
+def _sweep_args():
+    return sweep._parser().parse_args(
+        ["--seeds", *map(str, sweep.CALIBRATION_SEEDS), "--warmups", str(sweep.WARMUP), "0"]
+    )
 
 
 def load_groups(cache: Path) -> dict[str, list[sweep.RunRecord]]:
-    """The healthy runs per environment: the fault families' twins (the sweep's cache, one
-    thread) and the subset in each environment (those trained)."""
-    groups = {"fault twins, 1 thread": [sweep._load(s, cache) for s in twin_specs()]}
+    """The healthy runs per environment: the sweep's calibration runs (:func:`sweep_healthy`),
+    the fault families' twins (the sweep's cache, one thread) and the subset in each environment
+    (those trained; a record of round 3's version is accepted: it lacks only the update
+    spectrum, which no default rule reads)."""
+    old = (3, sweep.RECORD_VERSION)
+    groups = dict(sweep_healthy(cache))
+    groups["fault twins, 1 thread"] = [sweep._load(s, cache) for s in twin_specs()]
     where = ROOT / "runs" / "margins" / "threads2"
-    groups["fault twins, 2 threads"] = [sweep._load(s, where) for s in twin_specs(SEEDS)]
+    groups["fault twins, 2 threads"] = [sweep._load(s, where, old) for s in twin_specs(SEEDS)]
     for env, threads in ENVIRONMENTS.items():
         where = ROOT / "runs" / "margins" / f"threads{threads}"
-        groups[f"sweep subset, {env}"] = [sweep._load(s, where) for s in subset_specs()]
+        groups[f"sweep subset, {env}"] = [sweep._load(s, where, old) for s in subset_specs()]
     return {k: [r for r in v if r is not None] for k, v in groups.items() if any(v)}
 
 
@@ -219,8 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         where = ROOT / "runs" / "margins" / "threads2"
         seconds = train(where, 2, 1, twin_specs(SEEDS))
         print(f"fault twins (seeds {SEEDS}), 2 threads: {seconds:.0f} s", flush=True)
-    stats = margins(load_groups(args.cache))
-    stats = {"groups": stats, "sweep_fired": fired_on_healthy(ROOT / "docs" / "instability.json")}
+    stats = {"groups": margins(load_groups(args.cache))}
     args.out.write_text(json.dumps(stats, indent=1, default=_finite) + "\n")
     print(margin_table(stats))
     return stats
@@ -240,18 +287,30 @@ def _value(value: float | None) -> str:
     return "—" if value is None else f"{value:.3g}"
 
 
-def margin_table(stats: dict[str, Any]) -> str:
+def held(group: str) -> bool:
+    """Whether ``group``'s runs are held to the :data:`WITHIN` margin: every group but the
+    healthy seeds beside failures (:func:`sweep_healthy`)."""
+    return BESIDE not in group
+
+
+def margin_table(stats: dict[str, Any], rules: list[AlertRule] | None = None) -> str:
     """Markdown: per rule and test, per environment group: the healthy runs' largest value where
-    the rest of the rule holds (its margin), and the rule's closest approach; 20 % flagged."""
-    fired, stats = stats["sweep_fired"], stats["groups"]
+    the rest of the rule holds (its margin), and the rule's closest approach; 20 % flagged over
+    the groups :func:`held` to it; the healthy seeds beside failures it fires on."""
+    stats = stats["groups"]
     groups = list(stats)
     head = " | ".join(f"{g}: largest where the rest holds (margin)" for g in groups)
-    title = f"healthy sweep runs it fired on (of {fired['healthy_runs']})"
+    beside = [g for g in groups if not held(g)]
+    title = f"held groups (of {sum(len(stats[g]['runs']) for g in groups if held(g))} runs)"
+    total = sum(len(stats[g]["runs"]) for g in beside)
     lines = [
-        f"| rule | test | {head} | any probe, all groups (margin) | {title} |",
+        (
+            f"| rule | test | {head} | {title}: any probe (margin) | healthy seeds beside "
+            f"failures it fired on (of {total}) |"
+        ),
         "|---|---|" + "---|" * (len(groups) + 2),
     ]
-    for rule in DEFAULT_RULES:
+    for rule in DEFAULT_RULES if rules is None else rules:
         names = list(stats[groups[0]]["rules"][rule.name]["tests"])
         for name in names:
             cells, any_gap, any_value = [], None, None
@@ -260,20 +319,23 @@ def margin_table(stats: dict[str, Any]) -> str:
                 joint = t.get("joint_margin")
                 cells.append("rest never holds" if joint is None
                              else f"{_value(t['joint_value'])} ({_pct(joint)})")  # fmt: skip
-                if t.get("any_margin") is not None and (
-                    any_gap is None or t["any_margin"] < any_gap
+                if (
+                    held(g)
+                    and t.get("any_margin") is not None
+                    and (any_gap is None or t["any_margin"] < any_gap)
                 ):
                     any_gap, any_value = t["any_margin"], t.get("any_value")
             lines.append(f"| `{rule.name}` | {name} | " + " | ".join(cells)
                          + f" | {_value(any_value)} ({_pct(any_gap)}) | |")  # fmt: skip
         closest = [stats[g]["rules"][rule.name]["closest"] for g in groups]
-        flag = any(stats[g]["rules"][rule.name]["within_20"] for g in groups) or fired[rule.name]
+        flag = any(stats[g]["rules"][rule.name]["within_20"] for g in groups if held(g))
+        fired = [k for g in beside for k in stats[g]["rules"][rule.name]["fired"]]
         cells = [f"{_pct(c['margin'])}" + (f" ({c['run']}, step {c['step']})" if "run" in c else "")
                  for c in closest]  # fmt: skip
         lines.append(f"| `{rule.name}` | **rule: closest probe** | " + " | ".join(cells)
                      + f" | {'**within 20 %**' if flag else 'clear'} | "
-                     + (f"{len(fired[rule.name])}: " + "; ".join(fired[rule.name])
-                        if fired[rule.name] else "none") + " |")  # fmt: skip
+                     + (f"{len(fired)}: " + "; ".join(fired) if fired else "none")
+                     + " |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from qkmonitor.alerts.rules import (
     Condition,
     EntropyCollapseWarning,
     LogitGrowthWarning,
+    LowRankUpdateWarning,
     MalignantCollapseWarning,
     OverLocalizationWarning,
     RankCollapseWarning,
@@ -26,22 +27,43 @@ __all__ = [
     "LOGIT_GROWTH_RULE",
     "LOGIT_JUMP_RULE",
     "LOGIT_PLATEAU_RULE",
+    "LOW_RANK_UPDATES_RULE",
     "MALIGNANT_COLLAPSE_RULE",
     "RANK_COLLAPSE_RULE",
     "SPECTRAL_GROWTH_RULE",
 ]
 
-# The defaults below are fitted on the calibration set of ``benchmarks/instability.py`` (six
-# task/architecture families, warmup and none, a learning-rate sweep each): calibration = seeds 0
-# and 1 of every family, validation = seed 2, never seen while fitting. docs/alerts.md ("Does it
-# warn in time?") has the per-run results of both sets; ``evidence`` quotes the calibration figures
-# in every message.
+# The defaults below are fitted on the calibration set of ``benchmarks/instability.py`` (round 4,
+# issue 61: seeds 0-4 of six task/architecture families, warmup and none, a learning-rate sweep
+# each, and seeds 3-4 of a seventh) so that no healthy run at a safe setting comes within 20 % of
+# firing one (``benchmarks/margins.py``, one and two torch threads), and scored once on the
+# validation set, seeds 5 and 6, never seen while fitting. docs/alerts.md has both sets' figures;
+# ``evidence`` quotes the calibration figures in every message.
 
 _SWEEP = "benchmarks/instability.py"
 _REMEDY = (
     "lower the peak learning rate or lengthen warmup; add QK-norm ({qk_norm}) or "
     "sigma-reparametrization; weight decay on the query/key projections"
 )
+
+
+#: round 4's calibration set (issue 61): seeds 0-4 of the sweep's six families and seeds 3-4 of
+#: sorting, whose healthy runs number this many
+_HEALTHY_RUNS = 95
+_FAILED_RUNS = 110
+
+
+def _calibration(in_time: int, healthy: int, margin: int) -> str:
+    """The figures every default rule's evidence opens with, on round 4's calibration set (checked
+    against docs/instability.json by tests/docs/test_rule_evidence.py): failed runs it flagged
+    in time alone, healthy runs it fired on, and its margin (benchmarks/margins.py: how far the
+    closest healthy run at a safe setting, in either environment, stayed from firing it)."""
+    return (
+        f"on round 4's calibration set of {_SWEEP} (seeds 0-4), alone it flagged {in_time} of "
+        f"{_FAILED_RUNS} failed runs in time and fired on {healthy} of {_HEALTHY_RUNS} healthy "
+        f"runs{' (each at a rate where other seeds failed)' if healthy else ''}; healthy runs at "
+        f"safe settings stayed {margin} % or more short of firing it"
+    )
 
 
 #: Learning, not failing: the trend rules stay quiet while the training loss falls by 5 % per 10
@@ -75,15 +97,17 @@ KAPPA_RULE = AlertRule(
     ),
     advice=_REMEDY,
     also=(Condition("qk_spectral_norm", 1.0, above=True),),
-    growth=2.5,
+    growth=3.0,
     window=30,
     skip_qk_norm=True,
     evidence=(
-        f"fitted on the calibration set of {_SWEEP} (round 1: seed 0 of char-LM, recall, induction "
-        "and seq2seq; kept in round 2), where it fired on failed runs and on no healthy one. "
-        "Without the loss gate it fired on healthy induction-head formation; without the "
-        "qk_spectral_norm >= 1 condition on examples/hf_llama.py at step 40, where kappa rose "
-        "x3.5 while sigma_1(W_QK) * scale was 0.1 and attention nearly uniform"
+        _calibration(18, 2, 24)
+        + ". Round 4 raised its rate from x2.5 to x3 per 30 steps: healthy recall runs at lr 0.03 "
+        "reached x2.27 while sigma_1 * scale >= 1 and the loss was flat. Without the loss gate it "
+        "fired on healthy induction-head formation; without the qk_spectral_norm >= 1 condition "
+        "on examples/hf_llama.py at step 40, where kappa rose x3.5 while sigma_1(W_QK) * scale "
+        "was 0.1 and attention nearly uniform. It flags the injected numerical faults of the "
+        "sweep 13-28 steps after they start"
     ),
     **_LEARNING,
 )
@@ -100,11 +124,10 @@ LOGIT_GROWTH_RULE = AlertRule(
     growth=8.0,
     window=20,
     evidence=(
-        f"fitted on the calibration set of {_SWEEP}. Healthy induction heads grow their logits x7 "
-        "to x10 per 20 steps while the loss falls: the loss gate, not the rate, tells them apart. "
-        "At the former level 20 it fired on a healthy vision run whose head went from 2.3 to 21 "
-        "during a transient loss spike; at 30, on no healthy run. A lower rate (x3 or x4) added 3 "
-        "to 6 healthy runs alerted and one failed run in time"
+        _calibration(22, 5, 40)
+        + ". Healthy induction heads grow their logits x7 to x10 per 20 steps while the loss "
+        "falls: the loss gate, not the rate, tells them apart. At the former level 20 it fired on "
+        "a healthy vision run whose head went from 2.3 to 21 during a transient loss spike"
     ),
     **_LEARNING,
 )
@@ -112,13 +135,13 @@ LOGIT_GROWTH_RULE = AlertRule(
 LOGIT_BURST_RULE = AlertRule(
     name="logit_burst",
     metric="max_logit",
-    threshold=50.0,
+    threshold=55.0,
     above=True,
     patience=1,
     margin=10.0,
     warning=LogitGrowthWarning,
     meaning=(
-        "the head's largest attention logit jumped past 50 by a factor of 10 or more within 10 "
+        "the head's largest attention logit jumped past 55 by a factor of 10 or more within 10 "
         "steps: an immediate blow-up, typically at a high learning rate without warmup, before "
         "any trend can be measured"
     ),
@@ -126,34 +149,33 @@ LOGIT_BURST_RULE = AlertRule(
     growth=10.0,
     window=10,
     evidence=(
-        f"fitted on the calibration set of {_SWEEP}: without warmup, 15 of the 23 failing runs "
-        "jumped x10 to x440 within their first 10 steps, to 22-1150; healthy ones at most x7, to "
-        "37 (induction at lr 0.03). At the former level 100 and x20 it missed char-LM at lr 0.03 "
-        "(x10-x12, to 57-67). It has no loss gate (the loss may still be falling from its first "
-        "value); it fired on one healthy run, at lr 0.1, which blew up at step 10 and recovered, "
-        "while the same run of the other seed failed"
+        _calibration(40, 3, 22)
+        + ". Without warmup, failing runs jump x10 to x440 within their first 10 steps; a healthy "
+        "induction run at lr 0.03 jumped x9.9 to 42, so round 4 raised the level from 50 to 55. "
+        "It has no loss gate (the loss may still be falling from its first value)"
     ),
 )
 
 LOGIT_JUMP_RULE = AlertRule(
     name="logit_jump",
     metric="max_logit",
-    threshold=20.0,
+    threshold=22.0,
     above=True,
     patience=1,
     margin=5.0,
     warning=LogitGrowthWarning,
     meaning=(
-        "the head's largest attention logit rose past 20 by a factor of 5 or more within 10 steps "
-        "while the loss was not falling: a fast early rise that learning does not explain"
+        "the head's largest attention logit rose past 22 by a factor of 6.5 or more within 10 "
+        "steps while the loss was not falling: a fast early rise that learning does not explain"
     ),
     advice=_REMEDY,
-    growth=5.0,
+    growth=6.5,
     window=10,
     evidence=(
-        f"fitted on the calibration set of {_SWEEP}: vision runs without warmup at lr 0.01-0.03 "
-        "jumped x8 to x34 at step 10 (to 21-89) while their loss rose, and separated 50 steps "
-        "later; no other rule saw them. Healthy induction heads rise as fast, while their loss "
+        _calibration(38, 3, 23)
+        + ". Vision runs without warmup jumped x8 to x34 at step 10 while their loss rose; round "
+        "4 raised it from past 20 after x5 to past 22 after x6.5, where healthy induction and "
+        "grokking runs came within 4 %. Healthy induction heads rise as fast while their loss "
         "falls: the loss gate tells them apart"
     ),
     **_LEARNING,
@@ -163,7 +185,7 @@ FAST_UPDATES_RULE = AlertRule(
     name="fast_updates",
     **_LOGIT_PAST_30,
     meaning=(
-        "the optimizer moved the head's query projection by 8 % or more of its RMS in one step "
+        "the optimizer moved the head's query projection by 10 % or more of its RMS in one step "
         "while the head's largest attention logit is already past 30: the updates are driving "
         "the logits up faster than learning needs (update-to-weight ratio and logit growth, "
         "Wortsman et al. 2023)"
@@ -172,15 +194,15 @@ FAST_UPDATES_RULE = AlertRule(
         "lower the peak learning rate or lengthen warmup; check AdamW's epsilon (too small "
         "amplifies the updates of weights with small gradients); add QK-norm ({qk_norm})"
     ),
-    also=(Condition("q_update_ratio", 0.08, above=True),),
+    also=(Condition("q_update_ratio", 0.1, above=True),),
+    solved_fraction=0.1,
     evidence=(
-        f"fitted on the calibration set of {_SWEEP} (round 3: seeds 0-2 of six families, AdamW): "
-        "it flagged 3 failed runs in time that no attention-only rule did (induction at lr 0.1 "
-        "with warmup, whose logits grew while the loss still fell), and fired on no healthy run "
-        "the other rules had not; healthy heads with logits past 20 reached a q_update_ratio of "
-        "at most 0.069 (induction at lr 0.03). It has no loss gate: those runs failed while "
-        "their loss was falling fastest. Fitted with AdamW: Muon's and SGD's update ratios have "
-        "other typical sizes"
+        _calibration(16, 4, 25)
+        + ". It flags induction runs at lr 0.1 with warmup, whose logits grow while the loss "
+        "still falls (no loss-waiting gate: those runs fail while their loss falls fastest). "
+        "Round 4 raised the ratio from 0.08 to 0.1 and exempts solved runs: healthy induction "
+        "runs at lr 0.03 reached 0.074 while learning, and 0.081-0.090 once solved in fresh "
+        "installs. Fitted with AdamW: Muon's and SGD's update ratios have other typical sizes"
     ),
 )
 
@@ -193,18 +215,56 @@ LOGIT_PLATEAU_RULE = AlertRule(
     margin=25.0,
     warning=LogitGrowthWarning,
     meaning=(
-        "the head's largest attention logit is past 150 (its softmax is saturated: the gradient "
-        "through it has all but vanished) and the training loss is no lower than at an earlier "
-        "probe: the logits kept growing after the loss stopped improving"
+        "the head's largest attention logit is past 150 and its attention entropy under 2 % of "
+        "its maximum (its softmax is saturated: the gradient through it has all but vanished) "
+        "and the training loss is no lower than at an earlier probe: the logits kept growing "
+        "after the loss stopped improving"
     ),
     advice=_REMEDY,
-    also=(Condition("loss_vs_best", 1.0, above=True),),
+    also=(
+        Condition("loss_vs_best", 1.0, above=True),
+        Condition("entropy_norm", 0.02, above=False),
+    ),
     evidence=(
-        f"fitted on the calibration set of {_SWEEP} (round 3): it flagged 2 failed runs in time "
-        "that no other rule did (char-LM at lr 0.03 with warmup, whose loss stalled 100 steps "
-        "before it separated while the logits grew past 150), and fired on no healthy run the "
-        "other rules had not. At 100 it fired on 2 healthy recall runs whose loss improved by "
-        "under 2 % a probe; solved runs (loss below a tenth of its first) are exempt"
+        _calibration(20, 4, 21)
+        + ". It flags char-LM runs at lr 0.03 with warmup, whose loss stalls 100 steps before it "
+        "separates while their logits pass 150. Round 4 added the entropy condition: healthy "
+        "recall runs at lr 0.03 reached logits of 183 with the loss 3 % above its best (two "
+        "torch threads), with their heads' entropy at 2.4 % or more of its maximum"
+    ),
+    **_LEARNING,
+)
+
+#: A default of QKSpectrumMonitor where its metric is measured (``update_spectrum=True``): the
+#: update's own spectrum (Huang et al. 2026), read at the probe's step, with no loss gate (the
+#: fault is seen before the loss moves).
+LOW_RANK_UPDATES_RULE = AlertRule(
+    name="low_rank_updates",
+    metric="qk_update_top_share",
+    threshold=0.7,
+    above=True,
+    patience=2,
+    margin=0.1,
+    warning=LowRankUpdateWarning,
+    meaning=(
+        "the update to the head's query-key form is concentrated on one direction (its largest "
+        "singular value carries 70 % or more of the spectrum at two probes in a row: the update's "
+        "spectral entropy collapsed) while the loss is not improving, a consistently biased "
+        "low-rank error in the gradients rather than learning "
+        "(Huang et al. 2026); low-precision attention's biased rounding makes such errors (Qiu & "
+        "Yao 2025), as can a faulty gradient hook, compression or all-reduce"
+    ),
+    advice=(
+        "if attention runs in bf16 or fp16, take the bias out of its rounding: {rounding}; check "
+        "custom gradient hooks, gradient compression and the gradients' all-reduce; lower the "
+        "learning rate if the run is also at a high one"
+    ),
+    evidence=(
+        _calibration(7, 0, 21)
+        + ". On the sweep's numerical faults (a consistently signed rank-one error added to the "
+        "W_Q/W_K gradients, docs/alerts.md) the update's top share went from 0.2-0.4 to 0.6-0.9 "
+        "at the first probe after the fault; healthy runs at high rates reach 0.6-0.86 late in "
+        "training once solved or still learning, hence the level 0.7, two probes and the loss gate"
     ),
     **_LEARNING,
 )
@@ -253,9 +313,9 @@ RANK_COLLAPSE_RULE = AlertRule(
     ),
     per_head=False,
     evidence=(
-        f"in {_SWEEP} no run came near (lowest hidden_collapse 0.15), so it fired on none: the "
-        "logit-growth instability is not a rank collapse; Dong et al. 2021 show the collapse "
-        "without skip connections (examples/rank_collapse.py)"
+        _calibration(2, 0, 3800)
+        + ". The logit-growth instability is not a rank collapse; Dong et al. 2021 show the "
+        "collapse without skip connections (examples/rank_collapse.py)"
     ),
 )
 
@@ -275,13 +335,11 @@ MALIGNANT_COLLAPSE_RULE = AlertRule(
     advice=_REMEDY,
     also=(Condition("attn_erank", 1.5, above=False, margin=0.5),),
     evidence=(
-        f"in {_SWEEP}, solved vision runs (every query reads the two marked cells: sparse and "
-        "low-rank, yet correct) fired it until the loss gate was added; sparse heads "
-        "(attn_entropy_norm <= 0.1) of runs that ended within 10 % of the best loss had "
-        "attn_erank down to 3.1 (recall at lr 0.01, which fired under the former bound "
-        "attn_erank_norm <= 0.2) and, for one probe, 1.8 (recall at lr 0.03); a bound in "
-        "directions (about one) means the same at any probe size. It fired only after the loss "
-        "had separated: it confirms rather than warns"
+        _calibration(0, 0, 96)
+        + ". Solved vision runs (every query reads the two marked cells: sparse and low-rank, yet "
+        "correct) fired it until the loss gate was added; a bound in directions (about one) "
+        "means the same at any probe size. It fires only after the loss has separated: it "
+        "confirms rather than warns"
     ),
     **_LEARNING,
 )
@@ -322,4 +380,5 @@ DEFAULT_RULES = (
     LOGIT_PLATEAU_RULE,
     MALIGNANT_COLLAPSE_RULE,
     RANK_COLLAPSE_RULE,
+    LOW_RANK_UPDATES_RULE,  # QKSpectrumMonitor's where update_spectrum=True
 )

@@ -35,10 +35,12 @@ __all__ = [
     "Condition",
     "EntropyCollapseWarning",
     "LogitGrowthWarning",
+    "LowRankUpdateWarning",
     "MalignantCollapseWarning",
     "OverLocalizationWarning",
     "QKMonitorWarning",
     "RankCollapseWarning",
+    "advice_for",
     "channel_of",
     "run_signals",
 ]
@@ -61,6 +63,12 @@ class EntropyCollapseWarning(QKMonitorWarning):
 
 class LogitGrowthWarning(QKMonitorWarning):
     """A head's attention logits grow without bound (rule ``logit_growth``)."""
+
+
+class LowRankUpdateWarning(QKMonitorWarning):
+    """The updates of a head's query-key weights concentrate on one direction: the signature of a
+    consistently biased error in the gradients, e.g. low-precision attention's rounding (rule
+    ``low_rank_updates``)."""
 
 
 class RankCollapseWarning(QKMonitorWarning):
@@ -253,7 +261,8 @@ class AlertRule:
         warning: the warning class raised, warned or named.
         meaning: what firing says about attention.
         advice: what to try; ``{qk_norm}`` in it becomes how to add QK-norm to the kind of model
-            the alert is about (:attr:`Alert.layer_kind`).
+            the alert is about (:attr:`Alert.layer_kind`), ``{rounding}`` how to take the bias
+            out of its low-precision attention (:func:`advice_for`).
         also: further conditions that must hold at the same time (e.g. low rank *and* sparse).
         per_head: False for metrics of a whole layer (one value per layer, no head).
         growth: the factor per ``window`` steps the value must grow by (None: a level rule).
@@ -274,7 +283,8 @@ class AlertRule:
         solved_fraction: also quiet while the training loss is at most this fraction of the
             run's first loss (mean of its first :data:`LOSS_SMOOTHING` steps): a model that has
             solved its task (a copy task at loss 0.001) has sharp heads and huge logits because
-            that is the solution, and a loss near 0 no longer falls by a steady fraction.
+            that is the solution, and a loss near 0 no longer falls by a steady fraction. It
+            may be set without ``learning_drop``: then only a solved run is exempt.
     """
 
     name: str
@@ -356,13 +366,15 @@ class AlertRule:
 
     def describe(self) -> str:
         text = " and ".join([_describe(self), *(c.describe() for c in self.also)])
+        unless = []
         if self.learning_drop is not None:
-            text += (
-                f", unless the training loss fell by {self.learning_drop:.0%} or more over "
-                f"{self.loss_window} steps"
+            unless.append(
+                f"fell by {self.learning_drop:.0%} or more over {self.loss_window} steps"
             )
-            if self.solved_fraction is not None:
-                text += f" or is below {self.solved_fraction:.0%} of its first value"
+        if self.solved_fraction is not None:
+            unless.append(f"is below {self.solved_fraction:.0%} of its first value")
+        if unless:
+            text += ", unless the training loss " + " or ".join(unless)
         return text
 
     @property
@@ -376,7 +388,7 @@ class AlertRule:
         """Whether the training loss ``losses`` (``(step, loss)``, oldest first) fell by
         ``learning_drop`` over the window ending at ``step``, or (``solved_fraction``) is that
         small a part of the run's ``first`` loss; False without the loss to say."""
-        if self.learning_drop is None:
+        if not self.reads_loss:
             return False
         now = _mean_loss(losses, step)
         if now is None:
@@ -388,8 +400,17 @@ class AlertRule:
             and now <= self.solved_fraction * first
         ):
             return True
+        if self.learning_drop is None:
+            return False
         then = _mean_loss(losses, step - self.loss_window)
         return then is not None and now <= (1 - self.learning_drop) * then
+
+    @property
+    def reads_loss(self) -> bool:
+        """Whether the rule's gate reads the training loss (``learning_drop`` or
+        ``solved_fraction``; a solved run alone may gate a rule that does not wait for the loss
+        to stop falling)."""
+        return self.learning_drop is not None or self.solved_fraction is not None
 
     @property
     def tests(self) -> tuple[AlertRule | Condition, ...]:
@@ -399,6 +420,30 @@ class AlertRule:
     @property
     def metrics(self) -> tuple[str, ...]:
         return tuple(t.metric for t in self.tests)
+
+
+def rounding_advice(layer_kind: str) -> str:
+    """How to take the bias out of low-precision attention in a layer of ``layer_kind``: the
+    bundled models' switch (docs/kernel.md, "Rounding of the softmax weights"), what to change
+    in anyone else's attention."""
+    if layer_kind.startswith("qkmonitor."):
+        return (
+            "TransformerConfig(attention_rounding='unbiased') (or 'float32'), which divides P.V "
+            "by the sum of the rounded weights"
+        )
+    return (
+        "in the attention's low-precision path, normalize P.V by the sum of the rounded softmax "
+        "weights, or compute P.V in float32 (attention outside autocast, or a float32 "
+        "scaled_dot_product_attention)"
+    )
+
+
+def advice_for(advice: str, layer_kind: str) -> str:
+    """``advice`` with its placeholders filled for a layer of ``layer_kind``: ``{qk_norm}``
+    (:func:`qk_norm_advice`) and ``{rounding}`` (:func:`rounding_advice`)."""
+    return advice.replace("{qk_norm}", qk_norm_advice(layer_kind)).replace(
+        "{rounding}", rounding_advice(layer_kind)
+    )
 
 
 def qk_norm_advice(layer_kind: str) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkmonitor.alerts.rules import AlertRule, channel_of, qk_norm_advice
+from qkmonitor.alerts.rules import AlertRule, advice_for, channel_of
 
 __all__ = [
     "Alert",
@@ -107,7 +107,7 @@ class Alert:
             f"[qkmonitor:{self.rule.name}] {where}: {measured} (threshold {self.rule.describe()}, "
             f"{self.rule.patience} probe(s) in a row) at step {self.step}{lr_text}: "
             f"{self.rule.meaning}. Try: "
-            f"{self.rule.advice.replace('{qk_norm}', qk_norm_advice(self.layer_kind))}.{evidence}"
+            f"{advice_for(self.rule.advice, self.layer_kind)}.{evidence}"
         )
 
 

@@ -148,13 +148,11 @@ class AlertPolicy:
         self.signals = sorted({m for rule in rules for m in rule.metrics if m in RUN_SIGNALS})
         self._loss_signals = [name for name in self.signals if name in LOSS_SIGNALS]
         self._best_loss: float | None = None  # the lowest loss mean at a probe (loss_vs_best)
-        #: whether a rule reads the training loss (``learning_drop``, a loss signal); the loss is
-        #: kept only then
-        self.reads_loss = bool(self._loss_signals) or any(
-            rule.learning_drop is not None for rule in rules
-        )
+        #: whether a rule reads the training loss (its gate, a loss signal); the loss is kept
+        #: only then
+        self.reads_loss = bool(self._loss_signals) or any(rule.reads_loss for rule in rules)
         horizon = max(
-            [rule.loss_window for rule in rules if rule.learning_drop is not None]
+            [rule.loss_window for rule in rules if rule.reads_loss]
             + ([LOSS_SMOOTHING] if self._loss_signals else []),
             default=0,
         )

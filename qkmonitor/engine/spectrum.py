@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkmonitor.alerts import KAPPA_RULE
+from qkmonitor.alerts import KAPPA_RULE, LOW_RANK_UPDATES_RULE
 from qkmonitor.attention.adapters import AttentionLayer
 from qkmonitor.attention.calls import TENSOR_PARALLEL
 from qkmonitor.attention.probes import Probe, ProbeRequest
@@ -80,7 +80,8 @@ class QKSpectrum(OptimizerView, MonitorEngine):
     ``update_spectrum``: also log ``qk_update_entropy`` and ``qk_update_top_share``, the spectrum
     of each head's query-key update over the step before the read (off by default: it copies
     W_Q/W_K before the update and solves as many eigenproblems again as the spectrum, which on a
-    CPU is more than the default probe's budget; no default rule reads it yet).
+    CPU is more than the default probe's budget). With it, the default rules add
+    ``low_rank_updates``, which reads it (docs/alerts.md).
 
     ``background_weights``: compute the spectrum on a worker thread from a copy of the weights
     taken at the read, and log it at the end of the next batch, at its own step
@@ -90,7 +91,11 @@ class QKSpectrum(OptimizerView, MonitorEngine):
     """
 
     monitor = SPECTRUM
-    default_rules = (KAPPA_RULE,)
+
+    @property
+    def default_rules(self) -> tuple:  # type: ignore[override]
+        """``kappa``; with ``update_spectrum``, also ``low_rank_updates``, which reads it."""
+        return (KAPPA_RULE, LOW_RANK_UPDATES_RULE) if self.update_spectrum else (KAPPA_RULE,)
 
     @property
     def metric_names(self) -> tuple[str, ...]:

@@ -77,7 +77,7 @@ def _threshold_text(marks: Sequence[tuple[AlertRule, AlertRule | Condition]]) ->
     more = False
     for rule, test in marks:
         groups.setdefault("≥" if test.above else "≤", []).append(rule.name)
-        more |= test.growth is not None or len(rule.tests) > 1 or rule.learning_drop is not None
+        more |= test.growth is not None or len(rule.tests) > 1 or rule.reads_loss
     level = marks[0][1].threshold
     parts = [f"{', '.join(names)}: {sign} {level:g}" for sign, names in groups.items()]
     return "alert " + "; ".join(parts) + (", with more conditions" if more else "")
