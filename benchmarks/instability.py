@@ -111,12 +111,14 @@ from qkmonitor.alerts import (
     KAPPA_RULE,
     LOGIT_BURST_RULE,
     LOGIT_GROWTH_RULE,
+    LOGIT_JUMP_RULE,
     LOGIT_PLATEAU_RULE,
     MALIGNANT_COLLAPSE_RULE,
     RANK_COLLAPSE_RULE,
     SPECTRAL_GROWTH_RULE,
     Alert,
     AlertRule,
+    Condition,
 )
 from qkmonitor.alerts.rules import LOSS_SIGNALS
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKClipEngine, QKSpectrum
@@ -192,7 +194,7 @@ def round_1_rules() -> dict[str, list[AlertRule]]:
     """The round-1 defaults (2026-12-01): round 2's changes undone, to score them on round 2's
     split (``--round-1-rules``)."""
     return {
-        "QKSpectrumMonitor": [KAPPA_RULE],
+        "QKSpectrumMonitor": [KAPPA_RULE.replace(growth=2.5)],
         "AttentionEntropyMonitor": [
             LOGIT_GROWTH_RULE.replace(threshold=20.0),
             LOGIT_BURST_RULE.replace(threshold=100.0, growth=20.0, margin=25.0),
@@ -206,18 +208,36 @@ def round_1_rules() -> dict[str, list[AlertRule]]:
     }
 
 
+def round_3_rules() -> dict[str, list[AlertRule]]:
+    """The round-3 defaults (issue 31, 2026-12-03): round 4's changes undone (its margins, and
+    ``low_rank_updates``), to score them on round 4's split (``--round-rules 3``)."""
+    return {
+        "QKSpectrumMonitor": [KAPPA_RULE.replace(growth=2.5)],
+        "AttentionEntropyMonitor": [
+            LOGIT_GROWTH_RULE,
+            LOGIT_BURST_RULE.replace(threshold=50.0),
+            LOGIT_JUMP_RULE.replace(threshold=20.0, growth=5.0),
+            FAST_UPDATES_RULE.replace(
+                also=(Condition("q_update_ratio", 0.08, above=True),), solved_fraction=None
+            ),
+            LOGIT_PLATEAU_RULE.replace(also=(Condition("loss_vs_best", 1.0, above=True),)),
+        ],
+        "EffectiveRankMonitor": [RANK_COLLAPSE_RULE, MALIGNANT_COLLAPSE_RULE],
+    }
+
+
 def round_2_rules() -> dict[str, list[AlertRule]]:
-    """The round-2 defaults (2026-12-02): round 3's two rules on the new evidence left out, to
-    score what they add on round 3's split (``--round-rules 2``)."""
+    """The round-2 defaults (2026-12-02): round 3's with its two rules on the new evidence left
+    out, to score what they add on round 3's split (``--round-rules 2``)."""
     added = {FAST_UPDATES_RULE.name, LOGIT_PLATEAU_RULE.name}
     return {
-        engine.monitor: [r for r in engine.default_rules if r.name not in added]
-        for engine in _engines()
+        monitor: [r for r in rules if r.name not in added]
+        for monitor, rules in round_3_rules().items()
     }
 
 
 #: ``--round-rules``: an earlier round's defaults
-EARLIER_RULES = {1: round_1_rules, 2: round_2_rules}
+EARLIER_RULES = {1: round_1_rules, 2: round_2_rules, 3: round_3_rules}
 
 
 def split_of(family: str, seed: int) -> str:

@@ -368,9 +368,7 @@ class AlertRule:
         text = " and ".join([_describe(self), *(c.describe() for c in self.also)])
         unless = []
         if self.learning_drop is not None:
-            unless.append(
-                f"fell by {self.learning_drop:.0%} or more over {self.loss_window} steps"
-            )
+            unless.append(f"fell by {self.learning_drop:.0%} or more over {self.loss_window} steps")
         if self.solved_fraction is not None:
             unless.append(f"is below {self.solved_fraction:.0%} of its first value")
         if unless:

@@ -151,8 +151,8 @@ class AlertPolicy:
         #: whether a rule reads the training loss (its gate, a loss signal); the loss is kept
         #: only then
         self.reads_loss = bool(self._loss_signals) or any(rule.reads_loss for rule in rules)
-        horizon = max(
-            [rule.loss_window for rule in rules if rule.reads_loss]
+        horizon = max(  # a gate on a solved run alone reads the last LOSS_SMOOTHING steps
+            [rule.loss_window if rule.learning_drop is not None else 0 for rule in rules]
             + ([LOSS_SMOOTHING] if self._loss_signals else []),
             default=0,
         )

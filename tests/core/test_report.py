@@ -655,7 +655,7 @@ def test_command_line_prints_the_report_or_the_error(runs, tmp_path, capsys):
 
 
 def test_rules_at_one_threshold_share_one_label_that_names_them_all(tmp_path):
-    """`max_logit.png` with values up to 40: the thresholds at 20, 30 and 50 are drawn, and the
+    """`max_logit.png` with values up to 40: the thresholds at 22, 30 and 55 are drawn, and the
     two rules at 30 (logit_growth, fast_updates) are named in one label, not in two printed over
     each other."""
     at_30 = [
@@ -671,9 +671,9 @@ def test_rules_at_one_threshold_share_one_label_that_names_them_all(tmp_path):
     for text in ax.texts:
         if text.get_text().startswith("alert ") and not (text.get_gid() or "").startswith("alerts"):
             at.setdefault(text.get_position()[1], []).append(text.get_text())
-    assert {20.0, 30.0} <= set(at) and all(len(labels) == 1 for labels in at.values()), at
+    assert {22.0, 30.0} <= set(at) and all(len(labels) == 1 for labels in at.values()), at
     assert at[30.0][0].startswith("alert logit_growth, fast_updates: ≥ 30"), at
-    assert at[20.0][0].startswith("alert logit_jump: ≥ 20"), at
+    assert at[22.0][0].startswith("alert logit_jump: ≥ 22"), at
 
 
 def test_reading_and_writing_the_text_load_neither_matplotlib_nor_tensorboard_nor_lightning():

@@ -29,9 +29,9 @@ def test_the_alert_figures_summary_is_the_sweeps():
     assert f"**{val['late_in_time']} of {val['late_separating']}** later failures" in text
     assert f"{round(100 * late)} %" in text
     assert f"On the {cal['runs']} calibration runs: {cal['healthy_alerted']} healthy run" in text
-    seeds = [summary[f"validation, seed {seed}"] for seed in (3, 4)]
+    seeds = [summary[f"validation, seed {seed}"] for seed in (5, 6)]
     assert (
-        f"(seed 3: {seeds[0]['healthy_alerted']} of {seeds[0]['healthy']}, seed 4: "
+        f"(seed 5: {seeds[0]['healthy_alerted']} of {seeds[0]['healthy']}, seed 6: "
         f"{seeds[1]['healthy_alerted']} of {seeds[1]['healthy']})"
     ) in text
     assert (

@@ -41,17 +41,19 @@ def fast(logits: list[float], ratios: list[float], step: int = 10):
 
 
 def test_fast_updates_needs_both_at_the_same_head():
-    # head 0: logit only; head 1: ratio only; head 2: both; head 3: both, the logit at its level
-    fired = fast([40.0, 10.0, 31.0, 30.0], [0.01, 0.5, 0.09, 0.2])
+    # head 0: logit only; head 1: ratio only; head 2: both; head 3: both, the logit at its level;
+    # head 4: the ratio just under its level (round 4: 0.1)
+    fired = fast([40.0, 10.0, 31.0, 30.0, 50.0], [0.01, 0.5, 0.11, 0.2, 0.099])
     assert [a.head for a in fired] == [2, 3]
-    assert fired[0].also_values == (pytest.approx(0.09),)
+    assert fired[0].also_values == (pytest.approx(0.11),)
     # a NaN ratio (no update seen yet) fires nothing
     assert fast([100.0], [float("nan")]) == []
 
 
-def plateau(losses: list[float], logit: float, step: int):
-    """Feed the rule probes at 10, 20, ..., ``step`` with ``logit`` and the per-step ``losses``
-    (the engine's loss signals, computed as ``AlertPolicy`` does)."""
+def plateau(losses: list[float], logit: float, step: int, entropy: float = 0.01):
+    """Feed the rule probes at 10, 20, ..., ``step`` with ``logit``, ``entropy`` (the head's
+    entropy_norm) and the per-step ``losses`` (the engine's loss signals, computed as
+    ``AlertPolicy`` does)."""
     from qkmonitor.alerts import run_signals
 
     tracker = AlertTracker([LOGIT_PLATEAU_RULE])
@@ -63,6 +65,7 @@ def plateau(losses: list[float], logit: float, step: int):
         values = {
             "max_logit": [torch.tensor([logit])],
             "loss_vs_best": [torch.tensor([signals["loss_vs_best"]])],
+            "entropy_norm": [torch.tensor([entropy])],
         }
         fired += tracker.update(values, probe, LAYER, losses=seen, first_loss=losses[0])
         best = now if best is None or (now is not None and now < best) else best
@@ -77,8 +80,9 @@ def test_logit_plateau_fires_when_the_loss_stops_improving_not_while_it_falls():
     # at 40 the mean of steps 31-40 (3.7) is below step 30's (3.745): a new best; at 50 it equals
     # the best: loss_vs_best = 1, and the loss no longer falls by 5 % per 10 steps
     assert [a.step for a in fired] == [50]
-    assert fired[0].also_values == (pytest.approx(1.0),)
+    assert fired[0].also_values == (pytest.approx(1.0), pytest.approx(0.01))
     assert plateau(stalled, 149.0, 60) == []  # below the level: nothing
+    assert plateau(stalled, 500.0, 60, entropy=0.03) == []  # a head not saturated: nothing
     solved = [4.0] * 10 + [0.2] * 51  # a twentieth of its first loss: solved, sharp on purpose
     assert plateau(solved, 500.0, 60) == []
 
@@ -89,9 +93,9 @@ def test_the_new_rules_are_defaults_of_the_entropy_engine():
 
 
 def test_a_combined_alert_names_the_channels_that_agreed():
-    (alert,) = fast([45.0], [0.091])
+    (alert,) = fast([45.0], [0.121])
     text = alert.message(0.03)
-    assert "max_logit = 45 from the attention, q_update_ratio = 0.091 from the optimizer" in text
+    assert "max_logit = 45 from the attention, q_update_ratio = 0.121 from the optimizer" in text
     (alert,) = plateau([4.0 - 0.01 * s for s in range(31)] + [3.7] * 30, 245.0, 60)
     assert "loss_vs_best = 1 from the training loss" in alert.message()
     assert channel_of("kappa") == "QK spectrum" and channel_of("output_lse_rms") == "output logits"

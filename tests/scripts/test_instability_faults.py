@@ -23,8 +23,9 @@ def test_the_fault_families_are_held_out_with_a_twin_per_seed(instability, sweep
             assert fault.window[0] <= start <= fault.window[1]
         assert {(s.lr, s.warmup, s.steps) for s in runs} == {(fault.lr, fault.warmup, fault.steps)}
     assert len({s.key for s in specs}) == len(specs)
-    # the rest of the sweep is the 240 runs it was (calibration and validation)
-    assert sum(s.split != instability.HELD_OUT for s in specs) == 240
+    # the rest of the sweep: round 3's 240 runs (seeds 0-4) and round 4's validation (seeds 5, 6)
+    assert sum(s.split == "calibration" for s in specs) == 240
+    assert sum(s.split == "validation" for s in specs) == 102
     quick = instability.sweep(sweep_args(quick=True, seeds=[0]))
     numfault = [(s.fault, s.magnitude) for s in quick if s.family == "numfault"]
     assert numfault == [(None, None), ("inject", 1.0)]
