@@ -16,9 +16,11 @@ def test_the_split_keeps_seeds_5_and_6_of_every_family_for_validation(instabilit
     validation = {(s.family, s.seed) for s in specs if s.split == "validation"}
     assert {seed for _, seed in calibration} == {0, 1, 2, 3, 4}
     assert {seed for _, seed in validation} == {5, 6}
-    assert {f for f, _ in validation} == {f for f, _ in calibration} == set(
-        instability.FAMILIES
-    ) - set(instability.FAULTS)
+    assert (
+        {f for f, _ in validation}
+        == {f for f, _ in calibration}
+        == set(instability.FAMILIES) - set(instability.FAULTS)
+    )
     sorting = [s for s in specs if s.family == "sorting"]
     assert {s.seed for s in sorting} == {3, 4, 5, 6} and {s.warmup for s in sorting} == {0}
     assert {s.seed for s in sorting if s.split == "calibration"} == {3, 4}
