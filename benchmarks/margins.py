@@ -155,7 +155,9 @@ def _with_patience(
     probes before it (a probe where the gate was closed, or missing, counts as never)."""
     recent.append((step, worst))
     index = steps.index(step)
-    before = steps[max(0, index - rule.patience + 1) : index + 1]
+    if index + 1 < rule.patience:  # fewer probes so far than the rule needs in a row
+        return math.inf
+    before = steps[index - rule.patience + 1 : index + 1]
     seen = dict(recent[-rule.patience :])
     return max(seen.get(s, math.inf) for s in before)
 

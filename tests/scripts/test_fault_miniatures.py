@@ -69,9 +69,10 @@ def test_an_injected_low_rank_gradient_error_is_flagged_by_kappa_before_the_loss
         "kappa",
         "low_rank_updates",
     }
-    assert any(
-        a["rule"] == "low_rank_updates" and a["step"] <= start + 30 for a in record.live_alerts
-    )
+    (update,) = [a for a in record.live_alerts if a["rule"] == "low_rank_updates"][:1]
+    assert update["step"] <= start + 30
+    # its advice names the bundled models' bias-free rounding
+    assert "TransformerConfig(attention_rounding='unbiased')" in update["message"]
     # flagged while the loss is still where it was at the fault (in the full run it separates
     # from the twin's 80 steps after the fault)
     assert mean_loss(record, first) < 1.05 * mean_loss(record, before)
