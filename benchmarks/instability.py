@@ -2,20 +2,22 @@
 
 Six task/architecture families of the bundled models (``benchmarks/families.py``: induction-head
 formation, char-LM, associative recall, an encoder-decoder, a vision encoder with 2-D RoPE,
-grokking), each at its learning-rate sweep, with a 50-step linear warmup and without, seeds 0, 1
-and 2. Every run trains with AdamW (betas 0.9/0.98, weight decay on matrices) in a plain loop with
-all three monitors on (:class:`qkmonitor.engine.Monitoring`, probe every 10 steps), their **default
-alert rules**, and the training loss handed to them (``Monitoring.observe_loss``), so the alerts are
-the ones a user would see. One process per core (``--jobs``), one thread each.
+grokking), each at its learning-rate sweep, with a 50-step linear warmup and without, seeds 0 to
+6, and a seventh (``sorting``, seeds 3 to 6). Every run trains with AdamW (betas 0.9/0.98, weight
+decay on matrices) in a plain loop with all three monitors on (:class:`qkmonitor.engine.Monitoring`,
+probe every 10 steps, the spectrum's with ``update_spectrum=True``), their **default alert rules**,
+and the training loss handed to them (``Monitoring.observe_loss``), so the alerts are the ones a
+user would see. One process per core (``--jobs``), one thread each.
 
 The split (:data:`CALIBRATION`) is fixed before any rule is fitted: the rules are fitted on the
-calibration set only (round 3: seeds 0, 1 and 2 of the six families above); the validation set
-(seeds 3 and 4, and every run of the ``sorting`` family, which no rule has seen; written before any
-of them was trained) is the one whose figures count, per seed. Rounds 1 and 2's splits, whose
-validation sets have since been read, are described there for the record.
+calibration set only (round 4: seeds 0-4, every run read before); the validation set (seeds 5 and
+6 of every family, written before any of them was trained) is the one whose figures count, per
+seed. Earlier rounds' splits, whose validation sets have since been read, are described there for
+the record.
 
-Two **fault families** (issue 61, item 2; ``families.FAULTS``) are held out (:data:`HELD_OUT`): no
-rule is fitted on them and they are not in the validation figures. Per seed, a healthy run (the
+Two **fault families** (issue 61, item 2; ``families.FAULTS``) are scored apart (:data:`HELD_OUT`):
+not in the validation figures; round 3 was fitted without them, round 4 read seeds 0-4
+(:data:`FAULT_READ_SEEDS`) and holds out seeds 5 and 6. Per seed, a healthy run (the
 **twin**) and the same run with a fault from a step drawn within a window after its heads formed:
 ``numfault``, a biased rank-one error added to the W_Q and W_K gradients (:class:`Injection`;
 magnitudes 0.3, 1 and 3 x the gradient's norm) and the model moved to bf16 with the kernel's
@@ -50,7 +52,7 @@ it warn in time?"). ``--quick`` writes its figure and JSON next to the cache ins
 
 Usage::
 
-    python benchmarks/instability.py            # 7 families x 3-5 rates x warmup arms x 5 seeds
+    python benchmarks/instability.py            # 7 families x 3-5 rates x warmup arms x 7 seeds
     # the two fault families alone (held out), seeds 0-2: docs/instability_faults.*
     python benchmarks/instability.py --families numfault lrjump --seeds 0 1 2
     python benchmarks/instability.py --quick    # 2 rates, seed 0, 60 % of the steps
@@ -62,7 +64,7 @@ Usage::
     python benchmarks/instability.py --arms
     python benchmarks/instability.py --arms --clip-tau 30
     # an earlier round's defaults on the same runs
-    python benchmarks/instability.py --replay --round-rules 2
+    python benchmarks/instability.py --replay --round-rules 3
     # issue 61's 95 % intervals added to a written JSON from its run rows (no cached runs needed)
     python benchmarks/instability.py --intervals-from-json docs/instability.json
 

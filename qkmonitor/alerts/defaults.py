@@ -107,7 +107,7 @@ KAPPA_RULE = AlertRule(
         "fired on healthy induction-head formation; without the qk_spectral_norm >= 1 condition "
         "on examples/hf_llama.py at step 40, where kappa rose x3.5 while sigma_1(W_QK) * scale "
         "was 0.1 and attention nearly uniform. It flags the injected numerical faults of the "
-        "sweep 13-28 steps after they start"
+        "sweep (magnitudes 1 and 3) 17-28 steps after they start"
     ),
     **_LEARNING,
 )
