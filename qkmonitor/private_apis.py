@@ -68,16 +68,19 @@ _TRANSFORMERS = "transformers 4.48 to 5.25"
 @dataclass(frozen=True)
 class PrivateAPI:
     """One private name: ``name`` as a reader finds it, the ``library`` it belongs to, the
-    releases it was ``checked`` on, and what qkmonitor does where it is ``missing``."""
+    releases it was ``checked`` on, what qkmonitor does where it is ``missing``, and the first
+    release of the feature it belongs to (``since``; empty: every release qkmonitor supports):
+    before that there is nothing for qkmonitor to read."""
 
     name: str
     library: str
     checked: str
     missing: str
+    since: str = ""
 
 
-def _api(name: str, checked: str, missing: str) -> PrivateAPI:
-    return PrivateAPI(name, name.split(".")[0], checked, missing)
+def _api(name: str, checked: str, missing: str, since: str = "") -> PrivateAPI:
+    return PrivateAPI(name, name.split(".")[0], checked, missing, since)
 
 
 #: every private name qkmonitor uses, by the name its messages give
@@ -96,9 +99,10 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         ),
         _api(
             "torch.distributed.tensor.experimental._context_parallel._attention._distribute_function",
-            _TORCH,
+            "torch 2.8.0 and 2.13.0 (2.5.1, 2.6.0: in experimental._attention, read in the wheels)",
             "fallback: context_parallel's SDPA wrapper is not recognised (DTensor arguments "
             "sharded along the sequence still are)",
+            since="2.5",  # context_parallel's first release
         ),
         _api(
             "torch._dynamo.eval_frame.OptimizedModule",

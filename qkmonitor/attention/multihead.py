@@ -157,9 +157,41 @@ class _MultiheadChannel(Channel):
             self.observers.notify(observed(build))
 
         self._remove_hook = add_forward_hooks(layer.module, pre=capture)
+        self._fast_path = _FastPathHold() if _FAST_PATH_SKIPS_HOOKS else None
 
     def uninstall(self) -> None:
         self._remove_hook()
+        if self._fast_path is not None:
+            self._fast_path.release()
+
+
+#: Before torch 2.5, ``nn.TransformerEncoderLayer``'s fast path (eval, no grad) runs the layer
+#: fused, without calling ``self_attn`` or its hooks (pytorch/pytorch#128413): a probed layer would
+#: not run. From 2.5 on, a hook on any submodule turns that fast path off by itself.
+_FAST_PATH_SKIPS_HOOKS = torch.__version__ < "2.5"
+
+
+class _FastPathHold:
+    """``torch.backends.mha``'s fast path held off while any channel holds it (a count, so two
+    monitors or several layers nest), and put back as it was when the last one lets go."""
+
+    holders = 0
+    before = True
+
+    def __init__(self) -> None:
+        if _FastPathHold.holders == 0:
+            _FastPathHold.before = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+        _FastPathHold.holders += 1
+        self.held = True
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        _FastPathHold.holders -= 1
+        if _FastPathHold.holders == 0:
+            torch.backends.mha.set_fastpath_enabled(_FastPathHold.before)
 
 
 def _to(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:

@@ -58,7 +58,7 @@ import warnings
 
 import torch
 
-from qkmonitor.kernels._autocast import autocast_off
+from qkmonitor.kernels._autocast import autocast_available, autocast_off
 from qkmonitor.kernels._options import PV_ROUNDINGS, AttentionOptions
 from qkmonitor.kernels._stats import AttentionStats, attended_keys
 from qkmonitor.kernels._torch import max_logits, torch_attention
@@ -249,9 +249,7 @@ def _autocast_inputs(q, k, v):
     if not isinstance(q, torch.Tensor):
         return q, k, v
     device_type = q.device.type
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(
-        device_type
-    ):
+    if not autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return q, k, v
     dtype = torch.get_autocast_dtype(device_type)
 

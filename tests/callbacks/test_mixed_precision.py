@@ -69,6 +69,13 @@ def test_statistics_under_autocast_are_within_005_of_float32_at_the_same_weights
     torch.manual_seed(1)
     model = MODELS[kind]().eval()
     tokens = torch.randint(VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(2))
+    try:  # the model alone, unmonitored, under the same autocast
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+            model(tokens)
+    except RuntimeError as err:  # torch 2.4's TransformerEncoderLayer fast path, for one
+        pytest.skip(
+            f"{kind} fails under CPU autocast without qkmonitor (torch {torch.__version__}): {err}"
+        )
 
     def measure(autocast: bool):
         monitoring = Monitoring(model, [AttentionEntropy(every_n_steps=1, alerts=[])])

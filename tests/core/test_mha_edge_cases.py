@@ -13,7 +13,7 @@ from torch import nn
 
 from qkmonitor.attention.adapters import find_attention_layers
 from qkmonitor.attention.probes import ProbeRequest
-from qkmonitor.engine import EffectiveRank, Monitoring
+from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring
 
 L, E, H = 5, 8, 2
 
@@ -116,3 +116,56 @@ def test_unbatched_hidden_ranks_are_measured():
     collapse = torch.linalg.norm(y - y.mean(0)) / torch.linalg.norm(y)
     assert engine.latest["hidden_erank"][0].item() == pytest.approx(erank.item(), rel=1e-4)
     assert engine.latest["hidden_collapse"][0].item() == pytest.approx(collapse.item(), rel=1e-4)
+
+
+def _encoder() -> nn.TransformerEncoder:
+    """A torch encoder whose eval, no-grad forward takes the fused fast path where torch allows."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, 16, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["step", "failing step"])
+def test_an_encoder_layers_fast_path_is_held_off_for_a_probe_and_put_back(monkeypatch, fails):
+    """Where torch's ``TransformerEncoderLayer`` fast path skips its attention's hooks (before
+    torch 2.5), a probe holds ``torch.backends.mha``'s fast path off, so that each layer's
+    attention runs and is measured: values equal to a float64 softmax of the layer's own scores.
+    Two monitors nest; after the probe, failing or not, the flag is what the user had set."""
+    from qkmonitor.attention import multihead
+
+    monkeypatch.setattr(multihead, "_FAST_PATH_SKIPS_HOOKS", True)
+    model = _encoder()
+    x = torch.randn(2, L, E, generator=torch.Generator().manual_seed(1))
+    seen = []  # each layer's input, for the reference
+    hooks = [
+        m.self_attn.register_forward_pre_hook(lambda m, args: seen.append(args[0].double()))
+        for m in model.layers
+    ]
+    monitors = [Monitoring(model, [AttentionEntropy(every_n_steps=1, alerts=[])]) for _ in range(2)]
+    for user_setting in (True, False):
+        torch.backends.mha.set_fastpath_enabled(user_setting)
+        seen.clear()
+        try:
+            with monitors[0].step(0), monitors[1].step(0), torch.no_grad():
+                assert not torch.backends.mha.get_fastpath_enabled()
+                model(x)
+                if fails:
+                    raise RuntimeError("the user's step failed")
+        except RuntimeError:
+            assert fails
+        assert torch.backends.mha.get_fastpath_enabled() is user_setting
+    torch.backends.mha.set_fastpath_enabled(True)
+    for hook in hooks:
+        hook.remove()
+    if fails:
+        return
+    for monitor in monitors:
+        entropies = monitor.engines[0].latest["entropy"]
+        assert len(entropies) == len(model.layers)
+        for x_layer, layer, got in zip(seen, model.layers, entropies):
+            w, b = layer.self_attn.in_proj_weight.double(), layer.self_attn.in_proj_bias.double()
+            q = (x_layer @ w[:E].T + b[:E]).unflatten(-1, (H, -1)).transpose(1, 2)
+            k = (x_layer @ w[E : 2 * E].T + b[E : 2 * E]).unflatten(-1, (H, -1)).transpose(1, 2)
+            p = torch.softmax(q @ k.transpose(-1, -2) / (E // H) ** 0.5, dim=-1)
+            want = (-(p * p.log()).sum(-1)).mean(dim=(0, 2))  # each head's mean row entropy
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)

@@ -179,7 +179,7 @@ def _fail(module, args):
 def test_a_failing_autocast_or_compiled_probe_leaves_no_reference_cycle(how):
     """The failure path and the other ways a step runs: a step whose forward raises inside a probed
     layer (caught by the user's loop), a step under bf16 autocast, a ``torch.compile``d model:
-    each leaves nothing of qkmonitor's and no tensor in cycles, and none at all."""
+    each leaves in cycles exactly what the same step leaves unprobed (nothing, on a CPU build)."""
     model = _nanogpt_pair()
     tokens = torch.randint(0, 20, (2, T), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -190,13 +190,13 @@ def test_a_failing_autocast_or_compiled_probe_leaves_no_reference_cycle(how):
     steps = iter(range(100))
     raised = []
 
-    def probed():
+    def run():
         handle = None
         if how == "raises mid-probe":  # the second block's output projection raises
             handle = model.blocks[1].c_proj.register_forward_pre_hook(_fail)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "bf16 autocast")
         try:
-            with monitoring.step(next(steps)), autocast:
+            with autocast:
                 logits = forward(tokens).float()
                 F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
         except RuntimeError as err:
@@ -206,13 +206,21 @@ def test_a_failing_autocast_or_compiled_probe_leaves_no_reference_cycle(how):
             if handle is not None:
                 handle.remove()
 
+    def probed():
+        with monitoring.step(next(steps)):
+            run()
+
     with collector_off(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the failed step's warning; the logit floor's
         for _ in range(3):  # first-steps work apart: discovery; dynamo's (re)compilations
             probed()
+        # The step's own leftovers: none from torch 2.9 on; before, a CUDA build of torch on a
+        # machine without a GPU leaves NVML's ctypes function types at each torch.autocast(...).
+        # (Unprobed, the compiled model would recompile: its step is held to none at all.)
+        own = Counter() if how == "torch.compile" else unreachable_after(run)
         for _ in range(2):
-            assert unreachable_after(probed) == Counter()
-    assert len(raised) == (5 if how == "raises mid-probe" else 0)
+            assert unreachable_after(probed) == own
+    assert len(raised) == (6 if how == "raises mid-probe" else 0)
     monitoring.close()
 
 

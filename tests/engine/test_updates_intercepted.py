@@ -34,8 +34,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, n, self.num_heads, -1).transpose(1, 2)  # (B, H, N, D)
         k = self.k_proj(x).view(b, n, self.num_kv_heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.num_kv_heads, -1).transpose(1, 2)
-        gqa = self.num_kv_heads != self.num_heads
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        gqa = {"enable_gqa": True} if self.num_kv_heads != self.num_heads else {}  # torch >= 2.5
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, d))
 
 
@@ -114,6 +114,8 @@ def run(model, attentions, heads, kv_heads, batch, loss):
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["sdpa", "enable_gqa"])
 def test_a_module_calling_sdpa_reads_its_updates_from_step_1_without_a_warning(kv_heads):
+    if kv_heads != 4 and torch.__version__ < "2.5":
+        pytest.skip(f"SDPA's enable_gqa arrived in torch 2.5 (installed: {torch.__version__})")
     torch.manual_seed(0)
     model = Stack(kv_heads)
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
