@@ -44,6 +44,7 @@ __all__ = [
     "compiled_in_place",
     "compiled_original",
     "forward_hook_dicts",
+    "fsdp_module_type",
     "function_mode_ops",
     "gpt2_upcast",
     "has_attn_implementation",
@@ -103,6 +104,12 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
             "fallback: context_parallel's SDPA wrapper is not recognised (DTensor arguments "
             "sharded along the sequence still are)",
             since="2.5",  # context_parallel's first release
+        ),
+        _api(
+            "torch.distributed._composable.fsdp.FSDPModule",
+            "torch 2.4.0 (2.5.1: read in the wheel; public from 2.6, where it is not used)",
+            "fallback: FSDP2 is taken for tensor parallelism (EffectiveRank probes a share of its "
+            "sequences on each rank, as if the ranks computed the same ones); warns",
         ),
         _api(
             "torch._dynamo.eval_frame.OptimizedModule",
@@ -244,6 +251,21 @@ def torch_sdpa() -> Callable:
         _fall_back("torch._C._nn.scaled_dot_product_attention")
         return F.scaled_dot_product_attention
     return function
+
+
+def fsdp_module_type() -> type | tuple[()]:
+    """FSDP2's module class, to tell its sharded parameters from tensor parallelism's:
+    ``torch.distributed.fsdp.FSDPModule`` (public from torch 2.6), else the same class at its
+    private path on torch 2.4 - 2.5, else ``()`` (``isinstance`` then says no) with a warning."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            _fall_back("torch.distributed._composable.fsdp.FSDPModule")
+            return ()
+    return FSDPModule
 
 
 def is_context_parallel_wrapper(function: object) -> bool:

@@ -283,13 +283,10 @@ def tensor_parallel_ranks(model: nn.Module) -> int:
     any. A module under FSDP2 (``fully_shard`` on it or a module around it) has its first mesh
     dim for the data-parallel shards, which are not tensor parallelism. Read before a forward
     (the forward shows the split itself: :func:`row_shard`)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch before FSDP2's public name
-        FSDPModule = ()
+    fsdp_module = private_apis.fsdp_module_type()
     largest = 1
     under_fsdp = {
-        id(m) for root in model.modules() if isinstance(root, FSDPModule) for m in root.modules()
+        id(m) for root in model.modules() if isinstance(root, fsdp_module) for m in root.modules()
     }
     for module in model.modules():
         fsdp = id(module) in under_fsdp  # its parameters are FSDP2's, sharded by a parent's call

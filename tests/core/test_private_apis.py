@@ -100,6 +100,10 @@ PRESENT = {
     "torch.distributed.tensor.experimental._context_parallel._attention._distribute_function": (
         lambda tmp: _context_parallel_has_it()
     ),
+    # FSDP2's class, at its public path (torch 2.6 on) or its private one (2.4 - 2.5)
+    "torch.distributed._composable.fsdp.FSDPModule": lambda tmp: (
+        private_apis.fsdp_module_type().__name__ == "FSDPModule"
+    ),
     "torch._dynamo.eval_frame.OptimizedModule": lambda tmp: isinstance(
         torch.compile(nn.Linear(2, 2)),
         importlib.import_module("torch._dynamo.eval_frame").OptimizedModule,
@@ -200,6 +204,17 @@ def _renamed_distribute_function(monkeypatch):
     assert private_apis.is_context_parallel_wrapper(inner_fn)
     inner_fn.__qualname__ = "_spread_function.<locals>.inner_fn"  # a release that renames it
     assert not private_apis.is_context_parallel_wrapper(inner_fn)
+
+
+def _no_fsdp_module(monkeypatch):
+    """Neither path (public, private) has it: no module is taken for FSDP2's."""
+    import torch.distributed._composable.fsdp as private_fsdp
+    import torch.distributed.fsdp as public_fsdp
+
+    for module in (public_fsdp, private_fsdp):
+        monkeypatch.delattr(module, "FSDPModule", raising=False)
+    name = "torch.distributed._composable.fsdp.FSDPModule"
+    assert _warned_of(name, private_apis.fsdp_module_type) == ()
 
 
 def _no_optimized_module(monkeypatch):
@@ -316,6 +331,7 @@ REMOVED = {
     "torch.distributed.tensor.experimental._context_parallel._attention._distribute_function": (
         _renamed_distribute_function
     ),
+    "torch.distributed._composable.fsdp.FSDPModule": _no_fsdp_module,
     "torch._dynamo.eval_frame.OptimizedModule": _no_optimized_module,
     "torch._dynamo.eval_frame.OptimizedModule._orig_mod": _no_orig_mod,
     "torch.nn.Module._compiled_call_impl": _no_compiled_call_impl,

@@ -33,13 +33,13 @@ def mesh(request):
 
 
 def _forward_shard(mesh) -> RowShard:
-    from torch.distributed.tensor import Shard
+    from tests.parallel_api import Shard
 
     return RowShard(0, 2, ROWS, 0, mesh["tp"], (Shard(0),))
 
 
 def _dtensor(local: torch.Tensor, mesh, placements) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+    from tests.parallel_api import DTensor
 
     shape = (ROWS, IN)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=(IN, 1))
@@ -47,7 +47,7 @@ def _dtensor(local: torch.Tensor, mesh, placements) -> torch.Tensor:
 
 @pytest.mark.parametrize("mesh", [1], indirect=True)
 def test_the_forwards_layout_is_read_in_place(mesh):
-    from torch.distributed.tensor import Shard
+    from tests.parallel_api import Shard
 
     shard = _forward_shard(mesh)
     local = torch.arange(8 * IN, dtype=torch.float32).view(8, IN)
@@ -60,12 +60,12 @@ def test_the_forwards_layout_is_read_in_place(mesh):
 def test_fsdp2_over_tensor_parallelism_on_one_data_parallel_rank_is_read_in_place(mesh):
     """FSDP2's parameter on the 1 x 2 mesh: its local shard is the rows the forward computes
     with, so they are read, and written, in place (no gathered copy)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from tests.parallel_api import Shard, StridedShard
 
     shard = _forward_shard(mesh)
     local = torch.arange(8 * IN, dtype=torch.float32).view(8, IN)
-    for dp_placement in (Shard(0), _StridedShard(0, split_factor=2)):
+    strided = [] if StridedShard is None else [StridedShard(0, split_factor=2)]
+    for dp_placement in (Shard(0), *strided):
         weight = _dtensor(local, mesh, (dp_placement, Shard(0)))
         assert shard.in_place(weight), dp_placement
         assert shard.local(weight).data_ptr() == local.data_ptr()
@@ -73,7 +73,7 @@ def test_fsdp2_over_tensor_parallelism_on_one_data_parallel_rank_is_read_in_plac
 
 @pytest.mark.parametrize("mesh", [2], indirect=True)
 def test_a_data_parallel_dim_that_splits_the_rows_is_not_in_place(mesh):
-    from torch.distributed.tensor import Replicate, Shard
+    from tests.parallel_api import Replicate, Shard
 
     shard = _forward_shard(mesh)
     split = _dtensor(torch.zeros(4, IN), mesh, (Shard(0), Shard(0)))
@@ -84,7 +84,7 @@ def test_a_data_parallel_dim_that_splits_the_rows_is_not_in_place(mesh):
 
 @pytest.mark.parametrize("mesh", [1], indirect=True)
 def test_another_layout_is_not_in_place(mesh):
-    from torch.distributed.tensor import Replicate, Shard
+    from tests.parallel_api import Replicate, Shard
 
     shard = _forward_shard(mesh)
     assert not shard.in_place(torch.zeros(ROWS, IN))  # a plain tensor
@@ -110,7 +110,7 @@ def _head_shards(mesh) -> HeadShards:
 
 @pytest.mark.parametrize("mesh", [1], indirect=True)
 def test_qk_clip_scales_the_local_rows_of_fsdp2_over_tensor_parallelism(mesh):
-    from torch.distributed.tensor import Shard
+    from tests.parallel_api import Shard
 
     q_local, k_local = torch.ones(8, IN), torch.ones(8, IN)
     module = _Attention(*(_dtensor(t, mesh, (Shard(0), Shard(0))) for t in (q_local, k_local)))
@@ -122,7 +122,7 @@ def test_qk_clip_scales_the_local_rows_of_fsdp2_over_tensor_parallelism(mesh):
 
 @pytest.mark.parametrize("mesh", [2], indirect=True)
 def test_rows_split_over_data_parallel_ranks_are_refused_by_name(mesh):
-    from torch.distributed.tensor import Shard
+    from tests.parallel_api import Shard
 
     halves = [_dtensor(torch.ones(4, IN), mesh, (Shard(0), Shard(0))) for _ in range(2)]
     with pytest.raises(ValueError, match=r"shard of 'q_proj' is not the rows it computes with"):
@@ -158,11 +158,11 @@ def test_tensor_parallel_ranks_tells_tensor_parallelism_from_fsdp2(how):
 
             parallelize_module(block, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
         elif how == "fsdp2_around":
-            from torch.distributed.fsdp import fully_shard
+            from tests.parallel_api import fully_shard
 
             fully_shard(block, mesh=mesh)
         elif how == "fsdp2_on_it":
-            from torch.distributed.fsdp import fully_shard
+            from tests.parallel_api import fully_shard
 
             fully_shard(block[0], mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -176,9 +176,8 @@ def test_a_dtensor_is_whole_locally_only_where_this_rank_holds_all_of_it(mesh):
     """``local_whole``: the local shard itself (no copy) of a DTensor sharded over a mesh dim of
     one rank or replicated; None where this rank holds part of it, for a partial sum, and for a
     plain tensor."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
     from qkmonitor.measures.sharding import local_whole
+    from tests.parallel_api import DTensor, Partial, Replicate, Shard
 
     whole = torch.arange(ROWS * IN, dtype=torch.float32).view(ROWS, IN)
     on_one = DTensor.from_local(whole, mesh["dp"], (Shard(0),), run_check=False)
@@ -225,7 +224,12 @@ def _update_metrics(mesh=None) -> dict[str, torch.Tensor]:
         )
 
         plan = {f"0.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
-        parallelize_module(model, mesh, plan | {"0.o_proj": RowwiseParallel()})
+        try:
+            parallelize_module(model, mesh, plan | {"0.o_proj": RowwiseParallel()})
+        except RuntimeError as err:  # torch 2.4 - 2.8: TP on the innermost mesh dim only
+            if "innermost" not in str(err):
+                raise
+            pytest.skip(f"torch {torch.__version__} refuses this mesh itself: {err}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     spectrum = QKSpectrum(per_head=True, update_spectrum=True)
     monitoring = Monitoring(model, [spectrum], every_n_steps=1, optimizer=optimizer)

@@ -22,7 +22,8 @@ def one_process_group(tmp_path):
 
 def test_spectrum_of_dtensor_weights_equals_that_of_the_full_weights(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.parallel_api import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
     gen = torch.Generator().manual_seed(0)
@@ -54,9 +55,9 @@ def test_full_parameters_is_a_no_op_without_fsdp():
 
 def test_qk_clip_writes_a_dtensors_rows_through_its_local_shard(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from qkmonitor.attention.clip import ProjectionRows, local_rows
+    from tests.parallel_api import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
     weight = torch.arange(12.0).view(4, 3)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from qkmonitor.measures import metrics, sharding
 from qkmonitor.measures.sharding import HeadPlacement
+from tests.parallel_api import FAKE_GROUP_QUIET, needs_torch
 
 
 @pytest.mark.parametrize("n", [40, 100, 150, 400])
@@ -143,6 +144,7 @@ def test_the_dtensor_reference_holds_its_heads_whole_on_a_mesh_of_one_rank(bench
     on a mesh of this rank alone (each whole on it), computing what the plain reference does."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    needs_torch("2.9", FAKE_GROUP_QUIET)
     one_rank = benchmark_module("tensor_parallel_one_rank")
     size = one_rank.Size(
         layers=2, d_model=64, heads=4, head_dim=16, hidden=128, seq_len=12, batch=3

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkmonitor.engine import AttentionEntropy, EffectiveRank, Monitoring, QKSpectrum
+from tests.parallel_api import FAKE_GROUP_QUIET, needs_torch
 
 
 @pytest.fixture
@@ -42,6 +43,7 @@ def copies(benchmark_module, fake_group):
     """``copies(split)``: a fresh copy of ``benchmarks/tensor_parallel.py``'s model at a small
     size, seeded alike: under TP (``split``: 4 heads, 2 on this rank) or the reference the bound
     names (its 2 heads, half the MLP, unsplit), and a batch for it."""
+    needs_torch("2.9", FAKE_GROUP_QUIET)
     bench = benchmark_module("tensor_parallel")
     size = bench.Size(layers=2, d_model=32, heads=4, head_dim=8, hidden=64, seq_len=6, batch=2)
 
