@@ -214,17 +214,11 @@ def _attention(
         key_padding_mask = key_padding_mask.to(torch.bool)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     use_triton = _choose_backend(backend, q)
-    if use_triton:
-        from qkmonitor.kernels._triton import triton_attention
-
-        run = triton_attention
-    else:
-        run = functools.partial(torch_attention, output=output)
     options = AttentionOptions(
         bool(causal), key_padding_mask, scale, bool(return_stats), int(sink_tokens), pv_rounding
     )
-    with autocast_off(q.device.type):  # the kernels pick their own precision (float32 sums)
-        out, raw = run(q, k, v, options)
+    run = _run_kernel if _DYNAMO_TRACES_KERNELS else _kernel_outside_dynamo()
+    out, raw = run(use_triton, q, k, v, options, output)
     if not return_stats:
         return out
     lse, entropy, max_prob, max_logit, sink_mass = raw
@@ -239,6 +233,30 @@ def _attention(
         device=q.device,
     )
     return out, AttentionStats(lse, entropy, max_prob, max_logit, attended, sink_mass)
+
+
+def _run_kernel(use_triton: bool, q, k, v, options: AttentionOptions, output: bool):
+    """The chosen backend's forward, autocast off: the kernels pick their own precision."""
+    with autocast_off(q.device.type):
+        if use_triton:
+            from qkmonitor.kernels._triton import triton_attention
+
+            return triton_attention(q, k, v, options)
+        return torch_attention(q, k, v, options, output=output)
+
+
+#: Whether torch.compile traces the kernels' autograd functions: dynamo before torch 2.8 fails
+#: inside the torch backend's ``BlockwiseAttention.apply`` (torch 2.4: an internal error, "'NoneType'
+#: object has no attribute 'node'", on the bundled model with the QK clip); there the kernel
+#: call runs eagerly, a graph break at one function of fixed identity.
+_DYNAMO_TRACES_KERNELS = torch.__version__ >= "2.8"
+
+
+@functools.cache
+def _kernel_outside_dynamo():
+    """:func:`_run_kernel` behind ``torch.compiler.disable``, made when first needed (importing
+    dynamo imports triton, which ``import qkmonitor`` must not)."""
+    return torch.compiler.disable(_run_kernel)
 
 
 def _autocast_inputs(q, k, v):

@@ -109,6 +109,7 @@ def _token_model(build):
 def _flex_model():
     """Two blocks of ``flex_attention`` with a score_mod and a block mask, on float inputs
     (flex_attention has no backward on CPU: forward only)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")  # torch 2.5 on
     kernels = pytest.importorskip("tests.core.test_other_kernels")
     torch.manual_seed(0)
     block = partial(kernels.FlexAttention, kernels.soft_cap, kernels.causal_window)

@@ -262,7 +262,8 @@ def test_a_probed_model_is_freed_with_its_last_reference(mesh, seen):
 def test_a_tensor_parallel_probe_leaves_no_reference_cycle_of_its_own(mesh):
     """The wrappers, channels and captures of a TP probe (entropy and spectrum) are freed by
     reference counting: nothing of qkmonitor's and no tensor in the cycles a step leaves (DTensor's
-    own forward leaves torch's pytree helpers in cycles at every step: not counted)."""
+    own forward leaves torch's pytree helpers in cycles at every step on torch 2.13, not 2.4: not
+    counted)."""
     from qkmonitor.engine import QKSpectrum
     from tests.core.test_no_cycles import collector_off, ours, unreachable_after
 
@@ -275,11 +276,13 @@ def test_a_tensor_parallel_probe_leaves_no_reference_cycle_of_its_own(mesh):
     def step():
         with monitoring.step(next(steps)):
             model(x).sum().backward()
+        control = []  # a cycle of the test's own, that the census must count
+        control.append(control)
 
     with collector_off(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fake all_gather leaves rank 1's heads unfilled
         step()  # the first probe's discovery apart
         for _ in range(2):
             found = unreachable_after(step)
-            assert found and ours(found) == {}, found  # found: torch's own, so the count works
+            assert found["builtins.list"] >= 1 and ours(found) == {}, found
     monitoring.close()
