@@ -245,10 +245,10 @@ def _run_kernel(use_triton: bool, q, k, v, options: AttentionOptions, output: bo
         return torch_attention(q, k, v, options, output=output)
 
 
-#: Whether torch.compile traces the kernels' autograd functions: dynamo before torch 2.8 fails
-#: inside the torch backend's ``BlockwiseAttention.apply`` (torch 2.4: an internal error, "'NoneType'
-#: object has no attribute 'node'", on the bundled model with the QK clip); there the kernel
-#: call runs eagerly, a graph break at one function of fixed identity.
+#: Whether torch.compile traces the kernels' autograd functions. Dynamo of torch 2.4 fails inside
+#: the torch backend's ``BlockwiseAttention.apply`` (an internal error, "'NoneType' object has no
+#: attribute 'node'", on the bundled model with the QK clip); 2.8 traces it. Before 2.8 the
+#: kernel call runs eagerly: a graph break at one function of fixed identity.
 _DYNAMO_TRACES_KERNELS = torch.__version__ >= "2.8"
 
 
