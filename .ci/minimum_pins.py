@@ -3,10 +3,10 @@
 Reads ``[project] dependencies`` and every ``[project.optional-dependencies]`` extra; each must
 declare ``name>=version`` (a dependency without a lower bound is an error: the bound would be
 whatever pip happens to pick). ``qkmonitor[...]`` self-references are skipped. ``--torch VERSION``
-replaces torch's pin (CI has one CPU build of torch on disk; docs/requirements.md says which
-versions were checked by hand).
+replaces torch's pin (to try another torch with every other dependency at its minimum, as
+docs/requirements.md's figures for torch 2.8 were taken); ``.ci/minimums`` uses the floor itself.
 
-Usage: ``python3 .ci/minimum_pins.py [--torch 2.13.0] > constraints.txt``
+Usage: ``python3 .ci/minimum_pins.py [--torch 2.8.0] > constraints.txt``
 """
 
 from __future__ import annotations

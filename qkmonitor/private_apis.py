@@ -12,7 +12,7 @@ says what qkmonitor leans on, and what it does where a release lacks it:
   layer has no statistics) naming the API, never an ``AttributeError`` deep in a probe.
 
 :data:`PRIVATE_APIS` lists them all, each with the releases it was checked on: those the test
-suite ran on (CI's latest and minimum runs, and torch 2.4.0 by hand: docs/requirements.md). The
+suite runs on (CI's latest and its minimums, torch 2.4.0 among them: docs/requirements.md). The
 tests check each name on the installed release, and each accessor with the name removed.
 
 Adding a name: an accessor here (what it is, why qkmonitor needs it, what happens without it), an
