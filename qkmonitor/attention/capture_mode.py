@@ -35,13 +35,15 @@ class Interceptor(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        call = self.call
+        if call.in_kernel:  # inside an attention kernel already seen (flex_attention: torch
+            return func(*args, **kwargs)  # 2.8's dynamo traces it, and this mode, but not `in`)
         try:  # most calls of a forward are none the capture reads (under tensor parallelism,
             read = func in _READ  # DTensor's own): one set lookup passes them on
         except TypeError:  # an unhashable callable: not one of those
             read = False
-        call = self.call
-        if not read or in_side_computation() or call.in_kernel:  # qkmonitor's own computation,
-            return func(*args, **kwargs)  # or inside an attention kernel already seen (flex)
+        if not read or in_side_computation():  # or qkmonitor's own computation
+            return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention or func is TORCH_SDPA:  # the 2nd: under CP
             call.on_sdpa(args, kwargs)
         elif func in _SOFTMAX:

@@ -125,6 +125,20 @@ def _families():
     }, x
 
 
+def _inputs_as_they_are(*args, **kwargs):
+    """context_parallel's input conversion, left out: torch 2.8 calls it as ``(mesh, *args,
+    **kwargs)``, torch 2.13 as ``(module, args, kwargs, mesh)``; both take ``(args, kwargs)``."""
+    if isinstance(args[0], _Mesh):
+        return args[1:], kwargs
+    return args[1], args[2]
+
+
+def _output_as_it_is(*args):
+    """Its output conversion, left out: ``(mesh, output)`` (2.8) or ``(module, inputs, output,
+    mesh)`` (2.13)."""
+    return args[1] if isinstance(args[0], _Mesh) else args[2]
+
+
 def test_every_family_refuses_its_calls_while_torch_context_parallel_is_in_place():
     try:
         from torch.distributed.tensor.experimental._context_parallel import _attention
@@ -139,13 +153,7 @@ def test_every_family_refuses_its_calls_while_torch_context_parallel_is_in_place
     families, x = _families()
     tokens = torch.randint(0, 16, (2, 6))
     # torch's own wrapper, its conversions left out: what the families see of it is its presence
-    distribute(
-        F.scaled_dot_product_attention,
-        F,
-        _Mesh(2),
-        lambda m, a, k, mesh: (a, k),
-        lambda m, i, o, mesh: o,
-    )
+    distribute(F.scaled_dot_product_attention, F, _Mesh(2), _inputs_as_they_are, _output_as_it_is)
     try:
         for name, (model, run) in families.items():
             layer = find_attention_layers(model)[0]
