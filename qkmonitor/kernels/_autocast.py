@@ -43,8 +43,8 @@ def _entered_together(contexts: list[contextlib.AbstractContextManager]) -> Iter
 
 def autocast_available(device_type: str) -> bool:
     """``torch.amp.is_autocast_available(device_type)``, read from a table made at import for the
-    usual device types: torch.compile before torch 2.6 cannot trace the call (a graph break in
-    every compiled attention, and a resumed frame compiled anew at each step after it)."""
+    usual device types: the dynamo of torch 2.4 and 2.8 cannot trace the call (2.13's can): a
+    graph break in every compiled attention, and a resumed frame compiled anew at each step."""
     known = _AUTOCAST_AVAILABLE.get(device_type)
     return torch.amp.is_autocast_available(device_type) if known is None else known
 

@@ -215,7 +215,7 @@ def test_a_failing_autocast_or_compiled_probe_leaves_no_reference_cycle(how):
         warnings.simplefilter("ignore")  # the failed step's warning; the logit floor's
         for _ in range(3):  # first-steps work apart: discovery; dynamo's (re)compilations
             probed()
-        # The step's own leftovers: none from torch 2.9 on; before, a CUDA build of torch on a
+        # The step's own leftovers: none on torch 2.13; on 2.4 and 2.8 a CUDA build of torch on a
         # machine without a GPU leaves NVML's ctypes function types at each torch.autocast(...).
         # (Unprobed, the compiled model would recompile: its step is held to none at all.)
         own = Counter() if how == "torch.compile" else unreachable_after(run)
